@@ -1,0 +1,20 @@
+"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request."""
+
+from .aio import AsyncKVPushClient, AsyncWorker
+from .client import KVPushClient, Worker
+from .shm import SharedBuffer
+from .types import (
+    Completion,
+    CompletionKind,
+    CudaMemory,
+    DaemonUnavailable,
+    KVPushError,
+    Region,
+    Role,
+    ShmMemory,
+)
+
+__all__ = [
+    "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
+    "KVPushClient", "KVPushError", "Region", "Role", "SharedBuffer", "ShmMemory", "Worker",
+]

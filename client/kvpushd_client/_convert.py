@@ -1,0 +1,55 @@
+"""Client types <-> protobuf messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from .proto.v1 import common_pb2, worker_pb2
+from .types import (
+    Completion,
+    CompletionKind,
+    CudaMemory,
+    DaemonUnavailable,
+    KVPushError,
+    Memory,
+    Region,
+    Role,
+    ShmMemory,
+)
+
+
+def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
+                   regions: Sequence[Region], pp_rank: int, description: str) -> worker_pb2.AttachRequest:
+    mem = []
+    for m in memory:
+        if isinstance(m, ShmMemory):
+            mem.append(common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=m.name, size=m.size)))
+        elif isinstance(m, CudaMemory):
+            mem.append(common_pb2.MemoryHandle(cuda_ipc=common_pb2.CudaIpcHandle(
+                gpu_uuid=m.gpu_uuid, ipc_handle=m.ipc_handle, size=m.size, storage_offset=m.storage_offset,
+                ref_counter_handle=m.ref_counter_handle, ref_counter_offset=m.ref_counter_offset,
+                event_handle=m.event_handle, event_sync_required=m.event_sync_required)))
+        else:
+            raise TypeError(f"memory must be ShmMemory or CudaMemory, got {type(m).__name__}")
+    regs = [common_pb2.Region(memory_index=r.memory_index, offset=r.offset, num_blocks=r.num_blocks,
+                              block_len=r.block_len, block_stride=r.block_stride or r.block_len)
+            for r in regions]
+    return worker_pb2.AttachRequest(engine_id=engine_id, role=common_pb2.Role.ValueType(int(role)),
+                                    tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, memory=mem,
+                                    regions=regs, description=description)
+
+
+def completion(c: worker_pb2.Completion) -> Completion:
+    code = common_pb2.FailureCode.Name(c.code).removeprefix("FAILURE_") if c.code else ""
+    return Completion(CompletionKind(c.kind), c.transfer_id, code, c.reason, tuple(c.block_ids))
+
+
+def error(e: grpc.RpcError) -> KVPushError:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    name = code.name if code is not None else "UNKNOWN"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return DaemonUnavailable(name, details or "")
+    return KVPushError(name, details or "")

@@ -1,0 +1,164 @@
+"""Synchronous client of a kvpushd daemon (worker API on its unix socket).
+
+    client = KVPushClient("/run/kvpushd/worker.sock")
+    w = client.attach("prefill-0", Role.PRODUCER, tp_rank=0, tp_size=1, memory=[...], regions=[...])
+    w.publish("req-1", [3, 4, 5])          # one unary call, never waits on a transfer
+    for c in w.completions():             # non-blocking: what the session stream has delivered
+        ...
+
+The session stream is read by a background thread into a local queue, so ``completions()`` costs
+no RPC at all; the stream's end is how the daemon learns that this worker is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from . import _convert
+from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
+from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
+
+
+class KVPushClient:
+    """A connection to one daemon. Thread-safe; one per process is enough."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self.status_stub = status_pb2_grpc.StatusServiceStub(self.channel)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the daemon answers (it may still be starting)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.status()
+                return
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def status(self) -> status_pb2.NodeStatus:
+        try:
+            return self.status_stub.GetStatus(status_pb2.GetStatusRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _convert.error(e) from None
+
+    def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
+               regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> Worker:
+        """Hand the daemon this worker's KV memory, once; returns the worker handle."""
+        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description)
+        try:
+            resp = self.stub.Attach(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _convert.error(e) from None
+        return Worker(self, resp.worker_id, resp.node_id, resp.peer_address)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> KVPushClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Worker:
+    """An attached worker: per-request calls and its completions."""
+
+    def __init__(self, client: KVPushClient, worker_id: str, node_id: str, peer_address: str) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.peer_address = peer_address  # what decode engines use as remote_host:remote_port
+        self._queue: collections.deque[Completion] = collections.deque()
+        self._cond = threading.Condition()
+        self.session_error: KVPushError | None = None
+        self._closed = False
+        self._stream = client.stub.Session(worker_pb2.SessionRequest(worker_id=worker_id))
+        self._reader = threading.Thread(target=self._read, name=f"kvpushd-session-{worker_id}", daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        """False once the session stream ended (daemon gone or restarted): re-attach then."""
+        return self.session_error is None and not self._closed
+
+    def _read(self) -> None:
+        try:
+            for msg in self._stream:
+                c = _convert.completion(msg)
+                with self._cond:
+                    self._queue.append(c)
+                    self._cond.notify_all()
+            err: KVPushError = DaemonUnavailable("UNAVAILABLE", "session ended by the daemon")
+        except grpc.RpcError as e:
+            err = _convert.error(e)
+        with self._cond:
+            if not self._closed:
+                self.session_error = err
+            self._cond.notify_all()
+
+    def _unary(self, method: str, req: object) -> object:
+        try:
+            return getattr(self.client.stub, method)(req, timeout=self.client.timeout_s)
+        except grpc.RpcError as e:
+            raise _convert.error(e) from None
+
+    def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
+               producer_engine_id: str, producer_tp_size: int) -> None:
+        """Decode side: destination blocks, as soon as they are allocated."""
+        self._unary("Expect", worker_pb2.ExpectRequest(
+            worker_id=self.worker_id, transfer_id=transfer_id, block_ids=list(block_ids),
+            producer_address=producer_address, producer_engine_id=producer_engine_id,
+            producer_tp_size=producer_tp_size))
+
+    def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
+        """Prefill side: the source blocks are complete."""
+        self._unary("Publish", worker_pb2.PublishRequest(worker_id=self.worker_id, transfer_id=transfer_id,
+                                                         block_ids=list(block_ids)))
+
+    def abort(self, transfer_id: str) -> bool:
+        resp = self._unary("Abort", worker_pb2.AbortRequest(worker_id=self.worker_id, transfer_id=transfer_id))
+        assert isinstance(resp, worker_pb2.AbortResponse)
+        return resp.found
+
+    def completions(self) -> list[Completion]:
+        """Everything delivered so far, without waiting (no RPC)."""
+        with self._cond:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def next_completion(self, timeout_s: float | None = None) -> Completion | None:
+        """Wait for one completion (for tools and tests; engines use completions())."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
+                return None
+            if self._queue:
+                return self._queue.popleft()
+            assert self.session_error is not None
+            raise self.session_error
+
+    def detach(self) -> None:
+        """Fail what is pending for this worker, release its memory in the daemon. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._unary("Detach", worker_pb2.DetachRequest(worker_id=self.worker_id))
+        except KVPushError as e:
+            if e.code not in ("NOT_FOUND", "UNAVAILABLE"):
+                raise
+        finally:
+            self._stream.cancel()
+            self._reader.join(timeout=5)

@@ -1,0 +1,80 @@
+"""Plain types of the client API (no protobuf in the caller's hands)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Role(enum.IntEnum):
+    PRODUCER = 1  # prefill
+    CONSUMER = 2  # decode
+    BOTH = 3
+
+
+class CompletionKind(enum.IntEnum):
+    FINISHED_SENDING = 1
+    FINISHED_RECEIVING = 2
+    FAILED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ShmMemory:
+    """A POSIX shared memory object (/dev/shm/<name>) holding KV blocks."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMemory:
+    """A CUDA allocation shared by IPC handle; see kvpushd_client.memory.cuda_memory()."""
+
+    gpu_uuid: str
+    ipc_handle: bytes
+    size: int
+    storage_offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+Memory = ShmMemory | CudaMemory
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One KV region (e.g. layer 3's K cache): block b at offset + b * block_stride."""
+
+    memory_index: int
+    offset: int
+    num_blocks: int
+    block_len: int
+    block_stride: int = 0  # 0: same as block_len (blocks packed back to back)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    kind: CompletionKind
+    transfer_id: str
+    code: str = ""        # FailureCode name without prefix, e.g. "TIMEOUT", for FAILED
+    reason: str = ""
+    block_ids: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is not CompletionKind.FAILED
+
+
+class KVPushError(Exception):
+    """A daemon call failed; ``code`` is the gRPC status name (e.g. "INVALID_ARGUMENT")."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DaemonUnavailable(KVPushError):
+    """The daemon cannot be reached (not running, restarting, wrong socket)."""

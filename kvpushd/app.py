@@ -1,0 +1,126 @@
+"""Composition root and lifecycle: start, READY, signals, drain, stop.
+
+Order matters: NIXL is probed and both sockets listen before READY=1 is sent. The first
+SIGTERM/SIGINT drains (no new transfers, in-flight WRITEs finish, memory deregistered and
+unmapped); a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+from pathlib import Path
+
+import grpc
+import structlog
+from kvpushd_client.proto.v1 import peer_pb2_grpc, status_pb2_grpc, worker_pb2_grpc
+
+from .config import Config
+from .core.errors import FailedPrecondition
+from .node import Node
+from .rpc.peer import PeerServicer
+from .rpc.status import StatusServicer
+from .rpc.worker import WorkerServicer
+from .systemd import SdNotifier
+
+log = structlog.get_logger(__name__)
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.node = Node(cfg)
+        self.notifier = SdNotifier.from_env()
+        self.local_server: grpc.aio.Server | None = None
+        self.peer_server: grpc.aio.Server | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.node.start(asyncio.get_running_loop())
+        opts = [("grpc.max_receive_message_length", cfg.peer_api.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.peer_api.max_message_bytes)]
+        sock = Path(cfg.socket_path)
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        if sock.exists() or sock.is_symlink():
+            if not stat.S_ISSOCK(sock.lstat().st_mode):
+                raise FailedPrecondition(f"{sock} exists and is not a socket")
+            sock.unlink()  # a stale socket from a previous run
+        self.local_server = grpc.aio.server(options=opts)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.node), self.local_server)
+        status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node), self.local_server)
+        old = os.umask(0o177)  # the socket is born private, then opened up to the group below
+        try:
+            self.local_server.add_insecure_port(f"unix:{sock}")
+        finally:
+            os.umask(old)
+        self.peer_server = grpc.aio.server(options=opts + [
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000)])
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
+        host, port = cfg.listen_host_port
+        bound = self.peer_server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
+        if bound == 0:
+            raise FailedPrecondition(f"cannot listen on {cfg.peer_api.listen}")
+        if port == 0:  # an ephemeral port (tests): advertise the one we got
+            self.node.peer_address = f"{cfg.advertise_host}:{bound}"
+        await self.local_server.start()
+        await self.peer_server.start()
+        os.chmod(sock, cfg.worker_api.socket_mode)
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self.node.tick_forever()))
+        self._tasks.append(loop.create_task(self.notifier.run_watchdog()))
+        log.info("kvpushd ready", node_id=self.node.node_id, socket=str(sock), peer_address=self.node.peer_address,
+                 backends=list(cfg.transfer.backends), pid=os.getpid())
+        self.notifier.ready(f"serving on {sock} and {self.node.peer_address}")
+
+    async def run(self) -> None:
+        """Start, serve until a signal, then drain and stop."""
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal(signum: int) -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                log.info("signal received: draining", signal=signal.Signals(signum).name)
+                self._stop.set()
+            else:
+                log.warning("second signal: exiting now")
+                os._exit(1)
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(s, on_signal, s)
+        try:
+            await self.start()
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, drain, deregister, close. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.notifier.stopping()
+        # Peers first: no new registrations; the local socket stays up so workers see completions.
+        self.node.draining = True
+        if self.peer_server is not None:
+            await self.peer_server.stop(grace=1.0)
+        await self.node.drain(self.cfg.transfer.drain_timeout_s)
+        for t in self._tasks:
+            t.cancel()
+        if self.local_server is not None:
+            await self.local_server.stop(grace=1.0)
+        try:
+            Path(self.cfg.socket_path).unlink()
+        except FileNotFoundError:
+            pass
+        self.notifier.close()
+        log.info("kvpushd stopped")

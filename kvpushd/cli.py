@@ -1,0 +1,70 @@
+"""Console scripts: ``kvpushd`` (serve, demo, version) and ``kvpushctl`` (inspection)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+
+from . import __version__
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from . import config, log
+    from .app import Daemon
+    from .core.errors import KvpushdError
+
+    try:
+        cfg = config.load(args.config)
+        if args.socket or args.listen or args.node_id:
+            cfg = dataclasses.replace(
+                cfg,
+                worker_api=dataclasses.replace(cfg.worker_api, socket=args.socket or cfg.worker_api.socket),
+                peer_api=dataclasses.replace(cfg.peer_api, listen=args.listen or cfg.peer_api.listen),
+                node=dataclasses.replace(cfg.node, node_id=args.node_id or cfg.node.node_id),
+            )
+            config.validate(cfg)
+    except KvpushdError as e:
+        print(f"kvpushd: {e}", file=sys.stderr)
+        return 2
+    log.setup(cfg.log.level, cfg.log.format)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    try:
+        runner(Daemon(cfg).run())
+    except KvpushdError as e:
+        print(f"kvpushd: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpushd", description="KV-cache push sidecar for disaggregated LLM serving")
+    ap.add_argument("--version", action="version", version=f"kvpushd {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--config", help="TOML config file (every key has a default)")
+    s.add_argument("--socket", help="override worker_api.socket")
+    s.add_argument("--listen", help="override peer_api.listen (host:port)")
+    s.add_argument("--node-id", help="override node.node_id")
+    d = sub.add_parser("demo", help="local prefill/decode demo: two daemons, two workers, real NIXL WRITEs")
+    from .demo import add_args
+
+    add_args(d)
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        return _serve(args)
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def ctl_main(argv: list[str] | None = None) -> int:
+    from .ctl import main as ctl
+
+    return ctl(argv)

@@ -1,0 +1,190 @@
+"""Configuration: a TOML file whose every key has a default, validated once at load.
+
+``kvpushd serve`` with no file starts a usable daemon; systemd/kvpushd.toml documents every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .core.errors import InvalidArgument
+
+
+def default_socket_path() -> str:
+    """/run/kvpushd when we may write there (root or systemd's RuntimeDirectory), else per user."""
+    run = Path("/run/kvpushd")
+    if run.is_dir() and os.access(run, os.W_OK) or os.geteuid() == 0:
+        return str(run / "worker.sock")
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvpushd-{os.getuid()}"
+    return str(Path(base) / "kvpushd" / "worker.sock")
+
+
+def default_advertise_host() -> str:
+    """The first non-loopback IPv4 address of this host, else 127.0.0.1."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        infos = []
+    for info in infos:
+        addr = str(info[4][0])
+        if not addr.startswith("127."):
+            return addr
+    return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str = ""
+    advertise_host: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerApiConfig:
+    socket: str = ""
+    socket_mode: int = 0o660
+    max_workers: int = 256
+    max_blocks_per_request: int = 1 << 20
+    session_grace_s: float = 30.0  # an attached worker that never opens its session is reaped
+
+
+@dataclass(frozen=True)
+class PeerApiConfig:
+    listen: str = "0.0.0.0:7700"
+    connect_timeout_s: float = 5.0
+    rpc_timeout_s: float = 10.0
+    max_message_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backends: tuple[str, ...] = ("UCX",)
+    publish_timeout_s: float = 120.0
+    expect_timeout_s: float = 120.0
+    poll_interval_s: float = 0.0002
+    nixl_threads: int = 0
+    max_pending: int = 100_000
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    worker_api: WorkerApiConfig = field(default_factory=WorkerApiConfig)
+    peer_api: PeerApiConfig = field(default_factory=PeerApiConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id or socket.gethostname()
+
+    @property
+    def socket_path(self) -> str:
+        return self.worker_api.socket or default_socket_path()
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.peer_api.listen)
+
+    @property
+    def advertise_host(self) -> str:
+        if self.node.advertise_host:
+            return self.node.advertise_host
+        host = self.listen_host_port[0]
+        return host if host not in ("", "0.0.0.0", "::", "[::]") else default_advertise_host()
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidArgument(f"address {addr!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "node": NodeConfig, "worker_api": WorkerApiConfig, "peer_api": PeerApiConfig,
+    "transfer": TransferConfig, "log": LogConfig,
+}
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a Config; unknown sections and keys are errors (typos fail loudly)."""
+    sections: dict[str, Any] = {}
+    for name, value in data.items():
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            raise InvalidArgument(f"config: unknown section [{name}]; known: {sorted(_SECTIONS)}")
+        if not isinstance(value, dict):
+            raise InvalidArgument(f"config: [{name}] must be a table")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, v in value.items():
+            f = fields.get(key)
+            if f is None:
+                raise InvalidArgument(f"config: unknown key {name}.{key}; known: {sorted(fields)}")
+            kwargs[key] = _coerce(f"{name}.{key}", f.default, v)
+        sections[name] = cls(**kwargs)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def _coerce(where: str, default: Any, v: Any) -> Any:
+    if isinstance(default, tuple):
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise InvalidArgument(f"config: {where} must be a list of strings")
+        return tuple(v)
+    if isinstance(default, bool) or isinstance(default, str):
+        if not isinstance(v, type(default)):
+            raise InvalidArgument(f"config: {where} must be a {type(default).__name__}")
+        return v
+    if isinstance(default, float):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise InvalidArgument(f"config: {where} must be a number")
+        return float(v)
+    if isinstance(default, int):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidArgument(f"config: {where} must be an integer")
+        return v
+    return v
+
+
+def validate(cfg: Config) -> None:
+    split_host_port(cfg.peer_api.listen)
+    t = cfg.transfer
+    if not t.backends:
+        raise InvalidArgument("config: transfer.backends must name at least one NIXL backend")
+    for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s"):
+        if getattr(t, name) <= 0:
+            raise InvalidArgument(f"config: transfer.{name} must be positive")
+    if not 0 <= cfg.worker_api.socket_mode <= 0o777:
+        raise InvalidArgument("config: worker_api.socket_mode must be permission bits (0..511)")
+    if cfg.log.level.lower() not in ("debug", "info", "warning", "error"):
+        raise InvalidArgument("config: log.level must be debug, info, warning or error")
+    if cfg.log.format not in ("auto", "json", "console"):
+        raise InvalidArgument("config: log.format must be auto, json or console")
+
+
+def load(path: str | None) -> Config:
+    if path is None:
+        return Config()
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise InvalidArgument(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgument(f"config file {path}: {e}") from None
+    return from_dict(data)

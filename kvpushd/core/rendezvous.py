@@ -1,0 +1,738 @@
+"""The push rendezvous, as two pure state machines.
+
+SendSide lives on the prefill node: it matches each producer rank's "prefill done" (publish) with
+the decode side's registrations (forwarded by the decode node's daemon), in either order; the
+second arrival starts the WRITE of one *leg* (producer rank -> one registration).
+RecvSide lives on the decode node: one record per Expect, counting one notification per producer
+rank that writes to it.
+
+Nothing here performs I/O: every event returns a list of actions for the runtime to carry out
+(``StartWrite``, ``Deliver``, ``SendRegister``, ``SendFailNotice``, ``SendWithdraw``), and time is
+an argument. Each side reports its next deadline so the runtime knows when to call ``tick``.
+
+Invariants (checked by the Hypothesis state machine in tests/test_core_stateful.py):
+- every Publish and every Expect ends with exactly one terminal Completion to its worker, unless the
+  worker itself is gone or replaced the Expect;
+- a leg is written at most once;
+- a publish is not reported finished or failed while one of its WRITEs may still be in flight, so
+  the prefill worker never frees blocks that NIXL is still reading.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .errors import AlreadyExists, InvalidArgument
+from .topology import check_tp_pair, consumer_targets, producer_sources
+from .types import Completion, CompletionKind, FailureCode
+
+# --------------------------------------------------------------------------------------------
+# Actions
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A decode worker's destination blocks for one transfer, as the prefill side sees it."""
+
+    registration_id: int
+    origin: str  # the decode daemon's peer key (where failure notices go)
+    transfer_id: str
+    producer_engine_id: str
+    producer_tp_size: int
+    consumer_agent: str
+    consumer_rank: int
+    consumer_tp_size: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartWrite:
+    """Post a NIXL WRITE of ``src_blocks`` into the registration's blocks."""
+
+    leg: LegKey
+    producer_worker: str
+    producer_rank: int
+    producer_tp_size: int
+    src_blocks: tuple[int, ...]
+    registration: Registration
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Hand a completion to a local worker."""
+
+    worker_id: str
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailNotice:
+    """Prefill side -> decode daemon: this registration will not be written."""
+
+    origin: str
+    transfer_id: str
+    registration_id: int
+    code: FailureCode
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendRegister:
+    """Decode side -> prefill daemon: forward a registration."""
+
+    producer_address: str
+    registration_id: int
+    worker_id: str
+    transfer_id: str
+    producer_engine_id: str
+    producer_tp_size: int
+    consumer_rank: int
+    consumer_tp_size: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendWithdraw:
+    """Decode side -> prefill daemon: the registration is withdrawn (abort, timeout, worker gone)."""
+
+    producer_address: str
+    transfer_id: str
+    registration_id: int
+    code: FailureCode
+    reason: str
+
+
+Action = StartWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class LegKey:
+    """One WRITE: a producer rank's blocks into one registration."""
+
+    engine_id: str
+    transfer_id: str
+    producer_rank: int
+    registration_id: int
+
+
+# --------------------------------------------------------------------------------------------
+# Deadlines: a heap with lazy deletion, so tick() costs O(expired log n), not O(pending).
+
+
+class _Deadlines:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+
+    def add(self, when: float, key: object) -> None:
+        heapq.heappush(self._heap, (when, next(self._seq), key))
+
+    def pop_due(self, now: float) -> Iterator[tuple[float, object]]:
+        while self._heap and self._heap[0][0] <= now:
+            when, _, key = heapq.heappop(self._heap)
+            yield when, key
+
+    def next(self, valid: dict[object, float]) -> float | None:
+        """Earliest deadline still valid (``valid[key] == when``); drops stale heap entries."""
+        while self._heap:
+            when, _, key = self._heap[0]
+            if valid.get(key) == when:
+                return when
+            heapq.heappop(self._heap)
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill side
+
+
+class LegState(enum.Enum):
+    POSTED = "posted"
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class _Publish:
+    worker_id: str
+    rank: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    created: float
+    deadline: float
+    legs: dict[int, LegState] = field(default_factory=dict)  # registration id -> state
+    failure: tuple[FailureCode, str] | None = None  # set while posted legs settle
+
+    def posted(self) -> bool:
+        return any(s is LegState.POSTED for s in self.legs.values())
+
+
+@dataclass(slots=True)
+class _SendTransfer:
+    engine_id: str
+    transfer_id: str
+    created: float
+    publishes: dict[int, _Publish] = field(default_factory=dict)  # producer rank -> publish
+    registrations: dict[int, Registration] = field(default_factory=dict)  # consumer rank -> reg
+    # consumer rank -> id of its current registration; outlives the registration once consumed
+    reg_ids: dict[int, int] = field(default_factory=dict)
+    written: dict[int, set[int]] = field(default_factory=dict)  # reg id -> producer ranks done
+    consumer_tp: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendView:
+    """What the status API shows of one prefill-side transfer."""
+
+    engine_id: str
+    transfer_id: str
+    age_s: float
+    published_ranks: tuple[int, ...]
+    registered_ranks: tuple[int, ...]
+    legs_posted: int
+    legs_done: int
+    waiting_for: str
+    workers: tuple[str, ...]
+    num_blocks: int
+
+
+class SendSide:
+    """Prefill-node rendezvous: publishes x registrations -> legs."""
+
+    def __init__(self, publish_timeout_s: float, registration_timeout_s: float) -> None:
+        self.publish_timeout_s = publish_timeout_s
+        self.registration_timeout_s = registration_timeout_s
+        self._transfers: dict[tuple[str, str], _SendTransfer] = {}
+        self._by_reg: dict[tuple[str, int], tuple[str, str]] = {}  # (origin, reg id) -> key
+        self._deadlines = _Deadlines()
+        self._valid: dict[object, float] = {}
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next(self._valid)
+
+    def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
+        t = self._transfers.get((engine_id, transfer_id))
+        return t is not None and rank in t.publishes
+
+    def views(self, now: float) -> list[SendView]:
+        out = []
+        for t in self._transfers.values():
+            legs = [s for p in t.publishes.values() for s in p.legs.values()]
+            posted = sum(s is LegState.POSTED for s in legs)
+            if not t.registrations:
+                waiting = "decode registration"
+            elif not t.publishes:
+                waiting = "prefill publish"
+            elif posted:
+                waiting = f"{posted} WRITE(s) in flight"
+            else:
+                waiting = "matching ranks"
+            out.append(
+                SendView(
+                    engine_id=t.engine_id,
+                    transfer_id=t.transfer_id,
+                    age_s=now - t.created,
+                    published_ranks=tuple(sorted(t.publishes)),
+                    registered_ranks=tuple(sorted(t.registrations)),
+                    legs_posted=posted,
+                    legs_done=sum(s is LegState.DONE for s in legs),
+                    waiting_for=waiting,
+                    workers=tuple(p.worker_id for p in t.publishes.values()),
+                    num_blocks=max((len(p.block_ids) for p in t.publishes.values()), default=0),
+                )
+            )
+        return out
+
+    # -- events -------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        now: float,
+        worker_id: str,
+        engine_id: str,
+        rank: int,
+        tp_size: int,
+        transfer_id: str,
+        block_ids: Iterable[int],
+    ) -> list[Action]:
+        """A producer rank's source blocks are complete."""
+        blocks = tuple(block_ids)
+        if not transfer_id:
+            raise InvalidArgument("transfer_id must not be empty")
+        if not blocks:
+            raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
+        key = (engine_id, transfer_id)
+        t = self._transfers.get(key)
+        if t is None:
+            t = self._transfers[key] = _SendTransfer(engine_id, transfer_id, now)
+        old = t.publishes.get(rank)
+        if old is not None:
+            if old.block_ids == blocks and old.worker_id == worker_id:
+                return []  # a retried Publish: idempotent
+            raise AlreadyExists(
+                f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
+                f"{rank} with other blocks; abort it first"
+            )
+        deadline = now + self.publish_timeout_s
+        t.publishes[rank] = _Publish(worker_id, rank, tp_size, blocks, now, deadline)
+        self._arm(("pub", key, rank), deadline)
+        return self._match(t)
+
+    def register(self, now: float, reg: Registration) -> list[Action]:
+        """The decode side's destination blocks for one consumer rank (forwarded by its daemon)."""
+        check_tp_pair(reg.producer_tp_size, reg.consumer_tp_size)
+        if not reg.block_ids:
+            raise InvalidArgument(f"transfer {reg.transfer_id!r}: block_ids must not be empty")
+        if (reg.origin, reg.registration_id) in self._by_reg:
+            return []  # a retried Register: idempotent
+        key = (reg.producer_engine_id, reg.transfer_id)
+        t = self._transfers.get(key)
+        if t is None:
+            t = self._transfers[key] = _SendTransfer(reg.producer_engine_id, reg.transfer_id, now)
+        actions: list[Action] = []
+        old = t.registrations.get(reg.consumer_rank)
+        if old is not None:
+            # A re-submitted (e.g. preempted and re-allocated) decode request replaces its old
+            # registration; writes already posted into the old blocks settle on their own.
+            actions += self._drop_registration(t, old, None)
+        if t.consumer_tp is not None and t.consumer_tp != reg.consumer_tp_size:
+            raise InvalidArgument(
+                f"transfer {reg.transfer_id!r}: consumer TP size {reg.consumer_tp_size} differs from "
+                f"an earlier registration's {t.consumer_tp}"
+            )
+        t.consumer_tp = reg.consumer_tp_size
+        t.registrations[reg.consumer_rank] = reg
+        t.reg_ids[reg.consumer_rank] = reg.registration_id
+        self._by_reg[(reg.origin, reg.registration_id)] = key
+        deadline = now + self.registration_timeout_s
+        self._arm(("reg", key, reg.consumer_rank), deadline)
+        actions += self._match(t)
+        return actions
+
+    def write_done(self, leg: LegKey, ok: bool, reason: str = "") -> list[Action]:
+        """The runtime reports that a WRITE completed (or failed)."""
+        t = self._transfers.get((leg.engine_id, leg.transfer_id))
+        if t is None:
+            return []
+        pub = t.publishes.get(leg.producer_rank)
+        if pub is None or pub.legs.get(leg.registration_id) is not LegState.POSTED:
+            return []
+        actions: list[Action] = []
+        if ok:
+            pub.legs[leg.registration_id] = LegState.DONE
+            t.written.setdefault(leg.registration_id, set()).add(leg.producer_rank)
+        else:
+            del pub.legs[leg.registration_id]
+            reg = self._reg_by_id(t, leg.registration_id)
+            msg = f"WRITE from producer rank {leg.producer_rank} failed: {reason}"
+            if reg is not None:
+                actions += self._drop_registration(t, reg, (FailureCode.TRANSFER_ERROR, msg))
+            self._fail_publish(t, pub, FailureCode.TRANSFER_ERROR, msg)
+        actions += self._settle(t)
+        return actions
+
+    def withdraw(self, origin: str, transfer_id: str, registration_id: int, code: FailureCode,
+                 reason: str) -> list[Action]:
+        """The decode side gave up on a registration (abort, timeout, worker gone)."""
+        key = self._by_reg.get((origin, registration_id))
+        if key is None:
+            return []
+        t = self._transfers[key]
+        reg = self._reg_by_id(t, registration_id)
+        if reg is None:
+            return []
+        return self._drop_registration(t, reg, None, fail_publishes=(code, f"decode side: {reason}")) + \
+            self._settle(t)
+
+    def abort(self, worker_id: str, engine_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
+        """The prefill engine cancelled the request."""
+        t = self._transfers.get((engine_id, transfer_id))
+        pubs = [p for p in t.publishes.values() if p.worker_id == worker_id] if t else []
+        if t is None or not pubs:
+            return False, []
+        actions: list[Action] = []
+        for pub in pubs:
+            actions += self._fail_targets(t, pub, FailureCode.ABORTED, "aborted by the prefill engine")
+            self._fail_publish(t, pub, FailureCode.ABORTED, "aborted by the engine")
+        return True, actions + self._settle(t)
+
+    def worker_gone(self, worker_id: str) -> list[Action]:
+        """A producer worker's session ended: its publishes die with it (no completion to deliver)."""
+        actions: list[Action] = []
+        for t in list(self._transfers.values()):
+            for pub in [p for p in t.publishes.values() if p.worker_id == worker_id]:
+                actions += self._fail_targets(t, pub, FailureCode.WORKER_GONE, "prefill worker is gone")
+                self._fail_publish(t, pub, FailureCode.WORKER_GONE, "worker is gone")
+            actions += self._settle(t)
+        return [a for a in actions if not (isinstance(a, Deliver) and a.worker_id == worker_id)]
+
+    def origin_lost(self, origin: str, reason: str) -> list[Action]:
+        """A decode daemon is gone (restart or unreachable): its registrations are void."""
+        actions: list[Action] = []
+        for t in list(self._transfers.values()):
+            for reg in [r for r in t.registrations.values() if r.origin == origin]:
+                actions += self._drop_registration(
+                    t, reg, None, fail_publishes=(FailureCode.PEER_UNREACHABLE, reason))
+            actions += self._settle(t)
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        """Expire publishes and registrations whose deadline passed without progress."""
+        actions: list[Action] = []
+        for when, key in self._deadlines.pop_due(now):
+            if self._valid.get(key) != when:
+                continue
+            del self._valid[key]
+            kind, tkey, rank = key  # type: ignore[misc]
+            t = self._transfers.get(tkey)
+            if t is None:
+                continue
+            if kind == "pub":
+                pub = t.publishes.get(rank)
+                if pub is None or pub.failure is not None or self._progressing(t, pub):
+                    continue
+                msg = (f"no decode registration for transfer {t.transfer_id!r} within "
+                       f"{self.publish_timeout_s:g}s of publish")
+                actions += self._fail_targets(t, pub, FailureCode.TIMEOUT, msg)
+                self._fail_publish(t, pub, FailureCode.TIMEOUT, msg)
+            else:
+                reg = t.registrations.get(rank)
+                if reg is None or any(reg.registration_id in p.legs for p in t.publishes.values()):
+                    continue
+                msg = (f"prefill engine {t.engine_id!r} did not publish transfer "
+                       f"{t.transfer_id!r} within {self.registration_timeout_s:g}s")
+                actions += self._drop_registration(t, reg, (FailureCode.TIMEOUT, msg))
+            actions += self._settle(t)
+        return actions
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _arm(self, key: object, when: float) -> None:
+        self._valid[key] = when
+        self._deadlines.add(when, key)
+
+    @staticmethod
+    def _reg_by_id(t: _SendTransfer, registration_id: int) -> Registration | None:
+        for r in t.registrations.values():
+            if r.registration_id == registration_id:
+                return r
+        return None
+
+    def _progressing(self, t: _SendTransfer, pub: _Publish) -> bool:
+        """A publish whose every target is registered has its WRITEs started: no expiry."""
+        if t.consumer_tp is None:
+            return False
+        return all(c in t.reg_ids for c in consumer_targets(pub.rank, pub.tp_size, t.consumer_tp))
+
+    def _match(self, t: _SendTransfer) -> list[Action]:
+        """Start every leg whose publish and registration are both present."""
+        actions: list[Action] = []
+        for pub in list(t.publishes.values()):
+            if pub.failure is not None:
+                continue
+            for reg in list(t.registrations.values()):
+                if reg.registration_id in pub.legs:
+                    continue
+                if reg.consumer_rank not in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
+                    continue
+                problem = self._mismatch(pub, reg)
+                if problem:
+                    actions += self._drop_registration(t, reg, (FailureCode.LAYOUT_MISMATCH, problem))
+                    actions += self._fail_targets(t, pub, FailureCode.LAYOUT_MISMATCH, problem)
+                    self._fail_publish(t, pub, FailureCode.LAYOUT_MISMATCH, problem)
+                    break
+                pub.legs[reg.registration_id] = LegState.POSTED
+                # A partial prefix-cache hit on decode needs only the tail of the prompt's blocks.
+                src = pub.block_ids[len(pub.block_ids) - len(reg.block_ids):]
+                actions.append(
+                    StartWrite(
+                        leg=LegKey(t.engine_id, t.transfer_id, pub.rank, reg.registration_id),
+                        producer_worker=pub.worker_id,
+                        producer_rank=pub.rank,
+                        producer_tp_size=pub.tp_size,
+                        src_blocks=src,
+                        registration=reg,
+                    )
+                )
+        return actions + self._settle(t)
+
+    @staticmethod
+    def _mismatch(pub: _Publish, reg: Registration) -> str:
+        if reg.producer_tp_size != pub.tp_size:
+            return (f"decode side expects producer TP size {reg.producer_tp_size}, "
+                    f"prefill engine runs TP {pub.tp_size}")
+        if len(reg.block_ids) > len(pub.block_ids):
+            return (f"block lists of unequal length: decode expects {len(reg.block_ids)} blocks, "
+                    f"prefill published {len(pub.block_ids)}")
+        return ""
+
+    def _fail_publish(self, t: _SendTransfer, pub: _Publish, code: FailureCode, reason: str) -> None:
+        if pub.failure is None:
+            pub.failure = (code, reason)
+
+    def _fail_targets(self, t: _SendTransfer, pub: _Publish, code: FailureCode, reason: str) -> list[Action]:
+        """Registrations this publish would have written are void: tell their decode daemons."""
+        actions: list[Action] = []
+        for reg in list(t.registrations.values()):
+            if reg.consumer_rank in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
+                actions += self._drop_registration(t, reg, (code, reason))
+        return actions
+
+    def _drop_registration(
+        self,
+        t: _SendTransfer,
+        reg: Registration,
+        notice: tuple[FailureCode, str] | None,
+        fail_publishes: tuple[FailureCode, str] | None = None,
+    ) -> list[Action]:
+        actions: list[Action] = []
+        self._consume(t, reg)
+        if t.reg_ids.get(reg.consumer_rank) == reg.registration_id:
+            del t.reg_ids[reg.consumer_rank]
+        t.written.pop(reg.registration_id, None)
+        if notice is not None:
+            actions.append(SendFailNotice(reg.origin, t.transfer_id, reg.registration_id, *notice))
+        if fail_publishes is not None:
+            for pub in t.publishes.values():
+                if reg.consumer_rank in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
+                    self._fail_publish(t, pub, *fail_publishes)
+        return actions
+
+    def _settle(self, t: _SendTransfer) -> list[Action]:
+        """Report publishes that are finished, or failed with nothing left in flight."""
+        actions: list[Action] = []
+        for rank, pub in list(t.publishes.items()):
+            if pub.failure is not None:
+                if pub.posted():
+                    continue  # wait for in-flight WRITEs before the worker may free its blocks
+                code, reason = pub.failure
+                comp = Completion(CompletionKind.FAILED, t.transfer_id, code, reason, pub.block_ids)
+            else:
+                if t.consumer_tp is None:
+                    continue
+                targets = consumer_targets(pub.rank, pub.tp_size, t.consumer_tp)
+                if not all(
+                    c in t.reg_ids and pub.rank in t.written.get(t.reg_ids[c], ())
+                    for c in targets
+                ):
+                    continue
+                comp = Completion(CompletionKind.FINISHED_SENDING, t.transfer_id)
+            del t.publishes[rank]
+            self._valid.pop(("pub", (t.engine_id, t.transfer_id), rank), None)
+            actions.append(Deliver(pub.worker_id, comp))
+        # A registration is consumed once every producer rank that writes to it has written.
+        for reg in list(t.registrations.values()):
+            sources = producer_sources(reg.consumer_rank, reg.producer_tp_size, reg.consumer_tp_size)
+            if set(sources) <= t.written.get(reg.registration_id, set()):
+                self._consume(t, reg)
+        if not t.publishes and not t.registrations:
+            del self._transfers[(t.engine_id, t.transfer_id)]
+        return actions
+
+    def _consume(self, t: _SendTransfer, reg: Registration) -> None:
+        """Forget a registration's blocks (written, or dropped); its id stays in reg_ids."""
+        if t.registrations.get(reg.consumer_rank) is reg:
+            del t.registrations[reg.consumer_rank]
+        self._valid.pop(("reg", (t.engine_id, t.transfer_id), reg.consumer_rank), None)
+        self._by_reg.pop((reg.origin, reg.registration_id), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode side
+
+
+class RecvState(enum.Enum):
+    REGISTERING = "registering"  # Register sent to the prefill daemon, no answer yet
+    REGISTERED = "registered"    # the prefill daemon holds the registration; waiting for WRITEs
+
+
+@dataclass(slots=True)
+class _Recv:
+    worker_id: str
+    transfer_id: str
+    registration_id: int
+    block_ids: tuple[int, ...]
+    producer_address: str
+    producer_engine_id: str
+    expected: frozenset[int]
+    created: float
+    deadline: float
+    state: RecvState = RecvState.REGISTERING
+    landed: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class RecvView:
+    """What the status API shows of one decode-side transfer."""
+
+    worker_id: str
+    transfer_id: str
+    registration_id: int
+    state: str
+    age_s: float
+    waiting_for: str
+    num_blocks: int
+    producer_address: str
+
+
+class RecvSide:
+    """Decode-node rendezvous: one record per Expect, done when every producer rank has landed."""
+
+    def __init__(self, expect_timeout_s: float, first_registration_id: int = 1) -> None:
+        self.expect_timeout_s = expect_timeout_s
+        self._next_id = itertools.count(first_registration_id)
+        self._by_key: dict[tuple[str, str], _Recv] = {}
+        self._by_reg: dict[int, _Recv] = {}
+        self._deadlines = _Deadlines()
+        self._valid: dict[object, float] = {}
+        self.stray_notifications = 0
+
+    def __len__(self) -> int:
+        return len(self._by_reg)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next(self._valid)
+
+    def get(self, registration_id: int) -> tuple[str, str] | None:
+        r = self._by_reg.get(registration_id)
+        return (r.worker_id, r.transfer_id) if r else None
+
+    def views(self, now: float) -> list[RecvView]:
+        out = []
+        for r in self._by_reg.values():
+            if r.state is RecvState.REGISTERING:
+                waiting = f"prefill daemon {r.producer_address} to accept the registration"
+            else:
+                missing = sorted(r.expected - r.landed)
+                waiting = f"WRITE notification(s) from producer rank(s) {missing}"
+            out.append(RecvView(r.worker_id, r.transfer_id, r.registration_id, r.state.value,
+                                now - r.created, waiting, len(r.block_ids), r.producer_address))
+        return out
+
+    def expect(
+        self,
+        now: float,
+        worker_id: str,
+        consumer_rank: int,
+        consumer_tp_size: int,
+        transfer_id: str,
+        block_ids: Iterable[int],
+        producer_address: str,
+        producer_engine_id: str,
+        producer_tp_size: int,
+    ) -> list[Action]:
+        """A decode worker allocated destination blocks: register them with the prefill side."""
+        blocks = tuple(block_ids)
+        if not transfer_id:
+            raise InvalidArgument("transfer_id must not be empty")
+        if not blocks:
+            raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
+        if not producer_address:
+            raise InvalidArgument(f"transfer {transfer_id!r}: producer_address must not be empty")
+        check_tp_pair(producer_tp_size, consumer_tp_size)
+        actions: list[Action] = []
+        old = self._by_key.get((worker_id, transfer_id))
+        if old is not None:
+            if (old.block_ids, old.producer_address, old.producer_engine_id) == (
+                blocks, producer_address, producer_engine_id):
+                return []  # a retried Expect: idempotent
+            # Re-submitted after preemption with new blocks: the new registration replaces the old.
+            self._remove(old)
+            actions.append(SendWithdraw(old.producer_address, transfer_id, old.registration_id,
+                                        FailureCode.SUPERSEDED, "replaced by a newer Expect"))
+        rid = next(self._next_id)
+        deadline = now + self.expect_timeout_s
+        r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
+                  frozenset(producer_sources(consumer_rank, producer_tp_size, consumer_tp_size)),
+                  now, deadline)
+        self._by_key[(worker_id, transfer_id)] = r
+        self._by_reg[rid] = r
+        self._valid[rid] = deadline
+        self._deadlines.add(deadline, rid)
+        actions.append(SendRegister(producer_address, rid, worker_id, transfer_id, producer_engine_id,
+                                    producer_tp_size, consumer_rank, consumer_tp_size, blocks))
+        return actions
+
+    def registered(self, registration_id: int) -> list[Action]:
+        r = self._by_reg.get(registration_id)
+        if r is not None and r.state is RecvState.REGISTERING:
+            r.state = RecvState.REGISTERED
+        return []
+
+    def notified(self, registration_id: int, producer_rank: int) -> list[Action]:
+        """A WRITE's notification arrived: that producer rank's bytes have landed."""
+        r = self._by_reg.get(registration_id)
+        if r is None or producer_rank not in r.expected:
+            self.stray_notifications += 1
+            return []
+        r.landed.add(producer_rank)
+        if r.landed != r.expected:
+            return []
+        self._remove(r)
+        return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+
+    def failed(self, registration_id: int, code: FailureCode, reason: str) -> list[Action]:
+        """The prefill side (or our Register call) failed this registration."""
+        r = self._by_reg.get(registration_id)
+        if r is None:
+            return []
+        self._remove(r)
+        return [self._fail(r, code, reason)]
+
+    def abort(self, worker_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
+        r = self._by_key.get((worker_id, transfer_id))
+        if r is None:
+            return False, []
+        self._remove(r)
+        return True, [
+            self._fail(r, FailureCode.ABORTED, "aborted by the decode engine"),
+            SendWithdraw(r.producer_address, transfer_id, r.registration_id, FailureCode.ABORTED,
+                         "aborted by the decode engine"),
+        ]
+
+    def worker_gone(self, worker_id: str) -> list[Action]:
+        actions: list[Action] = []
+        for r in [r for r in self._by_reg.values() if r.worker_id == worker_id]:
+            self._remove(r)
+            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
+                                        FailureCode.WORKER_GONE, "decode worker is gone"))
+        return actions
+
+    def producer_lost(self, producer_address: str, code: FailureCode, reason: str) -> list[Action]:
+        """The prefill daemon at this address died, restarted or became unreachable."""
+        actions: list[Action] = []
+        for r in [r for r in self._by_reg.values() if r.producer_address == producer_address]:
+            self._remove(r)
+            actions.append(self._fail(r, code, reason))
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for when, rid in self._deadlines.pop_due(now):
+            if self._valid.get(rid) != when:
+                continue
+            r = self._by_reg[rid]  # type: ignore[index]
+            self._remove(r)
+            msg = (f"transfer {r.transfer_id!r} not received within {self.expect_timeout_s:g}s "
+                   f"(landed ranks {sorted(r.landed)} of {sorted(r.expected)}, state {r.state.value})")
+            actions.append(self._fail(r, FailureCode.TIMEOUT, msg))
+            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
+                                        FailureCode.TIMEOUT, msg))
+        return actions
+
+    def _remove(self, r: _Recv) -> None:
+        del self._by_reg[r.registration_id]
+        del self._by_key[(r.worker_id, r.transfer_id)]
+        self._valid.pop(r.registration_id, None)
+
+    @staticmethod
+    def _fail(r: _Recv, code: FailureCode, reason: str) -> Deliver:
+        return Deliver(r.worker_id, Completion(CompletionKind.FAILED, r.transfer_id, code, reason, r.block_ids))

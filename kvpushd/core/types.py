@@ -1,0 +1,72 @@
+"""Plain types shared by the core and the runtime."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FailureCode(enum.IntEnum):
+    """Mirrors kvpushd.v1.FailureCode; the rpc layer converts by value."""
+
+    UNSPECIFIED = 0
+    TIMEOUT = 1
+    ABORTED = 2
+    PEER_UNREACHABLE = 3
+    PEER_REJECTED = 4
+    TRANSFER_ERROR = 5
+    LAYOUT_MISMATCH = 6
+    WORKER_GONE = 7
+    SUPERSEDED = 8
+    SHUTDOWN = 9
+
+
+class Role(enum.IntEnum):
+    """Mirrors kvpushd.v1.Role."""
+
+    UNSPECIFIED = 0
+    PRODUCER = 1
+    CONSUMER = 2
+    BOTH = 3
+
+    @property
+    def can_send(self) -> bool:
+        return self in (Role.PRODUCER, Role.BOTH)
+
+    @property
+    def can_receive(self) -> bool:
+        return self in (Role.CONSUMER, Role.BOTH)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionLayout:
+    """Where the blocks of one region live, relative to the region's block 0."""
+
+    num_blocks: int
+    block_len: int
+    block_stride: int
+
+    def span(self) -> int:
+        """Bytes from block 0's start to the last block's end."""
+        if self.num_blocks == 0:
+            return 0
+        return (self.num_blocks - 1) * self.block_stride + self.block_len
+
+
+class CompletionKind(enum.IntEnum):
+    """Mirrors kvpushd.v1.Completion.Kind."""
+
+    FINISHED_SENDING = 1
+    FINISHED_RECEIVING = 2
+    FAILED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What a worker learns about one of its transfers: exactly one per Expect or Publish."""
+
+    kind: CompletionKind
+    transfer_id: str
+    code: FailureCode = FailureCode.UNSPECIFIED
+    reason: str = ""
+    block_ids: tuple[int, ...] = ()

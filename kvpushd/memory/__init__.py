@@ -1,0 +1,25 @@
+"""Opening workers' memory handles: the only place that touches raw addresses.
+
+A Mapping is a piece of a worker's memory, mapped into the daemon, with the address NIXL registers.
+KV bytes are never copied by the daemon: NIXL moves them between the workers' memories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Mapping(Protocol):
+    addr: int
+    size: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimits:
+    max_mappings: int = 256
+    max_regions: int = 4096

@@ -1,0 +1,567 @@
+"""The node runtime: asyncio glue between the gRPC servicers, the pure core and the NIXL thread.
+
+Servicers call the ``Node`` methods with plain values; the node validates against what workers
+attached, feeds the core, and carries out the actions the core returns. The core never sees a
+protobuf message, and the event loop never calls NIXL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from . import __version__
+from .config import Config
+from .core import notif
+from .core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvpushdError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from .core.rendezvous import (
+    Action,
+    Deliver,
+    Registration,
+    RecvSide,
+    SendFailNotice,
+    SendRegister,
+    SendSide,
+    SendWithdraw,
+    StartWrite,
+)
+from .core.types import Completion, CompletionKind, FailureCode, RegionLayout, Role
+from .memory import Mapping
+from .peers import PeerClient, PeerRejected, PeerUnreachable
+from .transfer.engine import RegionSpec, RemoteAgent, TransferThread, WriteResult
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmSpec:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaSpec:
+    gpu_uuid: str
+    ipc_handle: bytes
+    size: int
+    storage_offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+MemorySpec = ShmSpec | CudaSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RegionArg:
+    memory_index: int
+    offset: int
+    layout: RegionLayout
+
+
+@dataclass(slots=True)
+class Worker:
+    worker_id: str
+    engine_id: str
+    role: Role
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    agent_name: str
+    mem_type: str
+    mappings: list[Mapping]
+    regions: tuple[RegionSpec, ...]
+    description: str
+    attached_at: float
+    min_blocks: int
+    metadata: bytes = b""
+    completions: collections.deque[Completion] = field(default_factory=collections.deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    session_open: bool = False
+    gone: bool = False
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(m.size for m in self.mappings)
+
+
+@dataclass(slots=True)
+class Counters:
+    transfers_finished: int = 0
+    transfers_failed: int = 0
+    bytes_written: int = 0
+    writes_posted: int = 0
+    notifications_received: int = 0
+    descriptors_requested: int = 0
+    descriptors_posted: int = 0
+
+
+@dataclass(slots=True)
+class Origin:
+    """A decode daemon that registered with us (from its handshake)."""
+
+    instance_id: str
+    node_id: str
+    address: str
+    agents: set[str] = field(default_factory=set)
+
+
+class Node:
+    """All of one daemon's state; every method runs on the event loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id
+        self.instance_id = uuid.uuid4().hex
+        self.started = time.monotonic()
+        self.peer_address = f"{cfg.advertise_host}:{cfg.listen_host_port[1]}"
+        self.workers: dict[str, Worker] = {}
+        self.send = SendSide(cfg.transfer.publish_timeout_s, cfg.transfer.expect_timeout_s)
+        # Registration ids start at a random offset so a restarted daemon's ids do not collide
+        # with stale notifications addressed to its previous instance.
+        self.recv = RecvSide(cfg.transfer.expect_timeout_s, first_registration_id=1 + (uuid.uuid4().int % (1 << 40)))
+        self.counters = Counters()
+        self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
+        self.remote_agents: dict[str, RemoteAgent] = {}
+        self.origins: dict[str, Origin] = {}
+        self.peers: dict[str, PeerClient] = {}
+        self.draining = False
+        self._seq = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.xfer: TransferThread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        t = self.cfg.transfer
+        self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
+                                   poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads)
+        self.xfer.start()
+
+    async def tick_forever(self, interval_s: float = 0.05) -> None:
+        """Deadlines and reaping; deadlines are resolved to ``interval_s``."""
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            self._run(self.send.tick(now) + self.recv.tick(now))
+            grace = self.cfg.worker_api.session_grace_s
+            for w in list(self.workers.values()):
+                if not w.session_open and now - w.attached_at > grace:
+                    log.warning("worker never opened its session; detaching", worker_id=w.worker_id)
+                    await self.detach(w.worker_id, FailureCode.WORKER_GONE)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking new transfers; wait (bounded) for what is in flight; release all memory."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while (len(self.send) or len(self.recv)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for wid in list(self.workers):
+            await self.detach(wid, FailureCode.SHUTDOWN)
+        for p in self.peers.values():
+            await p.close()
+        if self.xfer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.xfer.stop)
+
+    # -- worker API -----------------------------------------------------------------------------
+
+    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
+                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg],
+                     description: str) -> Worker:
+        self._not_draining()
+        check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg)
+        for w in self.workers.values():
+            if (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
+                raise AlreadyExists(
+                    f"engine {engine_id!r} TP rank {tp_rank} PP rank {pp_rank} is already attached "
+                    f"as worker {w.worker_id}; detach it (or end its session) first")
+        if len(self.workers) >= self.cfg.worker_api.max_workers:
+            raise ResourceExhausted(f"at most {self.cfg.worker_api.max_workers} workers may attach")
+        loop = asyncio.get_running_loop()
+        mappings = await loop.run_in_executor(None, open_all, memory)
+        try:
+            kinds = {m.mem_type for m in mappings}
+            if len(kinds) != 1:
+                raise InvalidArgument("a worker's memory must be all host (shm) or all GPU (CUDA IPC)")
+            mem_type = kinds.pop()
+            specs = []
+            for i, r in enumerate(regions):
+                m = mappings[r.memory_index]
+                if r.offset + r.layout.span() > m.size:
+                    raise InvalidArgument(
+                        f"region {i} does not fit its memory: offset {r.offset} + span "
+                        f"{r.layout.span()} > size {m.size}")
+                specs.append(RegionSpec(m.addr + r.offset, r.layout.num_blocks, r.layout.block_len,
+                                        r.layout.block_stride, m.device_id))
+            wid = f"w{next(self._seq)}-{uuid.uuid4().hex[:8]}"
+            agent = f"kvpushd.{self.node_id}.{self.instance_id[:8]}.{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
+            w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
+                       tuple(specs), description, time.monotonic(),
+                       min(r.layout.num_blocks for r in regions))
+            assert self.xfer is not None
+            w.metadata = await self.xfer.attach(wid, agent, mem_type,
+                                                [(m.addr, m.size, m.device_id) for m in mappings],
+                                                specs, role.can_receive)
+        except BaseException:
+            for m in mappings:
+                m.close()
+            raise
+        self.workers[wid] = w
+        log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
+                 tp_rank=tp_rank, tp_size=tp_size, regions=len(specs), bytes=w.registered_bytes)
+        return w
+
+    def worker(self, worker_id: str) -> Worker:
+        w = self.workers.get(worker_id)
+        if w is None or w.gone:
+            raise NotFound(f"unknown worker {worker_id!r} (not attached, or its session ended)")
+        return w
+
+    def expect(self, worker_id: str, transfer_id: str, block_ids: Sequence[int],
+               producer_address: str, producer_engine_id: str, producer_tp_size: int) -> None:
+        self._not_draining()
+        w = self.worker(worker_id)
+        if not w.role.can_receive:
+            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot expect")
+        check_blocks(w, block_ids, self.cfg)
+        check_transfer_id(transfer_id)
+        if not producer_engine_id:
+            raise InvalidArgument("producer_engine_id must not be empty")
+        self._bounded()
+        self._run(self.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id,
+                                   block_ids, producer_address, producer_engine_id, producer_tp_size))
+        self._update_expecting()
+
+    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+        self._not_draining()
+        w = self.worker(worker_id)
+        if not w.role.can_send:
+            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
+        check_blocks(w, block_ids, self.cfg)
+        check_transfer_id(transfer_id)
+        self._bounded()
+        self._run(self.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
+                                    transfer_id, block_ids))
+
+    def abort(self, worker_id: str, transfer_id: str) -> bool:
+        w = self.worker(worker_id)
+        found_r, acts_r = self.recv.abort(w.worker_id, transfer_id)
+        found_s, acts_s = self.send.abort(w.worker_id, w.engine_id, transfer_id)
+        self._run(acts_r + acts_s)
+        self._update_expecting()
+        return found_r or found_s
+
+    def poll(self, worker_id: str, max_n: int) -> list[Completion]:
+        w = self.worker(worker_id)
+        n = len(w.completions) if max_n <= 0 else min(max_n, len(w.completions))
+        return [w.completions.popleft() for _ in range(n)]
+
+    async def session(self, worker_id: str) -> collections.abc.AsyncIterator[Completion]:
+        """Yield the worker's completions until it goes away; the caller's end means detach."""
+        w = self.worker(worker_id)
+        if w.session_open:
+            raise AlreadyExists(f"worker {worker_id} already has a session")
+        w.session_open = True
+        try:
+            while not w.gone:
+                while w.completions:
+                    yield w.completions.popleft()
+                w.wakeup.clear()
+                if w.completions:
+                    continue
+                await w.wakeup.wait()
+        finally:
+            if not w.gone:
+                log.info("worker session ended; detaching", worker_id=worker_id)
+                await self.detach(worker_id, FailureCode.WORKER_GONE)
+
+    async def detach(self, worker_id: str, why: FailureCode = FailureCode.WORKER_GONE) -> None:
+        w = self.workers.get(worker_id)
+        if w is None or w.gone:
+            return
+        w.gone = True
+        w.wakeup.set()
+        self._run(self.send.worker_gone(worker_id) + self.recv.worker_gone(worker_id))
+        self._update_expecting()
+        assert self.xfer is not None
+        try:
+            await self.xfer.detach(worker_id)  # waits for this worker's in-flight WRITEs
+        finally:
+            for m in w.mappings:
+                m.close()
+            del self.workers[worker_id]
+            log.info("worker detached", worker_id=worker_id, reason=why.name)
+
+    # -- peer API (we are the prefill side) -----------------------------------------------------
+
+    def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
+                  instance_id: str) -> None:
+        from . import PROTOCOL_VERSION
+
+        if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
+            raise FailedPrecondition(
+                f"incompatible peer {node_id!r}: protocol {protocol_version}/{compat_hash}, "
+                f"ours {PROTOCOL_VERSION}/{notif.compat_hash()}")
+        if not instance_id or not peer_address:
+            raise InvalidArgument("handshake needs instance_id and peer_address")
+        for old in [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]:
+            self._origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
+        if instance_id not in self.origins:
+            self.origins[instance_id] = Origin(instance_id, node_id, peer_address)
+            log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
+
+    def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
+                 producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
+                 consumer_tp_size: int, agent: RemoteAgent, block_ids: Sequence[int]) -> bool:
+        """A decode daemon's registration. Returns False when we need the agent's metadata."""
+        self._not_draining()
+        origin = self.origins.get(origin_id)
+        if origin is None:
+            raise FailedPrecondition(f"unknown caller instance {origin_id!r}: handshake first")
+        check_transfer_id(transfer_id)
+        if not any(w.engine_id == producer_engine_id and w.role.can_send for w in self.workers.values()):
+            raise NotFound(f"no prefill engine {producer_engine_id!r} is attached to node {self.node_id}")
+        known = self.remote_agents.get(agent.name)
+        if known is None:
+            if not agent.metadata:
+                return False
+            if not agent.regions:
+                raise InvalidArgument(f"consumer agent {agent.name!r} has no regions")
+            if agent.mem_type not in ("DRAM", "VRAM"):
+                raise InvalidArgument(f"consumer agent {agent.name!r}: memory kind {agent.mem_type!r}")
+            self.remote_agents[agent.name] = known = agent
+            origin.agents.add(agent.name)
+        nb = min(r.num_blocks for r in known.regions)
+        if not block_ids:
+            raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
+        if max(block_ids) >= nb:
+            raise InvalidArgument(
+                f"transfer {transfer_id!r}: destination block id {max(block_ids)} out of range "
+                f"(consumer regions have {nb} blocks)")
+        self._bounded()
+        reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
+                           agent.name, consumer_rank, consumer_tp_size, tuple(block_ids))
+        self._run(self.send.register(time.monotonic(), reg))
+        return True
+
+    def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
+                 reason: str) -> None:
+        self._run(self.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
+
+    def peer_failed(self, registration_id: int, code: FailureCode, reason: str) -> None:
+        """The prefill daemon says a registration of ours will not be written."""
+        self._run(self.recv.failed(registration_id, code, reason))
+        self._update_expecting()
+
+    # -- carrying out core actions --------------------------------------------------------------
+
+    def _run(self, actions: Sequence[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Deliver):
+                self._deliver(a.worker_id, a.completion)
+            elif isinstance(a, StartWrite):
+                self._start_write(a)
+            elif isinstance(a, SendRegister):
+                self._spawn(self._send_register(a))
+            elif isinstance(a, SendFailNotice):
+                self._spawn(self._send_fail(a))
+            elif isinstance(a, SendWithdraw):
+                self._spawn(self._send_withdraw(a))
+
+    def _deliver(self, worker_id: str, c: Completion) -> None:
+        if c.kind is CompletionKind.FAILED:
+            self.counters.transfers_failed += 1
+            self.recent_failures.append((time.time(), c.transfer_id, f"{c.code.name}: {c.reason}"))
+            log.warning("transfer failed", transfer_id=c.transfer_id, worker_id=worker_id,
+                        code=c.code.name, reason=c.reason)
+        else:
+            self.counters.transfers_finished += 1
+        w = self.workers.get(worker_id)
+        if w is None or w.gone:
+            return
+        w.completions.append(c)
+        w.wakeup.set()
+
+    def _start_write(self, a: StartWrite) -> None:
+        assert self.xfer is not None
+        agent = self.remote_agents.get(a.registration.consumer_agent)
+        if agent is None:  # cannot happen: register() stored it; fail loudly rather than hang
+            self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
+            return
+        self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, a.registration.block_ids,
+                             notif.encode(a.registration.registration_id, a.producer_rank))
+
+    def _on_writes(self, results: list[WriteResult]) -> None:
+        actions: list[Action] = []
+        for r in results:
+            if r.ok:
+                self.counters.writes_posted += 1
+                self.counters.bytes_written += r.nbytes
+                self.counters.descriptors_requested += r.descs_requested
+                self.counters.descriptors_posted += r.descs_posted
+            actions += self.send.write_done(r.leg, r.ok, r.reason)
+        self._run(actions)
+
+    def _on_notifs(self, notifs: list[tuple[int, int]]) -> None:
+        actions: list[Action] = []
+        for rid, rank in notifs:
+            self.counters.notifications_received += 1
+            actions += self.recv.notified(rid, rank)
+        self._run(actions)
+        self._update_expecting()
+
+    def _update_expecting(self) -> None:
+        if self.xfer is not None:
+            self.xfer.expecting = len(self.recv)
+
+    def peer(self, address: str) -> PeerClient:
+        p = self.peers.get(address)
+        if p is None:
+            p = self.peers[address] = PeerClient(address, self)
+        return p
+
+    async def _send_register(self, a: SendRegister) -> None:
+        w = self.workers.get(a.worker_id)
+        if w is None:
+            return
+        try:
+            await self.peer(a.producer_address).register(a, w)
+        except PeerRejected as e:
+            self._run(self.recv.failed(a.registration_id, FailureCode.PEER_REJECTED, str(e)))
+        except PeerUnreachable as e:
+            self._run(self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e)))
+        else:
+            self.recv.registered(a.registration_id)
+        self._update_expecting()
+
+    async def _send_fail(self, a: SendFailNotice) -> None:
+        origin = self.origins.get(a.origin)
+        if origin is None:
+            return
+        try:
+            await self.peer(origin.address).fail(a.transfer_id, a.registration_id, a.code, a.reason)
+        except KvpushdError as e:
+            log.warning("could not send failure notice", transfer_id=a.transfer_id, error=str(e))
+
+    async def _send_withdraw(self, a: SendWithdraw) -> None:
+        try:
+            await self.peer(a.producer_address).withdraw(a.transfer_id, a.registration_id, a.code, a.reason)
+        except KvpushdError as e:
+            log.info("could not withdraw registration", transfer_id=a.transfer_id, error=str(e))
+
+    def peer_lost(self, address: str, reason: str) -> None:
+        """Our connection to a prefill daemon broke: its pending receives fail now."""
+        self._run(self.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason))
+        self._update_expecting()
+
+    def _origin_lost(self, origin: Origin, reason: str) -> None:
+        self.origins.pop(origin.instance_id, None)
+        self._run(self.send.origin_lost(origin.instance_id, reason))
+        assert self.xfer is not None
+        for name in origin.agents:
+            self.remote_agents.pop(name, None)
+            self.xfer.forget_remote(name)
+
+    def _spawn(self, coro: collections.abc.Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    def _not_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(f"daemon {self.node_id} is shutting down")
+
+    def _bounded(self) -> None:
+        if len(self.send) + len(self.recv) >= self.cfg.transfer.max_pending:
+            raise ResourceExhausted(f"more than {self.cfg.transfer.max_pending} transfers pending")
+
+    def version(self) -> str:
+        return __version__
+
+
+def open_all(memory: Sequence[MemorySpec]) -> list[Mapping]:
+    """Open every handle, or none (closing what was opened when one fails)."""
+    from .memory.shm import ShmMapping
+
+    out: list[Mapping] = []
+    try:
+        for spec in memory:
+            if isinstance(spec, ShmSpec):
+                out.append(ShmMapping(spec.name, spec.size))
+            else:
+                from .memory.cuda import CudaIpcMapping
+
+                out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
+                                          spec.ref_counter_handle, spec.ref_counter_offset,
+                                          spec.event_handle, spec.event_sync_required))
+    except BaseException:
+        for m in out:
+            m.close()
+        raise
+    return out
+
+
+def check_transfer_id(transfer_id: str) -> None:
+    if not transfer_id:
+        raise InvalidArgument("transfer_id must not be empty")
+    if len(transfer_id) > 256:
+        raise InvalidArgument(f"transfer_id is {len(transfer_id)} characters long; at most 256")
+
+
+def check_blocks(w: Worker, block_ids: Sequence[int], cfg: Config) -> None:
+    if not block_ids:
+        raise InvalidArgument("block_ids must not be empty")
+    if len(block_ids) > cfg.worker_api.max_blocks_per_request:
+        raise InvalidArgument(f"{len(block_ids)} block ids; at most {cfg.worker_api.max_blocks_per_request}")
+    arr = np.asarray(block_ids, dtype=np.int64)
+    hi = int(arr.max())
+    if hi >= w.min_blocks:
+        raise InvalidArgument(
+            f"block id {hi} out of range: worker {w.worker_id}'s regions have {w.min_blocks} blocks")
+    if len(np.unique(arr)) != len(arr):
+        raise InvalidArgument("block_ids contain duplicates")
+
+
+def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[MemorySpec],
+                 regions: Sequence[RegionArg], cfg: Config) -> None:
+    if not engine_id or len(engine_id) > 128 or not engine_id.isprintable() or "." in engine_id:
+        raise InvalidArgument(f"engine_id {engine_id!r}: 1-128 printable characters, no '.'")
+    if role is Role.UNSPECIFIED:
+        raise InvalidArgument("role must be PRODUCER, CONSUMER or BOTH")
+    if tp_size < 1 or tp_rank >= tp_size:
+        raise InvalidArgument(f"tp_rank {tp_rank} must be below tp_size {tp_size} (>= 1)")
+    if not memory:
+        raise InvalidArgument("no memory handles")
+    if len(memory) > 256 or not regions or len(regions) > 4096:
+        raise InvalidArgument(f"{len(memory)} memory handles and {len(regions)} regions: need 1-256 and 1-4096")
+    for i, r in enumerate(regions):
+        lay = r.layout
+        if not 0 <= r.memory_index < len(memory):
+            raise InvalidArgument(f"region {i}: memory_index {r.memory_index} names no memory handle")
+        if lay.num_blocks < 1 or lay.block_len < 1 or lay.block_stride < lay.block_len:
+            raise InvalidArgument(
+                f"region {i}: need num_blocks >= 1, block_len >= 1, block_stride >= block_len "
+                f"(got {lay.num_blocks}, {lay.block_len}, {lay.block_stride})")

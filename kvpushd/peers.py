@@ -1,0 +1,146 @@
+"""Client side of the peer API: one channel and one handshake per remote daemon.
+
+A handshake is repeated whenever a call says the remote does not know us (it restarted), and a
+changed remote instance id means every agent we had sent it must be sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+from . import PROTOCOL_VERSION
+from .core import notif
+from .core.errors import KvpushdError
+from .core.rendezvous import SendRegister
+from .core.types import FailureCode
+
+if TYPE_CHECKING:
+    from .node import Node, Worker
+
+log = structlog.get_logger(__name__)
+
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class PeerUnreachable(KvpushdError):
+    """The remote daemon did not answer."""
+
+
+class PeerRejected(KvpushdError):
+    """The remote daemon answered with an error status."""
+
+
+class PeerClient:
+    def __init__(self, address: str, node: Node) -> None:
+        self.address = address
+        self.node = node
+        opts = KEEPALIVE + [("grpc.max_receive_message_length", node.cfg.peer_api.max_message_bytes),
+                            ("grpc.max_send_message_length", node.cfg.peer_api.max_message_bytes)]
+        self.channel = grpc.aio.insecure_channel(address, options=opts)
+        self.stub = peer_pb2_grpc.PeerServiceStub(self.channel)
+        self.remote_node_id = ""
+        self.remote_instance = ""
+        self.state = "new"
+        self.last_error = ""
+        self.since = 0.0
+        self.sent_agents: set[str] = set()
+        self._hs_lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+    async def _handshake(self, force: bool = False) -> None:
+        async with self._hs_lock:
+            if self.state == "connected" and not force:
+                return
+            self.state = "handshaking"
+            n = self.node
+            req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                            node_id=n.node_id, peer_address=n.peer_address,
+                                            instance_id=n.instance_id)
+            try:
+                resp = await self.stub.Handshake(req, timeout=n.cfg.peer_api.connect_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                self._broken(e)
+                raise self._error(e) from None
+            if resp.instance_id != self.remote_instance:
+                if self.remote_instance:
+                    log.warning("peer restarted", peer=self.address, node=resp.node_id)
+                    n.peer_lost(self.address, f"prefill daemon at {self.address} restarted")
+                self.sent_agents.clear()
+            self.remote_instance = resp.instance_id
+            self.remote_node_id = resp.node_id
+            self.state = "connected"
+            self.since = asyncio.get_running_loop().time()
+
+    def _broken(self, e: grpc.aio.AioRpcError) -> None:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self.state = "unreachable"
+        self.last_error = f"{e.code().name}: {e.details()}"
+
+    def _error(self, e: grpc.aio.AioRpcError) -> KvpushdError:
+        msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return PeerUnreachable(msg)
+        return PeerRejected(msg)
+
+    async def _call(self, method: str, req: object) -> object:
+        """Call after a handshake; re-handshake once if the remote forgot us (restart)."""
+        await self._handshake()
+        timeout = self.node.cfg.peer_api.rpc_timeout_s
+        for attempt in (0, 1):
+            try:
+                return await getattr(self.stub, method)(req, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() is grpc.StatusCode.FAILED_PRECONDITION and "handshake first" in (e.details() or "") \
+                        and attempt == 0:
+                    await self._handshake(force=True)
+                    continue
+                self._broken(e)
+                raise self._error(e) from None
+        raise AssertionError("unreachable")
+
+    async def register(self, a: SendRegister, w: Worker) -> None:
+        n = self.node
+        for _ in range(2):
+            with_md = w.agent_name not in self.sent_agents
+            agent = peer_pb2.AgentInfo(
+                agent_name=w.agent_name, memory_kind=w.mem_type,
+                agent_metadata=w.metadata if with_md else b"",
+                regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
+                                               block_stride=r.block_stride, device_id=r.device_id)
+                         for r in w.regions] if with_md else [],
+            )
+            req = peer_pb2.RegisterRequest(
+                caller_instance_id=n.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
+                producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
+                consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank,
+                consumer_tp_size=a.consumer_tp_size, consumer_agent=agent, block_ids=a.block_ids)
+            resp = await self._call("Register", req)
+            assert isinstance(resp, peer_pb2.RegisterResponse)
+            if not resp.need_metadata:
+                self.sent_agents.add(w.agent_name)
+                return
+            self.sent_agents.discard(w.agent_name)
+        raise PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata")
+
+    async def fail(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
+        await self._call("Fail", self._notice(transfer_id, registration_id, code, reason))
+
+    async def withdraw(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
+        await self._call("Withdraw", self._notice(transfer_id, registration_id, code, reason))
+
+    def _notice(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> peer_pb2.FailNotice:
+        return peer_pb2.FailNotice(caller_instance_id=self.node.instance_id, transfer_id=transfer_id,
+                                   registration_id=registration_id,
+                                   code=common_pb2.FailureCode.ValueType(int(code)), reason=reason[:2000])

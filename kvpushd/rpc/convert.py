@@ -1,0 +1,53 @@
+"""protobuf <-> core values."""
+
+from __future__ import annotations
+
+from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
+
+from ..core.errors import InvalidArgument
+from ..core.types import Completion, FailureCode, RegionLayout, Role
+from ..node import CudaSpec, MemorySpec, RegionArg, ShmSpec
+from ..transfer.engine import RegionSpec, RemoteAgent
+
+
+def role(v: int) -> Role:
+    try:
+        return Role(v)
+    except ValueError:
+        raise InvalidArgument(f"unknown role {v}") from None
+
+
+def failure_code(v: int) -> FailureCode:
+    try:
+        return FailureCode(v)
+    except ValueError:
+        return FailureCode.UNSPECIFIED
+
+
+def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
+    kind = h.WhichOneof("kind")
+    if kind == "shm":
+        return ShmSpec(h.shm.name, h.shm.size)
+    if kind == "cuda_ipc":
+        c = h.cuda_ipc
+        return CudaSpec(c.gpu_uuid, c.ipc_handle, c.size, c.storage_offset, c.ref_counter_handle,
+                        c.ref_counter_offset, c.event_handle, c.event_sync_required)
+    raise InvalidArgument("memory handle has neither shm nor cuda_ipc set")
+
+
+def region(r: common_pb2.Region) -> RegionArg:
+    return RegionArg(r.memory_index, r.offset, RegionLayout(r.num_blocks, r.block_len, r.block_stride))
+
+
+def completion(c: Completion) -> worker_pb2.Completion:
+    return worker_pb2.Completion(kind=worker_pb2.Completion.Kind.ValueType(int(c.kind)), transfer_id=c.transfer_id,
+                                 code=common_pb2.FailureCode.ValueType(int(c.code)), reason=c.reason,
+                                 block_ids=c.block_ids)
+
+
+def remote_agent(a: peer_pb2.AgentInfo) -> RemoteAgent:
+    if not a.agent_name:
+        raise InvalidArgument("consumer_agent.agent_name must not be empty")
+    return RemoteAgent(a.agent_name, a.agent_metadata, a.memory_kind,
+                       tuple(RegionSpec(r.base_addr, r.num_blocks, r.block_len, r.block_stride, r.device_id)
+                             for r in a.regions))

@@ -1,0 +1,67 @@
+"""The one table from expected errors to gRPC status codes; anything else is INTERNAL, logged."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import structlog
+
+from ..core import errors as E
+
+log = structlog.get_logger(__name__)
+
+CODES: dict[type[E.KvpushdError], grpc.StatusCode] = {
+    E.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    E.NotFound: grpc.StatusCode.NOT_FOUND,
+    E.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    E.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    E.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    E.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    E.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+R = TypeVar("R")
+
+
+def code_for(exc: E.KvpushdError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in CODES:
+            return CODES[cls]  # type: ignore[index]
+    return grpc.StatusCode.UNKNOWN
+
+
+async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> NoReturn:
+    if isinstance(exc, E.KvpushdError):
+        await context.abort(code_for(exc), str(exc))
+    log.error("unexpected error in RPC", method=method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
+
+
+def unary(fn: Callable[[Any, Any, Any], Awaitable[R]]) -> Callable[[Any, Any, Any], Awaitable[R]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> R:
+        try:
+            return await fn(self, request, context)
+        except Exception as e:  # mapped to a status
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            await _abort(e, context, fn.__name__)
+
+    return wrapper
+
+
+def stream(fn: Callable[[Any, Any, Any], AsyncIterator[R]]) -> Callable[[Any, Any, Any], AsyncIterator[R]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[R]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except Exception as e:
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            await _abort(e, context, fn.__name__)
+
+    return wrapper

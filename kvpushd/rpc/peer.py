@@ -1,0 +1,53 @@
+"""PeerService: what other nodes' daemons call over TCP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
+
+from .. import PROTOCOL_VERSION
+from ..core import notif
+from ..core.errors import FailedPrecondition
+from ..node import Node
+from . import convert
+from .errors import unary
+
+Ctx = Any
+
+
+class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @unary
+    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
+        self.node.handshake(request.protocol_version, request.compat_hash, request.node_id,
+                            request.peer_address, request.instance_id)
+        return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                          node_id=self.node.node_id, instance_id=self.node.instance_id)
+
+    @unary
+    async def Register(self, request: peer_pb2.RegisterRequest, context: Ctx) -> peer_pb2.RegisterResponse:
+        ok = self.node.register(request.caller_instance_id, request.transfer_id, request.registration_id,
+                                request.producer_engine_id, request.producer_tp_size,
+                                request.consumer_engine_id, request.consumer_tp_rank, request.consumer_tp_size,
+                                convert.remote_agent(request.consumer_agent), request.block_ids)
+        return peer_pb2.RegisterResponse(need_metadata=not ok)
+
+    @unary
+    async def Fail(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:
+        self._known(request.caller_instance_id)
+        self.node.peer_failed(request.registration_id, convert.failure_code(request.code), request.reason)
+        return peer_pb2.FailAck()
+
+    @unary
+    async def Withdraw(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:
+        self._known(request.caller_instance_id)
+        self.node.withdraw(request.caller_instance_id, request.transfer_id, request.registration_id,
+                           convert.failure_code(request.code), request.reason)
+        return peer_pb2.FailAck()
+
+    def _known(self, instance_id: str) -> None:
+        if instance_id not in self.node.origins:
+            raise FailedPrecondition(f"unknown caller instance {instance_id!r}: handshake first")

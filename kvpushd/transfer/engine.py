@@ -1,0 +1,440 @@
+"""The transfer thread: the only code that calls NIXL.
+
+NIXL agents are not thread-safe, so one thread owns every agent and every call on it. The asyncio
+side hands it work through a queue (``submit``) and gets results back with
+``loop.call_soon_threadsafe``. Between commands the thread polls in-flight WRITEs and, while the
+decode side waits for any, new notifications.
+
+One NIXL agent per attached worker: its memory is registered once, and its descriptor list (one
+descriptor per region and block) is prepared once. A remote consumer's list is prepared once per
+(local agent, remote agent) pair. Per request only numpy index arrays are built; NIXL merges
+descriptors that are adjacent on both sides into one, and we sort nothing, so a request whose
+blocks are allocated in runs costs one descriptor per run and region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from ..core.errors import FailedPrecondition, InvalidArgument
+from ..core.notif import decode as decode_notif
+from ..core.rendezvous import LegKey
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """Absolute address of block 0 of a region, and its layout."""
+
+    addr: int
+    num_blocks: int
+    block_len: int
+    block_stride: int
+    device_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAgent:
+    """A consumer worker's agent as the producer side knows it (from the peer API)."""
+
+    name: str
+    metadata: bytes
+    mem_type: str
+    regions: tuple[RegionSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    leg: LegKey
+    ok: bool
+    reason: str
+    nbytes: int
+    post_s: float      # time from the request reaching the thread to the WRITE being posted
+    xfer_s: float      # time from post to completion seen
+    descs_requested: int
+    descs_posted: int
+
+
+def block_descs(regions: Sequence[RegionSpec]) -> npt.NDArray[np.uint64]:
+    """Nx3 (addr, len, device) for every block of every region, region-major."""
+    parts = []
+    for r in regions:
+        d = np.empty((r.num_blocks, 3), dtype=np.uint64)
+        d[:, 0] = np.uint64(r.addr) + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_stride)
+        d[:, 1] = r.block_len
+        d[:, 2] = r.device_id
+        parts.append(d)
+    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
+
+def region_bases(regions: Sequence[RegionSpec]) -> IntArray:
+    """Index of each region's block 0 in the block-descriptor list."""
+    counts = np.array([r.num_blocks for r in regions], dtype=np.int64)
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+
+def leg_indices(bases: IntArray, blocks: IntArray) -> npt.NDArray[np.int32]:
+    """Descriptor indices of ``blocks`` in every region: no Python loop per descriptor."""
+    return (bases[:, None] + blocks[None, :]).reshape(-1).astype(np.int32)
+
+
+def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
+                 dst: IntArray) -> int:
+    """Descriptors after merging runs of blocks adjacent on both sides (per region)."""
+    if len(src) == 0:
+        return 0
+    cont = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    runs = int(len(src) - np.count_nonzero(cont))
+    total = 0
+    for lr, rr in zip(local, remote, strict=True):
+        dense = lr.block_stride == lr.block_len and rr.block_stride == rr.block_len
+        total += runs if dense else len(src)
+    return total
+
+
+@dataclass(slots=True)
+class _Local:
+    worker_id: str
+    agent: Any
+    mem_type: str
+    regions: tuple[RegionSpec, ...]
+    reg_descs: Any
+    dlist: Any
+    bases: IntArray
+    receives: bool
+    remotes: dict[str, tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
+    inflight: int = 0
+
+
+@dataclass(slots=True)
+class _Inflight:
+    handle: Any
+    local: _Local
+    result: WriteResult
+    t_post: float
+
+
+class TransferThread:
+    """Owns the NIXL agents. Public methods are called from the event loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        backends: Sequence[str],
+        on_write_done: Callable[[list[WriteResult]], None],
+        on_notifications: Callable[[list[tuple[int, int]]], None],
+        poll_interval_s: float = 0.0002,
+        idle_wait_s: float = 0.05,
+        nixl_threads: int = 0,
+    ) -> None:
+        self._loop = loop
+        self._backends = list(backends)
+        self._on_write_done = on_write_done
+        self._on_notifications = on_notifications
+        self._poll_s = poll_interval_s
+        self._idle_s = idle_wait_s
+        self._nixl_threads = nixl_threads
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._locals: dict[str, _Local] = {}
+        self._inflight: list[_Inflight] = []
+        self._drained: list[tuple[str, Future[None]]] = []
+        self.expecting = 0  # set by the loop: number of receives waiting for notifications
+        self.stray_notifications = 0
+        self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
+        self._stopping = False
+        self._nixl: Any = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Import NIXL and check the backends exist before the daemon says READY."""
+        self._thread.start()
+        self._call(self._probe).result(timeout=60)
+
+    def _probe(self) -> None:
+        import nixl._api as nixl_api
+
+        self._nixl = nixl_api
+        probe = nixl_api.nixl_agent("kvpushd-probe", nixl_api.nixl_agent_config(backends=[]))
+        missing = [b for b in self._backends if b not in probe.get_plugin_list()]
+        if missing:
+            raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
+        del probe
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for in-flight WRITEs (bounded), release every agent, end the thread. Idempotent."""
+        if self._stopping or not self._thread.is_alive():
+            return
+        self._stopping = True
+        deadline = time.monotonic() + timeout_s
+
+        def shutdown() -> None:
+            while self._inflight and time.monotonic() < deadline:
+                self._poll_writes()
+                time.sleep(0.001)
+            for wid in list(self._locals):
+                self._release(wid)
+
+        try:
+            self._call(shutdown).result(timeout=timeout_s + 5)
+        finally:
+            self._q.put(None)
+            self._thread.join(timeout=5)
+
+    # -- API for the event loop ---------------------------------------------------------------
+
+    def attach(self, worker_id: str, agent_name: str, mem_type: str,
+               mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],
+               receives: bool) -> asyncio.Future[bytes]:
+        """Create the worker's agent, register its memory, prepare its descriptors; -> metadata."""
+        return asyncio.wrap_future(self._call(
+            lambda: self._attach(worker_id, agent_name, mem_type, mappings, regions, receives)))
+
+    def detach(self, worker_id: str) -> asyncio.Future[None]:
+        """Wait for the worker's in-flight WRITEs, then release its agent and registrations."""
+        fut: Future[None] = Future()
+
+        def run() -> None:
+            self._drained.append((worker_id, fut))
+            self._check_drained()
+
+        self._q.put(run)
+        return asyncio.wrap_future(fut)
+
+    def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
+                   dst: Sequence[int], notif: bytes) -> None:
+        """Queue a WRITE; its WriteResult comes back through on_write_done."""
+        t0 = time.perf_counter()
+        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0))
+
+    def agent_info(self, worker_id: str) -> asyncio.Future[dict[str, str]]:
+        return asyncio.wrap_future(self._call(lambda: {
+            "backends": ",".join(self._locals[worker_id].agent.backends) if worker_id in self._locals else ""}))
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+
+        self._q.put(run)
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            busy = bool(self._inflight) or self.expecting > 0
+            try:
+                cmd = self._q.get(timeout=self._poll_s if busy else self._idle_s)
+            except queue.Empty:
+                cmd = _NOOP
+            while cmd is not _NOOP:
+                if cmd is None:
+                    return
+                try:
+                    cmd()
+                except Exception:  # a bug in a command must not kill the thread
+                    log.exception("transfer thread command failed")
+                try:
+                    cmd = self._q.get_nowait()
+                except queue.Empty:
+                    cmd = _NOOP
+            try:
+                if self._inflight:
+                    self._poll_writes()
+                if self.expecting > 0:
+                    self._poll_notifs()
+            except Exception:
+                log.exception("transfer thread poll failed")
+
+    def _attach(self, worker_id: str, agent_name: str, mem_type: str,
+                mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],
+                receives: bool) -> bytes:
+        nx = self._nixl
+        cfg = nx.nixl_agent_config(backends=self._backends, num_threads=self._nixl_threads)
+        agent = nx.nixl_agent(agent_name, cfg)
+        reg_descs = agent.register_memory([(a, s, d, "") for a, s, d in mappings], mem_type)
+        try:
+            dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(regions), mem_type)
+        except Exception:
+            agent.deregister_memory(reg_descs)
+            raise
+        self._locals[worker_id] = _Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
+                                         region_bases(regions), receives)
+        return bytes(agent.get_agent_metadata())
+
+    def _remote_view(self, loc: _Local, remote: RemoteAgent) -> tuple[Any, IntArray, tuple[RegionSpec, ...]]:
+        view = loc.remotes.get(remote.name)
+        if view is None:
+            loc.agent.add_remote_agent(remote.metadata)
+            dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions), remote.mem_type)
+            view = loc.remotes[remote.name] = (dlist, region_bases(remote.regions), remote.regions)
+        return view
+
+    def forget_remote(self, name: str) -> None:
+        """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
+        def run() -> None:
+            for loc in self._locals.values():
+                view = loc.remotes.pop(name, None)
+                if view is not None:
+                    try:
+                        view[0].release()
+                        loc.agent.remove_remote_agent(name)
+                    except Exception:
+                        log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
+        self._q.put(run)
+
+    def _post(self, leg: LegKey, worker_id: str, src_l: Sequence[int], remote: RemoteAgent,
+              dst_l: Sequence[int], notif: bytes, t0: float) -> None:
+        src = np.asarray(src_l, dtype=np.int64)
+        dst = np.asarray(dst_l, dtype=np.int64)
+
+        def fail(reason: str) -> None:
+            self._deliver_results([WriteResult(leg, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
+
+        loc = self._locals.get(worker_id)
+        if loc is None:
+            return fail("producer worker detached")
+        try:
+            dlist, rbases, rregions = self._remote_view(loc, remote)
+            check_layouts(loc.regions, rregions, src, dst)
+        except InvalidArgument as e:
+            return fail(str(e))
+        except Exception as e:
+            log.warning("preparing remote descriptors failed", exc_info=True)
+            return fail(f"cannot prepare remote descriptors: {e}")
+        lidx = leg_indices(loc.bases, src)
+        ridx = leg_indices(rbases, dst)
+        nbytes = int(sum(r.block_len for r in loc.regions)) * len(src)
+        try:
+            handle = loc.agent.make_prepped_xfer("WRITE", loc.dlist, lidx, dlist, ridx, notif)
+            state = loc.agent.transfer(handle)
+        except Exception as e:
+            log.warning("posting WRITE failed", transfer_id=leg.transfer_id, exc_info=True)
+            return fail(f"NIXL could not post the WRITE: {e}")
+        t_post = time.perf_counter()
+        res = WriteResult(leg, True, "", nbytes, t_post - t0, 0.0, len(lidx),
+                          merged_count(loc.regions, rregions, src, dst))
+        if state == "ERR":
+            handle.release()
+            return fail("NIXL returned ERR when posting the WRITE")
+        loc.inflight += 1
+        self._inflight.append(_Inflight(handle, loc, res, t_post))
+        if state == "DONE":
+            self._poll_writes()
+
+    def _poll_writes(self) -> None:
+        done: list[WriteResult] = []
+        keep: list[_Inflight] = []
+        for f in self._inflight:
+            state = f.local.agent.check_xfer_state(f.handle)
+            if state == "PROC":
+                keep.append(f)
+                continue
+            now = time.perf_counter()
+            f.local.inflight -= 1
+            try:
+                f.handle.release()
+            except Exception:
+                log.warning("releasing a transfer handle failed", exc_info=True)
+            r = f.result
+            if state == "DONE":
+                done.append(WriteResult(r.leg, True, "", r.nbytes, r.post_s, now - f.t_post,
+                                        r.descs_requested, r.descs_posted))
+            else:
+                done.append(WriteResult(r.leg, False, "WRITE completed in error", 0, r.post_s,
+                                        now - f.t_post, r.descs_requested, r.descs_posted))
+        self._inflight = keep
+        if done:
+            self._deliver_results(done)
+            self._check_drained()
+
+    def _deliver_results(self, results: list[WriteResult]) -> None:
+        self._loop.call_soon_threadsafe(self._on_write_done, results)
+
+    def _poll_notifs(self) -> None:
+        got: list[tuple[int, int]] = []
+        for loc in self._locals.values():
+            if not loc.receives:
+                continue
+            for msgs in loc.agent.get_new_notifs().values():
+                for m in msgs:
+                    parsed = decode_notif(m)
+                    if parsed is None:
+                        self.stray_notifications += 1
+                    else:
+                        got.append(parsed)
+        if got:
+            self._loop.call_soon_threadsafe(self._on_notifications, got)
+
+    def _check_drained(self) -> None:
+        still: list[tuple[str, Future[None]]] = []
+        for wid, fut in self._drained:
+            loc = self._locals.get(wid)
+            if loc is not None and loc.inflight > 0:
+                still.append((wid, fut))
+                continue
+            try:
+                self._release(wid)
+                fut.set_result(None)
+            except Exception as e:
+                fut.set_exception(e)
+        self._drained = still
+
+    def _release(self, worker_id: str) -> None:
+        loc = self._locals.pop(worker_id, None)
+        if loc is None:
+            return
+        if loc.receives:  # hand over notifications that raced the detach
+            self._poll_notifs_of(loc)
+        for dlist, _, _ in loc.remotes.values():
+            dlist.release()
+        loc.dlist.release()
+        loc.agent.deregister_memory(loc.reg_descs)
+        del loc.agent
+
+    def _poll_notifs_of(self, loc: _Local) -> None:
+        got = [p for msgs in loc.agent.get_new_notifs().values() for m in msgs
+               if (p := decode_notif(m)) is not None]
+        if got:
+            self._loop.call_soon_threadsafe(self._on_notifications, got)
+
+
+_NOOP: Any = object()
+
+
+def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
+                  dst: IntArray) -> None:
+    """Same-TP layouts must match region for region; ids must be inside both sides' regions."""
+    if len(local) != len(remote):
+        raise InvalidArgument(
+            f"layout mismatch: producer has {len(local)} regions, consumer has {len(remote)}")
+    for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
+        if lr.block_len != rr.block_len:
+            raise InvalidArgument(
+                f"layout mismatch in region {i}: producer block_len {lr.block_len}, "
+                f"consumer block_len {rr.block_len}")
+    if len(src) != len(dst):
+        raise InvalidArgument(f"block lists of unequal length: {len(src)} source, {len(dst)} destination")
+    if len(src) and (src.min() < 0 or src.max() >= min(r.num_blocks for r in local)):
+        raise InvalidArgument("source block id out of range")
+    if len(dst) and (dst.min() < 0 or dst.max() >= min(r.num_blocks for r in remote)):
+        raise InvalidArgument("destination block id out of range")
