@@ -169,7 +169,7 @@ class TransferThread:
         import nixl._api as nixl_api
 
         self._nixl = nixl_api
-        probe = nixl_api.nixl_agent("kvpushd-probe", nixl_api.nixl_agent_config(backends=[]))
+        probe = nixl_api.nixl_agent("kvpushd-probe", nixl_api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         missing = [b for b in self._backends if b not in probe.get_plugin_list()]
         if missing:
             raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
@@ -269,9 +269,18 @@ class TransferThread:
                 mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],
                 receives: bool) -> bytes:
         nx = self._nixl
-        cfg = nx.nixl_agent_config(backends=self._backends, num_threads=self._nixl_threads)
-        agent = nx.nixl_agent(agent_name, cfg)
-        reg_descs = agent.register_memory([(a, s, d, "") for a, s, d in mappings], mem_type)
+        # No NIXL progress thread: it spins a whole core per agent (pthrDelay is 0 in the Python
+        # API). This thread drives progress instead, by polling transfers and notifications.
+        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=self._backends,
+                                   num_threads=self._nixl_threads)
+        try:
+            agent = nx.nixl_agent(agent_name, cfg)
+        except Exception as e:
+            raise FailedPrecondition(f"NIXL could not create an agent with backends {self._backends}: {e}") from None
+        try:
+            reg_descs = agent.register_memory([(a, s, d, "") for a, s, d in mappings], mem_type)
+        except Exception as e:
+            raise FailedPrecondition(f"NIXL could not register the worker's memory ({mem_type}): {e}") from None
         try:
             dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(regions), mem_type)
         except Exception:
