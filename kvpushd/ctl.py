@@ -68,3 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(as_dict(st), indent=2) if args.json else render(st))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -297,17 +297,17 @@ class SendSide:
         t = self._transfers.get(key)
         if t is None:
             t = self._transfers[key] = _SendTransfer(reg.producer_engine_id, reg.transfer_id, now)
+        if t.consumer_tp is not None and t.consumer_tp != reg.consumer_tp_size:
+            raise InvalidArgument(
+                f"transfer {reg.transfer_id!r}: consumer TP size {reg.consumer_tp_size} differs from "
+                f"an earlier registration's {t.consumer_tp}"
+            )
         actions: list[Action] = []
         old = t.registrations.get(reg.consumer_rank)
         if old is not None:
             # A re-submitted (e.g. preempted and re-allocated) decode request replaces its old
             # registration; writes already posted into the old blocks settle on their own.
             actions += self._drop_registration(t, old, None)
-        if t.consumer_tp is not None and t.consumer_tp != reg.consumer_tp_size:
-            raise InvalidArgument(
-                f"transfer {reg.transfer_id!r}: consumer TP size {reg.consumer_tp_size} differs from "
-                f"an earlier registration's {t.consumer_tp}"
-            )
         t.consumer_tp = reg.consumer_tp_size
         t.registrations[reg.consumer_rank] = reg
         t.reg_ids[reg.consumer_rank] = reg.registration_id
@@ -349,8 +349,9 @@ class SendSide:
         reg = self._reg_by_id(t, registration_id)
         if reg is None:
             return []
-        return self._drop_registration(t, reg, None, fail_publishes=(code, f"decode side: {reason}")) + \
-            self._settle(t)
+        # SUPERSEDED: the decode worker re-registers (new blocks); its publishes must not fail.
+        fail = None if code is FailureCode.SUPERSEDED else (code, f"decode side: {reason}")
+        return self._drop_registration(t, reg, None, fail_publishes=fail) + self._settle(t)
 
     def abort(self, worker_id: str, engine_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
         """The prefill engine cancelled the request."""
@@ -397,7 +398,10 @@ class SendSide:
                 continue
             if kind == "pub":
                 pub = t.publishes.get(rank)
-                if pub is None or pub.failure is not None or self._progressing(t, pub):
+                if pub is None or pub.failure is not None:
+                    continue
+                if self._progressing(t, pub):
+                    self._arm(key, now + self.publish_timeout_s)  # look again: a target may be dropped
                     continue
                 msg = (f"no decode registration for transfer {t.transfer_id!r} within "
                        f"{self.publish_timeout_s:g}s of publish")
@@ -405,7 +409,10 @@ class SendSide:
                 self._fail_publish(t, pub, FailureCode.TIMEOUT, msg)
             else:
                 reg = t.registrations.get(rank)
-                if reg is None or any(reg.registration_id in p.legs for p in t.publishes.values()):
+                if reg is None:
+                    continue
+                if any(reg.registration_id in p.legs for p in t.publishes.values()):
+                    self._arm(key, now + self.registration_timeout_s)  # look again: a source may not come
                     continue
                 msg = (f"prefill engine {t.engine_id!r} did not publish transfer "
                        f"{t.transfer_id!r} within {self.registration_timeout_s:g}s")
@@ -439,8 +446,8 @@ class SendSide:
             if pub.failure is not None:
                 continue
             for reg in list(t.registrations.values()):
-                if reg.registration_id in pub.legs:
-                    continue
+                if reg.registration_id in pub.legs or pub.rank in t.written.get(reg.registration_id, ()):
+                    continue  # started by this publish, or written by an earlier publish of this rank
                 if reg.consumer_rank not in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
                     continue
                 problem = self._mismatch(pub, reg)
@@ -516,8 +523,8 @@ class SendSide:
                 code, reason = pub.failure
                 comp = Completion(CompletionKind.FAILED, t.transfer_id, code, reason, pub.block_ids)
             else:
-                if t.consumer_tp is None:
-                    continue
+                if t.consumer_tp is None or pub.posted():
+                    continue  # a WRITE into a replaced registration may still read the blocks
                 targets = consumer_targets(pub.rank, pub.tp_size, t.consumer_tp)
                 if not all(
                     c in t.reg_ids and pub.rank in t.written.get(t.reg_ids[c], ())
