@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - venv, install, run the local prefill/decode demo on built-in defaults
+#   make test   - the same set-up (plus a CPU vLLM venv for the connector tests), then every test
+PYTHON ?= python3
+VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvpushd-installed
+
+.PHONY: demo test venv vllm-venv lint protos clean
+
+$(STAMP): pyproject.toml client/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first (a CPU build on this machine's disk), or nixl's unpinned torch pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ./client -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvpushd demo $(DEMO_ARGS)
+
+vllm-venv:
+	bash scripts/vllm_venv.sh $(VLLM_VENV)
+
+test: $(STAMP) vllm-venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvpushd client tests scripts
+	$(VENV)/bin/mypy kvpushd
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV)
