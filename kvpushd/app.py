@@ -8,6 +8,7 @@ unmapped); a second one exits at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -58,8 +59,8 @@ class Daemon:
             self.local_server.add_insecure_port(f"unix:{sock}")
         finally:
             os.umask(old)
-        self.peer_server = grpc.aio.server(options=opts + [
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000)])
+        peer_opts = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
+        self.peer_server = grpc.aio.server(options=[*opts, *peer_opts])
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
         host, port = cfg.listen_host_port
         bound = self.peer_server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
@@ -118,9 +119,7 @@ class Daemon:
             t.cancel()
         if self.local_server is not None:
             await self.local_server.stop(grace=1.0)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             Path(self.cfg.socket_path).unlink()
-        except FileNotFoundError:
-            pass
         self.notifier.close()
         log.info("kvpushd stopped")

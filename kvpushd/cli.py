@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import sys
 
@@ -29,14 +28,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvpushd: {e}", file=sys.stderr)
         return 2
     log.setup(cfg.log.level, cfg.log.format)
-    try:
-        import uvloop
+    import uvloop
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
     try:
-        runner(Daemon(cfg).run())
+        uvloop.run(Daemon(cfg).run())
     except KvpushdError as e:
         print(f"kvpushd: {e}", file=sys.stderr)
         return 1

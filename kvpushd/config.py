@@ -19,7 +19,7 @@ from .core.errors import InvalidArgument
 def default_socket_path() -> str:
     """/run/kvpushd when we may write there (root or systemd's RuntimeDirectory), else per user."""
     run = Path("/run/kvpushd")
-    if run.is_dir() and os.access(run, os.W_OK) or os.geteuid() == 0:
+    if (run.is_dir() and os.access(run, os.W_OK)) or os.geteuid() == 0:
         return str(run / "worker.sock")
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvpushd-{os.getuid()}"
     return str(Path(base) / "kvpushd" / "worker.sock")
@@ -146,7 +146,7 @@ def _coerce(where: str, default: Any, v: Any) -> Any:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise InvalidArgument(f"config: {where} must be a list of strings")
         return tuple(v)
-    if isinstance(default, bool) or isinstance(default, str):
+    if isinstance(default, (bool, str)):
         if not isinstance(v, type(default)):
             raise InvalidArgument(f"config: {where} must be a {type(default).__name__}")
         return v

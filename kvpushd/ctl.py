@@ -19,7 +19,7 @@ def fetch(socket: str, timeout: float = 5.0) -> status_pb2.NodeStatus:
         return status_pb2_grpc.StatusServiceStub(ch).GetStatus(status_pb2.GetStatusRequest(), timeout=timeout)
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
+def _table(rows: list[list[Any]], header: list[str]) -> str:
     if not rows:
         return "  (none)"
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]

@@ -128,6 +128,17 @@ def _worker_main(role: str, sock: str, layout: Layout, seed: int, conn: Connecti
 # Orchestration
 
 
+def _rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,7 +185,7 @@ class _Demo:
         return sock, f"127.0.0.1:{port}"
 
     def run(self) -> dict[str, Any]:
-        from kvpushd_client import KVPushClient, SharedBuffer
+        from kvpushd_client import SharedBuffer
 
         a = self.args
         lay = self.layout
@@ -245,7 +256,10 @@ class _Demo:
             finished += 1
             slots.release()
 
+        rss_warm: list[int] = []
         for i in range(a.requests):
+            if i == max(1, a.requests // 10):
+                rss_warm = [_rss_kib(d.pid) for d in self.daemons]
             while not slots.acquire(timeout=0.05):
                 pending = self._reap(pending, settle)
             pending = self._reap(pending, settle)
@@ -258,7 +272,8 @@ class _Demo:
             with self.lock:
                 self.reqs[tid] = r
             pending.append(r)
-            first, second = (("decode", ("expect", tid, d_blocks, p_addr)), ("prefill", ("publish", tid, s_blocks)))
+            first: tuple[str, tuple[Any, ...]] = ("decode", ("expect", tid, d_blocks, p_addr))
+            second: tuple[str, tuple[Any, ...]] = ("prefill", ("publish", tid, s_blocks))
             if order == "publish_first":
                 first, second = second, first
             send(*first)
@@ -270,11 +285,10 @@ class _Demo:
 
             threading.Timer(delay, fire).start()
             now = time.perf_counter()
-            if not a.json or sys.stderr.isatty():
-                if now - last_progress > 0.5:
-                    last_progress = now
-                    self.log(f"  {finished}/{a.requests} done, {stats['failed']} failed, "
-                             f"{stats['bytes_moved'] / 1e9:.2f} GB moved")
+            if (not a.json or sys.stderr.isatty()) and now - last_progress > 0.5:
+                last_progress = now
+                self.log(f"  {finished}/{a.requests} done, {stats['failed']} failed, "
+                         f"{stats['bytes_moved'] / 1e9:.2f} GB moved")
         deadline = time.monotonic() + 120
         while pending and time.monotonic() < deadline:
             pending = self._reap(pending, settle)
@@ -285,6 +299,7 @@ class _Demo:
         wall = time.perf_counter() - t0
         outside = int(np.count_nonzero(dst != POISON))  # everything was freed: all must be poison
         stats["mismatched_bytes"] += outside
+        rss_end = [_rss_kib(d.pid) for d in self.daemons]
         from kvpushd.ctl import fetch
 
         p_status = fetch(p_sock)
@@ -292,11 +307,13 @@ class _Demo:
             send(role, ("stop",))
         for pr in procs:
             pr.join(30)
-        del src, dst
-        src_buf.close(unlink=False)
+        src_buf.close(unlink=False)  # the workers unlink; views into the maps die with this process
         dst_buf.close(unlink=False)
         lat.sort()
-        pct = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 3) if lat else None)
+
+        def pct(q: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 3) if lat else None
+
         return {
             "requests": a.requests, **stats, "bytes_outside_requests": outside,
             "arrival_orders": orders, "prompt_tokens": a.prompt_tokens, "blocks_per_request": self.bpr,
@@ -305,6 +322,10 @@ class _Demo:
             "second_arrival_to_received_ms": {"p50": pct(0.5), "p99": pct(0.99)},
             "descriptors_requested": p_status.counters.descriptors_requested,
             "descriptors_posted": p_status.counters.descriptors_posted,
+            # The daemons' memory must not grow with the number of requests served.
+            "daemon_rss_kib": {name: {"after_warmup": w, "end": e}
+                               for name, w, e in zip(("prefill", "decode"), rss_warm or rss_end, rss_end,
+                                                     strict=True)},
             "workdir": self.workdir,
         }
 

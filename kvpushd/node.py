@@ -33,8 +33,8 @@ from .core.errors import (
 from .core.rendezvous import (
     Action,
     Deliver,
-    Registration,
     RecvSide,
+    Registration,
     SendFailNotice,
     SendRegister,
     SendSide,
@@ -166,7 +166,7 @@ class Node:
             for w in list(self.workers.values()):
                 if not w.session_open and now - w.attached_at > grace:
                     log.warning("worker never opened its session; detaching", worker_id=w.worker_id)
-                    await self.detach(w.worker_id, FailureCode.WORKER_GONE)
+                    await self.detach(w.worker_id, "no session opened")
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking new transfers; wait (bounded) for what is in flight; release all memory."""
@@ -175,7 +175,7 @@ class Node:
         while (len(self.send) or len(self.recv)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for wid in list(self.workers):
-            await self.detach(wid, FailureCode.SHUTDOWN)
+            await self.detach(wid, "daemon shutting down")
         for p in self.peers.values():
             await p.close()
         if self.xfer is not None:
@@ -291,9 +291,9 @@ class Node:
         finally:
             if not w.gone:
                 log.info("worker session ended; detaching", worker_id=worker_id)
-                await self.detach(worker_id, FailureCode.WORKER_GONE)
+                await self.detach(worker_id, "session ended")
 
-    async def detach(self, worker_id: str, why: FailureCode = FailureCode.WORKER_GONE) -> None:
+    async def detach(self, worker_id: str, why: str) -> None:
         w = self.workers.get(worker_id)
         if w is None or w.gone:
             return
@@ -308,7 +308,7 @@ class Node:
             for m in w.mappings:
                 m.close()
             del self.workers[worker_id]
-            log.info("worker detached", worker_id=worker_id, reason=why.name)
+            log.info("worker detached", worker_id=worker_id, reason=why)
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
 

@@ -44,8 +44,8 @@ class PeerClient:
     def __init__(self, address: str, node: Node) -> None:
         self.address = address
         self.node = node
-        opts = KEEPALIVE + [("grpc.max_receive_message_length", node.cfg.peer_api.max_message_bytes),
-                            ("grpc.max_send_message_length", node.cfg.peer_api.max_message_bytes)]
+        size = node.cfg.peer_api.max_message_bytes
+        opts = [*KEEPALIVE, ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
         self.channel = grpc.aio.insecure_channel(address, options=opts)
         self.stub = peer_pb2_grpc.PeerServiceStub(self.channel)
         self.remote_node_id = ""
@@ -102,8 +102,9 @@ class PeerClient:
             try:
                 return await getattr(self.stub, method)(req, timeout=timeout)
             except grpc.aio.AioRpcError as e:
-                if e.code() is grpc.StatusCode.FAILED_PRECONDITION and "handshake first" in (e.details() or "") \
-                        and attempt == 0:
+                forgot_us = e.code() is grpc.StatusCode.FAILED_PRECONDITION and "handshake first" in (
+                    e.details() or "")
+                if forgot_us and attempt == 0:
                     await self._handshake(force=True)
                     continue
                 self._broken(e)

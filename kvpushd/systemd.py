@@ -168,7 +168,7 @@ class SdNotifier:
                     self._sock = sock
                 self._sock.sendto(data, socket.MSG_NOSIGNAL, address)
         # A notify failure must never crash the daemon: catch everything.
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log_fn = log.debug if self._failing else log.warning
             self._failing = True
             log_fn(
@@ -194,10 +194,7 @@ class SdNotifier:
             return False
         lines: list[str] = []
         for key, value in fields.items():
-            if isinstance(value, bool):
-                text = "1" if value else "0"
-            else:
-                text = str(value).translate(_NEWLINE_TRANSLATION)
+            text = ("1" if value else "0") if isinstance(value, bool) else str(value).translate(_NEWLINE_TRANSLATION)
             lines.append(f"{key.upper()}={text}")
         return self.send("\n".join(lines))
 

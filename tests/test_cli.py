@@ -12,7 +12,7 @@ from conftest import attach_pair
 def test_kvpushctl_status(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
-    pw, dw = attach_pair(p, d, src, dst)
+    _pw, dw = attach_pair(p, d, src, dst)
     dw.expect("pending-one", [1, 2, 3], p.peer_address, "prefill", 1)
     out = subprocess.run([sys.executable, "-m", "kvpushd.ctl", "--socket", d.sock, "status", "--json"],
                          capture_output=True, text=True, timeout=60)

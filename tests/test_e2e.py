@@ -6,9 +6,8 @@ import random
 import threading
 
 import numpy as np
-from kvpushd_client import CompletionKind, Role
-
 from conftest import KV, POISON, attach_pair, make_kv, wait_for
+from kvpushd_client import CompletionKind, Role
 
 
 def check_blocks(src: KV, dst: KV, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -88,7 +87,7 @@ def test_many_concurrent_requests_both_orders(daemon_pair) -> None:
             recv[c.transfer_id] = c
         assert {c.kind for c in recv.values()} == {CompletionKind.FINISHED_RECEIVING}
         assert {c.kind for c in sent.values()} == {CompletionKind.FINISHED_SENDING}
-        for tid, s_blocks, d_blocks, _ in reqs:
+        for _tid, s_blocks, d_blocks, _ in reqs:
             check_blocks(src, dst, s_blocks, d_blocks)
         check_poison_elsewhere(dst, set(dst_perm))
         assert {r[3] for r in reqs} == {True, False}
@@ -131,7 +130,7 @@ def test_partial_prefix_hit_writes_only_the_tail(daemon_pair, kv_pair) -> None:
 def test_kv_both_role_and_publish_timeout(workdir, kv_pair) -> None:
     from conftest import start_daemon
 
-    src, dst = kv_pair
+    src, _dst = kv_pair
     p = start_daemon(workdir, "short", "[transfer]\npublish_timeout_s = 0.3\nexpect_timeout_s = 0.3\n")
     try:
         w = p.client.attach("both", Role.BOTH, 0, 1, [src.buf.memory], src.region_list)
@@ -154,9 +153,50 @@ def test_sigterm_releases_everything(workdir, kv_pair) -> None:
     p = start_daemon(workdir, "term")
     p.client.attach("e", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     pid = p.proc.pid
-    maps_before = open(f"/proc/{pid}/maps").read()
+    with open(f"/proc/{pid}/maps") as f:
+        maps_before = f.read()
     assert src.buf.name in maps_before  # the daemon maps the worker's memory
     p.client.close()
     assert p.stop() == 0
     assert "kvpushd stopped" in p.logs()
     assert not (workdir / "term.sock").exists()
+
+
+WORKER_SCRIPT = r"""
+import sys, time
+from kvpushd_client import KVPushClient, Region, Role, ShmMemory
+sock, name, size, peer = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+c = KVPushClient(sock)
+w = c.attach("decode", Role.CONSUMER, 0, 1, [ShmMemory(name, size)], [Region(0, 0, 64, 4096)])
+w.expect("orphan", [1, 2], peer, "prefill", 1)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_worker_is_detached_and_its_transfers_end(daemon_pair, kv_pair) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, d.sock, dst.buf.name, str(dst.buf.size),
+                             p.peer_address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert wait_for(lambda: any(t.transfer_id == "orphan" for t in p.client.status().transfers))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # the decode daemon notices the session's end, detaches, and withdraws the registration
+        assert wait_for(lambda: not d.client.status().workers and not d.client.status().transfers)
+        assert wait_for(lambda: not p.client.status().transfers)
+        maps = open(f"/proc/{d.proc.pid}/maps").read()  # noqa: SIM115
+        assert dst.buf.name not in maps, "the dead worker's memory is still mapped"
+        # a publish for the withdrawn transfer now waits for a registration that will not come,
+        # and the prefill side is not harmed
+        pw.publish("after", [1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()

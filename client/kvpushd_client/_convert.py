@@ -19,6 +19,14 @@ from .types import (
     ShmMemory,
 )
 
+# A local daemon that restarts is back within a second: reconnect quickly instead of gRPC's
+# default exponential backoff (which reaches tens of seconds).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
                    regions: Sequence[Region], pp_rank: int, description: str) -> worker_pb2.AttachRequest:

@@ -17,7 +17,7 @@ class AsyncKVPushClient:
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
+        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}", options=_convert.CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.status_stub = status_pb2_grpc.StatusServiceStub(self.channel)
 

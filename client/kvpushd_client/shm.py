@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -35,12 +36,8 @@ class SharedBuffer:
         return ShmMemory(self.name, self.size)
 
     def close(self, unlink: bool | None = None) -> None:
-        try:
+        with contextlib.suppress(BufferError):  # views still exported: the map goes with the process
             self.mmap.close()
-        except BufferError:
-            pass  # views still exported; the mapping goes away with the process
         if unlink if unlink is not None else self.created:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{self.name}")
-            except FileNotFoundError:
-                pass

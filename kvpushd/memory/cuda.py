@@ -49,7 +49,7 @@ class CudaIpcMapping:
         self.device_id = gpu_ordinal(gpu_uuid)
         try:
             with torch.cuda.device(self.device_id):
-                self._storage: Any = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                self._storage: Any = torch.UntypedStorage._new_shared_cuda(
                     self.device_id, ipc_handle, size, storage_offset,
                     ref_counter_handle or None, ref_counter_offset,
                     event_handle or None, event_sync_required,

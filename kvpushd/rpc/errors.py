@@ -29,7 +29,7 @@ R = TypeVar("R")
 def code_for(exc: E.KvpushdError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in CODES:
-            return CODES[cls]  # type: ignore[index]
+            return CODES[cls]
     return grpc.StatusCode.UNKNOWN
 
 

@@ -56,5 +56,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @unary
     async def Detach(self, request: worker_pb2.DetachRequest, context: Ctx) -> worker_pb2.DetachResponse:
         self.node.worker(request.worker_id)
-        await self.node.detach(request.worker_id)
+        await self.node.detach(request.worker_id, "detached by the worker")
         return worker_pb2.DetachResponse()
