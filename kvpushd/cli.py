@@ -30,6 +30,10 @@ def _serve(args: argparse.Namespace) -> int:
     log.setup(cfg.log.level, cfg.log.format)
     import uvloop
 
+    # The event loop and the NIXL thread share the GIL; a waiting thread gets it back only after
+    # the switch interval (5 ms by default), which would throttle transfer progress and add
+    # milliseconds to every completion.
+    sys.setswitchinterval(0.0002)
     try:
         uvloop.run(Daemon(cfg).run())
     except KvpushdError as e:

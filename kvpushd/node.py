@@ -417,6 +417,8 @@ class Node:
                 self.counters.bytes_written += r.nbytes
                 self.counters.descriptors_requested += r.descs_requested
                 self.counters.descriptors_posted += r.descs_posted
+            log.debug("write done", transfer_id=r.leg.transfer_id, ok=r.ok, post_us=round(r.post_s * 1e6),
+                      xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
             actions += self.send.write_done(r.leg, r.ok, r.reason)
         self._run(actions)
 
@@ -430,7 +432,7 @@ class Node:
 
     def _update_expecting(self) -> None:
         if self.xfer is not None:
-            self.xfer.expecting = len(self.recv)
+            self.xfer.set_expecting(len(self.recv))
 
     def peer(self, address: str) -> PeerClient:
         p = self.peers.get(address)

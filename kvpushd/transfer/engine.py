@@ -152,7 +152,7 @@ class TransferThread:
         self._locals: dict[str, _Local] = {}
         self._inflight: list[_Inflight] = []
         self._drained: list[tuple[str, Future[None]]] = []
-        self.expecting = 0  # set by the loop: number of receives waiting for notifications
+        self.expecting = 0  # number of receives waiting for notifications (set_expecting)
         self.stray_notifications = 0
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
@@ -221,9 +221,12 @@ class TransferThread:
         t0 = time.perf_counter()
         self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0))
 
-    def agent_info(self, worker_id: str) -> asyncio.Future[dict[str, str]]:
-        return asyncio.wrap_future(self._call(lambda: {
-            "backends": ",".join(self._locals[worker_id].agent.backends) if worker_id in self._locals else ""}))
+    def set_expecting(self, n: int) -> None:
+        """The loop says how many receives wait for notifications; wakes the thread from idle."""
+        was = self.expecting
+        self.expecting = n
+        if n > 0 and was == 0:
+            self._q.put(_wake)
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -428,6 +431,10 @@ class TransferThread:
 
 
 _NOOP: Any = object()
+
+
+def _wake() -> None:
+    """A command that does nothing: it ends an idle wait so polling starts at once."""
 
 
 def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
