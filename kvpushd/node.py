@@ -171,9 +171,13 @@ class Node:
     async def drain(self, timeout_s: float) -> None:
         """Stop taking new transfers; wait (bounded) for what is in flight; release all memory."""
         self.draining = True
+        why = f"daemon {self.node_id} is shutting down"
+        self._run(self.send.shutdown(why) + self.recv.shutdown(why))
+        self._update_expecting()
         deadline = time.monotonic() + timeout_s
-        while (len(self.send) or len(self.recv)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        # What is left are WRITEs in flight (and notices to peers): let them finish, bounded.
+        while (len(self.send) or self._tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         for wid in list(self.workers):
             await self.detach(wid, "daemon shutting down")
         for p in self.peers.values():

@@ -200,3 +200,18 @@ def test_killed_worker_is_detached_and_its_transfers_end(daemon_pair, kv_pair) -
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_fails_pending_transfers_on_both_sides(daemon_pair, kv_pair) -> None:
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    dw.expect("waits-for-prefill", [1, 2], p.peer_address, "prefill", 1)
+    pw.publish("waits-for-decode", [3])
+    assert wait_for(lambda: len(p.client.status().transfers) == 2)
+    assert p.stop() == 0  # drains: nothing is in flight, so it does not wait for the timeout
+    c = pw.next_completion(5)
+    assert c is not None and c.kind is CompletionKind.FAILED and c.code == "SHUTDOWN"
+    c = dw.next_completion(10)  # the prefill daemon's notice reaches the decode side
+    assert c is not None and c.kind is CompletionKind.FAILED and c.code == "SHUTDOWN" and c.block_ids == (1, 2)
+    assert wait_for(lambda: not d.client.status().transfers)

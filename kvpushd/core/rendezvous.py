@@ -385,6 +385,18 @@ class SendSide:
             actions += self._settle(t)
         return actions
 
+    def shutdown(self, reason: str) -> list[Action]:
+        """The daemon is stopping: everything not yet written fails now; WRITEs in flight settle."""
+        actions: list[Action] = []
+        for t in list(self._transfers.values()):
+            for pub in list(t.publishes.values()):
+                actions += self._fail_targets(t, pub, FailureCode.SHUTDOWN, reason)
+                self._fail_publish(t, pub, FailureCode.SHUTDOWN, reason)
+            for reg in list(t.registrations.values()):
+                actions += self._drop_registration(t, reg, (FailureCode.SHUTDOWN, reason))
+            actions += self._settle(t)
+        return actions
+
     def tick(self, now: float) -> list[Action]:
         """Expire publishes and registrations whose deadline passed without progress."""
         actions: list[Action] = []
@@ -711,6 +723,16 @@ class RecvSide:
             self._remove(r)
             actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
                                         FailureCode.WORKER_GONE, "decode worker is gone"))
+        return actions
+
+    def shutdown(self, reason: str) -> list[Action]:
+        """The daemon is stopping: every receive fails now, and its registration is withdrawn."""
+        actions: list[Action] = []
+        for r in list(self._by_reg.values()):
+            self._remove(r)
+            actions.append(self._fail(r, FailureCode.SHUTDOWN, reason))
+            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
+                                        FailureCode.SHUTDOWN, reason))
         return actions
 
     def producer_lost(self, producer_address: str, code: FailureCode, reason: str) -> list[Action]:
