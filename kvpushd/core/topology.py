@@ -36,3 +36,21 @@ def producer_sources(consumer_rank: int, producer_tp: int, consumer_tp: int) -> 
         return range(consumer_rank * k, (consumer_rank + 1) * k)
     k = consumer_tp // producer_tp
     return range(consumer_rank // k, consumer_rank // k + 1)
+
+
+def block_parts(producer_rank: int, producer_tp: int, consumer_rank: int,
+                consumer_tp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Which slice of a block each side of one WRITE covers, for vLLM's HND layout.
+
+    In HND (heads, tokens, head dim) a block holds its rank's KV heads contiguously, so a rank's
+    share of a bigger block is a contiguous slice. Returns ((src_parts, src_index),
+    (dst_parts, dst_index)): the WRITE moves slice src_index of src_parts from each source block
+    into slice dst_index of dst_parts of the matching destination block.
+    """
+    if producer_tp == consumer_tp:
+        return (1, 0), (1, 0)
+    if producer_tp > consumer_tp:  # decode gathers k producer ranks' heads into one block
+        k = producer_tp // consumer_tp
+        return (1, 0), (k, producer_rank % k)
+    k = consumer_tp // producer_tp  # decode ranks each take 1/k of the producer's heads
+    return (k, consumer_rank % k), (1, 0)

@@ -69,16 +69,23 @@ class WriteResult:
     descs_posted: int
 
 
-def block_descs(regions: Sequence[RegionSpec]) -> npt.NDArray[np.uint64]:
-    """Nx3 (addr, len, device) for every block of every region, region-major."""
-    parts = []
+Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
+WHOLE: Part = (1, 0)
+
+
+def block_descs(regions: Sequence[RegionSpec], part: Part = WHOLE) -> npt.NDArray[np.uint64]:
+    """Nx3 (addr, len, device) for one slice of every block of every region, region-major."""
+    k, j = part
+    out = []
     for r in regions:
+        step = r.block_len // k
         d = np.empty((r.num_blocks, 3), dtype=np.uint64)
-        d[:, 0] = np.uint64(r.addr) + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_stride)
-        d[:, 1] = r.block_len
+        d[:, 0] = (np.uint64(r.addr + j * step)
+                   + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_stride))
+        d[:, 1] = step
         d[:, 2] = r.device_id
-        parts.append(d)
-    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+        out.append(d)
+    return np.concatenate(out) if out else np.empty((0, 3), dtype=np.uint64)
 
 
 def region_bases(regions: Sequence[RegionSpec]) -> IntArray:
@@ -93,7 +100,7 @@ def leg_indices(bases: IntArray, blocks: IntArray) -> npt.NDArray[np.int32]:
 
 
 def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
-                 dst: IntArray) -> int:
+                 dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> int:
     """Descriptors after merging runs of blocks adjacent on both sides (per region)."""
     if len(src) == 0:
         return 0
@@ -101,7 +108,8 @@ def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src:
     runs = int(len(src) - np.count_nonzero(cont))
     total = 0
     for lr, rr in zip(local, remote, strict=True):
-        dense = lr.block_stride == lr.block_len and rr.block_stride == rr.block_len
+        dense = (lr.block_stride == lr.block_len and rr.block_stride == rr.block_len
+                 and src_part == WHOLE and dst_part == WHOLE)
         total += runs if dense else len(src)
     return total
 
@@ -116,7 +124,10 @@ class _Local:
     dlist: Any
     bases: IntArray
     receives: bool
-    remotes: dict[str, tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
+    # (remote agent, slice) -> (prepared list, region bases, regions)
+    remotes: dict[tuple[str, Part], tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
+    slices: dict[Part, Any] = field(default_factory=dict)  # local lists of block slices (hetero TP)
+    loaded: set[str] = field(default_factory=set)  # remote agents whose metadata is loaded
     inflight: int = 0
 
 
@@ -216,10 +227,10 @@ class TransferThread:
         return asyncio.wrap_future(fut)
 
     def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
-                   dst: Sequence[int], notif: bytes) -> None:
+                   dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
         """Queue a WRITE; its WriteResult comes back through on_write_done."""
         t0 = time.perf_counter()
-        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0))
+        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part))
 
     def set_expecting(self, n: int) -> None:
         """The loop says how many receives wait for notifications; wakes the thread from idle."""
@@ -293,29 +304,43 @@ class TransferThread:
                                          region_bases(regions), receives)
         return bytes(agent.get_agent_metadata())
 
-    def _remote_view(self, loc: _Local, remote: RemoteAgent) -> tuple[Any, IntArray, tuple[RegionSpec, ...]]:
-        view = loc.remotes.get(remote.name)
+    def _remote_view(self, loc: _Local, remote: RemoteAgent,
+                     part: Part) -> tuple[Any, IntArray, tuple[RegionSpec, ...]]:
+        """The consumer's descriptor list in this producer agent, prepared once per slice."""
+        view = loc.remotes.get((remote.name, part))
         if view is None:
-            loc.agent.add_remote_agent(remote.metadata)
-            dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions), remote.mem_type)
-            view = loc.remotes[remote.name] = (dlist, region_bases(remote.regions), remote.regions)
+            if remote.name not in loc.loaded:
+                loc.agent.add_remote_agent(remote.metadata)
+                loc.loaded.add(remote.name)
+            dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions, part), remote.mem_type)
+            view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions), remote.regions)
         return view
+
+    def _local_list(self, loc: _Local, part: Part) -> Any:
+        if part == WHOLE:
+            return loc.dlist
+        dlist = loc.slices.get(part)
+        if dlist is None:
+            dlist = loc.slices[part] = loc.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(loc.regions, part),
+                                                                 loc.mem_type)
+        return dlist
 
     def forget_remote(self, name: str) -> None:
         """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
         def run() -> None:
             for loc in self._locals.values():
-                view = loc.remotes.pop(name, None)
-                if view is not None:
-                    try:
-                        view[0].release()
+                try:
+                    for key in [k for k in loc.remotes if k[0] == name]:
+                        loc.remotes.pop(key)[0].release()
+                    if name in loc.loaded:
+                        loc.loaded.discard(name)
                         loc.agent.remove_remote_agent(name)
-                    except Exception:
-                        log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
+                except Exception:
+                    log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
         self._q.put(run)
 
     def _post(self, leg: LegKey, worker_id: str, src_l: Sequence[int], remote: RemoteAgent,
-              dst_l: Sequence[int], notif: bytes, t0: float) -> None:
+              dst_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
         src = np.asarray(src_l, dtype=np.int64)
         dst = np.asarray(dst_l, dtype=np.int64)
 
@@ -326,8 +351,9 @@ class TransferThread:
         if loc is None:
             return fail("producer worker detached")
         try:
-            dlist, rbases, rregions = self._remote_view(loc, remote)
-            check_layouts(loc.regions, rregions, src, dst)
+            check_layouts(loc.regions, remote.regions, src, dst, src_part, dst_part)
+            dlist, rbases, rregions = self._remote_view(loc, remote, dst_part)
+            ldlist = self._local_list(loc, src_part)
         except InvalidArgument as e:
             return fail(str(e))
         except Exception as e:
@@ -335,16 +361,16 @@ class TransferThread:
             return fail(f"cannot prepare remote descriptors: {e}")
         lidx = leg_indices(loc.bases, src)
         ridx = leg_indices(rbases, dst)
-        nbytes = int(sum(r.block_len for r in loc.regions)) * len(src)
+        nbytes = int(sum(r.block_len // src_part[0] for r in loc.regions)) * len(src)
         try:
-            handle = loc.agent.make_prepped_xfer("WRITE", loc.dlist, lidx, dlist, ridx, notif)
+            handle = loc.agent.make_prepped_xfer("WRITE", ldlist, lidx, dlist, ridx, notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
             log.warning("posting WRITE failed", transfer_id=leg.transfer_id, exc_info=True)
             return fail(f"NIXL could not post the WRITE: {e}")
         t_post = time.perf_counter()
         res = WriteResult(leg, True, "", nbytes, t_post - t0, 0.0, len(lidx),
-                          merged_count(loc.regions, rregions, src, dst))
+                          merged_count(loc.regions, rregions, src, dst, src_part, dst_part))
         if state == "ERR":
             handle.release()
             return fail("NIXL returned ERR when posting the WRITE")
@@ -419,6 +445,8 @@ class TransferThread:
             self._poll_notifs_of(loc)
         for dlist, _, _ in loc.remotes.values():
             dlist.release()
+        for dlist in loc.slices.values():
+            dlist.release()
         loc.dlist.release()
         loc.agent.deregister_memory(loc.reg_descs)
         del loc.agent
@@ -438,16 +466,17 @@ def _wake() -> None:
 
 
 def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
-                  dst: IntArray) -> None:
-    """Same-TP layouts must match region for region; ids must be inside both sides' regions."""
+                  dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
+    """Layouts must match region for region (slice for slice across TP sizes); ids in range."""
     if len(local) != len(remote):
         raise InvalidArgument(
             f"layout mismatch: producer has {len(local)} regions, consumer has {len(remote)}")
     for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
-        if lr.block_len != rr.block_len:
+        if lr.block_len % src_part[0] or rr.block_len % dst_part[0] or \
+                lr.block_len // src_part[0] != rr.block_len // dst_part[0]:
             raise InvalidArgument(
-                f"layout mismatch in region {i}: producer block_len {lr.block_len}, "
-                f"consumer block_len {rr.block_len}")
+                f"layout mismatch in region {i}: producer block_len {lr.block_len} (1/{src_part[0]} per WRITE), "
+                f"consumer block_len {rr.block_len} (1/{dst_part[0]} per WRITE)")
     if len(src) != len(dst):
         raise InvalidArgument(f"block lists of unequal length: {len(src)} source, {len(dst)} destination")
     if len(src) and (src.min() < 0 or src.max() >= min(r.num_blocks for r in local)):
