@@ -25,6 +25,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from .errors import AlreadyExists, InvalidArgument
 from .topology import check_tp_pair, consumer_targets, producer_sources
@@ -218,6 +219,10 @@ class SendSide:
     def next_deadline(self) -> float | None:
         return self._deadlines.next(self._valid)
 
+    def origins(self) -> set[str]:
+        """Decode daemons that hold registrations here (they must keep sending heartbeats)."""
+        return {r.origin for t in self._transfers.values() for r in t.registrations.values()}
+
     def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
         t = self._transfers.get((engine_id, transfer_id))
         return t is not None and rank in t.publishes
@@ -404,7 +409,7 @@ class SendSide:
             if self._valid.get(key) != when:
                 continue
             del self._valid[key]
-            kind, tkey, rank = key  # type: ignore[misc]
+            kind, tkey, rank = cast(tuple[str, tuple[str, str], int], key)
             t = self._transfers.get(tkey)
             if t is None:
                 continue
@@ -619,6 +624,10 @@ class RecvSide:
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next(self._valid)
+
+    def producer_addresses(self) -> set[str]:
+        """Prefill daemons that pending receives wait on (we send them heartbeats)."""
+        return {r.producer_address for r in self._by_reg.values()}
 
     def get(self, registration_id: int) -> tuple[str, str] | None:
         r = self._by_reg.get(registration_id)
