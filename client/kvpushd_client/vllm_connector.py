@@ -70,6 +70,8 @@ logger = init_logger("vllm.kvpushd_connector")
 DEFAULT_SOCKET = "/run/kvpushd/worker.sock"
 _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 _MAX_REGIONS = 4096  # the daemon's limit per worker
+# Call outcomes that do not say whether the daemon acted on the call.
+_UNSURE = frozenset({"DEADLINE_EXCEEDED", "UNKNOWN", "INTERNAL"})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,7 +321,7 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_sh
         else:
             raise NotImplementedError(f"kvpushd: {what} is on {t.device}; only CUDA and host KV are supported")
         mi = index[key]
-        first = base + t.storage_offset() * t.element_size()
+        first = base + int(t.storage_offset()) * t.element_size()
         for off, nb, blen, bstride in _block_regions(t, num_blocks, what):
             r = (mi, first + off, nb, blen, bstride)
             if r not in seen:  # layers sharing one cache (KV sharing) transfer once
@@ -375,9 +377,7 @@ class _SchedulerSide:
         if num_external_tokens <= 0:
             return
         groups = blocks.get_unhashed_block_ids_all_groups()
-        block_ids = tuple(groups[0]) if groups else ()
-        if not block_ids:
-            return
+        block_ids = tuple(groups[0]) if groups else ()  # empty: the worker reports it done at once
         tid = transfer_id_for(request.request_id, params)
         self._expects.append(ExpectReq(
             request.request_id, tid, block_ids, producer_address(params),
@@ -426,7 +426,7 @@ class _SchedulerSide:
         """This node's daemon peer address (asked once; what decode uses as remote_host/port)."""
         if self._peer is None and time.monotonic() >= self._peer_next_try:
             try:
-                with KVPushClient(self.settings.socket, timeout_s=2.0) as c:
+                with KVPushClient(self.settings.socket, timeout_s=1.0) as c:
                     self._peer = split_host_port(c.status().peer_address)
             except (KVPushError, ValueError) as e:
                 self._peer_next_try = time.monotonic() + 30.0
@@ -716,13 +716,19 @@ class _WorkerSide:
             assert pend.op is not None
             if self.link.cancel(pend.op):
                 self._finish(pend, ok=True, why="aborted before the daemon saw it")
-            else:
-                self.link.submit(_Op("abort", pend, target_epoch=pend.op.epoch))
+            elif pend.op.epoch is not None:
+                self._link_abort(pend, pend.op.epoch)
 
     def _start(self, recv: bool, req: ExpectReq | PublishReq, by_req: dict[str, _Pending],
                by_tid: dict[str, _Pending], kind: str) -> None:
         pend = _Pending(recv, req)
-        if req.req_id in by_req or req.transfer_id in by_tid:
+        if not req.block_ids:
+            self._finish(pend, ok=True, tracked=False)  # nothing to move (vLLM allocated no new block)
+            return
+        if req.req_id in by_req:
+            logger.error("kvpushd: request %s was handed to this worker twice; ignoring the repeat", req.req_id)
+            return
+        if req.transfer_id in by_tid:
             self._finish(pend, ok=False, why=f"transfer id {req.transfer_id!r} is already in use on this worker",
                          tracked=False)
             return
@@ -792,8 +798,15 @@ class _WorkerSide:
             elif ev[0] == "op_failed":
                 op, err = ev[1], ev[2]
                 pend = op.pending
+                if op.kind != "abort" and op.epoch is not None and err.code in _UNSURE:
+                    # The daemon may have taken the call after all: make sure it lets go of the
+                    # blocks vLLM is about to free (best effort, same attachment only).
+                    self._link_abort(pend, op.epoch)
                 if pend.op is op or op.kind == "abort":
                     self._finish(pend, ok=pend.aborted, why=f"daemon call {op.kind} failed: {err}")
+
+    def _link_abort(self, pend: _Pending, epoch: int) -> None:
+        self.link.submit(_Op("abort", pend, target_epoch=epoch))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Sends exist only for requests vLLM already finished (request_finished published them), so
@@ -857,6 +870,11 @@ class KVPushdConnector(KVConnectorBase_V1):
         else:
             self._worker = _WorkerSide(vllm_config, kv_cache_config, self.engine_id, _ROLES[kvt.kv_role],
                                        self.settings)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: the daemon holds CUDA IPC mappings of the KV, which sleep mode would unmap."""
+        return False
 
     # scheduler side ------------------------------------------------------------------------------
     @property

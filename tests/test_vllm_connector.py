@@ -1,0 +1,534 @@
+"""KVPushdConnector inside vLLM 0.33.0: its own Scheduler, real worker-side calls, real daemons.
+
+Runs with the vLLM venv (``bash scripts/vllm_venv.sh``; ``make test`` does both)::
+
+    KVPUSHD_PYTHON=.venv/bin/python .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
+        tests/test_vllm_connector.py
+
+Daemons run under ``KVPUSHD_PYTHON`` (the vLLM venv has no nixl). Under an interpreter without vLLM
+the module is skipped; the clean-venv install check runs in the vLLM run only, so once per make test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+pytest.importorskip("vllm", reason="needs vLLM 0.33.0: run with the venv scripts/vllm_venv.sh builds")
+
+import torch
+import vllm_support as vs
+from kvpushd_client import vllm_connector
+from kvpushd_client.vllm_connector import (
+    ExpectReq,
+    KVPushdConnector,
+    KVPushdConnectorMetadata,
+    PublishReq,
+    describe_kv_caches,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import RequestStatus
+
+P_ENGINE = "prefill-engine-001"
+D_ENGINE = "decode-engine-001"
+POISON = -7.0
+DAEMON_CONFIG = "[transfer]\npublish_timeout_s = 3.0\nexpect_timeout_s = 60.0\ndrain_timeout_s = 3.0\n"
+
+
+def x_request_id() -> str:
+    return str(uuid.uuid4())
+
+
+def engine_request_id(x: str) -> str:
+    """vLLM's internal id for a completion: cmpl-<X-Request-Id>-<i>-<8 random hex>."""
+    return f"cmpl-{x}-0-{uuid.uuid4().hex[:8]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvpushd-vllm-") as d:
+        yield Path(d)
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir: Path) -> Path:
+    d = workdir / "tiny-llama"
+    d.mkdir()
+    return vs.write_tiny_llama(d)
+
+
+@pytest.fixture(scope="module")
+def daemons(workdir: Path) -> Iterator[tuple[vs.Daemon, vs.Daemon]]:
+    """A prefill-node daemon and a decode-node daemon, started together."""
+    p = vs.spawn_daemon(workdir, "pnode", DAEMON_CONFIG)
+    d = vs.spawn_daemon(workdir, "dnode", DAEMON_CONFIG)
+    try:
+        p.wait_ready()
+        d.wait_ready()
+    except BaseException:
+        p.stop()
+        d.stop()
+        raise
+    yield p, d
+    rcs = [(x, x.stop()) for x in (p, d)]
+    for x, rc in rcs:
+        assert rc == 0, f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduler side: vLLM's own Scheduler with the connector loaded by module path
+
+
+def test_decode_request_waits_for_remote_kv(model_dir: Path) -> None:
+    cfg = vs.make_vllm_config(model_dir, "kv_consumer", D_ENGINE, "/nonexistent/kvpushd.sock")
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    assert type(s.connector).__name__ == "KVPushdConnector"
+    start_free = vs.num_free_blocks(s)
+    x = x_request_id()
+    req = vs.create_request(engine_request_id(x), 40, 3, vs.decode_params(P_ENGINE, "10.0.0.1:7700", x, 2), 16)
+    rid = req.request_id
+    s.add_request(req)
+
+    so = s.schedule()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert so.total_num_scheduled_tokens == 0 and req.num_computed_tokens == 40
+    meta = so.kv_connector_metadata
+    assert isinstance(meta, KVPushdConnectorMetadata) and not meta.publishes and not meta.aborts
+    (e,) = meta.expects
+    (allocated,) = s.kv_cache_manager.get_block_ids(rid)
+    assert e == ExpectReq(rid, f"cmpl-{x}-0", tuple(allocated), "10.0.0.1:7700", P_ENGINE, 2)
+    assert len(allocated) == 3 and vs.num_free_blocks(s) == start_free - 3
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # marks the registration as shipped
+    s.update_from_output(so, vs.model_output([]))
+
+    so = s.schedule()  # still waiting: nothing shipped twice
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not so.kv_connector_metadata.expects
+    s.update_from_output(so, vs.model_output([], vs.kv_output(finished_recving={rid})))
+
+    so = s.schedule()  # the KV is there: update_state_after_alloc runs again, registers nothing
+    assert req.status == RequestStatus.RUNNING and so.num_scheduled_tokens[rid] == 1
+    assert not so.kv_connector_metadata.expects
+    s.update_from_output(so, vs.model_output([req]))
+    so = s.schedule()
+    outs = s.update_from_output(so, vs.model_output([req], eos=True))
+    assert outs[0].outputs[0].finish_reason is not None and req.is_finished()
+    so = s.schedule()
+    s.update_from_output(so, vs.model_output([]))
+    vs.assert_scheduler_empty(s)
+    assert vs.num_free_blocks(s) == start_free
+    assert not s.connector.has_pending_push_work()
+
+
+def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    p, _ = daemons
+    cfg = vs.make_vllm_config(model_dir, "kv_producer", P_ENGINE, p.sock)
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    start_free = vs.num_free_blocks(s)
+    x = x_request_id()
+    req = vs.create_request(engine_request_id(x), 40, 1, vs.prefill_params(), 16)
+    rid = req.request_id
+    s.add_request(req)
+
+    so = s.schedule()
+    (blocks,) = s.kv_cache_manager.get_block_ids(rid)
+    outs = s.update_from_output(so, vs.model_output([req]))
+    params = outs[0].outputs[0].kv_transfer_params
+    host, port = p.peer_address.rsplit(":", 1)
+    assert params["remote_host"] == host and params["remote_port"] == int(port)  # the daemon, not NIXL
+    assert params["remote_engine_id"] == P_ENGINE and params["tp_size"] == 1 and params["pp_size"] == 1
+    assert params["do_remote_prefill"] is True and params["transfer_mode"] == "push"
+    assert params["transfer_id"] == f"cmpl-{x}-0"
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert rid in s.requests and vs.num_free_blocks(s) == start_free - len(blocks)  # held
+    assert s.has_requests() and s.connector.has_pending_push_work()
+
+    so = s.schedule()
+    meta = so.kv_connector_metadata
+    assert meta.publishes == [PublishReq(rid, f"cmpl-{x}-0", tuple(blocks))] and rid in so.finished_req_ids
+    s.update_from_output(so, vs.model_output([]))
+    assert rid in s.requests and s.connector.has_pending_push_work()  # still held: nothing sent yet
+
+    so = s.schedule()
+    s.update_from_output(so, vs.model_output([], vs.kv_output(finished_sending={rid})))
+    assert not s.connector.has_pending_push_work() and not s.has_requests()
+    vs.assert_scheduler_empty(s)
+    assert vs.num_free_blocks(s) == start_free
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_load_takes_the_failure_policy(model_dir: Path, policy: str) -> None:
+    cfg = vs.make_vllm_config(model_dir, "kv_consumer", D_ENGINE, "/nonexistent/kvpushd.sock", policy=policy)
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    start_free = vs.num_free_blocks(s)
+    x = x_request_id()
+    req = vs.create_request(engine_request_id(x), 40, 2, vs.decode_params(P_ENGINE, "10.0.0.1:7700", x), 16)
+    rid = req.request_id
+    s.add_request(req)
+    so = s.schedule()
+    (e,) = so.kv_connector_metadata.expects
+    s.update_from_output(so, vs.model_output([]))
+
+    # What the worker connector reports for a failed receive: finished, and every block in error.
+    so = s.schedule()
+    outs = s.update_from_output(so, vs.model_output(
+        [], vs.kv_output(finished_recving={rid}, invalid_block_ids=set(e.block_ids))))
+    if policy == "fail":
+        assert req.status == RequestStatus.FINISHED_ERROR
+        assert outs[0].outputs[0].finish_reason is not None
+        so = s.schedule()
+        s.update_from_output(so, vs.model_output([]))
+    else:
+        so = s.schedule()  # recomputed locally from the first token
+        assert req.status == RequestStatus.RUNNING and so.num_scheduled_tokens[rid] == 40
+        assert not so.kv_connector_metadata.expects  # no second registration
+        s.update_from_output(so, vs.model_output([req]))
+        so = s.schedule()
+        s.update_from_output(so, vs.model_output([req], eos=True))
+        assert req.is_finished()
+        so = s.schedule()
+        s.update_from_output(so, vs.model_output([]))
+    vs.assert_scheduler_empty(s)
+    assert vs.num_free_blocks(s) == start_free
+
+
+def test_bad_remote_params_fall_back_to_local_prefill(model_dir: Path) -> None:
+    cfg = vs.make_vllm_config(model_dir, "kv_consumer", D_ENGINE, "/nonexistent/kvpushd.sock")
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    x = x_request_id()
+    params = vs.decode_params(P_ENGINE, "10.0.0.1:7700", x)
+    params["remote_host"] = None
+    req = vs.create_request(engine_request_id(x), 40, 1, params, 16)
+    s.add_request(req)
+    so = s.schedule()
+    assert req.status == RequestStatus.RUNNING and so.num_scheduled_tokens[req.request_id] == 40
+    assert not so.kv_connector_metadata.expects
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side against live daemons
+
+
+class Engine:
+    """One engine: vLLM's Scheduler (scheduler-side connector inside) plus one worker connector per TP
+    rank, each with its KV in shared memory, in the layout vLLM 0.33.0 allocates for the CPU attention
+    backend. Worker outputs reach the scheduler through vLLM's KVOutputAggregator, as with TP > 1."""
+
+    def __init__(self, model_dir: Path, role: str, engine_id: str, sock: str, num_blocks: int, fill: str,
+                 tp: int = 1) -> None:
+        self.cfg = vs.make_vllm_config(model_dir, role, engine_id, sock, block_size=32)
+        self.kv_cache_config = vs.real_kv_cache_config(self.cfg, num_blocks)
+        self.sched = vs.create_scheduler(self.cfg, self.kv_cache_config)
+        self.ranks: list[tuple[KVPushdConnector, dict[str, torch.Tensor]]] = []
+        for rank in range(tp):
+            kv = vs.allocate_cpu_kv_caches(self.cfg, self.kv_cache_config)
+            next(iter(kv.values())).share_memory_()  # every layer views one allocation: shares them all
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{engine_id}/{rank}".encode()))
+            for t in kv.values():
+                if fill == "random":
+                    t.copy_(torch.randn(t.shape, generator=gen))
+                else:
+                    t.fill_(POISON)
+            # Each worker finds its rank in vLLM's TP group; there is none in this process.
+            with mock.patch.object(vllm_connector, "_tp_rank_and_size", return_value=(rank, tp)):
+                conn = KVPushdConnector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
+            conn.register_kv_caches(kv)
+            self.ranks.append((conn, kv))
+        self.conn, self.kv = self.ranks[0]
+        self.aggregator = KVOutputAggregator(tp)
+        self.metas: list[KVPushdConnectorMetadata] = []
+
+    def step(self, running: list[Any] | None = None, eos: bool = False) -> Any:
+        """schedule -> every worker's hooks in vLLM's order -> aggregate -> update_from_output."""
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        reqs = [r for r in (running or []) if r.request_id in so.num_scheduled_tokens]
+        outs = []
+        for c, _ in self.ranks:
+            c.bind_connector_metadata(meta)
+            c.start_load_kv(None)  # type: ignore[arg-type]  # forward context: unused by this connector
+            c.wait_for_save()
+            sending, recving = c.get_finished(so.finished_req_ids)
+            errors = c.get_block_ids_with_load_errors()
+            c.clear_connector_metadata()
+            outs.append(vs.model_output(reqs, vs.kv_output(sending, recving, errors), eos))
+        out = self.aggregator.aggregate(outs)
+        self.last_kv = out.kv_connector_output
+        return self.sched.update_from_output(so, out)
+
+    def expects(self) -> list[ExpectReq]:
+        return [e for m in self.metas for e in m.expects]
+
+    def publishes(self) -> list[PublishReq]:
+        return [p for m in self.metas for p in m.publishes]
+
+    def close(self) -> None:
+        for c, _ in self.ranks:
+            c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> Iterator[tuple[Engine, Engine]]:
+    p, d = daemons
+    pe = Engine(model_dir, "kv_producer", P_ENGINE, p.sock, num_blocks=48, fill="random")
+    de = Engine(model_dir, "kv_consumer", D_ENGINE, d.sock, num_blocks=64, fill="poison")
+    yield pe, de
+    pe.close()
+    de.close()
+
+
+def test_kv_layout_is_vllms_cpu_layout(engines: tuple[Engine, Engine]) -> None:
+    pe, _ = engines
+    names = list(pe.kv)
+    t0 = pe.kv[names[0]]
+    assert t0.shape == (48, 2, 32, 128)  # [blocks, kv heads, block size, K|V of head size 64]
+    memory, regions = describe_kv_caches(pe.kv, 48)
+    page = 2 * 32 * 128 * 4
+    assert len(memory) == 1 and memory[0].name.startswith("torch_")
+    assert [(r.num_blocks, r.block_len, r.block_stride) for r in regions] == [(48, page, page)] * len(names)
+    assert regions[1].offset - regions[0].offset == 48 * page  # layer-compact: layer 1 after layer 0
+
+
+def random_prompt(n: int) -> list[int]:
+    g = torch.Generator().manual_seed(int(uuid.uuid4().int & 0xFFFFFFFF))
+    return [int(t) + 3 for t in torch.randint(0, 120, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("layout", ["split", "joined", "head_outer"])
+def test_other_kv_layouts(layout: str) -> None:
+    nb, n, h, d = 10, 16, 2, 8  # blocks, block size, kv heads, head size (float32)
+    page = n * h * d * 4
+    if layout == "split":  # [2, B, N, H, D]: K of every block, then V of every block
+        kv = {f"l.{i}": torch.zeros(2, nb, n, h, d).share_memory_() for i in range(2)}
+        want = [(0, page, page), (nb * page, page, page)]
+    elif layout == "joined":  # [B, 2, N, H, D]: a block holds its K and V
+        kv = {f"l.{i}": torch.zeros(nb, 2, n, h, d).share_memory_() for i in range(2)}
+        want = [(0, 2 * page, 2 * page)]
+    else:  # [B, H, N, 2D] stored head-major over blocks: one region per head
+        kv = {f"l.{i}": torch.zeros(h, nb, n, 2 * d).permute(1, 0, 2, 3).share_memory_() for i in range(2)}
+        want = [(0, 2 * page // h, 2 * page // h), (nb * 2 * page // h, 2 * page // h, 2 * page // h)]
+    memory, regions = describe_kv_caches(kv, nb)
+    assert len(memory) == 2  # one shared-memory object per storage
+    for mi in range(2):
+        mine = [r for r in regions if r.memory_index == mi]
+        base = mine[0].offset
+        assert [(r.offset - base, r.block_len, r.block_stride) for r in mine] == want
+        assert all(r.num_blocks == nb for r in mine)
+
+
+def test_private_host_kv_is_refused_unless_moved() -> None:
+    kv = {"l.0": torch.ones(4, 2, 16, 8)}
+    with pytest.raises(RuntimeError, match="kvpushd_host_kv_to_shm"):
+        describe_kv_caches(kv, 4)
+    view = kv["l.0"][1:3]
+    memory, regions = describe_kv_caches(kv, 4, host_kv_to_shm=True)
+    assert memory[0].name.startswith("torch_") and os.path.exists(f"/dev/shm/{memory[0].name}")
+    assert bool((view == 1).all()) and kv["l.0"].is_shared()  # moved in place: views still see the data
+    assert regions[0].block_len == 2 * 16 * 8 * 4
+
+
+def run_pd_request(pe: Engine, de: Engine, p_daemon: vs.Daemon, prompt: list[int], p_engine: str = P_ENGINE,
+                   ) -> None:
+    """One request through both engines, as the demo proxy sends it: both at once, same X-Request-Id."""
+    x = x_request_id()
+    d_req = vs.create_request(engine_request_id(x), len(prompt), 2,
+                              vs.decode_params(p_engine, p_daemon.peer_address,
+                                               x, tp_size=len(pe.ranks)), 32, prompt)
+    p_req = vs.create_request(engine_request_id(x), len(prompt), 1, vs.prefill_params(), 32, prompt)
+    d_start, p_start = vs.num_free_blocks(de.sched), vs.num_free_blocks(pe.sched)
+    de.sched.add_request(d_req)
+    pe.sched.add_request(p_req)
+
+    de.step()  # decode: allocate, register (Expect) through the worker
+    assert d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    outs = pe.step([p_req])  # prefill: the forward "computes" the KV, the request finishes
+    assert p_req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    params = outs[0].outputs[0].kv_transfer_params
+    assert f"{params['remote_host']}:{params['remote_port']}" == p_daemon.peer_address
+
+    sent = received = False
+
+    def progress() -> bool:  # step each engine until its side is done (decode would run its request next)
+        nonlocal sent, received
+        if not sent:
+            pe.step()
+            sent = p_req.request_id in (pe.last_kv.finished_sending or ())
+        if not received:
+            de.step()
+            received = d_req.request_id in (de.last_kv.finished_recving or ())
+            assert not de.last_kv.invalid_block_ids, "load error"
+        return sent and received
+
+    assert vs.wait_for(progress, 60, 0.01), f"sent={sent} received={received}"
+    (e,) = [e for e in de.expects() if e.req_id == d_req.request_id]
+    (pub,) = [p for p in pe.publishes() if p.req_id == p_req.request_id]
+    assert e.transfer_id == pub.transfer_id == f"cmpl-{x}-0"
+    assert len(pub.block_ids) == -(-len(prompt) // 32)
+    # Decode registers only blocks its own prefix cache did not have: they get prefill's tail.
+    src = list(pub.block_ids[len(pub.block_ids) - len(e.block_ids):])
+    for (_, pkv), (_, dkv) in zip(pe.ranks, de.ranks, strict=True):  # decode rank r <- prefill rank r
+        for name in pkv:  # every byte of every layer's blocks arrived
+            assert torch.equal(dkv[name][list(e.block_ids)], pkv[name][src])
+    assert p_req.request_id not in pe.sched.requests and vs.num_free_blocks(pe.sched) == p_start
+
+    outs = de.step([d_req])  # decode runs: only the last prompt token is recomputed
+    assert d_req.status == RequestStatus.RUNNING
+    de.step([d_req], eos=True)
+    assert d_req.is_finished()
+    de.step()
+    vs.assert_scheduler_empty(de.sched)
+    assert vs.num_free_blocks(de.sched) == d_start
+    for _, dkv in de.ranks:  # clean the decode blocks for the next "nothing else changed" check
+        for name in dkv:
+            dkv[name][list(e.block_ids)] = POISON
+
+
+def all_poison(de: Engine) -> bool:
+    return all(bool((t == POISON).all()) for _, kv in de.ranks for t in kv.values())
+
+
+def test_request_end_to_end_through_the_worker_hooks(engines: tuple[Engine, Engine],
+                                                     daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    pe, de = engines
+    first = random_prompt(112)  # 3.5 blocks
+    run_pd_request(pe, de, daemons[0], first)
+    assert all_poison(de)  # nothing outside the registered blocks changed
+    run_pd_request(pe, de, daemons[0], random_prompt(40))
+    assert all_poison(de)
+    # Both prefix caches hold the first two blocks: decode registers two blocks, prefill publishes
+    # four, the daemon writes the last two.
+    run_pd_request(pe, de, daemons[0], first[:64] + random_prompt(36))
+    (e,) = de.expects()[-1:]
+    assert len(e.block_ids) == 2
+    assert all_poison(de)
+
+
+def test_tensor_parallel_ranks(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    """TP=2 on both sides: every rank attaches with its rank, decode expects producer TP 2, and
+    vLLM's aggregator sees the request finished only when both ranks reported it."""
+    p, d = daemons
+    pe = Engine(model_dir, "kv_producer", "prefill-tp2", p.sock, num_blocks=40, fill="random", tp=2)
+    de = Engine(model_dir, "kv_consumer", "decode-tp2", d.sock, num_blocks=48, fill="poison", tp=2)
+    try:
+        run_pd_request(pe, de, p, random_prompt(70), p_engine="prefill-tp2")
+        assert de.expects()[-1].producer_tp_size == 2
+        assert all_poison(de)
+    finally:
+        pe.close()
+        de.close()
+
+
+def test_decode_abort_releases_both_nodes(engines: tuple[Engine, Engine],
+                                          daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    pe, de = engines
+    p_daemon = daemons[0]
+    x = x_request_id()
+    prompt = random_prompt(64)
+    d_req = vs.create_request(engine_request_id(x), 64, 2, vs.decode_params(P_ENGINE, p_daemon.peer_address, x), 32,
+                              prompt)
+    d_start, p_start = vs.num_free_blocks(de.sched), vs.num_free_blocks(pe.sched)
+    de.sched.add_request(d_req)
+    de.step()
+    assert d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    tid = f"cmpl-{x}-0"
+    assert vs.wait_for(lambda: tid in p_daemon.transfer_ids())
+
+    de.sched.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert d_req.request_id in de.sched.requests  # vLLM holds the blocks until the worker lets go
+    de.step()
+    assert any(a.transfer_id == tid for a in de.metas[-1].aborts)
+    assert vs.wait_for(lambda: de.step() is not None and d_req.request_id not in de.sched.requests, 30)
+    vs.assert_scheduler_empty(de.sched)
+    assert vs.num_free_blocks(de.sched) == d_start
+    assert vs.wait_for(lambda: tid not in p_daemon.transfer_ids())  # withdrawn on the prefill node too
+
+    # Prefill finishes later and publishes: its daemon no longer holds decode's registration, so
+    # nothing is written into decode's (freed) blocks; the publish times out and prefill frees.
+    p_req = vs.create_request(engine_request_id(x), 64, 1, vs.prefill_params(), 32, prompt)
+    pe.sched.add_request(p_req)
+    pe.step([p_req])
+    assert p_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and p_req.request_id in pe.sched.requests
+    assert vs.wait_for(lambda: pe.step() is not None and p_req.request_id not in pe.sched.requests, 60)
+    vs.assert_scheduler_empty(pe.sched)
+    assert vs.num_free_blocks(pe.sched) == p_start
+    assert all_poison(de)
+
+
+def test_decode_daemon_restart(engines: tuple[Engine, Engine], daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    pe, de = engines
+    p_daemon, d_daemon = daemons
+    x = x_request_id()
+    prompt = random_prompt(64)
+    d_req = vs.create_request(engine_request_id(x), 64, 2, vs.decode_params(P_ENGINE, p_daemon.peer_address, x), 32,
+                              prompt)
+    d_start = vs.num_free_blocks(de.sched)
+    de.sched.add_request(d_req)
+    de.step()
+    assert d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (e,) = [e for e in de.expects() if e.req_id == d_req.request_id]
+    link = de.conn.worker_side.link
+    epoch = link.epoch
+    tid = f"cmpl-{x}-0"  # registered with the prefill daemon: the Expect ran on this attachment
+    assert vs.wait_for(lambda: tid in p_daemon.transfer_ids())
+
+    d_daemon.kill()
+    assert vs.wait_for(lambda: not link.connected, 30)  # the session stream broke
+    d_daemon.start()
+    d_daemon.wait_ready()
+
+    # The next step reports the receive that cannot complete any more: finished, with its blocks in
+    # error, so vLLM's kv_load_failure_policy ("fail" here) applies and the blocks are freed.
+    de.step()
+    assert de.last_kv.finished_recving == {d_req.request_id}
+    assert de.last_kv.invalid_block_ids == set(e.block_ids)
+    assert d_req.status == RequestStatus.FINISHED_ERROR
+    de.step()
+    vs.assert_scheduler_empty(de.sched)
+    assert vs.num_free_blocks(de.sched) == d_start
+
+    assert vs.wait_for(lambda: link.connected, 30)  # re-attached with the same memory
+    assert link.epoch == epoch + 1
+    run_pd_request(pe, de, p_daemon, random_prompt(80))
+    assert all_poison(de)
+
+
+# ------------------------------------------------------------------------------------------------
+# Packaging
+
+
+def test_client_installs_into_a_clean_venv(tmp_path: Path) -> None:
+    """The client distribution needs only its declared dependencies (no nixl, no torch)."""
+    src = tmp_path / "client"
+    shutil.copytree(vs.REPO / "client", src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+    venv = tmp_path / "venv"
+    subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([str(venv / "bin" / "python"), "-c",
+                        "import kvpushd_client; from kvpushd_client import KVPushClient; print('ok')"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    listed = subprocess.run([str(venv / "bin" / "pip"), "list", "--format=freeze"], capture_output=True,
+                            text=True, check=True).stdout.lower()
+    names = {line.split("==")[0] for line in listed.split()}
+    assert "kvpushd-client" in names
+    assert not {n for n in names if n.startswith(("nixl", "torch", "vllm"))}, names
