@@ -744,10 +744,16 @@ class RecvSide:
                                         FailureCode.SHUTDOWN, reason))
         return actions
 
-    def producer_lost(self, producer_address: str, code: FailureCode, reason: str) -> list[Action]:
-        """The prefill daemon at this address died, restarted or became unreachable."""
+    def producer_lost(self, producer_address: str, code: FailureCode, reason: str,
+                      registered_only: bool = False) -> list[Action]:
+        """The prefill daemon at this address died, restarted or became unreachable.
+
+        After a restart only registrations the old instance had accepted are lost
+        (``registered_only``); those still being registered go to the new instance.
+        """
         actions: list[Action] = []
-        for r in [r for r in self._by_reg.values() if r.producer_address == producer_address]:
+        for r in [r for r in self._by_reg.values() if r.producer_address == producer_address
+                  and not (registered_only and r.state is RecvState.REGISTERING)]:
             self._remove(r)
             actions.append(self._fail(r, code, reason))
         return actions

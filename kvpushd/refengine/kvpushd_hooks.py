@@ -1,0 +1,155 @@
+"""``KVHooks`` backed by a kvpushd daemon, through the client library only.
+
+One engine drives one ``Worker`` per TP rank (each rank's ``PagedKV`` is attached as its own worker
+with its ``tp_rank``/``tp_size``, as the ranks of a real TP engine would be). Per request:
+
+* prefill: ``on_prefill_done`` -> ``Worker.publish(req_id, blocks)`` on every rank; the returned
+  kv_params name this daemon's peer address as ``remote_host``/``remote_port`` (vLLM's names);
+* decode: ``on_blocks_allocated`` -> ``Worker.expect(transfer_id, blocks, remote address,
+  remote_engine_id, tp_size)`` on every rank;
+* ``poll`` reads ``Worker.completions()`` (no RPC). A request is finished once every rank has its
+  completion: finished sending / receiving if all succeeded, failed (with the reasons) otherwise.
+  Blocks are only reported when no rank still has the transfer pending, so freeing them is safe.
+
+A call the daemon refuses does not raise into the engine loop: the ranks that did take the call are
+aborted, and the request is reported failed once their completions are in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpushd_client import CompletionKind, KVPushClient, KVPushError, Role, Worker
+
+from .engine import KVEvents
+from .model import PagedKV, as_caches
+
+
+@dataclass
+class _Pending:
+    req_id: str
+    sending: bool
+    waiting: set[int]                          # ranks whose completion is still due
+    errors: list[str] = field(default_factory=list)
+
+
+class KVPushdHooks:
+    """Connector hooks for one engine: ``workers[r]`` is TP rank r's attached worker."""
+
+    def __init__(self, workers: Sequence[Worker], engine_id: str) -> None:
+        if not workers:
+            raise ValueError("no workers")
+        self.workers = list(workers)
+        self.engine_id = engine_id
+        self.tp_size = len(self.workers)
+        self._pending: dict[str, _Pending] = {}   # transfer id -> what is still due
+        self._failed_now: dict[str, str] = {}
+        self.unknown_completions = 0
+
+    @classmethod
+    def attach(cls, client: KVPushClient | Sequence[KVPushClient], engine_id: str, role: Role,
+               kv: PagedKV | Sequence[PagedKV], description: str = "") -> KVPushdHooks:
+        """Attach every rank cache (each must live in shared memory: ``PagedKV.shared``) as a worker.
+
+        ``client`` is one client for all ranks, or one per rank."""
+        caches = as_caches(kv)
+        clients = [client] * len(caches) if isinstance(client, KVPushClient) else list(client)
+        workers: list[Worker] = []
+        try:
+            for c, cl in zip(caches, clients, strict=True):
+                if c.shm is None:
+                    raise ValueError("kvpushd needs the KV cache in shared memory (PagedKV.shared)")
+                workers.append(cl.attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory], c.regions(),
+                                         description=description or f"refengine {engine_id} rank {c.tp_rank}"))
+        except BaseException:
+            for w in workers:
+                w.detach()
+            raise
+        return cls(workers, engine_id)
+
+    @property
+    def peer_address(self) -> str:
+        return self.workers[0].peer_address
+
+    # --- KVHooks --------------------------------------------------------------------------
+
+    def on_prefill_done(self, req_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
+        self._start(req_id, req_id, True, lambda w: w.publish(req_id, block_ids))
+        host, _, port = self.peer_address.rpartition(":")
+        return {"transfer_id": req_id, "remote_engine_id": self.engine_id, "remote_host": host,
+                "remote_port": int(port), "tp_size": self.tp_size}
+
+    def on_blocks_allocated(self, req_id: str, block_ids: Sequence[int], kv_params: Mapping[str, Any]) -> None:
+        tid = str(kv_params.get("transfer_id") or req_id)
+        address = f"{kv_params['remote_host']}:{int(kv_params['remote_port'])}"
+        producer = str(kv_params["remote_engine_id"])
+        tp = int(kv_params.get("tp_size") or 1)
+        self._start(req_id, tid, False, lambda w: w.expect(tid, block_ids, address, producer, tp))
+
+    def poll(self) -> KVEvents:
+        ev = KVEvents(set(), set(), self._failed_now)
+        self._failed_now = {}
+        for rank, w in enumerate(self.workers):
+            for c in w.completions():
+                p = self._pending.get(c.transfer_id)
+                if p is None or rank not in p.waiting:
+                    self.unknown_completions += 1
+                    continue
+                p.waiting.discard(rank)
+                if c.kind is CompletionKind.FAILED:
+                    p.errors.append(f"rank {rank}: {c.code} {c.reason}".strip())
+            if not w.alive:  # session gone: the daemon released everything this rank held
+                for p in self._pending.values():
+                    if rank in p.waiting:
+                        p.waiting.discard(rank)
+                        p.errors.append(f"rank {rank}: session ended ({w.session_error})")
+        for tid, p in list(self._pending.items()):
+            if p.waiting:
+                continue
+            del self._pending[tid]
+            if p.errors:
+                ev.failed[p.req_id] = "; ".join(p.errors)
+            elif p.sending:
+                ev.finished_sending.add(p.req_id)
+            else:
+                ev.finished_recving.add(p.req_id)
+        return ev
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _start(self, req_id: str, tid: str, sending: bool, call: Any) -> None:
+        if tid in self._pending:
+            self._failed_now[req_id] = f"transfer {tid!r} already pending"
+            return
+        p = _Pending(req_id, sending, set())
+        for rank, w in enumerate(self.workers):
+            try:
+                call(w)
+                p.waiting.add(rank)
+            except KVPushError as e:
+                p.errors.append(f"rank {rank}: {e}")
+                break
+        if p.errors:
+            for rank in sorted(p.waiting):  # undo: their completion (FAILED) still comes and is waited for
+                try:
+                    self.workers[rank].abort(tid)
+                except KVPushError as e:
+                    p.errors.append(f"rank {rank}: abort: {e}")
+        if p.waiting:
+            self._pending[tid] = p
+        elif p.errors:
+            self._failed_now[req_id] = "; ".join(p.errors)
+
+    def abort(self, req_id: str) -> None:
+        """Abort a pending transfer on every rank (its completions still arrive)."""
+        for tid, p in self._pending.items():
+            if p.req_id == req_id:
+                for rank in p.waiting:
+                    self.workers[rank].abort(tid)
+
+    def close(self) -> None:
+        """Detach every rank's worker (the daemon fails whatever is still pending)."""
+        for w in self.workers:
+            w.detach()

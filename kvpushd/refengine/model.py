@@ -1,0 +1,419 @@
+"""A tiny deterministic transformer on the CPU with a vLLM-shaped paged KV cache.
+
+Llama-style: RMSNorm, RoPE, grouped-query attention (8 query heads over 4 KV heads), SwiGLU MLP.
+The weights come from ``torch.Generator().manual_seed(seed)``: nothing is downloaded, and every
+process that builds ``TinyModel(cfg, seed)`` has the same model.
+
+KV cache (``PagedKV``): per layer one K and one V tensor of shape ``[num_blocks, kv_heads,
+block_size, head_dim]`` -- vLLM's HND layout, so within a block a rank's KV heads are one contiguous
+slice and a heterogeneous-TP transfer moves contiguous byte ranges. The tensors are views over
+caller-provided memory (a POSIX shared memory map), laid out region after region: layer 0 K,
+layer 0 V, layer 1 K, ... ``PagedKV.regions()`` describes exactly these bytes as kvpushd regions.
+
+Exactness: every disaggregated request must produce the same tokens as a monolithic run, bit for
+bit, not merely within a tolerance. Three choices make that hold by construction:
+
+* float32 throughout (no rounding when K/V go into and come out of the cache);
+* a decode step runs each request of the batch through the same ``[1, hidden]`` code path, so a
+  request's numbers never depend on which other requests share its batch (batched GEMMs may pick
+  different kernels for different batch sizes and differ in the last bit);
+* tensor parallelism shards the *cache*, not the arithmetic: a TP rank's ``PagedKV`` holds only
+  that rank's KV heads (``TinyConfig.kv_slice``), but the engine computes the full model once and
+  scatters K/V to, and gathers them from, all of its rank caches. The gathered K/V are the same
+  bytes whatever the TP size, so TP1 -> TP2 or TP2 -> TP1 disaggregation is exact too. (A real
+  engine computes each rank's heads on its own GPU and all-reduces; that changes the summation
+  order, which is exactly what an equality test must not depend on.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kvpushd_client import Region, SharedBuffer
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int = 512
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    intermediate_size: int = 256
+    block_size: int = 16
+    max_positions: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError("num_heads * head_dim must equal hidden_size")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        if tp_size <= 0 or self.num_kv_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} must divide num_kv_heads {self.num_kv_heads}")
+        return self.num_kv_heads // tp_size
+
+    def kv_slice(self, tp_rank: int, tp_size: int) -> slice:
+        """The KV heads TP rank ``tp_rank`` of ``tp_size`` holds (contiguous, as in vLLM)."""
+        n = self.kv_heads_per_rank(tp_size)
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        return slice(tp_rank * n, (tp_rank + 1) * n)
+
+    def q_slice(self, tp_rank: int, tp_size: int) -> slice:
+        """The query heads that attend over ``kv_slice(tp_rank, tp_size)`` (GQA groups stay whole)."""
+        s = self.kv_slice(tp_rank, tp_size)
+        g = self.num_heads // self.num_kv_heads
+        return slice(s.start * g, s.stop * g)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def kv_slice(cfg: TinyConfig, tp_rank: int, tp_size: int) -> slice:
+    """Module-level alias of ``TinyConfig.kv_slice``."""
+    return cfg.kv_slice(tp_rank, tp_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# Paged KV cache
+
+
+class PagedKV:
+    """One TP rank's KV cache: per layer K and V of shape [num_blocks, kv_heads/tp, block_size, head_dim].
+
+    ``memory`` is any writable buffer (an ``mmap`` of a ``SharedBuffer``, a ``bytearray``) of at least
+    ``offset + PagedKV.nbytes_for(...)`` bytes; the tensors are views over it, so what kvpushd writes
+    into that memory is what the model reads. Without ``memory`` the cache lives on the private heap
+    (for monolithic runs). ``PagedKV.shared()`` creates the shared memory too and owns it.
+    """
+
+    def __init__(self, cfg: TinyConfig, num_blocks: int, memory: Any = None, offset: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.cfg = cfg
+        self.num_blocks = num_blocks
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.heads = cfg.kv_slice(tp_rank, tp_size)
+        self.num_heads = self.heads.stop - self.heads.start
+        self.offset = offset
+        self.shm: SharedBuffer | None = None
+        n = self.nbytes_for(cfg, num_blocks, tp_size) // cfg.dtype_bytes
+        if memory is None:
+            flat = torch.zeros(n, dtype=cfg.dtype)
+        else:
+            if offset % cfg.dtype_bytes:
+                raise ValueError(f"offset {offset} is not aligned to {cfg.dtype_bytes} bytes")
+            flat = torch.frombuffer(memory, dtype=cfg.dtype, count=n, offset=offset)
+        self._flat = flat
+        per = n // (2 * cfg.num_layers)
+        shape = (num_blocks, self.num_heads, cfg.block_size, cfg.head_dim)
+        views = [flat[i * per:(i + 1) * per].view(shape) for i in range(2 * cfg.num_layers)]
+        self.k: list[torch.Tensor] = views[0::2]
+        self.v: list[torch.Tensor] = views[1::2]
+
+    @classmethod
+    def shared(cls, cfg: TinyConfig, num_blocks: int, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> PagedKV:
+        """A cache over a new ``SharedBuffer`` (``/dev/shm``) that ``close()`` unlinks."""
+        shm = SharedBuffer.create(prefix, cls.nbytes_for(cfg, num_blocks, tp_size))
+        kv = cls(cfg, num_blocks, shm.mmap, 0, tp_rank, tp_size)
+        kv.shm = shm
+        return kv
+
+    @staticmethod
+    def nbytes_for(cfg: TinyConfig, num_blocks: int, tp_size: int = 1) -> int:
+        return 2 * cfg.num_layers * num_blocks * PagedKV.block_len_for(cfg, tp_size)
+
+    @staticmethod
+    def block_len_for(cfg: TinyConfig, tp_size: int = 1) -> int:
+        return cfg.kv_heads_per_rank(tp_size) * cfg.block_size * cfg.head_dim * cfg.dtype_bytes
+
+    @property
+    def block_len(self) -> int:
+        return self.block_len_for(self.cfg, self.tp_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbytes_for(self.cfg, self.num_blocks, self.tp_size)
+
+    def region_layout(self) -> list[tuple[int, int, int, int]]:
+        """(offset, num_blocks, block_len, block_stride) per region: layer 0 K, layer 0 V, layer 1 K, ..."""
+        size = self.num_blocks * self.block_len
+        return [(self.offset + i * size, self.num_blocks, self.block_len, self.block_len)
+                for i in range(2 * self.cfg.num_layers)]
+
+    def regions(self, memory_index: int = 0) -> list[Region]:
+        """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``."""
+        return [Region(memory_index, off, nb, bl, stride) for off, nb, bl, stride in self.region_layout()]
+
+    def fill_(self, value: float) -> None:
+        self._flat.fill_(value)
+
+    def close(self) -> None:
+        """Drop the views and, for ``shared()`` caches, unmap and unlink the shared memory."""
+        self.k = []
+        self.v = []
+        self._flat = torch.empty(0, dtype=self.cfg.dtype)  # drops the last view of the map
+        if self.shm is not None:
+            self.shm.close(unlink=True)
+            self.shm = None
+
+
+def as_caches(kv: PagedKV | Sequence[PagedKV]) -> list[PagedKV]:
+    """Normalise one cache (TP1) or one per TP rank into a rank-ordered list covering every KV head."""
+    caches = [kv] if isinstance(kv, PagedKV) else list(kv)
+    if not caches:
+        raise ValueError("no KV caches")
+    tp = caches[0].tp_size
+    if len(caches) != tp or sorted(c.tp_rank for c in caches) != list(range(tp)):
+        raise ValueError(f"need exactly one cache per TP rank 0..{tp - 1}")
+    if any(c.tp_size != tp or c.num_blocks != caches[0].num_blocks or c.cfg != caches[0].cfg for c in caches):
+        raise ValueError("the rank caches of one engine must agree on tp_size, num_blocks and config")
+    return sorted(caches, key=lambda c: c.tp_rank)
+
+
+def gather_blocks(caches: Sequence[PagedKV], layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``block_ids`` over all ranks: two contiguous [n, kv_heads, block_size, head_dim] tensors."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long)
+    k = torch.cat([c.k[layer].index_select(0, idx) for c in caches], dim=1).contiguous()
+    v = torch.cat([c.v[layer].index_select(0, idx) for c in caches], dim=1).contiguous()
+    return k, v
+
+
+def scatter_blocks(caches: Sequence[PagedKV], layer: int, block_ids: Sequence[int], k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+    """Write full-head blocks ([n, kv_heads, block_size, head_dim]) into every rank's head slice."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long)
+    for c in caches:
+        c.k[layer].index_copy_(0, idx, k[:, c.heads].contiguous())
+        c.v[layer].index_copy_(0, idx, v[:, c.heads].contiguous())
+
+
+def copy_blocks(src: PagedKV | Sequence[PagedKV], src_blocks: Sequence[int], dst: PagedKV | Sequence[PagedKV],
+                dst_blocks: Sequence[int]) -> None:
+    """What a KV transfer does, in process: every layer's K and V of ``src_blocks`` into ``dst_blocks``.
+
+    Source and destination may have different TP sizes (heads are gathered, then re-split)."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError("source and destination block lists differ in length")
+    s, d = as_caches(src), as_caches(dst)
+    for layer in range(s[0].cfg.num_layers):
+        k, v = gather_blocks(s, layer, src_blocks)
+        scatter_blocks(d, layer, dst_blocks, k, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+DecodeItem = tuple[int, int, Sequence[int]]  # (last token, its position, the request's block ids)
+
+
+class TinyModel:
+    """The weights and the forward passes; the KV cache is passed in (one ``PagedKV`` or one per TP rank)."""
+
+    def __init__(self, cfg: TinyConfig | None = None, seed: int = 0) -> None:
+        self.cfg = cfg = cfg or TinyConfig()
+        self.seed = seed
+        g = torch.Generator().manual_seed(seed)
+
+        def w(n_in: int, n_out: int) -> torch.Tensor:
+            return (torch.randn(n_in, n_out, generator=g) / math.sqrt(n_in)).to(cfg.dtype)
+
+        def norm() -> torch.Tensor:
+            return (1.0 + 0.1 * torch.randn(cfg.hidden_size, generator=g)).to(cfg.dtype)
+
+        h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+        self.embed = torch.randn(cfg.vocab_size, h, generator=g).to(cfg.dtype)
+        self.layers = [
+            _Layer(norm(), w(h, h), w(h, kvd), w(h, kvd), w(h, h), norm(),
+                   w(h, cfg.intermediate_size), w(h, cfg.intermediate_size), w(cfg.intermediate_size, h))
+            for _ in range(cfg.num_layers)
+        ]
+        self.final_norm = norm()
+        self.lm_head = w(h, cfg.vocab_size)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        ang = torch.outer(torch.arange(cfg.max_positions, dtype=torch.float64), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.cos = ang.cos().to(cfg.dtype)  # one table: prefill and decode read the same numbers
+        self.sin = ang.sin().to(cfg.dtype)
+
+    # --- building blocks --------------------------------------------------------------------
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] at positions pos [T] -> q [heads, T, d], k and v [kv_heads, T, d] (after RoPE)."""
+        c = self.cfg
+        t = x.shape[0]
+        h = _rms_norm(x, layer.attn_norm, c.rms_eps)
+        q = (h @ layer.wq).view(t, c.num_heads, c.head_dim).transpose(0, 1)
+        k = (h @ layer.wk).view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        v = (h @ layer.wv).view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        cos, sin = self.cos[pos], self.sin[pos]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        """q [heads, Tq, d] over k, v [kv_heads, Tk, d] -> [Tq, hidden]; causal: query i sees keys <= Tk-Tq+i."""
+        c = self.cfg
+        g = c.num_heads // c.num_kv_heads
+        k = k.repeat_interleave(g, dim=0)
+        v = v.repeat_interleave(g, dim=0)
+        s = (q @ k.transpose(1, 2)) * (1.0 / math.sqrt(c.head_dim))
+        if causal:
+            tq, tk = q.shape[1], k.shape[1]
+            mask = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
+            s = s.masked_fill(~mask, float("-inf"))
+        o = torch.softmax(s, dim=-1) @ v
+        return o.transpose(0, 1).reshape(q.shape[1], c.hidden_size)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(x, layer.mlp_norm, self.cfg.rms_eps)
+        return (torch.nn.functional.silu(h @ layer.w_gate) * (h @ layer.w_up)) @ layer.w_down
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.final_norm, self.cfg.rms_eps) @ self.lm_head
+
+    # --- full-sequence forward (prefill, and the unpaged reference) --------------------------
+
+    def forward_full(self, tokens: Sequence[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Plain causal attention over the whole sequence, no cache: logits [T, vocab] and per layer (K, V)."""
+        if not tokens:
+            raise ValueError("empty sequence")
+        if len(tokens) > self.cfg.max_positions:
+            raise ValueError(f"{len(tokens)} tokens exceed max_positions {self.cfg.max_positions}")
+        with torch.inference_mode():
+            ids = torch.tensor(list(tokens), dtype=torch.long)
+            x = self.embed[ids]
+            pos = torch.arange(len(tokens))
+            kvs = []
+            for layer in self.layers:
+                q, k, v = self._qkv(layer, x, pos)
+                kvs.append((k, v))
+                x = x + self._attend(q, k, v, causal=True) @ layer.wo
+                x = x + self._mlp(layer, x)
+            return self._logits(x), kvs
+
+    def prefill(self, tokens: Sequence[int], block_ids: Sequence[int], kv: PagedKV | Sequence[PagedKV]) -> int:
+        """Compute the prompt, write every token's K and V into ``block_ids``; return the greedy next token."""
+        caches = as_caches(kv)
+        c = self.cfg
+        n = c.blocks_for(len(tokens))
+        if len(block_ids) < n:
+            raise ValueError(f"{len(tokens)} tokens need {n} blocks, got {len(block_ids)}")
+        logits, kvs = self.forward_full(tokens)
+        pad = n * c.block_size - len(tokens)
+        with torch.inference_mode():
+            for layer, (k, v) in enumerate(kvs):
+                # [kv_heads, T, d] -> [n, kv_heads, block_size, d]; the tail of the last block is zero
+                kb, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)).view(c.num_kv_heads, n, c.block_size,
+                                                                            c.head_dim).transpose(0, 1)
+                          for t in (k, v))
+                scatter_blocks(caches, layer, block_ids[:n], kb, vb)
+        return int(logits[-1].argmax())
+
+    # --- paged decode -------------------------------------------------------------------------
+
+    def decode_logits(self, token: int, position: int, block_ids: Sequence[int],
+                      kv: PagedKV | Sequence[PagedKV]) -> torch.Tensor:
+        """One token at ``position``: write its K/V into its block and slot, attend over the paged cache."""
+        caches = as_caches(kv)
+        c = self.cfg
+        bs = c.block_size
+        if not 0 <= position < c.max_positions:
+            raise ValueError(f"position {position} out of range")
+        nb = position // bs + 1
+        if len(block_ids) < nb:
+            raise ValueError(f"position {position} needs {nb} blocks, got {len(block_ids)}")
+        blocks = list(block_ids[:nb])
+        blk, slot = blocks[-1], position % bs
+        with torch.inference_mode():
+            x = self.embed[torch.tensor([token], dtype=torch.long)]
+            pos = torch.tensor([position])
+            for li, layer in enumerate(self.layers):
+                q, k, v = self._qkv(layer, x, pos)  # k, v: [kv_heads, 1, d]
+                for cache in caches:
+                    cache.k[li][blk, :, slot] = k[cache.heads, 0]
+                    cache.v[li][blk, :, slot] = v[cache.heads, 0]
+                kc, vc = gather_blocks(caches, li, blocks)  # [nb, kv_heads, bs, d]
+                kc = kc.transpose(0, 1).reshape(c.num_kv_heads, nb * bs, c.head_dim)[:, :position + 1].contiguous()
+                vc = vc.transpose(0, 1).reshape(c.num_kv_heads, nb * bs, c.head_dim)[:, :position + 1].contiguous()
+                x = x + self._attend(q, kc, vc, causal=False) @ layer.wo
+                x = x + self._mlp(layer, x)
+            return self._logits(x)[0]
+
+    def decode_step(self, batch: Sequence[DecodeItem], kv: PagedKV | Sequence[PagedKV]) -> list[int]:
+        """One engine step over a batch of (last token, position, block ids): the greedy next token of each.
+
+        Each request goes through the same [1, hidden] path (see the module doc: batch invariance)."""
+        caches = as_caches(kv)
+        return [int(self.decode_logits(t, p, b, caches).argmax()) for t, p, b in batch]
+
+    # --- references -----------------------------------------------------------------------------
+
+    def generate_monolithic(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Prefill and decode in one process, on a private cache: the tokens a disaggregated run must match."""
+        if max_new_tokens <= 0:
+            return []
+        c = self.cfg
+        total = len(prompt) + max_new_tokens
+        kv = PagedKV(c, c.blocks_for(total))
+        blocks = list(range(kv.num_blocks))[::-1]  # any block ids will do; not 0..n in order on purpose
+        out = [self.prefill(prompt, blocks, kv)]
+        while len(out) < max_new_tokens:
+            out += self.decode_step([(out[-1], len(prompt) + len(out) - 1, blocks)], kv)
+        kv.close()
+        return out
+
+    def generate_unpaged(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Reference without any cache: re-run the full causal forward for every token (slow, for tests)."""
+        seq = list(prompt)
+        out: list[int] = []
+        logits: list[torch.Tensor] = []
+        while len(out) < max_new_tokens:
+            last = self.forward_full(seq)[0][-1]
+            logits.append(last)
+            out.append(int(last.argmax()))
+            seq.append(out[-1])
+        return out, logits
+
+
+def random_prompt(seed: int, length: int, vocab_size: int = 512) -> list[int]:
+    """A reproducible prompt of ``length`` token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, vocab_size, (length,), generator=g)]
