@@ -9,7 +9,7 @@ import pytest
 from kvpushd.core import notif
 from kvpushd.core.errors import InvalidArgument
 from kvpushd.core.rendezvous import RecvSide, Registration, SendSide
-from kvpushd.core.topology import check_tp_pair, consumer_targets, producer_sources
+from kvpushd.core.topology import block_parts, check_tp_pair, consumer_targets, producer_sources
 
 # --------------------------------------------------------------------------------------------
 # topology
@@ -74,6 +74,41 @@ def test_producer_sources_examples(ptp: int, dtp: int, rank: int, sources: list[
 def test_check_tp_pair_rejects(ptp: int, dtp: int) -> None:
     with pytest.raises(InvalidArgument):
         check_tp_pair(ptp, dtp)
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), DIVISIBLE)
+def test_block_parts_tile_every_block_exactly_once(ptp: int, dtp: int) -> None:
+    """Over all WRITEs (producer -> consumer edges), each destination block is covered once by
+    equal slices, and each source block is read once in total by its WRITEs."""
+    dst_cover: dict[int, list[tuple[int, int]]] = {c: [] for c in range(dtp)}
+    src_cover: dict[int, list[tuple[int, int]]] = {p: [] for p in range(ptp)}
+    for p in range(ptp):
+        for c in consumer_targets(p, ptp, dtp):
+            (sp, si), (dp, di) = block_parts(p, ptp, c, dtp)
+            assert sp >= 1 and dp >= 1 and 0 <= si < sp and 0 <= di < dp
+            assert sp == 1 or dp == 1  # only one side of a WRITE is ever sliced
+            src_cover[p].append((sp, si))
+            dst_cover[c].append((dp, di))
+    for slices in [*dst_cover.values(), *src_cover.values()]:
+        parts = {n for n, _ in slices}
+        assert len(parts) == 1
+        (n,) = parts
+        assert sorted(i for _, i in slices) == list(range(n))
+
+
+@pytest.mark.parametrize(
+    ("ptp", "prank", "dtp", "crank", "expected"),
+    [
+        (1, 0, 1, 0, ((1, 0), (1, 0))),
+        (2, 1, 1, 0, ((1, 0), (2, 1))),  # P tp2 -> D tp1: rank 1 fills the second half of the block
+        (4, 3, 2, 1, ((1, 0), (2, 1))),
+        (1, 0, 2, 1, ((2, 1), (1, 0))),  # P tp1 -> D tp2: consumer rank 1 takes the second half
+        (2, 1, 4, 2, ((2, 0), (1, 0))),
+    ],
+)
+def test_block_parts_examples(ptp: int, prank: int, dtp: int, crank: int,
+                              expected: tuple[tuple[int, int], tuple[int, int]]) -> None:
+    assert block_parts(prank, ptp, crank, dtp) == expected
 
 
 # --------------------------------------------------------------------------------------------

@@ -953,3 +953,86 @@ def test_rejected_register_never_leaves_an_empty_transfer() -> None:
         s.register(T0 + 1, reg(2, crank=0, ctp=1))
     assert s.tick(T0 + 1000) != []
     assert_empty(s)
+
+
+# --------------------------------------------------------------------------------------------
+# Shutdown (drain): what was not yet written fails at once; WRITEs in flight settle first
+
+
+def test_send_side_shutdown() -> None:
+    s = new_send()
+    publish(s, T0, tid="lonely")  # no registration yet: fails at once
+    s.register(T0, reg(1, tid="waiting"))  # no publish yet: its decode daemon is told
+    publish(s, T0, tid="busy")
+    w = one(s.register(T0, reg(2, tid="busy")), StartWrite)  # a WRITE in flight
+    actions = s.shutdown("daemon stopping")
+    d = one(of(actions, Deliver), Deliver)
+    assert (d.worker_id, d.completion.transfer_id) == (pw(0), "lonely")
+    failed(d, FailureCode.SHUTDOWN, SRC)
+    assert sorted((n.registration_id, n.code) for n in of(actions, SendFailNotice)) == [
+        (1, FailureCode.SHUTDOWN), (2, FailureCode.SHUTDOWN)]
+    assert of(actions, StartWrite) == []
+    assert len(s) == 1  # "busy" waits for its WRITE
+    d = one(s.write_done(w.leg, True), Deliver)
+    assert d.completion.transfer_id == "busy"
+    failed(d, FailureCode.SHUTDOWN, SRC)
+    assert_empty(s)
+    assert s.shutdown("again") == []
+
+
+def test_recv_side_shutdown() -> None:
+    r = new_recv()
+    a = one(expect(r, T0, tid="a"), SendRegister)
+    b = one(expect(r, T0, tid="b", ptp=2), SendRegister)
+    r.notified(b.registration_id, 0)
+    actions = r.shutdown("daemon stopping")
+    assert sorted(d.completion.transfer_id for d in of(actions, Deliver)) == ["a", "b"]
+    for d in of(actions, Deliver):
+        failed(d, FailureCode.SHUTDOWN, DST)
+    assert sorted((w.registration_id, w.code) for w in of(actions, SendWithdraw)) == [
+        (a.registration_id, FailureCode.SHUTDOWN), (b.registration_id, FailureCode.SHUTDOWN)]
+    assert len(actions) == 4
+    assert_empty(r)
+    assert r.shutdown("again") == []
+
+
+# --------------------------------------------------------------------------------------------
+# Which peers pending transfers depend on (heartbeats)
+
+
+def test_peers_that_pending_transfers_depend_on() -> None:
+    s = new_send()
+    assert s.origins() == set()
+    s.register(T0, reg(1, tid="a", origin="d1"))
+    s.register(T0, reg(2, tid="b", origin="d2"))
+    assert s.origins() == {"d1", "d2"}
+    s.withdraw("d1", "a", 1, FailureCode.ABORTED, "x")
+    assert s.origins() == {"d2"}
+    w = one(publish(s, T0, tid="b"), StartWrite)
+    s.write_done(w.leg, True)
+    assert s.origins() == set()
+    assert_empty(s)
+
+    r = new_recv()
+    assert r.producer_addresses() == set()
+    expect(r, T0, tid="a", addr="p1")
+    expect(r, T0, tid="b", addr="p2")
+    assert r.producer_addresses() == {"p1", "p2"}
+    r.abort(dw(0), "a")
+    assert r.producer_addresses() == {"p2"}
+    r.abort(dw(0), "b")
+    assert_empty(r)
+
+
+def test_producer_lost_after_a_restart_spares_registrations_in_progress() -> None:
+    r = new_recv()
+    accepted = one(expect(r, T0, tid="a"), SendRegister)
+    r.registered(accepted.registration_id)
+    pending = one(expect(r, T0, tid="b"), SendRegister)  # its Register goes to the new instance
+    actions = r.producer_lost(ADDR, FailureCode.PEER_UNREACHABLE, "restarted", registered_only=True)
+    d = one(actions, Deliver)
+    assert d.completion.transfer_id == "a"
+    failed(d, FailureCode.PEER_UNREACHABLE, DST)
+    assert r.get(pending.registration_id) == (dw(0), "b")
+    assert r.notified(pending.registration_id, 0) == [Deliver(dw(0), finished_receiving("b"))]
+    assert_empty(r)

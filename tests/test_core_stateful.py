@@ -7,13 +7,21 @@ Checked, after every step:
 - a worker never gets more terminal completions for a transfer than it issued Expects/Publishes,
   and a publish is never reported while one of its WRITEs is still posted;
 - the decode side holds exactly the Expects that have neither ended nor been superseded.
-At teardown (time far past every timeout, every message delivered, every WRITE completed): every
-Expect and Publish ended with exactly one terminal completion (unless its worker went away or a
-newer Expect replaced it), and both sides hold no state.
+At teardown (time first runs far past every timeout with everything still in flight, then every
+message is delivered and every WRITE completed): every Expect and Publish ended with exactly one
+terminal completion (unless its worker went away or a newer Expect replaced it), and both sides
+hold no state.
+
+Topologies: P tp1/2/4 -> D tp1/2/4 (divisible pairs). Transfer ids come from a small pool, so
+retries, conflicting re-publishes and re-submitted Expects (new blocks: supersede) all happen; some
+Expects claim the wrong producer TP size or more blocks than were published (layout mismatch).
+Rare events (aborts, workers going away, a lost connection or a restarted decode daemon) are
+bounded per example so that transfers also get through. KVPUSHD_STATEFUL_EXAMPLES=N searches deeper.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -43,15 +51,14 @@ from kvpushd.core.rendezvous import (
 )
 from kvpushd.core.types import CompletionKind, FailureCode
 
-PUB_TO = 20.0
-REG_TO = 30.0
-EXP_TO = 25.0
+PUB_TO = 30.0
+REG_TO = 25.0
+EXP_TO = 37.0
 ENGINE = "prefill-engine"
 ADDR = "prefill:7070"
-ORIGIN = "decode-instance"
-TIDS = ["a", "b", "c"]
+TIDS = ["a", "b"]
 SRC_BLOCKS = [(1, 2), (3, 4), (1, 2, 3)]
-DST_BLOCKS = [(7, 8), (9, 10), (7,), (5, 6, 7, 8)]  # the last one is longer than any publish
+DST_BLOCKS = [(7, 8), (9, 10), (7,), (8, 9), (5, 6, 7, 8)]  # the last one is longer than any publish
 
 Side = Literal["send", "recv"]
 
@@ -71,11 +78,22 @@ class Op:
 
 @dataclass
 class Notif:
+    """A WRITE's notification, on its way to the decode daemon of ``epoch``."""
+
     registration_id: int
     rank: int
+    epoch: int
 
 
-Msg = SendRegister | SendWithdraw | SendFailNotice | Notif
+@dataclass
+class FromDecode:
+    """A decode daemon's message to the prefill daemon, sent by the daemon of ``epoch``."""
+
+    msg: SendRegister | SendWithdraw
+    epoch: int
+
+
+Msg = FromDecode | SendFailNotice | Notif
 
 
 class PushPair(RuleBasedStateMachine):
@@ -95,6 +113,12 @@ class PushPair(RuleBasedStateMachine):
         self.gen = {"send": [0] * 8, "recv": [0] * 8}
         self.gone: set[str] = set()
         self.registration_ids: set[int] = set()
+        self.epoch = 0  # the decode daemon's incarnation (its instance id is the prefill side's origin)
+        self.disruptions: Counter[str] = Counter()  # rare events, bounded so that transfers get through
+
+    @property
+    def origin(self) -> str:
+        return f"decode-{self.epoch}"
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -118,7 +142,9 @@ class PushPair(RuleBasedStateMachine):
                 self.posted[a.leg] = a
             elif isinstance(a, Deliver):
                 self.deliver(a)
-            elif isinstance(a, (SendRegister, SendWithdraw, SendFailNotice)):
+            elif isinstance(a, (SendRegister, SendWithdraw)):
+                self.net.append(FromDecode(a, self.epoch))
+            elif isinstance(a, SendFailNotice):
                 self.net.append(a)
             else:  # pragma: no cover
                 raise AssertionError(f"unknown action {a!r}")
@@ -147,10 +173,13 @@ class PushPair(RuleBasedStateMachine):
     def pick(self, seq: list, i: int):  # type: ignore[no-untyped-def]
         return seq[i % len(seq)]
 
-    def handle(self, m: Msg, lost: bool = False, reply_lost: bool = False) -> None:
+    def handle(self, msg: Msg, lost: bool = False, reply_lost: bool = False) -> None:
+        if isinstance(msg, FromDecode) and msg.epoch != self.epoch:
+            return  # from a decode daemon that restarted since: its origin is unknown now
+        m = msg.msg if isinstance(msg, FromDecode) else msg
         if isinstance(m, SendRegister):
             if not lost:
-                reg = Registration(m.registration_id, ORIGIN, m.transfer_id, m.producer_engine_id,
+                reg = Registration(m.registration_id, self.origin, m.transfer_id, m.producer_engine_id,
                                    m.producer_tp_size, f"agent-{m.worker_id}", m.consumer_rank,
                                    m.consumer_tp_size, m.block_ids)
                 try:
@@ -164,20 +193,22 @@ class PushPair(RuleBasedStateMachine):
                 self.recv.registered(m.registration_id)
         elif isinstance(m, SendWithdraw):
             if not lost:
-                self.route(self.send.withdraw(ORIGIN, m.transfer_id, m.registration_id, m.code, m.reason))
+                self.route(self.send.withdraw(self.origin, m.transfer_id, m.registration_id, m.code, m.reason))
         elif isinstance(m, SendFailNotice):
-            assert m.origin == ORIGIN
-            if not lost:
+            assert m.origin.startswith("decode-")
+            if not lost and m.origin == self.origin:
                 self.route(self.recv.failed(m.registration_id, m.code, m.reason))
-        else:
+        elif isinstance(m, Notif):
             self.notifs[(m.registration_id, m.rank)] += 1
             assert self.notifs[(m.registration_id, m.rank)] == 1, f"second notification {m}"
-            self.route(self.recv.notified(m.registration_id, m.rank))
+            if m.epoch == self.epoch:
+                self.route(self.recv.notified(m.registration_id, m.rank))
 
     def complete(self, leg: LegKey, ok: bool) -> None:
         w = self.posted.pop(leg)
         if ok:
-            self.net.append(Notif(w.registration.registration_id, w.producer_rank))
+            epoch = int(w.registration.origin.removeprefix("decode-"))
+            self.net.append(Notif(w.registration.registration_id, w.producer_rank, epoch))
         self.route(self.send.write_done(leg, ok, "" if ok else "injected WRITE failure"))
 
     def tick(self) -> None:
@@ -196,18 +227,17 @@ class PushPair(RuleBasedStateMachine):
 
     # -- rules --------------------------------------------------------------------------------
 
-    @initialize(ptp=st.sampled_from([1, 2, 4]), dtp=st.sampled_from([1, 2, 4]))
-    def topology(self, ptp: int, dtp: int) -> None:
-        self.ptp, self.dtp = ptp, dtp
+    @initialize(tp=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)]))
+    def topology(self, tp: tuple[int, int]) -> None:
+        self.ptp, self.dtp = tp
 
     @rule(rank=st.integers(0, 3), tid=st.sampled_from(TIDS), blocks=st.sampled_from(DST_BLOCKS),
-          wrong_ptp=st.sampled_from([False, False, False, True]))
-    def expect(self, rank: int, tid: str, blocks: tuple[int, ...], wrong_ptp: bool) -> None:
+          wrong_ptp=st.sampled_from([False] * 7 + [True]), deliver_now=st.booleans())
+    def expect(self, rank: int, tid: str, blocks: tuple[int, ...], wrong_ptp: bool, deliver_now: bool) -> None:
+        """A decode worker allocated blocks (again, for a re-submitted request: new blocks)."""
         rank %= self.dtp
         w = self.worker("recv", rank)
-        claimed = self.ptp
-        if wrong_ptp:
-            claimed = {1: 2, 2: 4, 4: 1}[self.ptp]
+        claimed = {1: 2, 2: 4, 4: 1}[self.ptp] if wrong_ptp else self.ptp
         old = self.open_op(w, tid)
         actions = self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed)
         if not actions:  # a retried Expect
@@ -226,9 +256,14 @@ class PushPair(RuleBasedStateMachine):
         self.ops.append(Op("recv", w, tid, blocks, rank, sr.registration_id))
         self.issued[(w, tid)] += 1
         self.route(actions)
+        if deliver_now:  # the Register reaches the prefill daemon before anything else happens
+            msg = self.net.pop()
+            assert isinstance(msg, FromDecode) and msg.msg == sr
+            self.handle(msg)
 
     @rule(rank=st.integers(0, 3), tid=st.sampled_from(TIDS), blocks=st.sampled_from(SRC_BLOCKS))
     def publish(self, rank: int, tid: str, blocks: tuple[int, ...]) -> None:
+        """A prefill worker's blocks are complete (a retry, or a conflicting one, if it published)."""
         rank %= self.ptp
         w = self.worker("send", rank)
         existed = self.send.has_publish(ENGINE, tid, rank)
@@ -248,12 +283,24 @@ class PushPair(RuleBasedStateMachine):
         self.issued[(w, tid)] += 1
         self.route(actions)
 
-    @precondition(lambda self: any(op.side == "send" and op.status == "open" for op in self.ops))
+    @precondition(lambda self: self.disruptions["duplicate_publish"] < 3
+                  and any(op.side == "send" and op.status == "open" for op in self.ops))
     @rule(i=st.integers(0, 100))
     def duplicate_publish(self, i: int) -> None:
+        """A Publish retried while the first is pending: no actions."""
+        self.disruptions["duplicate_publish"] += 1
         op = self.pick([op for op in self.ops if op.side == "send" and op.status == "open"], i)
         assert self.send.has_publish(ENGINE, op.tid, op.rank)
         assert self.send.publish(self.now, op.worker, ENGINE, op.rank, self.ptp, op.tid, op.blocks) == []
+
+    @precondition(lambda self: self.net or self.posted)
+    @rule()
+    def make_progress(self) -> None:
+        """The network at its most orderly: the oldest message arrives, else the oldest WRITE completes."""
+        if self.net:
+            self.handle(self.net.pop(0))
+        else:
+            self.complete(min(self.posted), True)
 
     @precondition(lambda self: self.net)
     @rule(i=st.integers(0, 100))
@@ -261,13 +308,16 @@ class PushPair(RuleBasedStateMachine):
         self.handle(self.net.pop(i % len(self.net)))
 
     @precondition(lambda self: any(not isinstance(m, Notif) for m in self.net))
-    @rule(i=st.integers(0, 100), reply_lost=st.booleans())
-    def drop_message(self, i: int, reply_lost: bool) -> None:
-        """Lose a control message (a WRITE's notification is never lost once the WRITE succeeded)."""
-        msgs = [m for m in self.net if not isinstance(m, Notif)]
-        m = self.pick(msgs, i)
+    @rule(i=st.integers(0, 100), how=st.sampled_from(["lost", "reply_lost", "twice"]))
+    def misdeliver_message(self, i: int, how: str) -> None:
+        """Lose a control message (a Register: the request or only its reply), or deliver a Withdraw or
+        Fail notice twice (a retried RPC). A successful WRITE's notification is never lost."""
+        m = self.pick([m for m in self.net if not isinstance(m, Notif)], i)
+        if how == "twice" and not (isinstance(m, FromDecode) and isinstance(m.msg, SendRegister)):
+            self.handle(m)  # and it stays in flight for another delivery
+            return
         self.net.remove(m)
-        self.handle(m, lost=not reply_lost, reply_lost=reply_lost)
+        self.handle(m, lost=how != "reply_lost", reply_lost=how == "reply_lost")
 
     @precondition(lambda self: self.posted)
     @rule(i=st.integers(0, 100))
@@ -279,44 +329,66 @@ class PushPair(RuleBasedStateMachine):
     def write_fails(self, i: int) -> None:
         self.complete(self.pick(sorted(self.posted), i), False)
 
-    @rule(rank=st.integers(0, 3), tid=st.sampled_from(TIDS))
-    def abort_send(self, rank: int, tid: str) -> None:
-        rank %= self.ptp
-        w = self.worker("send", rank)
-        found, actions = self.send.abort(w, ENGINE, tid)
-        if self.open_op(w, tid) is not None:
-            assert found
+    @precondition(lambda self: self.disruptions["abort"] < 3)
+    @rule(side=st.sampled_from(["send", "recv"]), rank=st.integers(0, 3), tid=st.sampled_from(TIDS))
+    def abort(self, side: Side, rank: int, tid: str) -> None:
+        """The engine cancels a request, on either side."""
+        self.disruptions["abort"] += 1
+        if side == "send":
+            rank %= self.ptp
+            w = self.worker("send", rank)
+            had = self.open_op(w, tid)
+            found, actions = self.send.abort(w, ENGINE, tid)
+            if had is not None:
+                assert found
+        else:
+            rank %= self.dtp
+            w = self.worker("recv", rank)
+            had = self.open_op(w, tid)
+            found, actions = self.recv.abort(w, tid)
+            assert found == (had is not None)
         self.route(actions)
+        if side == "recv":
+            assert had is None or had.status == "done"
 
-    @rule(rank=st.integers(0, 3), tid=st.sampled_from(TIDS))
-    def abort_recv(self, rank: int, tid: str) -> None:
-        rank %= self.dtp
-        w = self.worker("recv", rank)
-        op = self.open_op(w, tid)
-        found, actions = self.recv.abort(w, tid)
-        assert found == (op is not None)
-        self.route(actions)
-        assert op is None or op.status == "done"
-
-    @rule(rank=st.integers(0, 3))
-    def send_worker_gone(self, rank: int) -> None:
-        rank %= self.ptp
-        w = self.worker("send", rank)
-        actions = self.send.worker_gone(w)
+    @precondition(lambda self: self.disruptions["worker_gone"] < 2)
+    @rule(side=st.sampled_from(["send", "recv"]), rank=st.integers(0, 3))
+    def worker_gone(self, side: Side, rank: int) -> None:
+        """A worker's session ends, on either side; a new worker (new id) takes its TP rank."""
+        self.disruptions["worker_gone"] += 1
+        rank %= self.ptp if side == "send" else self.dtp
+        w = self.worker(side, rank)
+        actions = self.send.worker_gone(w) if side == "send" else self.recv.worker_gone(w)
         assert not any(isinstance(a, Deliver) and a.worker_id == w for a in actions)
-        self.go("send", rank)
+        if side == "recv":
+            assert not any(isinstance(a, Deliver) for a in actions)
+        self.go(side, rank)
         self.route(actions)
 
-    @rule(rank=st.integers(0, 3))
-    def recv_worker_gone(self, rank: int) -> None:
-        rank %= self.dtp
-        w = self.worker("recv", rank)
-        actions = self.recv.worker_gone(w)
-        assert not any(isinstance(a, Deliver) for a in actions)
-        self.go("recv", rank)
+    @precondition(lambda self: self.disruptions["peer_lost"] < 1)
+    @rule(what=st.sampled_from(["connection_to_prefill", "decode_daemon_restart"]))
+    def peer_lost(self, what: str) -> None:
+        """The decode daemon's connection to the prefill daemon breaks (its pending Expects fail), or
+        the decode daemon restarts as a new instance (its workers and records are gone, and the
+        prefill daemon learns it through origin_lost)."""
+        self.disruptions["peer_lost"] += 1
+        if what == "connection_to_prefill":
+            actions = self.recv.producer_lost(ADDR, FailureCode.PEER_UNREACHABLE, "connection reset")
+            assert all(isinstance(a, Deliver) and a.completion.code is FailureCode.PEER_UNREACHABLE
+                       for a in actions)
+            self.route(actions)
+            assert len(self.recv) == 0
+            return
+        old = self.origin
+        for rank in range(self.dtp):
+            self.go("recv", rank)
+        self.epoch += 1
+        self.recv = RecvSide(EXP_TO, first_registration_id=100 + 10_000 * self.epoch)
+        actions = self.send.origin_lost(old, "decode daemon restarted")
+        assert not any(isinstance(a, SendFailNotice) for a in actions)
         self.route(actions)
 
-    @rule(dt=st.sampled_from([0.5, 3.0, 10.0, 21.0, 40.0]))
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 60.0]))  # 60: a stall past every timeout
     def advance_time(self, dt: float) -> None:
         self.now += dt
         self.tick()
@@ -355,6 +427,11 @@ class PushPair(RuleBasedStateMachine):
     # -- the end --------------------------------------------------------------------------------
 
     def teardown(self) -> None:
+        # Time first runs far past every timeout while messages and WRITEs are still in flight (what
+        # is progressing must survive that, and must still end once its progress stops); then
+        # everything is delivered and completed, with time following the deadlines that remain.
+        self.now += 10 * max(PUB_TO, REG_TO, EXP_TO)
+        self.tick()
         for _ in range(100):
             while self.net:
                 self.handle(self.net.pop(0))
@@ -376,8 +453,9 @@ class PushPair(RuleBasedStateMachine):
             assert n <= self.issued[key]
 
 
+# KVPUSHD_STATEFUL_EXAMPLES=5000 for a deeper (slower) search.
 PushPair.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=int(os.environ.get("KVPUSHD_STATEFUL_EXAMPLES", "200")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
