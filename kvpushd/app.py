@@ -13,13 +13,17 @@ import os
 import signal
 import stat
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
-from kvpushd_client.proto.v1 import peer_pb2_grpc, status_pb2_grpc, worker_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from .config import Config
 from .core.errors import FailedPrecondition
+from .events import EventKind
 from .node import Node
 from .rpc.peer import PeerServicer
 from .rpc.status import StatusServicer
@@ -36,6 +40,10 @@ class Daemon:
         self.notifier = SdNotifier.from_env()
         self.local_server: grpc.aio.Server | None = None
         self.peer_server: grpc.aio.Server | None = None
+        # grpc.health.v1 on both servers: NOT_SERVING until ready and again once draining.
+        self.local_health = health.aio.HealthServicer()
+        self.peer_health = health.aio.HealthServicer()
+        self._health_names: list[tuple[health.aio.HealthServicer, list[str]]] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
@@ -54,6 +62,10 @@ class Daemon:
         self.local_server = grpc.aio.server(options=opts)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.node), self.local_server)
         status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node), self.local_server)
+        local_services = [_service(worker_pb2, "WorkerService"), _service(status_pb2, "StatusService")]
+        await self._add_health(self.local_health, local_services, self.local_server)
+        reflection.enable_server_reflection([*local_services, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.local_server)
         old = os.umask(0o177)  # the socket is born private, then opened up to the group below
         try:
             self.local_server.add_insecure_port(f"unix:{sock}")
@@ -62,6 +74,7 @@ class Daemon:
         peer_opts = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
         self.peer_server = grpc.aio.server(options=[*opts, *peer_opts])
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
+        await self._add_health(self.peer_health, [_service(peer_pb2, "PeerService")], self.peer_server)
         host, port = cfg.listen_host_port
         bound = self.peer_server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
         if bound == 0:
@@ -71,11 +84,15 @@ class Daemon:
         await self.local_server.start()
         await self.peer_server.start()
         os.chmod(sock, cfg.worker_api.socket_mode)
+        self.node.metrics.serve(cfg.metrics)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.node.tick_forever()))
         self._tasks.append(loop.create_task(self.notifier.run_watchdog()))
         log.info("kvpushd ready", node_id=self.node.node_id, socket=str(sock), peer_address=self.node.peer_address,
                  backends=list(cfg.transfer.backends), pid=os.getpid())
+        for h, names in self._health_names:
+            for name in names:
+                await h.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.notifier.ready(f"serving on {sock} and {self.node.peer_address}")
 
     async def run(self) -> None:
@@ -101,6 +118,15 @@ class Daemon:
         finally:
             await self.shutdown()
 
+    async def _add_health(self, servicer: health.aio.HealthServicer, services: list[str],
+                          server: grpc.aio.Server) -> None:
+        """grpc.health.v1 on ``server``: overall ("") and per service, NOT_SERVING until ready."""
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        names = [health.OVERALL_HEALTH, *services]
+        for name in names:
+            await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._health_names.append((servicer, names))
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -110,6 +136,9 @@ class Daemon:
             return
         self._stopped = True
         self.notifier.stopping()
+        await self.local_health.enter_graceful_shutdown()
+        await self.peer_health.enter_graceful_shutdown()
+        self.node.events.emit(EventKind.DRAINING, detail="shutting down")
         # Peers first: no new registrations; the local socket stays up so workers see completions.
         self.node.draining = True
         if self.peer_server is not None:
@@ -117,9 +146,16 @@ class Daemon:
         await self.node.drain(self.cfg.transfer.drain_timeout_s)
         for t in self._tasks:
             t.cancel()
+        self.node.events.close()  # ends Watch streams, so the local server stops without waiting
+        await asyncio.get_running_loop().run_in_executor(None, self.node.metrics.stop)
         if self.local_server is not None:
             await self.local_server.stop(grace=1.0)
         with contextlib.suppress(FileNotFoundError):
             Path(self.cfg.socket_path).unlink()
         self.notifier.close()
         log.info("kvpushd stopped")
+
+
+def _service(module: Any, name: str) -> str:
+    """Full name of a service in a generated module, e.g. "kvpushd.v1.WorkerService"."""
+    return str(module.DESCRIPTOR.services_by_name[name].full_name)

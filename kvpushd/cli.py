@@ -55,7 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import add_args
 
     add_args(d)
-    args = ap.parse_args(argv)
+    b = sub.add_parser("bench", add_help=False, help="benchmarks: ceiling, critical-path, engine-cost, rate "
+                       "(kvpushd bench --help)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    args, extra = ap.parse_known_args(argv)
+    if args.cmd == "bench":  # kvpushd.bench parses its own options; imported only when used
+        from .bench import main as bench_main
+
+        return bench_main(extra + args.bench_args)
+    if extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "serve":
         return _serve(args)
     from .demo import run_demo

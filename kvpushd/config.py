@@ -70,6 +70,8 @@ class TransferConfig:
     nixl_threads: int = 0
     max_pending: int = 100_000
     drain_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0  # decode -> prefill daemons, while transfers are pending
+    peer_timeout_s: float = 10.0  # a peer silent this long has everything pending with it failed
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,19 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+    listen: str = "127.0.0.1:9400"  # Prometheus /metrics over HTTP (port 0: ephemeral)
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     worker_api: WorkerApiConfig = field(default_factory=WorkerApiConfig)
     peer_api: PeerApiConfig = field(default_factory=PeerApiConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def node_id(self) -> str:
@@ -115,7 +124,7 @@ def split_host_port(addr: str) -> tuple[str, int]:
 
 _SECTIONS: dict[str, type[Any]] = {
     "node": NodeConfig, "worker_api": WorkerApiConfig, "peer_api": PeerApiConfig,
-    "transfer": TransferConfig, "log": LogConfig,
+    "transfer": TransferConfig, "log": LogConfig, "metrics": MetricsConfig,
 }
 
 
@@ -163,10 +172,12 @@ def _coerce(where: str, default: Any, v: Any) -> Any:
 
 def validate(cfg: Config) -> None:
     split_host_port(cfg.peer_api.listen)
+    split_host_port(cfg.metrics.listen)
     t = cfg.transfer
     if not t.backends:
         raise InvalidArgument("config: transfer.backends must name at least one NIXL backend")
-    for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s"):
+    for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s",
+                 "heartbeat_interval_s", "peer_timeout_s"):
         if getattr(t, name) <= 0:
             raise InvalidArgument(f"config: transfer.{name} must be positive")
     if not 0 <= cfg.worker_api.socket_mode <= 0o777:

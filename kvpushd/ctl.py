@@ -1,17 +1,27 @@
-"""kvpushctl: what a daemon's status API says, as tables or JSON."""
+"""kvpushctl: what a daemon's status API says, as tables for a person or JSON for scripts.
+
+``status`` (everything), ``peers``, ``transfers`` (in flight, and recent failures) and ``watch``
+(events as they happen; ``--json``: one object per line). JSON follows protobuf's JSON mapping
+with the .proto field names: enums are names, 64-bit integers are strings.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 from kvpushd_client.proto.v1 import common_pb2, status_pb2, status_pb2_grpc
 
 from .config import default_socket_path
+
+EVENT_KINDS = [n.removeprefix("EVENT_").lower() for n, v in status_pb2.EventKind.items() if v]
 
 
 def fetch(socket: str, timeout: float = 5.0) -> status_pb2.NodeStatus:
@@ -24,49 +34,170 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
         return "  (none)"
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
     fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows])
+    return "\n".join([fmt.format(*header).rstrip()] + [fmt.format(*map(str, r)).rstrip() for r in rows])
+
+
+def _bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f}{unit}" if unit == "B" else f"{x:.1f}{unit}"
+        x /= 1024
+    raise AssertionError("unreachable")
+
+
+def _age(s: float) -> str:
+    if s < 1:
+        return f"{s * 1000:.1f}ms"
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _when(t_unix: float) -> str:
+    return datetime.datetime.fromtimestamp(t_unix, datetime.UTC).isoformat(timespec="milliseconds")
+
+
+def _regions(rs: Sequence[status_pb2.RegionSummary]) -> str:
+    return " + ".join(f"{r.count}x{r.num_blocks}x{_bytes(r.block_len)}" for r in rs)
+
+
+def _peers_table(st: status_pb2.NodeStatus) -> str:
+    return _table([[p.address, p.node_id, p.direction, p.state, p.channel_state or "-",
+                    _age(p.last_contact_age_s) + " ago" if p.last_contact_unix else "never",
+                    _bytes(p.bytes_sent), _bytes(p.bytes_received), p.transfers_finished, p.transfers_failed,
+                    p.errors, p.last_error[:80]] for p in st.peers],
+                  ["ADDRESS", "NODE", "DIRECTION", "STATE", "CHANNEL", "LAST CONTACT", "SENT", "RECEIVED", "OK",
+                   "FAILED", "ERRORS", "LAST ERROR"])
+
+
+def _transfers_table(st: status_pb2.NodeStatus) -> str:
+    return _table([[t.transfer_id, t.engine_id, t.side, t.state, _age(t.age_s), t.num_blocks, t.peer or "-",
+                    t.waiting_for] for t in st.transfers],
+                  ["TRANSFER", "ENGINE", "SIDE", "STATE", "AGE", "BLOCKS", "PEER", "WAITING FOR"])
+
+
+def _failures_table(st: status_pb2.NodeStatus, last: int = 10) -> str:
+    return _table([[_age(f.age_s) + " ago", f.transfer_id, f.reason[:120]] for f in st.recent_failures[-last:]],
+                  ["WHEN", "TRANSFER", "REASON"])
 
 
 def render(st: status_pb2.NodeStatus) -> str:
     c = st.counters
+    cfg = st.config
     out = [
-        f"node {st.node_id}  kvpushd {st.version}  up {st.uptime_s:.0f}s  peer address {st.peer_address}",
-        f"socket {st.worker_socket}  backends {','.join(st.backends)}",
+        f"node {st.node_id}  kvpushd {st.version}  up {st.uptime_s:.0f}s  "
+        f"{'DRAINING' if st.draining else 'serving'}  peer address {st.peer_address}",
+        f"socket {st.worker_socket}  backends {','.join(st.backends)}  metrics {st.metrics_address or 'off'}",
+        f"config publish_timeout {cfg.get('transfer.publish_timeout_s', '?')}s  expect_timeout "
+        f"{cfg.get('transfer.expect_timeout_s', '?')}s  max_pending {cfg.get('transfer.max_pending', '?')}  "
+        f"log {cfg.get('log.level', '?')}/{cfg.get('log.format', '?')}",
         f"transfers finished {c.transfers_finished}  failed {c.transfers_failed}  bytes written "
         f"{c.bytes_written}  WRITEs {c.writes_posted}  notifications {c.notifications_received} "
-        f"(stray {c.stray_notifications})  descriptors {c.descriptors_requested} -> {c.descriptors_posted}",
+        f"(stray {c.stray_notifications})  descriptors {c.descriptors_requested} -> {c.descriptors_posted}  "
+        f"watchers {st.watchers}",
         "", "workers:",
         _table([[w.worker_id, w.engine_id, common_pb2.Role.Name(w.role).removeprefix("ROLE_").lower(),
-                 f"{w.tp_rank}/{w.tp_size}", w.pp_rank, w.memory_kind, w.num_regions, w.registered_bytes,
-                 f"{w.attached_s:.0f}s"] for w in st.workers],
-               ["WORKER", "ENGINE", "ROLE", "TP", "PP", "MEM", "REGIONS", "BYTES", "ATTACHED"]),
-        "", "peers:",
-        _table([[p.address, p.node_id, p.state, p.last_error] for p in st.peers],
-               ["ADDRESS", "NODE", "STATE", "LAST ERROR"]),
-        "", "transfers in flight:",
-        _table([[t.transfer_id, t.side, t.state, f"{t.age_s:.3f}s", t.num_blocks, t.waiting_for]
-                for t in st.transfers], ["TRANSFER", "SIDE", "STATE", "AGE", "BLOCKS", "WAITING FOR"]),
+                 f"{w.tp_rank}/{w.tp_size}", w.pp_rank, w.memory_kind, _regions(w.regions) or w.num_regions,
+                 _bytes(w.registered_bytes), w.pending_transfers, _age(w.attached_s)] for w in st.workers],
+               ["WORKER", "ENGINE", "ROLE", "TP", "PP", "MEM", "REGIONS (n x blocks x len)", "BYTES", "PENDING",
+                "ATTACHED"]),
+        "", "peers:", _peers_table(st),
+        "", "transfers in flight:", _transfers_table(st),
+        "", "recent failures:", _failures_table(st),
     ]
     return "\n".join(out)
 
 
-def as_dict(st: status_pb2.NodeStatus) -> dict[str, Any]:
-    return MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+def as_dict(msg: Message) -> dict[str, Any]:
+    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def render_event(ev: status_pb2.Event) -> str:
+    kind = status_pb2.EventKind.Name(ev.kind).removeprefix("EVENT_").lower()
+    parts = [_when(ev.time_unix), f"{kind:<17}"]
+    for label, value in (("transfer", ev.transfer_id), ("engine", ev.engine_id), ("worker", ev.worker_id),
+                         ("side", ev.side), ("peer", ev.peer)):
+        if value:
+            parts.append(f"{label}={value}")
+    if ev.num_blocks:
+        parts.append(f"blocks={ev.num_blocks}")
+    if ev.bytes:
+        parts.append(f"bytes={_bytes(ev.bytes)}")
+    if ev.kind in (status_pb2.EVENT_TRANSFER_FINISHED, status_pb2.EVENT_TRANSFER_FAILED):
+        parts.append(f"after={_age(ev.duration_s)}")
+    if ev.kind == status_pb2.EVENT_TRANSFER_FAILED:
+        parts.append(common_pb2.FailureCode.Name(ev.code).removeprefix("FAILURE_"))
+    if ev.detail:
+        parts.append(f"({ev.detail})")
+    if ev.dropped:
+        parts.append(f"[{ev.dropped} dropped]")
+    return "  ".join(parts)
+
+
+def watch(socket: str, kinds: list[str], as_json: bool, count: int, timeout: float | None) -> int:
+    req = status_pb2.WatchRequest(kinds=[status_pb2.EventKind.Value("EVENT_" + k.upper()) for k in kinds])
+    seen = 0
+    with grpc.insecure_channel(f"unix:{socket}") as ch:
+        call = status_pb2_grpc.StatusServiceStub(ch).Watch(req, timeout=timeout)
+        try:
+            for ev in call:
+                print(json.dumps(as_dict(ev)) if as_json else render_event(ev), flush=True)
+                seen += 1
+                if count and seen >= count:
+                    call.cancel()
+                    return 0
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            if count:
+                print(f"kvpushctl: {seen} of {count} events within {timeout:g}s", file=sys.stderr)
+                return 1
+            return 0
+    if count:
+        print(f"kvpushctl: the daemon stopped after {seen} of {count} events", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpushctl", description="inspect a kvpushd daemon")
     ap.add_argument("--socket", default=default_socket_path(), help="daemon's worker socket")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("status", help="node, workers, peers, transfers in flight")
-    s.add_argument("--json", action="store_true")
+    for name, text in (("status", "node, workers, peers, transfers in flight, recent failures, counters"),
+                       ("peers", "other daemons: handshake state, last contact, bytes, errors"),
+                       ("transfers", "transfers in flight (state, age, what each waits for) and recent failures")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    w = sub.add_parser("watch", help="events as they happen, until interrupted")
+    w.add_argument("--json", action="store_true", help="one JSON object per line")
+    w.add_argument("--count", type=int, default=0, help="stop after this many events (exit 1 if fewer came)")
+    w.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    w.add_argument("--kind", action="append", default=[], choices=EVENT_KINDS, help="only these kinds (repeat)")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "watch":
+            return watch(args.socket, args.kind, args.json, args.count, args.timeout)
         st = fetch(args.socket)
+    except KeyboardInterrupt:
+        return 130
     except grpc.RpcError as e:
-        print(f"kvpushctl: cannot reach kvpushd at {args.socket}: {e.code().name}: {e.details()}", file=sys.stderr)
+        what = "cannot reach kvpushd" if e.code() is grpc.StatusCode.UNAVAILABLE else "kvpushd answered"
+        print(f"kvpushctl: {what} at {args.socket}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    print(json.dumps(as_dict(st), indent=2) if args.json else render(st))
+    d = as_dict(st)
+    if args.cmd == "status":
+        print(json.dumps(d, indent=2) if args.json else render(st))
+    elif args.cmd == "peers":
+        print(json.dumps({"node_id": st.node_id, "peers": d["peers"]}, indent=2) if args.json else
+              f"node {st.node_id}  peer address {st.peer_address}\n" + _peers_table(st))
+    else:
+        print(json.dumps({"node_id": st.node_id, "transfers": d["transfers"],
+                          "recent_failures": d["recent_failures"]}, indent=2) if args.json else
+              f"node {st.node_id}\ntransfers in flight:\n{_transfers_table(st)}\n\nrecent failures:\n"
+              + _failures_table(st))
     return 0
 
 

@@ -1,16 +1,29 @@
 """``kvpushd demo``: the main job on built-in defaults, on one machine.
 
-Starts a prefill-node daemon and a decode-node daemon (real processes), a prefill worker and a
-decode worker (real processes, using the client library) whose KV regions live in POSIX shared
-memory in vLLM's layout (layers x K/V x blocks), then runs N requests with concurrent dispatch in
-both arrival orders. Every destination block is checked byte for byte against its source; freed
-destination blocks are re-poisoned, so at the end the whole decode memory must be poison again:
-any byte written outside a request's blocks shows up as a mismatch.
+Two modes, both with a prefill-node daemon and a decode-node daemon as real processes:
+
+``--mode engine`` (default): a prefill engine process and a decode engine process, each running the
+reference engine (``kvpushd.refengine``: a tiny deterministic transformer with a paged KV cache in
+vLLM's HND layout over shared memory) with ``KVPushdHooks`` attached through its own node's daemon,
+one worker per TP rank. The orchestrator dispatches requests concurrently in both arrival orders
+(decode first: decode registers its blocks before prefill runs; prefill first: decode gets the
+request after prefill finished) and checks three things per request: the decode engine's tokens
+equal a monolithic run of the same model (computed here), the KV the decode engine received is
+byte for byte the KV the prefill engine computed (both sides snapshot the request's blocks, all
+layers, heads gathered over the TP ranks: prefill when its blocks are complete, decode the moment
+the transfer is reported finished, before it decodes), and nothing outside a request's blocks was
+written on the decode side (free blocks hold poison; allocations check it, frees restore it).
+
+``--mode bytes``: two stand-in workers move random bytes in the same kind of layout (layers x K/V x
+blocks). Every destination block is checked byte for byte against its source; freed destination
+blocks are re-poisoned, so at the end the whole decode memory must be poison again: any byte written
+outside a request's blocks shows up as a mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -24,7 +37,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
@@ -58,17 +71,65 @@ class Layout:
         return self.regions * self.region_bytes
 
 
+ENGINE_DEFAULTS = {"requests": 16, "prompt_tokens": 256, "layers": 4}
+BYTES_DEFAULTS = {"requests": 64, "prompt_tokens": 1024, "layers": 16}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="tokens per prompt (default 1024)")
+    p.add_argument("--mode", choices=("engine", "bytes"), default="engine",
+                   help="engine: prefill and decode reference engines (a tiny transformer), tokens checked "
+                        "against a monolithic run; bytes: stand-in workers moving random bytes (default engine)")
+    p.add_argument("--requests", type=int, help="number of requests (default 16; bytes mode 64)")
+    p.add_argument("--prompt-tokens", type=int, help="tokens per prompt (default 256; bytes mode 1024)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each request generates (default 16)")
+    p.add_argument("--prefill-tp", type=int, default=1, help="prefill engine TP size (default 1)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode engine TP size (default 1)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--layers", type=int, help="model / KV layers (default 4; bytes mode 16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--prefill-block-size", type=int, help="tokens per block on prefill (default --block-size)")
+    p.add_argument("--decode-block-size", type=int, help="tokens per block on decode (default --block-size)")
+    p.add_argument("--kv-heads", type=int, default=4, help="bytes mode only (the engine's model has 4)")
+    p.add_argument("--head-dim", type=int, default=64, help="bytes mode only (the engine's model has 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--workdir", help="where sockets and logs go (default: a temporary directory)")
+
+
+def _resolve(args: argparse.Namespace) -> str:
+    """Fill in the mode's defaults; return an error message, or "" when the arguments are usable."""
+    defaults = ENGINE_DEFAULTS if args.mode == "engine" else BYTES_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    pbs = args.prefill_block_size if args.prefill_block_size is not None else args.block_size
+    dbs = args.decode_block_size if args.decode_block_size is not None else args.block_size
+    if pbs != dbs:
+        return (f"different block sizes are not supported yet (prefill {pbs}, decode {dbs} tokens per block); "
+                "kvpushd moves whole blocks between equal layouts")
+    args.block_size = pbs
+    for name in ("requests", "prompt_tokens", "max_new_tokens", "prefill_tp", "decode_tp", "concurrency",
+                 "layers", "block_size", "kv_heads", "head_dim"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.mode == "bytes":
+        if args.prefill_tp != 1 or args.decode_tp != 1:
+            return "--mode bytes runs TP1 -> TP1 only; use --mode engine for --prefill-tp/--decode-tp"
+        return ""
+    from .core.errors import InvalidArgument
+    from .core.topology import check_tp_pair
+
+    kv_heads = 4  # TinyConfig.num_kv_heads: the engine's TP sizes must divide it
+    for name, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp)):
+        if kv_heads % tp:
+            return f"--{name}-tp {tp}: the reference model has {kv_heads} KV heads; use a TP size dividing it"
+    try:
+        check_tp_pair(args.prefill_tp, args.decode_tp)
+    except InvalidArgument as e:
+        return str(e)
+    if args.prompt_tokens + args.max_new_tokens > 4096:
+        return "--prompt-tokens + --max-new-tokens must be at most 4096 (the reference model's positions)"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +242,7 @@ class _Demo:
         logf = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - lives as long as the daemon
         self.daemons.append(subprocess.Popen(
             [sys.executable, "-m", "kvpushd", "serve", "--socket", sock, "--listen", f"127.0.0.1:{port}",
-             "--node-id", name], stdout=logf, stderr=subprocess.STDOUT))
+             "--node-id", name], stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent))
         return sock, f"127.0.0.1:{port}"
 
     def run(self) -> dict[str, Any]:
@@ -315,7 +376,7 @@ class _Demo:
             return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 3) if lat else None
 
         return {
-            "requests": a.requests, **stats, "bytes_outside_requests": outside,
+            "mode": "bytes", "requests": a.requests, **stats, "bytes_outside_requests": outside,
             "arrival_orders": orders, "prompt_tokens": a.prompt_tokens, "blocks_per_request": self.bpr,
             "regions": lay.regions, "block_len": lay.block_len, "wall_s": round(wall, 3),
             "throughput_gbps": round(stats["bytes_moved"] / wall / 1e9, 3) if wall else 0.0,
@@ -370,7 +431,585 @@ class _Demo:
                 d.kill()
 
 
+# ---------------------------------------------------------------------------------------------
+# Engine mode: engine processes
+
+
+ENGINE_POISON = 0xFF  # as float32 a NaN: a decode step reading a never-written slot spoils its tokens
+
+
+def _kv_bytes(caches: Any, block_ids: list[int]) -> bytes:
+    """Every layer's K and V of ``block_ids``, heads gathered over the TP ranks (HND), as raw bytes.
+
+    The same request gives the same bytes on a TP1, TP2, ... engine when its KV is the same."""
+    from .refengine.model import gather_blocks
+
+    parts = []
+    for layer in range(caches[0].cfg.num_layers):
+        k, v = gather_blocks(caches, layer, block_ids)
+        parts += [k.numpy().tobytes(), v.numpy().tobytes()]
+    return b"".join(parts)
+
+
+class _ObservedHooks:
+    """``KVPushdHooks`` plus what the demo checks: the KV of each request, snapshotted on the prefill
+    side once its blocks are complete (before they are published) and on the decode side the moment
+    the transfer is reported finished (before the engine decodes into them)."""
+
+    def __init__(self, inner: Any, caches: Any, conn: Connection) -> None:
+        self.inner = inner
+        self.caches = caches
+        self.conn = conn
+        self.blocks: dict[str, list[int]] = {}
+
+    def on_prefill_done(self, req_id: str, block_ids: Any) -> dict[str, Any]:
+        self.conn.send(("kv", req_id, _kv_bytes(self.caches, list(block_ids))))
+        return dict(self.inner.on_prefill_done(req_id, block_ids))
+
+    def on_blocks_allocated(self, req_id: str, block_ids: Any, kv_params: Any) -> None:
+        self.inner.on_blocks_allocated(req_id, block_ids, kv_params)
+        self.blocks[req_id] = list(block_ids)
+        self.conn.send(("registered", req_id))
+
+    def poll(self) -> Any:
+        ev = self.inner.poll()
+        for rid in ev.finished_recving:
+            blocks = self.blocks.pop(rid, None)
+            if blocks is not None:
+                self.conn.send(("kv", rid, _kv_bytes(self.caches, blocks)))
+        for rid in ev.failed:
+            self.blocks.pop(rid, None)
+        return ev
+
+
+def _poison_allocator(caches: Any, num_blocks: int) -> Any:
+    """The engine's FIFO free block queue, where free decode blocks hold poison: an allocation counts
+    the bytes that are not poison (written while the block was free: outside any request), a free
+    restores the poison."""
+    from .refengine import BlockAllocator
+
+    class PoisonAllocator(BlockAllocator):
+        def __init__(self) -> None:
+            super().__init__(num_blocks)
+            self.views = [np.frombuffer(c.shm.mmap, dtype=np.uint8).reshape(-1, num_blocks, c.block_len)
+                          for c in caches]
+            for v in self.views:
+                v[:] = ENGINE_POISON
+            self.stray = 0
+
+        def allocate(self, n: int) -> list[int] | None:
+            ids = super().allocate(n)
+            if ids:
+                self.stray += sum(int(np.count_nonzero(v[:, ids, :] != ENGINE_POISON)) for v in self.views)
+            return ids
+
+        def free(self, block_ids: Any) -> None:
+            ids = list(block_ids)
+            for v in self.views:
+                v[:, ids, :] = ENGINE_POISON
+            super().free(ids)
+
+        def not_poison(self) -> int:
+            return sum(int(np.count_nonzero(v != ENGINE_POISON)) for v in self.views)
+
+    return PoisonAllocator()
+
+
+def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -> None:
+    code = 0
+    signal.signal(signal.SIGTERM, _raise_exit)
+    _term_with_parent()
+    try:
+        if os.getppid() != spec["parent_pid"]:
+            raise SystemExit("the demo has gone")
+        _engine_loop(role, sock, spec, conn)
+    except BaseException:
+        import traceback
+
+        code = 1
+        traceback.print_exc()
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{role} engine: {traceback.format_exc()}"))
+    finally:
+        # Everything is released by now (workers detached, shared memory unlinked): skip the
+        # interpreter's teardown, which takes seconds with torch loaded on a busy machine.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _engine_loop(role: str, sock: str, spec: dict[str, int], conn: Connection) -> None:
+    """One engine process: the reference ``Engine`` with ``KVPushdHooks`` on this node's daemon.
+
+    Messages in: ("add", rid, prompt, max_new_tokens, kv_params), ("first_token", rid, token),
+    ("abort", rid), ("finish",). Out: ("ready", kv_params | {}), ("registered", rid), ("kv", rid, bytes),
+    ("out", rid, ok, tokens, error, kv_params), ("stats", {...}), ("error", text)."""
+    import torch
+    from kvpushd_client import DaemonUnavailable, KVPushClient, Role
+
+    from .refengine import Engine, KVPushdHooks, PagedKV, TinyConfig, TinyModel
+
+    torch.set_num_threads(1)  # tiny ops; and every process computes with the same thread count
+    cfg = TinyConfig(num_layers=spec["layers"], block_size=spec["block_size"])
+    model = TinyModel(cfg, spec["seed"])
+    tp, nb = spec["tp"], spec["num_blocks"]
+    caches = [PagedKV.shared(cfg, nb, f"kvpushd-demo-{role}-r{r}", r, tp) for r in range(tp)]
+    client = KVPushClient(sock)
+    inner = None
+    alloc = None
+    try:
+        deadline = time.monotonic() + 600
+        while True:  # the daemon may still be starting; give up early if the demo does
+            try:
+                client.wait_ready(1.0)
+                break
+            except DaemonUnavailable:
+                if conn.poll(0) or time.monotonic() > deadline:
+                    raise
+        inner = KVPushdHooks.attach(client, f"demo-{role}", Role.PRODUCER if role == "prefill" else Role.CONSUMER,
+                                    caches, description=f"kvpushd demo {role} engine pid {os.getpid()}")
+        hooks = _ObservedHooks(inner, caches, conn)
+        engine = Engine(model, caches, role, hooks, max_num_seqs=spec["max_num_seqs"], max_prefills_per_step=4)
+        if role == "decode":
+            alloc = _poison_allocator(caches, nb)
+            engine.allocator = alloc
+            conn.send(("ready", {}))
+        else:
+            host, _, port = inner.peer_address.rpartition(":")
+            conn.send(("ready", {"remote_engine_id": inner.engine_id, "remote_host": host,
+                                 "remote_port": int(port), "tp_size": tp}))
+        finishing = False
+        while not (finishing and not engine.has_unfinished()):
+            wait = 0.0 if engine.running else 0.002
+            while conn.poll(wait):
+                wait = 0.0
+                msg = conn.recv()
+                try:
+                    if msg[0] == "add":
+                        engine.add_request(msg[1], msg[2], msg[3], msg[4])
+                    elif msg[0] == "first_token":
+                        engine.set_first_token(msg[1], msg[2])
+                    elif msg[0] == "abort":
+                        inner.abort(msg[1])
+                    elif msg[0] == "finish":
+                        finishing = True
+                except Exception as e:  # the demo counts the request as failed
+                    conn.send(("out", msg[1], False, [], f"{msg[0]}: {e}", {}))
+            for o in engine.step():
+                conn.send(("out", o.req_id, o.ok, o.tokens, o.error, o.kv_params))
+        conn.send(("stats", {
+            "send_failures": dict(engine.send_failures), "unknown_events": engine.unknown_events,
+            "unknown_completions": inner.unknown_completions, "free_blocks": engine.num_free_blocks,
+            "num_blocks": nb, "stray_bytes": alloc.stray if alloc else 0,
+            "not_poison_at_end": alloc.not_poison() if alloc else 0, "tokens_decoded": engine.tokens_decoded,
+            "steps": engine.steps,
+        }))
+    finally:
+        if inner is not None:
+            inner.close()
+        if alloc is not None:
+            alloc.views = []  # numpy views pin the maps
+        for c in caches:
+            c.close()
+        client.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine mode: orchestration
+
+
+@dataclass
+class _EReq:
+    rid: str
+    prompt: list[int]
+    expected: list[int]
+    order: str
+    t0: float = 0.0
+    t_done: float = 0.0
+    finished: bool = False
+    ok: bool = False
+    tokens: list[int] = field(default_factory=list)
+    error: str = ""
+    kv: dict[str, bytes] = field(default_factory=dict)
+    verified: bool = False
+
+
+def _term_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies (a killed demo leaves no daemon or engine behind)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _raise_exit(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds: finally blocks stop daemons, detach, unlink shared memory
+
+
+class _Daemons:
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: list[str] = []
+
+    def start(self, name: str) -> str:
+        sock = os.path.join(self.workdir, f"{name}.sock")
+        logf = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - lives as long as the daemon
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvpushd", "serve", "--socket", sock, "--listen", f"127.0.0.1:{_free_port()}",
+             "--node-id", name], stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent))
+        self.names.append(name)
+        return sock
+
+    def check(self) -> None:
+        """Raise if a daemon has exited (say, it failed to start): the engines would wait for it in vain."""
+        for name, d in zip(self.names, self.procs, strict=True):
+            if d.poll() is not None:
+                path = os.path.join(self.workdir, f"{name}.log")
+                with open(path, errors="replace") as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"daemon {name} exited with code {d.returncode}; the end of {path}:\n{tail}")
+
+    def stop(self) -> None:
+        for d in self.procs:
+            if d.poll() is None:
+                d.send_signal(signal.SIGTERM)
+        for d in self.procs:
+            try:
+                d.wait(30)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+
+class _EngineDemo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t_start = time.perf_counter()
+        self.rng = random.Random(args.seed)
+        self.workdir = args.workdir or tempfile.mkdtemp(prefix="kvpushd-demo-")
+        self.daemons = _Daemons(self.workdir)
+        self.procs: dict[str, Any] = {}
+        self.conns: dict[str, Connection] = {}
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def _recv(self, role: str) -> tuple[Any, ...]:
+        msg = self.conns[role].recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"{msg[1]}\n(logs in {self.workdir})")
+        return tuple(msg)
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        bs = a.block_size
+        blocks_prompt = -(-a.prompt_tokens // bs)
+        blocks_total = -(-(a.prompt_tokens + a.max_new_tokens - 1) // bs)
+        self.log(f"kvpushd demo (engine mode): 2 daemons, prefill engine TP{a.prefill_tp} -> decode engine "
+                 f"TP{a.decode_tp}, {a.requests} requests of {a.prompt_tokens} prompt tokens ({blocks_prompt} blocks "
+                 f"x {2 * a.layers} regions) + {a.max_new_tokens} new tokens, {a.concurrency} in flight; "
+                 f"logs in {self.workdir}")
+        socks = {"prefill": self.daemons.start("prefill-node"), "decode": self.daemons.start("decode-node")}
+        # The daemons start first, on their own: on a small machine, engines importing torch next to
+        # them only slow their start down (and a daemon gives its NIXL start a bounded time).
+        from kvpushd_client import DaemonUnavailable, KVPushClient
+
+        deadline = time.monotonic() + 600
+        for sock in socks.values():
+            with KVPushClient(sock) as probe:
+                while True:
+                    try:
+                        probe.wait_ready(0.5)
+                        break
+                    except DaemonUnavailable:
+                        self.daemons.check()
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"daemons not ready after 600 s; see {self.workdir}") from None
+        self.log("daemons ready")
+        ctx = mp.get_context("spawn")
+        specs = {
+            "prefill": {"tp": a.prefill_tp, "num_blocks": blocks_prompt * (a.concurrency + 2), "max_num_seqs": 1},
+            "decode": {"tp": a.decode_tp, "num_blocks": blocks_total * (a.concurrency + 2),
+                       "max_num_seqs": a.concurrency},
+        }
+        for role in ("prefill", "decode"):
+            spec = {**specs[role], "layers": a.layers, "block_size": bs, "seed": a.seed, "parent_pid": os.getpid()}
+            mine, theirs = ctx.Pipe()
+            pr = ctx.Process(target=_engine_main, args=(role, socks[role], spec, theirs), daemon=True,
+                             name=f"kvpushd-demo-{role}-engine")
+            pr.start()
+            theirs.close()
+            self.procs[role], self.conns[role] = pr, mine
+
+        import torch
+
+        from .refengine import TinyConfig, TinyModel, random_prompt
+
+        torch.set_num_threads(1)  # as in the engines: the same thread count, the same numbers
+        cfg = TinyConfig(num_layers=a.layers, block_size=bs)
+        # arrival orders: half each (so both occur whenever there are two requests), in random order
+        orders_drawn = ["decode_first"] * (a.requests // 2) + ["prefill_first"] * (a.requests - a.requests // 2)
+        self.rng.shuffle(orders_drawn)
+        reqs = [_EReq(f"demo-{i:05d}-{os.urandom(3).hex()}",
+                      random_prompt(a.seed * 1_000_003 + i, a.prompt_tokens, cfg.vocab_size), [], orders_drawn[i])
+                for i in range(a.requests)]
+        by_id = {r.rid: r for r in reqs}
+        ref_error: list[BaseException] = []
+
+        def reference() -> None:
+            """The monolithic run of every prompt, computed here while the engines start and run."""
+            try:
+                model = TinyModel(cfg, a.seed)
+                for r in reqs:
+                    r.expected = model.generate_monolithic(r.prompt, a.max_new_tokens)
+                self.log(f"reference tokens computed for {a.requests} requests (monolithic, seed {a.seed})")
+            except BaseException as e:
+                ref_error.append(e)
+
+        ref_thread = threading.Thread(target=reference, name="kvpushd-demo-reference", daemon=True)
+        ref_thread.start()
+
+        static: dict[str, Any] = {}
+        starting = {"prefill", "decode"}
+        deadline = time.monotonic() + 600
+        while starting:
+            for c in wait([self.conns[r] for r in starting], 0.5):
+                role = "prefill" if c is self.conns["prefill"] else "decode"
+                try:
+                    msg = self._recv(role)
+                except EOFError:
+                    raise RuntimeError(f"{role} engine exited while starting; see {self.workdir}") from None
+                if role == "prefill":
+                    static = msg[1]
+                starting.discard(role)
+                self.log(f"{role} engine ready (TP{specs[role]['tp']}, {specs[role]['num_blocks']} blocks per rank)")
+            self.daemons.check()
+            for role in starting:
+                if not self.procs[role].is_alive() and not self.conns[role].poll(0):
+                    raise RuntimeError(f"{role} engine exited with code {self.procs[role].exitcode} while "
+                                       f"starting; see {self.workdir}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engines {sorted(starting)} not ready after 600 s; see {self.workdir}")
+        self.log("engines attached to their daemons; dispatching")
+
+        stats = {"completed": 0, "failed": 0, "bytes_verified": 0, "mismatched_bytes": 0}
+        orders = {"decode_first": 0, "prefill_first": 0}
+        kv_mismatched_requests = 0
+
+        def verify(r: _EReq) -> None:
+            nonlocal kv_mismatched_requests
+            if r.verified or len(r.kv) < 2:
+                return
+            p, d = (np.frombuffer(r.kv[k], dtype=np.uint8) for k in ("prefill", "decode"))
+            n = min(p.size, d.size)
+            diff = int(np.count_nonzero(p[:n] != d[:n])) + abs(p.size - d.size)
+            stats["bytes_verified"] += d.size
+            stats["mismatched_bytes"] += diff
+            kv_mismatched_requests += diff > 0
+            r.verified = True
+            r.kv.clear()
+
+        in_flight = 0
+        finished = 0
+
+        def finish(r: _EReq, ok: bool, tokens: list[int], error: str) -> None:
+            nonlocal in_flight, finished
+            if r.finished:
+                return
+            r.finished, r.ok, r.tokens, r.error, r.t_done = True, ok, list(tokens), error, time.perf_counter()
+            stats["completed" if ok else "failed"] += 1
+            in_flight -= 1
+            finished += 1
+            if not ok:
+                self.log(f"request {r.rid} ({r.order}) failed: {error}")
+
+        def handle(role: str, msg: tuple[Any, ...]) -> None:
+            kind = msg[0]
+            if kind == "stats":
+                end_stats[role] = msg[1]
+                return
+            r = by_id.get(msg[1])
+            if r is None:
+                return
+            if kind == "kv":
+                r.kv[role] = msg[2]
+                verify(r)
+            elif kind == "registered":  # decode first: its blocks are registered, now prefill may run
+                if r.order == "decode_first":
+                    self.conns["prefill"].send(("add", r.rid, r.prompt, 1, None))
+            elif kind == "out" and role == "prefill":
+                ok, tokens, error, params = msg[2:]
+                if not ok:
+                    if r.order == "decode_first":
+                        self.conns["decode"].send(("abort", r.rid))
+                    else:
+                        finish(r, False, [], f"prefill: {error}")
+                elif r.order == "decode_first":
+                    self.conns["decode"].send(("first_token", r.rid, tokens[0]))
+                else:
+                    self.conns["decode"].send(("add", r.rid, r.prompt, a.max_new_tokens, params))
+            elif kind == "out":
+                finish(r, bool(msg[2]), msg[3], msg[4])
+
+        def pump(timeout: float) -> None:
+            for c in wait(list(self.conns.values()), timeout):
+                role = "prefill" if c is self.conns["prefill"] else "decode"
+                try:
+                    msg = self._recv(role)
+                except EOFError:
+                    raise RuntimeError(f"{role} engine exited; see {self.workdir}") from None
+                handle(role, msg)
+            for role, pr in self.procs.items():
+                if not pr.is_alive() and role not in end_stats and not self.conns[role].poll(0):
+                    raise RuntimeError(f"{role} engine exited with code {pr.exitcode}; see {self.workdir}")
+            self.daemons.check()
+
+        end_stats: dict[str, dict[str, Any]] = {}
+        t0 = time.perf_counter()
+        last_progress = t0
+        last_change = time.monotonic()
+        nxt = 0
+        while finished < a.requests:
+            while in_flight < a.concurrency and nxt < a.requests:
+                r = reqs[nxt]
+                nxt += 1
+                in_flight += 1
+                orders[r.order] += 1
+                r.t0 = time.perf_counter()
+                if r.order == "decode_first":  # decode registers its blocks first; prefill follows
+                    self.conns["decode"].send(("add", r.rid, r.prompt, a.max_new_tokens,
+                                               {"transfer_id": r.rid, **static}))
+                else:  # prefill runs and publishes first; decode gets its kv_params afterwards
+                    self.conns["prefill"].send(("add", r.rid, r.prompt, 1, None))
+            before = finished
+            pump(0.5)
+            now = time.perf_counter()
+            if finished != before:
+                last_change = time.monotonic()
+            elif time.monotonic() - last_change > 180:
+                for r in reqs:
+                    if r.t0 and not r.finished:
+                        finish(r, False, [], "no result within 180 s")
+                break
+            if now - last_progress >= 1.0:
+                last_progress = now
+                self.log(f"{finished}/{a.requests} done, {stats['failed']} failed")
+        wall = time.perf_counter() - t0
+        self.log(f"{finished}/{a.requests} done, {stats['failed']} failed, in {wall:.1f} s; draining the engines")
+        for c in self.conns.values():
+            c.send(("finish",))
+        deadline = time.monotonic() + 120
+        while len(end_stats) < 2 and time.monotonic() < deadline:
+            pump(0.5)
+        for r in reqs:
+            if r.ok and not r.verified:  # received, but a snapshot never came: cannot vouch for its KV
+                self.log(f"request {r.rid}: KV not verified (have {sorted(r.kv)})")
+        from .ctl import fetch
+
+        p_status, d_status = fetch(socks["prefill"]), fetch(socks["decode"])
+        self.log("engines drained; daemon counters read")
+        for pr in self.procs.values():
+            pr.join(30)
+        rss = {name: _rss_kib(d.pid) for name, d in zip(("prefill", "decode"), self.daemons.procs, strict=True)}
+
+        ref_thread.join()
+        if ref_error:
+            raise RuntimeError(f"computing the reference tokens failed: {ref_error[0]!r}") from ref_error[0]
+        mismatched = [r for r in reqs if r.tokens != r.expected]
+        for r in mismatched:
+            if r.ok:
+                self.log(f"request {r.rid} ({r.order}): tokens {r.tokens} != reference {r.expected}")
+        dstats = end_stats.get("decode", {})
+        pstats = end_stats.get("prefill", {})
+        outside = int(dstats.get("stray_bytes", 0)) + int(dstats.get("not_poison_at_end", 0))
+        stats["mismatched_bytes"] += outside
+        lat = sorted(r.t_done - r.t0 for r in reqs if r.ok)
+
+        def pct(q: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 1) if lat else None
+
+        return {
+            "mode": "engine", "requests": a.requests, **stats,
+            "tokens_match": not mismatched, "tokens_mismatched": len(mismatched),
+            "bytes_moved": p_status.counters.bytes_written,
+            "bytes_outside_requests": outside, "kv_mismatched_requests": kv_mismatched_requests,
+            "kv_unverified": sum(1 for r in reqs if r.ok and not r.verified),
+            "arrival_orders": orders, "prefill_tp": a.prefill_tp, "decode_tp": a.decode_tp,
+            "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "layers": a.layers,
+            "block_size": bs, "blocks_per_request": blocks_prompt,
+            "tokens_generated": sum(len(r.tokens) for r in reqs), "wall_s": round(wall, 3),
+            "request_latency_ms": {"p50": pct(0.5), "p99": pct(0.99)},
+            "notifications_received": d_status.counters.notifications_received,
+            "transfers_failed": {"prefill": p_status.counters.transfers_failed,
+                                 "decode": d_status.counters.transfers_failed},
+            "transfers_left": {"prefill": len(p_status.transfers), "decode": len(d_status.transfers)},
+            "send_failures": len(pstats.get("send_failures", {})),
+            "unknown_events": int(pstats.get("unknown_events", 0)) + int(dstats.get("unknown_events", 0)),
+            "descriptors_requested": p_status.counters.descriptors_requested,
+            "descriptors_posted": p_status.counters.descriptors_posted,
+            "daemon_rss_kib": rss, "workdir": self.workdir,
+        }
+
+    def stop(self) -> None:
+        for pr in self.procs.values():
+            if pr.is_alive():
+                pr.join(5)
+            if pr.is_alive():
+                pr.terminate()
+                pr.join(10)
+        self.log("engines exited; stopping the daemons")
+        self.daemons.stop()
+        self.log("daemons stopped")
+
+
+def _engine_ok(out: dict[str, Any]) -> bool:
+    return bool(out["failed"] == 0 and out["completed"] == out["requests"] and out["tokens_match"]
+                and out["mismatched_bytes"] == 0 and out["kv_unverified"] == 0)
+
+
+def _print_engine(out: dict[str, Any]) -> None:
+    rows = [
+        ("mode", f"engine: prefill TP{out['prefill_tp']} -> decode TP{out['decode_tp']}, {out['layers']} layers, "
+                 f"{out['block_size']} tokens per block"),
+        ("requests", f"{out['requests']} ({out['prompt_tokens']} prompt tokens, {out['max_new_tokens']} new tokens); "
+                     f"arrival orders {out['arrival_orders']}"),
+        ("completed", f"{out['completed']}"),
+        ("failed", f"{out['failed']}"),
+        ("tokens", f"{'match' if out['tokens_match'] else 'MISMATCH'} the monolithic run "
+                   f"({out['tokens_mismatched']} requests differ, {out['tokens_generated']} tokens generated)"),
+        ("KV bytes moved", f"{out['bytes_moved']:,} (prefill daemon's bytes_written)"),
+        ("KV bytes verified", f"{out['bytes_verified']:,}, mismatched {out['mismatched_bytes']:,} "
+                              f"(outside requests {out['bytes_outside_requests']:,}, "
+                              f"unverified requests {out['kv_unverified']})"),
+        ("notifications", f"{out['notifications_received']} received by decode"),
+        ("descriptors", f"{out['descriptors_requested']:,} requested -> {out['descriptors_posted']:,} posted"),
+        ("latency", f"request dispatch -> decoded p50 {out['request_latency_ms']['p50']} ms, "
+                    f"p99 {out['request_latency_ms']['p99']} ms; {out['wall_s']} s in all"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    print("OK" if _engine_ok(out) else "FAILED")
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    err = _resolve(args)
+    if err:
+        print(f"kvpushd demo: {err}", file=sys.stderr)
+        return 2
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_exit)  # a terminated demo still stops its daemons and engines
+    if args.mode == "engine":
+        edemo = _EngineDemo(args)
+        try:
+            out = edemo.run()
+        finally:
+            edemo.stop()
+        if args.json:
+            print(json.dumps(out))
+        else:
+            _print_engine(out)
+        return 0 if _engine_ok(out) else 1
     demo = _Demo(args)
     try:
         out = demo.run()

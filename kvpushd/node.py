@@ -41,8 +41,11 @@ from .core.rendezvous import (
     SendWithdraw,
     StartWrite,
 )
+from .core.topology import block_parts
 from .core.types import Completion, CompletionKind, FailureCode, RegionLayout, Role
+from .events import EventHub, EventKind
 from .memory import Mapping
+from .metrics import Metrics
 from .peers import PeerClient, PeerRejected, PeerUnreachable
 from .transfer.engine import RegionSpec, RemoteAgent, TransferThread, WriteResult
 
@@ -102,6 +105,11 @@ class Worker:
     def registered_bytes(self) -> int:
         return sum(m.size for m in self.mappings)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id across all regions (what one block of a transfer moves)."""
+        return sum(r.block_len for r in self.regions)
+
 
 @dataclass(slots=True)
 class Counters:
@@ -122,6 +130,7 @@ class Origin:
     node_id: str
     address: str
     agents: set[str] = field(default_factory=set)
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 class Node:
@@ -147,6 +156,8 @@ class Node:
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.xfer: TransferThread | None = None
+        self.events = EventHub()
+        self.metrics = Metrics(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -160,13 +171,19 @@ class Node:
         """Deadlines and reaping; deadlines are resolved to ``interval_s``."""
         while True:
             await asyncio.sleep(interval_s)
-            now = time.monotonic()
-            self._run(self.send.tick(now) + self.recv.tick(now))
-            grace = self.cfg.worker_api.session_grace_s
-            for w in list(self.workers.values()):
-                if not w.session_open and now - w.attached_at > grace:
-                    log.warning("worker never opened its session; detaching", worker_id=w.worker_id)
-                    await self.detach(w.worker_id, "no session opened")
+            try:
+                await self._tick(time.monotonic())
+            except Exception:  # a bug here must not stop deadlines for good
+                log.exception("tick failed")
+
+    async def _tick(self, now: float) -> None:
+        self._run(self.send.tick(now) + self.recv.tick(now))
+        self._check_peers(now)
+        grace = self.cfg.worker_api.session_grace_s
+        for w in list(self.workers.values()):
+            if not w.session_open and now - w.attached_at > grace:
+                log.warning("worker never opened its session; detaching", worker_id=w.worker_id)
+                await self.detach(w.worker_id, "no session opened")
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking new transfers; wait (bounded) for what is in flight; release all memory."""
@@ -231,6 +248,8 @@ class Node:
         self.workers[wid] = w
         log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
                  tp_rank=tp_rank, tp_size=tp_size, regions=len(specs), bytes=w.registered_bytes)
+        self.events.emit(EventKind.WORKER_ATTACHED, worker_id=wid, engine_id=engine_id,
+                         detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
         return w
 
     def worker(self, worker_id: str) -> Worker:
@@ -250,8 +269,12 @@ class Node:
         if not producer_engine_id:
             raise InvalidArgument("producer_engine_id must not be empty")
         self._bounded()
-        self._run(self.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id,
-                                   block_ids, producer_address, producer_engine_id, producer_tp_size))
+        actions = self.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id,
+                                   block_ids, producer_address, producer_engine_id, producer_tp_size)
+        self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
+                         worker_id=w.worker_id, side="recv", peer=producer_address, num_blocks=len(block_ids),
+                         nbytes=len(block_ids) * w.block_bytes)
+        self._run(actions)
         self._update_expecting()
 
     def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
@@ -262,8 +285,11 @@ class Node:
         check_blocks(w, block_ids, self.cfg)
         check_transfer_id(transfer_id)
         self._bounded()
-        self._run(self.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
-                                    transfer_id, block_ids))
+        actions = self.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
+                                    transfer_id, block_ids)
+        self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
+                         worker_id=w.worker_id, side="send", num_blocks=len(block_ids))
+        self._run(actions)
 
     def abort(self, worker_id: str, transfer_id: str) -> bool:
         w = self.worker(worker_id)
@@ -313,6 +339,7 @@ class Node:
                 m.close()
             del self.workers[worker_id]
             log.info("worker detached", worker_id=worker_id, reason=why)
+            self.events.emit(EventKind.WORKER_DETACHED, worker_id=worker_id, engine_id=w.engine_id, detail=why)
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
 
@@ -331,6 +358,7 @@ class Node:
         if instance_id not in self.origins:
             self.origins[instance_id] = Origin(instance_id, node_id, peer_address)
             log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
+        self.metrics.contact(peer_address, node_id=node_id, inbound=True)
 
     def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
                  producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
@@ -340,7 +368,10 @@ class Node:
         origin = self.origins.get(origin_id)
         if origin is None:
             raise FailedPrecondition(f"unknown caller instance {origin_id!r}: handshake first")
+        origin.last_seen = time.monotonic()
         check_transfer_id(transfer_id)
+        self.metrics.contact(origin.address, inbound=True)
+        self.events.remember(transfer_id, producer_engine_id)
         if not any(w.engine_id == producer_engine_id and w.role.can_send for w in self.workers.values()):
             raise NotFound(f"no prefill engine {producer_engine_id!r} is attached to node {self.node_id}")
         known = self.remote_agents.get(agent.name)
@@ -365,6 +396,42 @@ class Node:
                            agent.name, consumer_rank, consumer_tp_size, tuple(block_ids))
         self._run(self.send.register(time.monotonic(), reg))
         return True
+
+    def heard_from(self, origin_id: str) -> bool:
+        """A decode daemon's heartbeat (or any call): False when we do not know it (we restarted)."""
+        origin = self.origins.get(origin_id)
+        if origin is None:
+            return False
+        origin.last_seen = time.monotonic()
+        return True
+
+    def _check_peers(self, now: float) -> None:
+        """Heartbeats to the prefill daemons we wait on; silence from either side fails what is pending."""
+        t = self.cfg.transfer
+        loop_now = asyncio.get_running_loop().time()
+        for address in self.recv.producer_addresses():
+            peer = self.peer(address)
+            if peer.failing_since and loop_now - peer.failing_since > t.peer_timeout_s:
+                self.peer_lost(address, f"prefill daemon {address} did not answer for {t.peer_timeout_s:g}s "
+                                        f"({peer.last_error})")
+                peer.failing_since = 0.0
+            elif loop_now - peer.last_beat >= t.heartbeat_interval_s and not peer.beating:
+                peer.last_beat = loop_now
+                self._spawn(self._beat(peer))
+        for origin_id in self.send.origins():
+            origin = self.origins.get(origin_id)
+            if origin is not None and now - origin.last_seen > t.peer_timeout_s:
+                self._origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address} sent no "
+                                          f"heartbeat for {t.peer_timeout_s:g}s")
+
+    async def _beat(self, peer: PeerClient) -> None:
+        peer.beating = True
+        try:
+            await peer.heartbeat(min(self.cfg.transfer.peer_timeout_s, 2.0))
+        except KvpushdError:
+            pass  # counted by failing_since; _check_peers decides
+        finally:
+            peer.beating = False
 
     def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
                  reason: str) -> None:
@@ -391,10 +458,13 @@ class Node:
                 self._spawn(self._send_withdraw(a))
 
     def _deliver(self, worker_id: str, c: Completion) -> None:
+        ev = self.events.emit(EventKind.TRANSFER_FAILED if c.kind is CompletionKind.FAILED
+                              else EventKind.TRANSFER_FINISHED, worker_id=worker_id, transfer_id=c.transfer_id,
+                              code=c.code, detail=c.reason)
         if c.kind is CompletionKind.FAILED:
             self.counters.transfers_failed += 1
             self.recent_failures.append((time.time(), c.transfer_id, f"{c.code.name}: {c.reason}"))
-            log.warning("transfer failed", transfer_id=c.transfer_id, worker_id=worker_id,
+            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=ev.engine_id, worker_id=worker_id,
                         code=c.code.name, reason=c.reason)
         else:
             self.counters.transfers_finished += 1
@@ -405,13 +475,17 @@ class Node:
         w.wakeup.set()
 
     def _start_write(self, a: StartWrite) -> None:
+        self.metrics.write_started(a)
         assert self.xfer is not None
         agent = self.remote_agents.get(a.registration.consumer_agent)
         if agent is None:  # cannot happen: register() stored it; fail loudly rather than hang
             self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
             return
-        self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, a.registration.block_ids,
-                             notif.encode(a.registration.registration_id, a.producer_rank))
+        reg = a.registration
+        src_part, dst_part = block_parts(a.producer_rank, a.producer_tp_size, reg.consumer_rank,
+                                         reg.consumer_tp_size)
+        self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, reg.block_ids,
+                             notif.encode(reg.registration_id, a.producer_rank), src_part, dst_part)
 
     def _on_writes(self, results: list[WriteResult]) -> None:
         actions: list[Action] = []
@@ -421,7 +495,9 @@ class Node:
                 self.counters.bytes_written += r.nbytes
                 self.counters.descriptors_requested += r.descs_requested
                 self.counters.descriptors_posted += r.descs_posted
-            log.debug("write done", transfer_id=r.leg.transfer_id, ok=r.ok, post_us=round(r.post_s * 1e6),
+            self.metrics.write_done(r)
+            log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
+                      post_us=round(r.post_s * 1e6),
                       xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
             actions += self.send.write_done(r.leg, r.ok, r.reason)
         self._run(actions)
@@ -451,10 +527,13 @@ class Node:
         try:
             await self.peer(a.producer_address).register(a, w)
         except PeerRejected as e:
+            self.metrics.failed(a.producer_address, str(e))
             self._run(self.recv.failed(a.registration_id, FailureCode.PEER_REJECTED, str(e)))
         except PeerUnreachable as e:
+            self.metrics.failed(a.producer_address, str(e), unreachable=True)
             self._run(self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e)))
         else:
+            self.metrics.contact(a.producer_address, node_id=self.peer(a.producer_address).remote_node_id)
             self.recv.registered(a.registration_id)
         self._update_expecting()
 
@@ -465,20 +544,30 @@ class Node:
         try:
             await self.peer(origin.address).fail(a.transfer_id, a.registration_id, a.code, a.reason)
         except KvpushdError as e:
-            log.warning("could not send failure notice", transfer_id=a.transfer_id, error=str(e))
+            self.metrics.failed(origin.address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.warning("could not send failure notice", transfer_id=a.transfer_id,
+                        engine_id=self.events.engine_of(a.transfer_id), error=str(e))
+        else:
+            self.metrics.contact(origin.address)
 
     async def _send_withdraw(self, a: SendWithdraw) -> None:
         try:
             await self.peer(a.producer_address).withdraw(a.transfer_id, a.registration_id, a.code, a.reason)
         except KvpushdError as e:
-            log.info("could not withdraw registration", transfer_id=a.transfer_id, error=str(e))
+            self.metrics.failed(a.producer_address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.info("could not withdraw registration", transfer_id=a.transfer_id,
+                     engine_id=self.events.engine_of(a.transfer_id), error=str(e))
+        else:
+            self.metrics.contact(a.producer_address)
 
-    def peer_lost(self, address: str, reason: str) -> None:
-        """Our connection to a prefill daemon broke: its pending receives fail now."""
-        self._run(self.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason))
+    def peer_lost(self, address: str, reason: str, restarted: bool = False) -> None:
+        """A prefill daemon is unreachable (or restarted): its pending receives fail now."""
+        self.metrics.lost(address, reason)
+        self._run(self.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
         self._update_expecting()
 
     def _origin_lost(self, origin: Origin, reason: str) -> None:
+        self.metrics.lost(origin.address, reason, inbound=True)
         self.origins.pop(origin.instance_id, None)
         self._run(self.send.origin_lost(origin.instance_id, reason))
         assert self.xfer is not None

@@ -29,6 +29,10 @@ KEEPALIVE = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted peer is back in seconds: do not sit in gRPC's exponential reconnect backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 
@@ -55,6 +59,11 @@ class PeerClient:
         self.since = 0.0
         self.sent_agents: set[str] = set()
         self._hs_lock = asyncio.Lock()
+        self.last_ok = 0.0  # loop time of the last answer from this peer
+        self.failing_since = 0.0  # loop time of the first failed heartbeat in a row (0: healthy)
+        self.last_beat = 0.0
+        self.beating = False
+        self.failed_at = 0.0  # loop time of the last failed handshake
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
@@ -63,25 +72,35 @@ class PeerClient:
         async with self._hs_lock:
             if self.state == "connected" and not force:
                 return
+            loop = asyncio.get_running_loop()
+            if self.state == "unreachable" and loop.time() - self.failed_at < 1.0 and not force:
+                # Calls queued behind a handshake that just failed fail at once, not one
+                # connect timeout after another.
+                raise PeerUnreachable(f"prefill daemon {self.address}: {self.last_error}")
             self.state = "handshaking"
             n = self.node
             req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                             node_id=n.node_id, peer_address=n.peer_address,
                                             instance_id=n.instance_id)
             try:
-                resp = await self.stub.Handshake(req, timeout=n.cfg.peer_api.connect_timeout_s)
+                # wait_for_ready: connect (or reconnect after a restart) within the deadline
+                # instead of failing at once on a channel that last saw the peer down.
+                resp = await self.stub.Handshake(req, timeout=n.cfg.peer_api.connect_timeout_s,
+                                                 wait_for_ready=True)
             except grpc.aio.AioRpcError as e:
                 self._broken(e)
+                self.failed_at = loop.time()
                 raise self._error(e) from None
             if resp.instance_id != self.remote_instance:
                 if self.remote_instance:
                     log.warning("peer restarted", peer=self.address, node=resp.node_id)
-                    n.peer_lost(self.address, f"prefill daemon at {self.address} restarted")
+                    n.peer_lost(self.address, f"prefill daemon at {self.address} restarted", restarted=True)
                 self.sent_agents.clear()
             self.remote_instance = resp.instance_id
             self.remote_node_id = resp.node_id
             self.state = "connected"
-            self.since = asyncio.get_running_loop().time()
+            self.since = self.last_ok = asyncio.get_running_loop().time()
+            self.failing_since = 0.0
 
     def _broken(self, e: grpc.aio.AioRpcError) -> None:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -134,6 +153,22 @@ class PeerClient:
                 return
             self.sent_agents.discard(w.agent_name)
         raise PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata")
+
+    async def heartbeat(self, timeout_s: float) -> None:
+        """One liveness probe. Raises PeerUnreachable; a restart is handled like in the handshake."""
+        loop = asyncio.get_running_loop()
+        req = peer_pb2.HeartbeatRequest(caller_instance_id=self.node.instance_id)
+        try:
+            resp = await self.stub.Heartbeat(req, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._broken(e)
+            if self.failing_since == 0.0:
+                self.failing_since = loop.time()
+            raise self._error(e) from None
+        self.failing_since = 0.0
+        self.last_ok = loop.time()
+        if resp.instance_id != self.remote_instance or not resp.knows_caller:
+            await self._handshake(force=True)  # a restarted peer: fails what was pending with it
 
     async def fail(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
         await self._call("Fail", self._notice(transfer_id, registration_id, code, reason))

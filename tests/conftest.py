@@ -41,13 +41,13 @@ class DaemonProc:
         return self.log.read_text(errors="replace")
 
 
-def start_daemon(workdir: Path, name: str, extra_config: str = "") -> DaemonProc:
+def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str = "127.0.0.1:0") -> DaemonProc:
     sock = str(workdir / f"{name}.sock")
     cfg = workdir / f"{name}.toml"
     cfg.write_text(
         f'[node]\nnode_id = "{name}"\nadvertise_host = "127.0.0.1"\n'
         f'[worker_api]\nsocket = "{sock}"\n'
-        f'[peer_api]\nlisten = "127.0.0.1:0"\n' + extra_config
+        f'[peer_api]\nlisten = "{listen}"\n' + extra_config
     )
     log = workdir / f"{name}.log"
     proc = subprocess.Popen([sys.executable, "-m", "kvpushd", "serve", "--config", str(cfg)],

@@ -33,10 +33,12 @@ def test_kvpushctl_status(daemon_pair, kv_pair) -> None:
 
 
 def test_demo_json() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvpushd", "demo", "--requests", "12", "--prompt-tokens", "256",
-                        "--layers", "4", "--json"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "kvpushd", "demo", "--mode", "bytes", "--requests", "12",
+                        "--prompt-tokens", "256", "--layers", "4", "--json"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
+    assert out["mode"] == "bytes"
     assert out["requests"] == out["completed"] == 12
     assert out["failed"] == 0 and out["mismatched_bytes"] == 0
     assert out["bytes_verified"] == out["bytes_moved"] == 12 * 16 * 8 * 8192

@@ -48,6 +48,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                            convert.failure_code(request.code), request.reason)
         return peer_pb2.FailAck()
 
+    @unary
+    async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: Ctx) -> peer_pb2.HeartbeatResponse:
+        knows = self.node.heard_from(request.caller_instance_id)
+        return peer_pb2.HeartbeatResponse(instance_id=self.node.instance_id, knows_caller=knows)
+
     def _known(self, instance_id: str) -> None:
         if instance_id not in self.node.origins:
             raise FailedPrecondition(f"unknown caller instance {instance_id!r}: handshake first")

@@ -357,7 +357,8 @@ class TransferThread:
         except InvalidArgument as e:
             return fail(str(e))
         except Exception as e:
-            log.warning("preparing remote descriptors failed", exc_info=True)
+            log.warning("preparing remote descriptors failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id,
+                        exc_info=True)
             return fail(f"cannot prepare remote descriptors: {e}")
         lidx = leg_indices(loc.bases, src)
         ridx = leg_indices(rbases, dst)
@@ -366,7 +367,7 @@ class TransferThread:
             handle = loc.agent.make_prepped_xfer("WRITE", ldlist, lidx, dlist, ridx, notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
-            log.warning("posting WRITE failed", transfer_id=leg.transfer_id, exc_info=True)
+            log.warning("posting WRITE failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id, exc_info=True)
             return fail(f"NIXL could not post the WRITE: {e}")
         t_post = time.perf_counter()
         res = WriteResult(leg, True, "", nbytes, t_post - t0, 0.0, len(lidx),

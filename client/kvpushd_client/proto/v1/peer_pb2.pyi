@@ -20,6 +20,48 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class HeartbeatRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    caller_instance_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        caller_instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class HeartbeatResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    KNOWS_CALLER_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    knows_caller: _builtins.bool
+    """false after the callee restarted: the caller must handshake again"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        knows_caller: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "knows_caller", b"knows_caller"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
 class HandshakeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

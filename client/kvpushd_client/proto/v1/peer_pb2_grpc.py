@@ -54,6 +54,11 @@ class PeerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.FailNotice.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvpushd.v1.PeerService/Heartbeat',
+                request_serializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -89,6 +94,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Liveness, both ways while transfers are pending between two daemons: a peer that stops
+        answering (killed, stopped, cut off) has everything pending with it failed within
+        transfer.peer_timeout_s; a changed instance id means it restarted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Withdraw,
                     request_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailNotice.FromString,
                     response_serializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +240,33 @@ class PeerService:
             '/kvpushd.v1.PeerService/Withdraw',
             kvpushd_dot_v1_dot_peer__pb2.FailNotice.SerializeToString,
             kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpushd.v1.PeerService/Heartbeat',
+            kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
+            kvpushd_dot_v1_dot_peer__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,11 @@ class PeerServiceStub:
     """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
     replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
     """
+    Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
+    """Liveness, both ways while transfers are pending between two daemons: a peer that stops
+    answering (killed, stopped, cut off) has everything pending with it failed within
+    transfer.peer_timeout_s; a changed instance id means it restarted.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -58,6 +63,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     Withdraw: _aio.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
     """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
     replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
+    """
+    Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    """Liveness, both ways while transfers are pending between two daemons: a peer that stops
+    answering (killed, stopped, cut off) has everything pending with it failed within
+    transfer.peer_timeout_s; a changed instance id means it restarted.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -95,6 +105,17 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
         """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
         replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
+        """
+
+    @_abc_1.abstractmethod
+    def Heartbeat(
+        self,
+        request: _peer_pb2.HeartbeatRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
+        """Liveness, both ways while transfers are pending between two daemons: a peer that stops
+        answering (killed, stopped, cut off) has everything pending with it failed within
+        transfer.peer_timeout_s; a changed instance id means it restarted.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

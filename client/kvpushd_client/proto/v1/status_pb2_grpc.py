@@ -39,6 +39,11 @@ class StatusServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_status__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_status__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/kvpushd.v1.StatusService/Watch',
+                request_serializer=kvpushd_dot_v1_dot_status__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_status__pb2.Event.FromString,
+                _registered_method=True)
 
 
 class StatusServiceServicer:
@@ -50,6 +55,15 @@ class StatusServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """What happens, as it happens. Each subscriber has a bounded queue: a reader that falls behind
+        loses the oldest events (Event.dropped says how many), it never slows the daemon down.
+        The stream ends when the daemon stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StatusServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +71,11 @@ def add_StatusServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kvpushd_dot_v1_dot_status__pb2.GetStatusRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_status__pb2.NodeStatus.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kvpushd_dot_v1_dot_status__pb2.WatchRequest.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_status__pb2.Event.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class StatusService:
             '/kvpushd.v1.StatusService/GetStatus',
             kvpushd_dot_v1_dot_status__pb2.GetStatusRequest.SerializeToString,
             kvpushd_dot_v1_dot_status__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpushd.v1.StatusService/Watch',
+            kvpushd_dot_v1_dot_status__pb2.WatchRequest.SerializeToString,
+            kvpushd_dot_v1_dot_status__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,102 @@
+"""``kvpushd bench``: every suite runs at a tiny size and prints sane JSON (no timed asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def bench(*args: str, timeout: float = 240) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-m", "kvpushd", "bench", *args, "--json"], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, Any] = json.loads(r.stdout)
+    assert out["suite"] == args[0]
+    assert out["method"]
+    assert out["load"]["before"]["cpus"] >= 1
+    return out
+
+
+def positive(d: dict[str, Any], *keys: str) -> None:
+    for k in keys:
+        assert isinstance(d[k], int | float) and d[k] > 0, (k, d[k])
+
+
+def test_ceiling() -> None:
+    out = bench("ceiling", "--tokens", "1024", "--repeat", "1")
+    positive(out, "efficiency", "ceiling_gbps", "daemon_gbps")
+    (row,) = out["rows"]
+    positive(row, "bytes", "ceiling_gbps", "raw_blocks_gbps", "daemon_gbps", "efficiency", "ceiling_ms", "daemon_ms")
+    assert row["tokens"] == out["at_tokens"] == 1024
+    assert row["bytes"] == row["bytes_verified"] == 128 * 64 * 4096  # 64 blocks of 4 KiB in each of 128 regions
+    assert row["descriptors_requested"] == 128 * 64
+    assert row["descriptors_posted"] == 128  # contiguous blocks merge into one descriptor per region
+    assert out["efficiency"] == row["efficiency"] and out["fragmented"] is False
+
+
+def test_ceiling_fragmented() -> None:
+    out = bench("ceiling", "--tokens", "256", "--repeat", "1", "--layers", "4", "--fragmented")
+    (row,) = out["rows"]
+    assert out["fragmented"] is True
+    assert row["descriptors_requested"] == 8 * 16
+    assert 8 < row["descriptors_posted"] <= row["descriptors_requested"]  # random order: little to merge
+
+
+def test_critical_path() -> None:
+    out = bench("critical-path", "--samples", "20")
+    assert out["samples"] == 20
+    for k in ("prefill_done_to_posted_us", "landed_to_told_us", "publish_rpc_us", "daemon_post_us"):
+        positive(out[k], "p50", "p99", "n")
+        assert out[k]["p99"] >= out[k]["p50"]
+    assert out["target_p99_us"] == 1000
+    assert set(out["per_request_sched_us"]) == {"prefill daemon", "decode daemon", "bench (workers)"}
+
+
+def test_engine_cost() -> None:
+    out = bench("engine-cost", "--batch", "2", "--steps", "20", "--rounds", "1", "--step-ms", "20")
+    for k in ("prefill_step_us", "decode_step_us", "publish_call_us", "expect_call_us"):
+        positive(out["kvpushd"][k], "p50", "p99", "n")
+    for k in ("step_us", "prep_us", "transfer_us", "poll_us"):
+        positive(out["in_engine"][k], "p50", "n")
+    positive(out, "engine_step_us_p99", "kvpushd_requests", "inengine_requests")
+    assert out["target_p99_us"] == 50
+
+
+def test_rate_and_plot(tmp_path: Path) -> None:
+    args = ["rate", "--seconds", "1", "--warmup", "0.5", "--concurrency", "8"]
+    have_mpl = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        have_mpl = False
+    if have_mpl:
+        args += ["--plot", str(tmp_path)]
+    out = bench(*args)
+    positive(out, "rate_per_s", "completed")
+    positive(out["latency_ms"], "p50", "p99")
+    assert out["failed"] == 0 and out["concurrency"] == 8
+    assert set(out["cpu_cores"]) == {"prefill daemon", "decode daemon", "bench client"}
+    if have_mpl:
+        assert (tmp_path / "rate.png").stat().st_size > 1000
+
+
+def test_plot_without_matplotlib(tmp_path: Path) -> None:
+    """--plot fails at once, with a clear message, when matplotlib is missing."""
+    code = ("import sys; sys.modules['matplotlib'] = None; "  # makes `import matplotlib` fail
+            "from kvpushd.cli import main; raise SystemExit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "bench", "rate", "--plot", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "matplotlib" in r.stderr and "pip install" in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "ceiling", "--help"]])
+def test_help(argv: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvpushd", *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage: kvpushd bench" in r.stdout
