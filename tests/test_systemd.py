@@ -244,6 +244,7 @@ def test_default_config_keys_and_values() -> None:
             "expect_timeout_s": 120.0,
         },
         "log": {"level": "info", "format": "auto"},
+        "metrics": {"enabled": True, "listen": "127.0.0.1:9400"},
     }
     # The socket lives in the unit's RuntimeDirectory, which ReadWritePaths covers.
     d = _unit_directives(UNIT_FILE.read_text())
