@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--socket", help="override worker_api.socket")
     s.add_argument("--listen", help="override peer_api.listen (host:port)")
     s.add_argument("--node-id", help="override node.node_id")
-    d = sub.add_parser("demo", help="local prefill/decode demo: two daemons, two workers, real NIXL WRITEs")
+    d = sub.add_parser("demo", help="local prefill/decode demo: two daemons, reference engines, real NIXL WRITEs")
     from .demo import add_args
 
     add_args(d)

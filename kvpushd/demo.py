@@ -28,6 +28,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import queue
 import random
 import signal
 import socket
@@ -523,6 +524,8 @@ def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -
         if os.getppid() != spec["parent_pid"]:
             raise SystemExit("the demo has gone")
         _engine_loop(role, sock, spec, conn)
+    except SystemExit:  # terminated (by the demo, or because it has gone): cleaned up, nothing to say
+        code = 1
     except BaseException:
         import traceback
 
@@ -690,9 +693,28 @@ class _EngineDemo:
         self.daemons = _Daemons(self.workdir)
         self.procs: dict[str, Any] = {}
         self.conns: dict[str, Connection] = {}
+        self.outboxes: dict[str, queue.SimpleQueue[tuple[Any, ...] | None]] = {}
 
     def log(self, msg: str) -> None:
         print(f"[{time.perf_counter() - self.t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def send(self, role: str, msg: tuple[Any, ...]) -> None:
+        """Queue a message for an engine. A thread per engine writes them: the main thread only reads,
+        so an engine blocked writing a large KV snapshot never waits on a main thread blocked writing."""
+        if role not in self.outboxes:
+            q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+            conn = self.conns[role]
+
+            def writer() -> None:
+                while (m := q.get()) is not None:
+                    try:
+                        conn.send(m)
+                    except OSError:
+                        return
+
+            self.outboxes[role] = q
+            threading.Thread(target=writer, name=f"kvpushd-demo-to-{role}", daemon=True).start()
+        self.outboxes[role].put(msg)
 
     def _recv(self, role: str) -> tuple[Any, ...]:
         msg = self.conns[role].recv()
@@ -836,18 +858,18 @@ class _EngineDemo:
                 verify(r)
             elif kind == "registered":  # decode first: its blocks are registered, now prefill may run
                 if r.order == "decode_first":
-                    self.conns["prefill"].send(("add", r.rid, r.prompt, 1, None))
+                    self.send("prefill", ("add", r.rid, r.prompt, 1, None))
             elif kind == "out" and role == "prefill":
                 ok, tokens, error, params = msg[2:]
                 if not ok:
                     if r.order == "decode_first":
-                        self.conns["decode"].send(("abort", r.rid))
+                        self.send("decode", ("abort", r.rid))
                     else:
                         finish(r, False, [], f"prefill: {error}")
                 elif r.order == "decode_first":
-                    self.conns["decode"].send(("first_token", r.rid, tokens[0]))
+                    self.send("decode", ("first_token", r.rid, tokens[0]))
                 else:
-                    self.conns["decode"].send(("add", r.rid, r.prompt, a.max_new_tokens, params))
+                    self.send("decode", ("add", r.rid, r.prompt, a.max_new_tokens, params))
             elif kind == "out":
                 finish(r, bool(msg[2]), msg[3], msg[4])
 
@@ -877,10 +899,9 @@ class _EngineDemo:
                 orders[r.order] += 1
                 r.t0 = time.perf_counter()
                 if r.order == "decode_first":  # decode registers its blocks first; prefill follows
-                    self.conns["decode"].send(("add", r.rid, r.prompt, a.max_new_tokens,
-                                               {"transfer_id": r.rid, **static}))
+                    self.send("decode", ("add", r.rid, r.prompt, a.max_new_tokens, {"transfer_id": r.rid, **static}))
                 else:  # prefill runs and publishes first; decode gets its kv_params afterwards
-                    self.conns["prefill"].send(("add", r.rid, r.prompt, 1, None))
+                    self.send("prefill", ("add", r.rid, r.prompt, 1, None))
             before = finished
             pump(0.5)
             now = time.perf_counter()
@@ -896,8 +917,8 @@ class _EngineDemo:
                 self.log(f"{finished}/{a.requests} done, {stats['failed']} failed")
         wall = time.perf_counter() - t0
         self.log(f"{finished}/{a.requests} done, {stats['failed']} failed, in {wall:.1f} s; draining the engines")
-        for c in self.conns.values():
-            c.send(("finish",))
+        for role in self.conns:
+            self.send(role, ("finish",))
         deadline = time.monotonic() + 120
         while len(end_stats) < 2 and time.monotonic() < deadline:
             pump(0.5)
@@ -951,6 +972,8 @@ class _EngineDemo:
         }
 
     def stop(self) -> None:
+        for q in self.outboxes.values():
+            q.put(None)
         for pr in self.procs.values():
             if pr.is_alive():
                 pr.join(5)
@@ -1003,6 +1026,9 @@ def run_demo(args: argparse.Namespace) -> int:
         edemo = _EngineDemo(args)
         try:
             out = edemo.run()
+        except RuntimeError as e:
+            print(f"kvpushd demo: {e}", file=sys.stderr)
+            return 1
         finally:
             edemo.stop()
         if args.json:

@@ -174,7 +174,7 @@ class TransferThread:
     def start(self) -> None:
         """Import NIXL and check the backends exist before the daemon says READY."""
         self._thread.start()
-        self._call(self._probe).result(timeout=60)
+        self._call(self._probe).result(timeout=300)  # first import of nixl (and torch) is slow on a busy host
 
     def _probe(self) -> None:
         import nixl._api as nixl_api
