@@ -226,11 +226,11 @@ def daemon_pair(workdir: Path, prefill_log_level: str = "info",
         p.wait()
 
 
-def wait_registered(p: DaemonProc, transfer_id: str, timeout_s: float = 10.0, interval_s: float = 0.003) -> None:
+def wait_registered(p: DaemonProc, transfer_id: str, timeout_s: float = 10.0, interval_s: float = 0.01) -> None:
     """Wait until the prefill daemon holds the decode side's registration for ``transfer_id``.
 
-    GetStatus is not free for the daemon, so it is asked rarely (the Register call between the
-    daemons takes about a millisecond).
+    GetStatus costs the daemon milliseconds of CPU (it describes every region of every worker), so
+    it is asked rarely: the Register call between the daemons takes a few milliseconds.
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

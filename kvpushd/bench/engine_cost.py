@@ -98,7 +98,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                 if steps <= 0:
                     continue
                 seq = _kvpushd_steps(args, p, pw, dw, n, slots, steps, seq, s, counts, warm=rnd == 0)
+                target.busy(True)  # like a decode daemon while it expects WRITEs
                 _inengine_steps(args, init, n, slots, steps, s, counts, warm=rnd == 0)
+                target.busy(False)
                 progress(f"  round {rnd + 1}/{args.rounds}: kvpushd prefill step p99 "
                          f"{np.percentile(s['prefill_step_us'], 99):.0f} us, in-engine step p99 "
                          f"{np.percentile(s['inengine_step_us'], 99):.0f} us")

@@ -2,11 +2,12 @@
 
 ``Target`` is a helper process that owns the destination agent (the KV memory of a decode worker,
 in shared memory) and does what the decode daemon's NIXL thread does: it drives progress and reads
-notifications, every ``poll_s`` (the daemon's ``transfer.poll_interval_s``; 0 spins), recording
-when each notification arrived. ``Initiator`` is an agent in the calling process on the source
-memory: prepared descriptor lists, index arrays, ``make_prepped_xfer`` + ``transfer`` +
-``check_xfer_state``, which is what the daemon's NIXL thread does and what an engine that uses NIXL
-itself (vLLM's connectors) does in its own thread. NIXL is imported lazily (only these baselines
+notifications every ``poll_s`` (the daemon's ``transfer.poll_interval_s``; 0 spins) while a WRITE
+is expected, and wakes only every 50 ms otherwise, recording when each notification arrived.
+``Initiator`` is an agent in the calling process on the source memory: prepared descriptor lists,
+index arrays, ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state``, which is what the
+daemon's NIXL thread does and what an engine that uses NIXL itself (vLLM's connectors) does in its
+own thread. NIXL is imported lazily (only these baselines
 need it in the bench process).
 """
 
@@ -30,6 +31,7 @@ from ..transfer.engine import RegionSpec, block_descs, leg_indices, region_bases
 from .common import BenchError, KVMemory, Layout
 
 AGENT_BACKENDS = ["UCX"]
+IDLE_S = 0.05  # the daemon's NIXL thread's idle wait
 
 
 def _agent(name: str) -> Any:
@@ -47,6 +49,8 @@ def _agent(name: str) -> Any:
 
 
 def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection) -> None:
+    """Like the decode daemon's NIXL thread: poll every ``poll_s`` while a WRITE is awaited (or while
+    told to stay busy), otherwise wake every 50 ms only; ``poll_s`` 0 spins while awaiting."""
     from ..memory.shm import ShmMapping
 
     m = ShmMapping(shm_name, size)
@@ -55,26 +59,34 @@ def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection) -> N
     conn.send(("ready", bytes(agent.get_agent_metadata()), m.addr, agent.name))
     arrivals: dict[bytes, int] = {}
     waiting: bytes | None = None
+    reply = False  # the caller waits for the arrival time of ``waiting``
+    busy = False
     while True:
-        spin = poll_s <= 0 and waiting is not None  # poll_s 0: spin while a WRITE is awaited
-        if conn.poll(0 if spin else poll_s if poll_s > 0 else 0.05):
+        active = waiting is not None or busy
+        if active and poll_s > 0:
+            # Not conn.poll(poll_s): poll(2) counts in milliseconds, so 200 us would become 1 ms.
+            time.sleep(poll_s)
+        if conn.poll(0 if active else IDLE_S):
             cmd = conn.recv()
             if cmd[0] == "stop":
                 break
-            if cmd[0] == "wait":
-                waiting = cmd[1]
-            elif cmd[0] == "clear":
-                arrivals.clear()
-                conn.send(("cleared",))
+            if cmd[0] == "arm":
+                waiting, reply = cmd[1], False
+            elif cmd[0] == "wait":
+                waiting, reply = cmd[1], True
+            elif cmd[0] == "busy":
+                busy = bool(cmd[1])
         now_msgs = agent.get_new_notifs()
         if now_msgs:
             t = time.monotonic_ns()
             for msgs in now_msgs.values():
                 for msg in msgs:
                     arrivals[bytes(msg)] = t
-        if waiting is not None and waiting in arrivals:
+        if waiting is not None and reply and waiting in arrivals:
             conn.send(("arrived", arrivals.pop(waiting)))
             waiting = None
+        if len(arrivals) > 10_000:  # notifications nobody asks about (the busy mode's)
+            arrivals.clear()
     agent.deregister_memory(reg)
     m.close()
     conn.close()
@@ -119,6 +131,14 @@ class Target:
         lay = self.layout
         return [RegionSpec(self.addr + i * lay.region_bytes, lay.num_blocks, lay.block_len, lay.block_len, 0)
                 for i in range(lay.regions)]
+
+    def arm(self, notif: bytes) -> None:
+        """A WRITE with ``notif`` is about to come: poll every ``poll_s`` until it arrived."""
+        self._conn.send(("arm", notif))
+
+    def busy(self, on: bool) -> None:
+        """Poll every ``poll_s`` (WRITEs in flight that nobody awaits one by one), or go idle."""
+        self._conn.send(("busy", on))
 
     def arrival_ns(self, notif: bytes, timeout_s: float = 120.0) -> int:
         """When (monotonic ns) the notification ``notif`` reached the target."""
@@ -196,6 +216,7 @@ class Initiator:
     def write(self, local: Any, lidx: npt.NDArray[np.int32], remote: Any, ridx: npt.NDArray[np.int32],
               notif: bytes) -> tuple[int, int, int]:
         """One WRITE, to the end: (start, initiator saw DONE, target saw the notification), monotonic ns."""
+        self.target.arm(notif)
         t0 = time.monotonic_ns()
         h, state = self.post(local, lidx, remote, ridx, notif)
         while state == "PROC":
