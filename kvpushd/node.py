@@ -349,10 +349,12 @@ class Node:
 
         if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
             raise FailedPrecondition(
-                f"incompatible peer {node_id!r}: protocol {protocol_version}/{compat_hash}, "
+                f"incompatible peer {node_id[:64]!r}: protocol {protocol_version}/{compat_hash}, "
                 f"ours {PROTOCOL_VERSION}/{notif.compat_hash()}")
         if not instance_id or not peer_address:
             raise InvalidArgument("handshake needs instance_id and peer_address")
+        if max(len(node_id), len(peer_address), len(instance_id)) > 256:
+            raise InvalidArgument("handshake: node_id, peer_address and instance_id are limited to 256 characters")
         for old in [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]:
             self._origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
         if instance_id not in self.origins:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from .errors import InvalidArgument
 
+MAX_TP = 1024  # bounds the rank ranges the core materialises from peer-supplied sizes
+
 
 def check_tp_pair(producer_tp: int, consumer_tp: int) -> None:
     if producer_tp <= 0 or consumer_tp <= 0:
         raise InvalidArgument(f"TP sizes must be positive (producer {producer_tp}, consumer {consumer_tp})")
+    if producer_tp > MAX_TP or consumer_tp > MAX_TP:
+        raise InvalidArgument(f"TP sizes above {MAX_TP} are not supported (producer {producer_tp}, "
+                              f"consumer {consumer_tp})")
     big, small = max(producer_tp, consumer_tp), min(producer_tp, consumer_tp)
     if big % small:
         raise InvalidArgument(

@@ -137,6 +137,7 @@ class _Inflight:
     local: _Local
     result: WriteResult
     t_post: float
+    remote: str = ""
 
 
 class TransferThread:
@@ -162,6 +163,7 @@ class TransferThread:
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._locals: dict[str, _Local] = {}
         self._inflight: list[_Inflight] = []
+        self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
         self.stray_notifications = 0
@@ -328,6 +330,10 @@ class TransferThread:
     def forget_remote(self, name: str) -> None:
         """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
         def run() -> None:
+            if any(f.remote == name for f in self._inflight):
+                self._forget_later.add(name)  # retried once its WRITEs have settled
+                return
+            self._forget_later.discard(name)
             for loc in self._locals.values():
                 try:
                     for key in [k for k in loc.remotes if k[0] == name]:
@@ -376,7 +382,7 @@ class TransferThread:
             handle.release()
             return fail("NIXL returned ERR when posting the WRITE")
         loc.inflight += 1
-        self._inflight.append(_Inflight(handle, loc, res, t_post))
+        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name))
         if state == "DONE":
             self._poll_writes()
 
@@ -384,7 +390,11 @@ class TransferThread:
         done: list[WriteResult] = []
         keep: list[_Inflight] = []
         for f in self._inflight:
-            state = f.local.agent.check_xfer_state(f.handle)
+            try:
+                state = f.local.agent.check_xfer_state(f.handle)
+            except Exception as e:  # e.g. the remote agent was invalidated mid-WRITE: that WRITE failed
+                log.warning("checking a WRITE failed", transfer_id=f.result.leg.transfer_id, error=str(e))
+                state = "ERR"
             if state == "PROC":
                 keep.append(f)
                 continue
@@ -405,6 +415,8 @@ class TransferThread:
         if done:
             self._deliver_results(done)
             self._check_drained()
+            for name in [n for n in self._forget_later if not any(f.remote == n for f in keep)]:
+                self.forget_remote(name)
 
     def _deliver_results(self, results: list[WriteResult]) -> None:
         self._loop.call_soon_threadsafe(self._on_write_done, results)
