@@ -93,6 +93,27 @@ FAILURE_SHUTDOWN: FailureCode.ValueType  # 9
 """the daemon is stopping"""
 Global___FailureCode: _TypeAlias = FailureCode  # noqa: Y015
 
+class _TransferMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_MODE_UNSPECIFIED: _TransferMode.ValueType  # 0
+    TRANSFER_MODE_PUSH: _TransferMode.ValueType  # 1
+    TRANSFER_MODE_PULL: _TransferMode.ValueType  # 2
+
+class TransferMode(_TransferMode, metaclass=_TransferModeEnumTypeWrapper):
+    """How the KV bytes of one request move: the prefill node's daemon WRITEs them into the decode
+    worker's blocks (push), or the decode node's daemon READs them from the prefill worker's blocks
+    once both sides are ready (pull; vLLM's kv_transfer_params "transfer_mode"). Unspecified = push.
+    """
+
+TRANSFER_MODE_UNSPECIFIED: TransferMode.ValueType  # 0
+TRANSFER_MODE_PUSH: TransferMode.ValueType  # 1
+TRANSFER_MODE_PULL: TransferMode.ValueType  # 2
+Global___TransferMode: _TypeAlias = TransferMode  # noqa: Y015
+
 @_typing.final
 class ShmHandle(_message.Message):
     """Host memory: a POSIX shared memory object (/dev/shm/<name>) the daemon maps."""

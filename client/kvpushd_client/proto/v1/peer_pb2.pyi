@@ -202,6 +202,7 @@ class RegisterRequest(_message.Message):
     CONSUMER_TP_SIZE_FIELD_NUMBER: _builtins.int
     CONSUMER_AGENT_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    TRANSFER_MODE_FIELD_NUMBER: _builtins.int
     caller_instance_id: _builtins.str
     """from the handshake"""
     transfer_id: _builtins.str
@@ -212,6 +213,8 @@ class RegisterRequest(_message.Message):
     consumer_engine_id: _builtins.str
     consumer_tp_rank: _builtins.int
     consumer_tp_size: _builtins.int
+    transfer_mode: _common_pb2.TransferMode.ValueType
+    """pull: the prefill daemon sends an Offer instead of WRITEing"""
     @_builtins.property
     def consumer_agent(self) -> Global___AgentInfo:
         """agent_metadata empty when the callee already has this agent"""
@@ -231,10 +234,11 @@ class RegisterRequest(_message.Message):
         consumer_tp_size: _builtins.int = ...,
         consumer_agent: Global___AgentInfo | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        transfer_mode: _common_pb2.TransferMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consumer_agent", b"consumer_agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -305,3 +309,99 @@ class FailAck(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FailAck: _TypeAlias = FailAck  # noqa: Y015
+
+@_typing.final
+class OfferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    PRODUCER_RANK_FIELD_NUMBER: _builtins.int
+    PRODUCER_TP_SIZE_FIELD_NUMBER: _builtins.int
+    PRODUCER_AGENT_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    caller_instance_id: _builtins.str
+    """the prefill daemon the registration was sent to"""
+    transfer_id: _builtins.str
+    registration_id: _builtins.int
+    """the decode daemon's registration being offered to"""
+    producer_rank: _builtins.int
+    producer_tp_size: _builtins.int
+    @_builtins.property
+    def producer_agent(self) -> Global___AgentInfo:
+        """agent_metadata and regions empty when the callee has this agent"""
+
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """source blocks, as many as the registration's"""
+
+    def __init__(
+        self,
+        *,
+        caller_instance_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        registration_id: _builtins.int = ...,
+        producer_rank: _builtins.int = ...,
+        producer_tp_size: _builtins.int = ...,
+        producer_agent: Global___AgentInfo | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["producer_agent", b"producer_agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "producer_agent", b"producer_agent", "producer_rank", b"producer_rank", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferRequest: _TypeAlias = OfferRequest  # noqa: Y015
+
+@_typing.final
+class OfferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEED_METADATA_FIELD_NUMBER: _builtins.int
+    need_metadata: _builtins.bool
+    """the callee does not know producer_agent: send it again with metadata"""
+    def __init__(
+        self,
+        *,
+        need_metadata: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["need_metadata", b"need_metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferResponse: _TypeAlias = OfferResponse  # noqa: Y015
+
+@_typing.final
+class ReadFailedNotice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    PRODUCER_RANK_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    caller_instance_id: _builtins.str
+    transfer_id: _builtins.str
+    registration_id: _builtins.int
+    producer_rank: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        caller_instance_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        registration_id: _builtins.int = ...,
+        producer_rank: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "producer_rank", b"producer_rank", "reason", b"reason", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadFailedNotice: _TypeAlias = ReadFailedNotice  # noqa: Y015

@@ -59,6 +59,16 @@ class PeerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Offer = channel.unary_unary(
+                '/kvpushd.v1.PeerService/Offer',
+                request_serializer=kvpushd_dot_v1_dot_peer__pb2.OfferRequest.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_peer__pb2.OfferResponse.FromString,
+                _registered_method=True)
+        self.ReadFailed = channel.unary_unary(
+                '/kvpushd.v1.PeerService/ReadFailed',
+                request_serializer=kvpushd_dot_v1_dot_peer__pb2.ReadFailedNotice.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -103,6 +113,23 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Offer(self, request, context):
+        """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
+        source blocks of this producer agent into the registration's blocks. The READ's notification
+        ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFailed(self, request, context):
+        """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
+        posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +157,16 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Offer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offer,
+                    request_deserializer=kvpushd_dot_v1_dot_peer__pb2.OfferRequest.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_peer__pb2.OfferResponse.SerializeToString,
+            ),
+            'ReadFailed': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadFailed,
+                    request_deserializer=kvpushd_dot_v1_dot_peer__pb2.ReadFailedNotice.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +304,60 @@ class PeerService:
             '/kvpushd.v1.PeerService/Heartbeat',
             kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
             kvpushd_dot_v1_dot_peer__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpushd.v1.PeerService/Offer',
+            kvpushd_dot_v1_dot_peer__pb2.OfferRequest.SerializeToString,
+            kvpushd_dot_v1_dot_peer__pb2.OfferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFailed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpushd.v1.PeerService/ReadFailed',
+            kvpushd_dot_v1_dot_peer__pb2.ReadFailedNotice.SerializeToString,
+            kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
             options,
             channel_credentials,
             insecure,

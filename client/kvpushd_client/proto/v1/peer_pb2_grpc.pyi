@@ -48,6 +48,15 @@ class PeerServiceStub:
     answering (killed, stopped, cut off) has everything pending with it failed within
     transfer.peer_timeout_s; a changed instance id means it restarted.
     """
+    Offer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.OfferRequest, _peer_pb2.OfferResponse]
+    """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
+    source blocks of this producer agent into the registration's blocks. The READ's notification
+    ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
+    """
+    ReadFailed: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReadFailedNotice, _peer_pb2.FailAck]
+    """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
+    posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -68,6 +77,15 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """Liveness, both ways while transfers are pending between two daemons: a peer that stops
     answering (killed, stopped, cut off) has everything pending with it failed within
     transfer.peer_timeout_s; a changed instance id means it restarted.
+    """
+    Offer: _aio.UnaryUnaryMultiCallable[_peer_pb2.OfferRequest, _peer_pb2.OfferResponse]  # type: ignore[assignment]
+    """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
+    source blocks of this producer agent into the registration's blocks. The READ's notification
+    ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
+    """
+    ReadFailed: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReadFailedNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
+    """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
+    posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -116,6 +134,27 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Liveness, both ways while transfers are pending between two daemons: a peer that stops
         answering (killed, stopped, cut off) has everything pending with it failed within
         transfer.peer_timeout_s; a changed instance id means it restarted.
+        """
+
+    @_abc_1.abstractmethod
+    def Offer(
+        self,
+        request: _peer_pb2.OfferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.OfferResponse, _abc.Awaitable[_peer_pb2.OfferResponse]]:
+        """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
+        source blocks of this producer agent into the registration's blocks. The READ's notification
+        ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadFailed(
+        self,
+        request: _peer_pb2.ReadFailedNotice,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
+        """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
+        posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

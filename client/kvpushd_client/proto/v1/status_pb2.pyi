@@ -389,6 +389,8 @@ class TransferStatus(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     PEER_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     side: _builtins.str
     """"send" or "recv" """
@@ -401,6 +403,10 @@ class TransferStatus(_message.Message):
     engine_id: _builtins.str
     peer: _builtins.str
     """the other node's daemon, where known"""
+    registration_id: _builtins.int
+    """recv: the registration id this daemon chose for the Expect"""
+    mode: _builtins.str
+    """recv: "push" or "pull" """
     def __init__(
         self,
         *,
@@ -413,10 +419,12 @@ class TransferStatus(_message.Message):
         num_blocks: _builtins.int = ...,
         engine_id: _builtins.str = ...,
         peer: _builtins.str = ...,
+        registration_id: _builtins.int = ...,
+        mode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "engine_id", b"engine_id", "num_blocks", b"num_blocks", "peer", b"peer", "side", b"side", "state", b"state", "transfer_id", b"transfer_id", "waiting_for", b"waiting_for", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "engine_id", b"engine_id", "mode", b"mode", "num_blocks", b"num_blocks", "peer", b"peer", "registration_id", b"registration_id", "side", b"side", "state", b"state", "transfer_id", b"transfer_id", "waiting_for", b"waiting_for", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,6 +444,8 @@ class Counters(_message.Message):
     DESCRIPTORS_POSTED_FIELD_NUMBER: _builtins.int
     EVENTS_EMITTED_FIELD_NUMBER: _builtins.int
     EVENTS_DROPPED_FIELD_NUMBER: _builtins.int
+    READS_POSTED_FIELD_NUMBER: _builtins.int
+    BYTES_READ_FIELD_NUMBER: _builtins.int
     transfers_finished: _builtins.int
     transfers_failed: _builtins.int
     bytes_written: _builtins.int
@@ -449,6 +459,10 @@ class Counters(_message.Message):
     events_emitted: _builtins.int
     events_dropped: _builtins.int
     """summed over Watch subscribers that fell behind"""
+    reads_posted: _builtins.int
+    """pull mode: NIXL READs this daemon posted and saw complete"""
+    bytes_read: _builtins.int
+    """pull mode: KV bytes those READs moved"""
     def __init__(
         self,
         *,
@@ -462,10 +476,12 @@ class Counters(_message.Message):
         descriptors_posted: _builtins.int = ...,
         events_emitted: _builtins.int = ...,
         events_dropped: _builtins.int = ...,
+        reads_posted: _builtins.int = ...,
+        bytes_read: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "descriptors_posted", b"descriptors_posted", "descriptors_requested", b"descriptors_requested", "events_dropped", b"events_dropped", "events_emitted", b"events_emitted", "notifications_received", b"notifications_received", "stray_notifications", b"stray_notifications", "transfers_failed", b"transfers_failed", "transfers_finished", b"transfers_finished", "writes_posted", b"writes_posted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "descriptors_posted", b"descriptors_posted", "descriptors_requested", b"descriptors_requested", "events_dropped", b"events_dropped", "events_emitted", b"events_emitted", "notifications_received", b"notifications_received", "reads_posted", b"reads_posted", "stray_notifications", b"stray_notifications", "transfers_failed", b"transfers_failed", "transfers_finished", b"transfers_finished", "writes_posted", b"writes_posted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
