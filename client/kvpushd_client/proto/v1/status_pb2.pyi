@@ -266,6 +266,7 @@ class WorkerStatus(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     PENDING_TRANSFERS_FIELD_NUMBER: _builtins.int
+    BACKENDS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     engine_id: _builtins.str
     role: _common_pb2.Role.ValueType
@@ -282,6 +283,10 @@ class WorkerStatus(_message.Message):
     """this worker's publishes / expects not yet completed"""
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegionSummary]: ...
+    @_builtins.property
+    def backends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentBackend]:
+        """the NIXL backends of this worker's agent (its rails)"""
+
     def __init__(
         self,
         *,
@@ -299,14 +304,77 @@ class WorkerStatus(_message.Message):
         description: _builtins.str = ...,
         regions: _abc.Iterable[Global___RegionSummary] | None = ...,
         pending_transfers: _builtins.int = ...,
+        backends: _abc.Iterable[Global___AgentBackend] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "attached_s", b"attached_s", "description", b"description", "engine_id", b"engine_id", "memory_kind", b"memory_kind", "num_regions", b"num_regions", "pending_transfers", b"pending_transfers", "pp_rank", b"pp_rank", "regions", b"regions", "registered_bytes", b"registered_bytes", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "attached_s", b"attached_s", "backends", b"backends", "description", b"description", "engine_id", b"engine_id", "memory_kind", b"memory_kind", "num_regions", b"num_regions", "pending_transfers", b"pending_transfers", "pp_rank", b"pp_rank", "regions", b"regions", "registered_bytes", b"registered_bytes", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerStatus: _TypeAlias = WorkerStatus  # noqa: Y015
+
+@_typing.final
+class AgentBackend(_message.Message):
+    """One NIXL backend of a worker's agent: what it was created with ([transfer] backend, backend_params,
+    device_params) and the network devices it is limited to.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ParamsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    DEVICES_FROM_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"UCX", "LIBFABRIC", ..."""
+    devices: _builtins.str
+    """network devices it is limited to; empty: the backend picks"""
+    devices_from: _builtins.str
+    """a parameter name ("device_list"), or "env UCX_NET_DEVICES" """
+    device: _builtins.str
+    """where the worker's KV lives: "host" or "gpu<N>" """
+    @_builtins.property
+    def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """init parameters as NIXL reports them once created"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        devices: _builtins.str = ...,
+        devices_from: _builtins.str = ...,
+        device: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "devices", b"devices", "devices_from", b"devices_from", "name", b"name", "params", b"params"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentBackend: _TypeAlias = AgentBackend  # noqa: Y015
 
 @_typing.final
 class PeerStatus(_message.Message):
