@@ -50,6 +50,7 @@ class WorkerApiConfig:
     socket_mode: int = 0o660
     max_workers: int = 256
     max_blocks_per_request: int = 1 << 20
+    max_attach_descriptors: int = 1 << 23  # regions x blocks of one worker (NIXL descriptors it needs)
     session_grace_s: float = 30.0  # an attached worker that never opens its session is reaped
 
 

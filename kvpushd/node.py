@@ -27,6 +27,7 @@ from .core.errors import (
     InvalidArgument,
     KvpushdError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -50,6 +51,35 @@ from .peers import PeerClient, PeerRejected, PeerUnreachable
 from .transfer.engine import RegionSpec, RemoteAgent, TransferThread, WriteResult
 
 log = structlog.get_logger(__name__)
+
+MAX_AGENTS_PER_ORIGIN = 1024   # consumer agents one decode daemon may have loaded here at once
+MAX_DESCRIPTION = 1024         # characters of a worker's free-text description
+IDLE_PEER_S = 60.0             # a peer with nothing pending is forgotten after this long unheard
+_MD_PREFIX = b"nixlSerDes|Agent"
+
+
+def agent_prefix(node_id: str, instance_id: str) -> str:
+    """How the NIXL agents of the daemon (node_id, instance_id) are named: a peer may only register its own."""
+    return f"kvpushd.{node_id}.{instance_id[:8]}."
+
+
+def metadata_agent_name(md: bytes) -> str | None:
+    """The agent name inside NIXL agent metadata (``nixlSerDes|Agent`` + u64 length + name).
+
+    Checked before the metadata is loaded, so a peer cannot load metadata under a name it did
+    not register (which would replace another agent's). None when the bytes are not in that form.
+    """
+    if not md.startswith(_MD_PREFIX) or len(md) < len(_MD_PREFIX) + 8:
+        return None
+    n = int.from_bytes(md[len(_MD_PREFIX):len(_MD_PREFIX) + 8], "little")
+    start = len(_MD_PREFIX) + 8
+    if n > 4096 or start + n > len(md):
+        return None
+    try:
+        return md[start:start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +159,7 @@ class Origin:
     instance_id: str
     node_id: str
     address: str
-    agents: set[str] = field(default_factory=set)
+    agents: dict[str, float] = field(default_factory=dict)  # consumer agent name -> last registration
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -208,7 +238,7 @@ class Node:
                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg],
                      description: str) -> Worker:
         self._not_draining()
-        check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg)
+        check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         for w in self.workers.values():
             if (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
                 raise AlreadyExists(
@@ -233,7 +263,7 @@ class Node:
                 specs.append(RegionSpec(m.addr + r.offset, r.layout.num_blocks, r.layout.block_len,
                                         r.layout.block_stride, m.device_id))
             wid = f"w{next(self._seq)}-{uuid.uuid4().hex[:8]}"
-            agent = f"kvpushd.{self.node_id}.{self.instance_id[:8]}.{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
+            agent = f"{agent_prefix(self.node_id, self.instance_id)}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
             w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
                        tuple(specs), description, time.monotonic(),
                        min(r.layout.num_blocks for r in regions))
@@ -376,7 +406,15 @@ class Node:
         self.events.remember(transfer_id, producer_engine_id)
         if not any(w.engine_id == producer_engine_id and w.role.can_send for w in self.workers.values()):
             raise NotFound(f"no prefill engine {producer_engine_id!r} is attached to node {self.node_id}")
+        prefix = agent_prefix(origin.node_id, origin.instance_id)
+        if not agent.name.startswith(prefix):
+            raise PermissionDenied(f"consumer agent {agent.name[:128]!r} is not one of the calling daemon's "
+                                   f"(its agents are named {prefix}*)")
         known = self.remote_agents.get(agent.name)
+        if known is not None and agent.name not in origin.agents:
+            # Agents are keyed by the daemon that introduced them: another peer may not re-use
+            # (and so redirect) a name it does not own.
+            raise PermissionDenied(f"consumer agent {agent.name[:128]!r} belongs to another peer daemon")
         if known is None:
             if not agent.metadata:
                 return False
@@ -384,8 +422,14 @@ class Node:
                 raise InvalidArgument(f"consumer agent {agent.name!r} has no regions")
             if agent.mem_type not in ("DRAM", "VRAM"):
                 raise InvalidArgument(f"consumer agent {agent.name!r}: memory kind {agent.mem_type!r}")
+            md_name = metadata_agent_name(agent.metadata)
+            if md_name != agent.name:
+                raise PermissionDenied(f"consumer agent {agent.name[:128]!r}: its NIXL metadata names agent "
+                                       f"{(md_name or '<unreadable>')[:128]!r}")
+            if len(origin.agents) >= MAX_AGENTS_PER_ORIGIN:
+                self._evict_agents(origin)
             self.remote_agents[agent.name] = known = agent
-            origin.agents.add(agent.name)
+        origin.agents[agent.name] = time.monotonic()
         nb = min(r.num_blocks for r in known.regions)
         if not block_ids:
             raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
@@ -420,11 +464,26 @@ class Node:
             elif loop_now - peer.last_beat >= t.heartbeat_interval_s and not peer.beating:
                 peer.last_beat = loop_now
                 self._spawn(self._beat(peer))
-        for origin_id in self.send.origins():
+        busy = self.send.origins()
+        for origin_id in busy:
             origin = self.origins.get(origin_id)
             if origin is not None and now - origin.last_seen > t.peer_timeout_s:
                 self._origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address} sent no "
                                           f"heartbeat for {t.peer_timeout_s:g}s")
+        # Peers idle for a while are forgotten (their agents unloaded, channels closed); a peer
+        # that comes back handshakes again and resends its agents' metadata when asked.
+        idle_s = max(IDLE_PEER_S, 6 * t.peer_timeout_s)
+        for origin in [o for o in self.origins.values() if o.instance_id not in busy and now - o.last_seen > idle_s]:
+            log.info("forgetting idle peer", peer_node=origin.node_id, peer_address=origin.address,
+                     agents=len(origin.agents))
+            self.origins.pop(origin.instance_id, None)
+            self._forget_agents(origin)
+        waited_on = self.recv.producer_addresses()
+        for address, peer in list(self.peers.items()):
+            if (address not in waited_on and not peer.beating and peer.state != "handshaking"
+                    and loop_now - max(peer.last_ok, peer.since, peer.failed_at) > idle_s):
+                del self.peers[address]
+                self._spawn(peer.close())
 
     async def _beat(self, peer: PeerClient) -> None:
         peer.beating = True
@@ -439,8 +498,19 @@ class Node:
                  reason: str) -> None:
         self._run(self.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
 
-    def peer_failed(self, registration_id: int, code: FailureCode, reason: str) -> None:
-        """The prefill daemon says a registration of ours will not be written."""
+    def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
+                    reason: str) -> None:
+        """The prefill daemon says a registration of ours will not be written.
+
+        Only the daemon the registration was sent to may fail it, and only under its transfer id."""
+        sent = self.recv.sent_to(registration_id)
+        if sent is None:
+            return  # already ended (finished, failed or withdrawn): nothing to do
+        tid, address = sent
+        peer = self.peers.get(address)
+        if tid != transfer_id or peer is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+            raise PermissionDenied(f"failure notice for registration {registration_id} (transfer "
+                                   f"{transfer_id[:256]!r}) from a daemon it was not sent to")
         self._run(self.recv.failed(registration_id, code, reason))
         self._update_expecting()
 
@@ -572,10 +642,28 @@ class Node:
         self.metrics.lost(origin.address, reason, inbound=True)
         self.origins.pop(origin.instance_id, None)
         self._run(self.send.origin_lost(origin.instance_id, reason))
+        self._forget_agents(origin)
+
+    def _forget_agents(self, origin: Origin) -> None:
         assert self.xfer is not None
         for name in origin.agents:
             self.remote_agents.pop(name, None)
             self.xfer.forget_remote(name)
+        origin.agents.clear()
+
+    def _evict_agents(self, origin: Origin) -> None:
+        """Make room among a peer's agents: forget the least recently used half that no pending
+        registration refers to (workers that detached on the decode node leave theirs behind)."""
+        assert self.xfer is not None
+        in_use = self.send.agents_in_use(origin.instance_id)
+        idle = sorted((t, n) for n, t in origin.agents.items() if n not in in_use)
+        for _, name in idle[:max(1, len(origin.agents) // 2)]:
+            del origin.agents[name]
+            self.remote_agents.pop(name, None)
+            self.xfer.forget_remote(name)
+        if len(origin.agents) >= MAX_AGENTS_PER_ORIGIN:
+            raise ResourceExhausted(f"peer {origin.node_id} has {len(origin.agents)} agents in use here; "
+                                    f"at most {MAX_AGENTS_PER_ORIGIN}")
 
     def _spawn(self, coro: collections.abc.Coroutine[None, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -643,7 +731,7 @@ def check_blocks(w: Worker, block_ids: Sequence[int], cfg: Config) -> None:
 
 
 def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[MemorySpec],
-                 regions: Sequence[RegionArg], cfg: Config) -> None:
+                 regions: Sequence[RegionArg], cfg: Config, description: str = "") -> None:
     if not engine_id or len(engine_id) > 128 or not engine_id.isprintable() or "." in engine_id:
         raise InvalidArgument(f"engine_id {engine_id!r}: 1-128 printable characters, no '.'")
     if role is Role.UNSPECIFIED:
@@ -654,6 +742,13 @@ def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory:
         raise InvalidArgument("no memory handles")
     if len(memory) > 256 or not regions or len(regions) > 4096:
         raise InvalidArgument(f"{len(memory)} memory handles and {len(regions)} regions: need 1-256 and 1-4096")
+    if len(description) > MAX_DESCRIPTION:
+        raise InvalidArgument(f"description is {len(description)} characters long; at most {MAX_DESCRIPTION}")
+    descs = sum(r.layout.num_blocks for r in regions)
+    if descs > cfg.worker_api.max_attach_descriptors:
+        raise InvalidArgument(
+            f"{len(regions)} regions with {descs} blocks in all: at most {cfg.worker_api.max_attach_descriptors} "
+            f"(worker_api.max_attach_descriptors); NIXL needs one descriptor per block per region")
     for i, r in enumerate(regions):
         lay = r.layout
         if not 0 <= r.memory_index < len(memory):

@@ -223,6 +223,11 @@ class SendSide:
         """Decode daemons that hold registrations here (they must keep sending heartbeats)."""
         return {r.origin for t in self._transfers.values() for r in t.registrations.values()}
 
+    def agents_in_use(self, origin: str) -> set[str]:
+        """Consumer agents that registrations from ``origin`` pending here refer to."""
+        return {r.consumer_agent for t in self._transfers.values() for r in t.registrations.values()
+                if r.origin == origin}
+
     def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
         t = self._transfers.get((engine_id, transfer_id))
         return t is not None and rank in t.publishes
@@ -624,6 +629,11 @@ class RecvSide:
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next(self._valid)
+
+    def sent_to(self, registration_id: int) -> tuple[str, str] | None:
+        """(transfer id, producer address) of a pending registration, or None."""
+        r = self._by_reg.get(registration_id)
+        return None if r is None else (r.transfer_id, r.producer_address)
 
     def producer_addresses(self) -> set[str]:
         """Prefill daemons that pending receives wait on (we send them heartbeats)."""

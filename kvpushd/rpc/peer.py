@@ -38,7 +38,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     @unary
     async def Fail(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:
         self._known(request.caller_instance_id)
-        self.node.peer_failed(request.registration_id, convert.failure_code(request.code), request.reason)
+        self.node.peer_failed(request.caller_instance_id, request.transfer_id, request.registration_id,
+                              convert.failure_code(request.code), request.reason[:2000])
         return peer_pb2.FailAck()
 
     @unary
