@@ -43,6 +43,30 @@ ROLE_BOTH: Role.ValueType  # 3
 """kv_both engines (vLLM's default role for P/D connectors)"""
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
+class _KVLayout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KVLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KVLayout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_LAYOUT_UNSPECIFIED: _KVLayout.ValueType  # 0
+    """HND"""
+    KV_LAYOUT_HND: _KVLayout.ValueType  # 1
+    """[heads, tokens, head bytes]: vLLM's layout for NIXL transfers"""
+    KV_LAYOUT_NHD: _KVLayout.ValueType  # 2
+    """[tokens, heads, head bytes]"""
+
+class KVLayout(_KVLayout, metaclass=_KVLayoutEnumTypeWrapper):
+    """The order of the dimensions inside one block of a region."""
+
+KV_LAYOUT_UNSPECIFIED: KVLayout.ValueType  # 0
+"""HND"""
+KV_LAYOUT_HND: KVLayout.ValueType  # 1
+"""[heads, tokens, head bytes]: vLLM's layout for NIXL transfers"""
+KV_LAYOUT_NHD: KVLayout.ValueType  # 2
+"""[tokens, heads, head bytes]"""
+Global___KVLayout: _TypeAlias = KVLayout  # noqa: Y015
+
 class _FailureCode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -231,6 +255,10 @@ class Region(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCK_LEN_FIELD_NUMBER: _builtins.int
     BLOCK_STRIDE_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    NUM_HEADS_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
     memory_index: _builtins.int
     """index into AttachRequest.memory"""
     offset: _builtins.int
@@ -240,6 +268,20 @@ class Region(_message.Message):
     """bytes of one block in this region"""
     block_stride: _builtins.int
     """bytes between consecutive blocks (>= block_len)"""
+    block_size_tokens: _builtins.int
+    """Tokens per block. 0: not said -- the same as the peer's, blocks map one to one (older clients).
+    With both sides' sizes known they may differ (e.g. prefill 16, decode 32): tokens are mapped.
+    """
+    layout: Global___KVLayout.ValueType
+    """how a block orders heads and tokens (HND when unspecified)"""
+    num_heads: _builtins.int
+    """KV heads of this rank in one block of this region. 0: not said (whole blocks, or the peer's
+    count scaled by the TP ratio). Needed to map tokens across block sizes in HND.
+    """
+    replicated: _builtins.bool
+    """MLA: one latent per token, identical on every TP rank. Written whole (never split by heads),
+    and with more prefill than decode ranks only one prefill rank per decode rank writes it.
+    """
     def __init__(
         self,
         *,
@@ -248,10 +290,14 @@ class Region(_message.Message):
         num_blocks: _builtins.int = ...,
         block_len: _builtins.int = ...,
         block_stride: _builtins.int = ...,
+        block_size_tokens: _builtins.int = ...,
+        layout: Global___KVLayout.ValueType = ...,
+        num_heads: _builtins.int = ...,
+        replicated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_len", b"block_len", "block_stride", b"block_stride", "memory_index", b"memory_index", "num_blocks", b"num_blocks", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_len", b"block_len", "block_size_tokens", b"block_size_tokens", "block_stride", b"block_stride", "layout", b"layout", "memory_index", b"memory_index", "num_blocks", b"num_blocks", "num_heads", b"num_heads", "offset", b"offset", "replicated", b"replicated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -165,12 +165,21 @@ class RemoteRegion(_message.Message):
     BLOCK_LEN_FIELD_NUMBER: _builtins.int
     BLOCK_STRIDE_FIELD_NUMBER: _builtins.int
     DEVICE_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    NUM_HEADS_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
     base_addr: _builtins.int
     """address of block 0 in the consumer's agent"""
     num_blocks: _builtins.int
     block_len: _builtins.int
     block_stride: _builtins.int
     device_id: _builtins.int
+    block_size_tokens: _builtins.int
+    """as in Region: 0 = not said"""
+    layout: _common_pb2.KVLayout.ValueType
+    num_heads: _builtins.int
+    replicated: _builtins.bool
     def __init__(
         self,
         *,
@@ -179,10 +188,14 @@ class RemoteRegion(_message.Message):
         block_len: _builtins.int = ...,
         block_stride: _builtins.int = ...,
         device_id: _builtins.int = ...,
+        block_size_tokens: _builtins.int = ...,
+        layout: _common_pb2.KVLayout.ValueType = ...,
+        num_heads: _builtins.int = ...,
+        replicated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_addr", b"base_addr", "block_len", b"block_len", "block_stride", b"block_stride", "device_id", b"device_id", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_addr", b"base_addr", "block_len", b"block_len", "block_size_tokens", b"block_size_tokens", "block_stride", b"block_stride", "device_id", b"device_id", "layout", b"layout", "num_blocks", b"num_blocks", "num_heads", b"num_heads", "replicated", b"replicated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -203,6 +216,7 @@ class RegisterRequest(_message.Message):
     CONSUMER_AGENT_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TRANSFER_MODE_FIELD_NUMBER: _builtins.int
+    SKIP_TOKENS_FIELD_NUMBER: _builtins.int
     caller_instance_id: _builtins.str
     """from the handshake"""
     transfer_id: _builtins.str
@@ -215,6 +229,10 @@ class RegisterRequest(_message.Message):
     consumer_tp_size: _builtins.int
     transfer_mode: _common_pb2.TransferMode.ValueType
     """pull: the prefill daemon sends an Offer instead of WRITEing"""
+    skip_tokens: _builtins.int
+    """The consumer already holds the prompt's first skip_tokens tokens (prefix-cache hit, a whole
+    number of its blocks): block_ids start at that token, and the producer skips those tokens.
+    """
     @_builtins.property
     def consumer_agent(self) -> Global___AgentInfo:
         """agent_metadata empty when the callee already has this agent"""
@@ -235,10 +253,11 @@ class RegisterRequest(_message.Message):
         consumer_agent: Global___AgentInfo | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         transfer_mode: _common_pb2.TransferMode.ValueType = ...,
+        skip_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consumer_agent", b"consumer_agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "skip_tokens", b"skip_tokens", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

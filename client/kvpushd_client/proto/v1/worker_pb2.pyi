@@ -180,6 +180,7 @@ class ExpectRequest(_message.Message):
     PRODUCER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     PRODUCER_TP_SIZE_FIELD_NUMBER: _builtins.int
     TRANSFER_MODE_FIELD_NUMBER: _builtins.int
+    SKIP_TOKENS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     transfer_id: _builtins.str
     producer_address: _builtins.str
@@ -188,6 +189,10 @@ class ExpectRequest(_message.Message):
     producer_tp_size: _builtins.int
     transfer_mode: _common_pb2.TransferMode.ValueType
     """push (default) or pull: which daemon moves the bytes"""
+    skip_tokens: _builtins.int
+    """Tokens at the start of the prompt this worker already holds (a prefix-cache hit; a whole
+    number of its blocks): block_ids hold the prompt from that token on. 0: from the start.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """destination blocks, in token order"""
@@ -202,10 +207,11 @@ class ExpectRequest(_message.Message):
         producer_engine_id: _builtins.str = ...,
         producer_tp_size: _builtins.int = ...,
         transfer_mode: _common_pb2.TransferMode.ValueType = ...,
+        skip_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "skip_tokens", b"skip_tokens", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
