@@ -9,6 +9,7 @@ from .types import (
     CudaMemory,
     DaemonUnavailable,
     KVPushError,
+    KVLayout,
     Region,
     Role,
     ShmMemory,
@@ -16,5 +17,5 @@ from .types import (
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVPushClient", "KVPushError", "Region", "Role", "SharedBuffer", "ShmMemory", "Worker",
+    "KVLayout", "KVPushClient", "KVPushError", "Region", "Role", "SharedBuffer", "ShmMemory", "Worker",
 ]

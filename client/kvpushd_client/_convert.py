@@ -42,7 +42,10 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
         else:
             raise TypeError(f"memory must be ShmMemory or CudaMemory, got {type(m).__name__}")
     regs = [common_pb2.Region(memory_index=r.memory_index, offset=r.offset, num_blocks=r.num_blocks,
-                              block_len=r.block_len, block_stride=r.block_stride or r.block_len)
+                              block_len=r.block_len, block_stride=r.block_stride or r.block_len,
+                              block_size_tokens=r.block_size_tokens,
+                              layout=common_pb2.KVLayout.ValueType(int(r.layout)), num_heads=r.num_heads,
+                              replicated=r.replicated)
             for r in regions]
     return worker_pb2.AttachRequest(engine_id=engine_id, role=common_pb2.Role.ValueType(int(role)),
                                     tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, memory=mem,

@@ -12,6 +12,13 @@ class Role(enum.IntEnum):
     BOTH = 3
 
 
+class KVLayout(enum.IntEnum):
+    """Order of a block's dimensions: HND [heads, tokens, head dim] (vLLM's) or NHD [tokens, heads, head dim]."""
+
+    HND = 1
+    NHD = 2
+
+
 class CompletionKind(enum.IntEnum):
     FINISHED_SENDING = 1
     FINISHED_RECEIVING = 2
@@ -52,6 +59,12 @@ class Region:
     num_blocks: int
     block_len: int
     block_stride: int = 0  # 0: same as block_len (blocks packed back to back)
+    # Tokens per block (0: not said; then the peer's blocks must map one to one). Prefill and
+    # decode may use different block sizes once both say theirs.
+    block_size_tokens: int = 0
+    layout: KVLayout = KVLayout.HND
+    num_heads: int = 0     # KV heads of this rank in one block (0: not said; needed for HND across block sizes)
+    replicated: bool = False  # MLA: one latent per token, the same on every TP rank
 
 
 @dataclass(frozen=True, slots=True)
