@@ -25,6 +25,7 @@ from .config import Config
 from .core.errors import FailedPrecondition
 from .events import EventKind
 from .node import Node
+from .peer_security import AllowList, server_credentials, tls_enabled
 from .rpc.peer import PeerServicer
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
@@ -72,11 +73,16 @@ class Daemon:
         finally:
             os.umask(old)
         peer_opts = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-        self.peer_server = grpc.aio.server(options=[*opts, *peer_opts])
+        interceptors = [AllowList(cfg.peer_api)] if cfg.peer_api.allow or cfg.peer_api.allow_names else []
+        self.peer_server = grpc.aio.server(options=[*opts, *peer_opts], interceptors=interceptors)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
         await self._add_health(self.peer_health, [_service(peer_pb2, "PeerService")], self.peer_server)
         host, port = cfg.listen_host_port
-        bound = self.peer_server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
+        if tls_enabled(cfg.peer_api):
+            bound = self.peer_server.add_secure_port(f"{host or '0.0.0.0'}:{port}",
+                                                     server_credentials(cfg.peer_api))
+        else:
+            bound = self.peer_server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
         if bound == 0:
             raise FailedPrecondition(f"cannot listen on {cfg.peer_api.listen}")
         if port == 0:  # an ephemeral port (tests): advertise the one we got
@@ -89,7 +95,8 @@ class Daemon:
         self._tasks.append(loop.create_task(self.node.tick_forever()))
         self._tasks.append(loop.create_task(self.notifier.run_watchdog()))
         log.info("kvpushd ready", node_id=self.node.node_id, socket=str(sock), peer_address=self.node.peer_address,
-                 backends=list(cfg.transfer.backends), pid=os.getpid())
+                 backends=list(cfg.transfer.backends), pid=os.getpid(), peer_tls=tls_enabled(cfg.peer_api),
+                 peer_allow=list(cfg.peer_api.allow), peer_allow_names=list(cfg.peer_api.allow_names))
         for h, names in self._health_names:
             for name in names:
                 await h.set(name, health_pb2.HealthCheckResponse.SERVING)

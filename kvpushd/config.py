@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import socket
 import tomllib
@@ -60,6 +61,13 @@ class PeerApiConfig:
     connect_timeout_s: float = 5.0
     rpc_timeout_s: float = 10.0
     max_message_bytes: int = 64 << 20
+    # mutual TLS (grpcio's own credentials): all three paths or none
+    tls_cert: str = ""  # PEM certificate chain this daemon presents, as server and as client
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_ca: str = ""  # PEM CA bundle: peers' certificates (both directions) must be signed by it
+    tls_server_name: str = ""  # name checked in the remote daemon's certificate instead of its host
+    allow: tuple[str, ...] = ()  # caller addresses allowed (CIDRs or addresses); empty: any
+    allow_names: tuple[str, ...] = ()  # with TLS: client certificate CN/SAN names allowed; empty: any
 
 
 @dataclass(frozen=True)
@@ -181,12 +189,41 @@ def validate(cfg: Config) -> None:
                  "heartbeat_interval_s", "peer_timeout_s"):
         if getattr(t, name) <= 0:
             raise InvalidArgument(f"config: transfer.{name} must be positive")
+    validate_peer_security(cfg.peer_api)
     if not 0 <= cfg.worker_api.socket_mode <= 0o777:
         raise InvalidArgument("config: worker_api.socket_mode must be permission bits (0..511)")
     if cfg.log.level.lower() not in ("debug", "info", "warning", "error"):
         raise InvalidArgument("config: log.level must be debug, info, warning or error")
     if cfg.log.format not in ("auto", "json", "console"):
         raise InvalidArgument("config: log.format must be auto, json or console")
+
+
+def validate_peer_security(p: PeerApiConfig) -> None:
+    """TLS paths: all three or none, each a readable PEM file; allow entries parse as networks."""
+    paths = {"tls_cert": p.tls_cert, "tls_key": p.tls_key, "tls_ca": p.tls_ca}
+    given = [k for k, v in paths.items() if v]
+    if given and len(given) != 3:
+        missing = sorted(set(paths) - set(given))
+        raise InvalidArgument(f"config: peer_api.{', peer_api.'.join(given)} set but peer_api."
+                              f"{', peer_api.'.join(missing)} not: TLS needs tls_cert, tls_key and tls_ca together")
+    for key in given:
+        try:
+            head = Path(paths[key]).read_bytes()[:65536]
+        except OSError as e:
+            raise InvalidArgument(f"config: peer_api.{key} = {paths[key]!r}: cannot read it ({e.strerror})") from None
+        if b"-----BEGIN " not in head:
+            raise InvalidArgument(f"config: peer_api.{key} = {paths[key]!r} is not a PEM file")
+    if p.tls_server_name and not given:
+        raise InvalidArgument("config: peer_api.tls_server_name needs TLS (tls_cert, tls_key, tls_ca)")
+    if p.allow_names and not given:
+        raise InvalidArgument("config: peer_api.allow_names needs TLS (tls_cert, tls_key, tls_ca): "
+                              "names come from client certificates")
+    for entry in p.allow:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise InvalidArgument(f"config: peer_api.allow entry {entry!r} is not an address or CIDR "
+                                  "(e.g. \"10.0.0.0/8\", \"127.0.0.1\")") from None
 
 
 def load(path: str | None) -> Config:

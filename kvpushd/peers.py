@@ -18,6 +18,7 @@ from .core import notif
 from .core.errors import KvpushdError
 from .core.rendezvous import SendRegister
 from .core.types import FailureCode
+from .peer_security import channel_credentials, channel_options, tls_enabled
 
 if TYPE_CHECKING:
     from .node import Node, Worker
@@ -50,7 +51,12 @@ class PeerClient:
         self.node = node
         size = node.cfg.peer_api.max_message_bytes
         opts = [*KEEPALIVE, ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
-        self.channel = grpc.aio.insecure_channel(address, options=opts)
+        pa = node.cfg.peer_api
+        if tls_enabled(pa):
+            self.channel = grpc.aio.secure_channel(address, channel_credentials(pa),
+                                                   options=[*opts, *channel_options(pa)])
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=opts)
         self.stub = peer_pb2_grpc.PeerServiceStub(self.channel)
         self.remote_node_id = ""
         self.remote_instance = ""
@@ -88,9 +94,19 @@ class PeerClient:
                 resp = await self.stub.Handshake(req, timeout=n.cfg.peer_api.connect_timeout_s,
                                                  wait_for_ready=True)
             except grpc.aio.AioRpcError as e:
-                self._broken(e)
-                self.failed_at = loop.time()
-                raise self._error(e) from None
+                err: grpc.aio.AioRpcError | None = e
+                if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # wait_for_ready hides why the channel cannot connect (refused, TLS handshake
+                    # failed): one call without it reports the channel's last connection error.
+                    try:
+                        resp = await self.stub.Handshake(req, timeout=1.0)
+                        err = None
+                    except grpc.aio.AioRpcError as e2:
+                        err = e2 if e2.code() is grpc.StatusCode.UNAVAILABLE else e
+                if err is not None:
+                    self._broken(err)
+                    self.failed_at = loop.time()
+                    raise self._error(err) from None
             if resp.instance_id != self.remote_instance:
                 if self.remote_instance:
                     log.warning("peer restarted", peer=self.address, node=resp.node_id)
@@ -109,6 +125,8 @@ class PeerClient:
 
     def _error(self, e: grpc.aio.AioRpcError) -> KvpushdError:
         msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
+        if "Socket closed" in (e.details() or "") and not tls_enabled(self.node.cfg.peer_api):
+            msg += " (if that daemon's peer API uses TLS, set peer_api.tls_cert, tls_key and tls_ca here too)"
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return PeerUnreachable(msg)
         return PeerRejected(msg)

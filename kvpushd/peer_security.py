@@ -1,0 +1,139 @@
+"""Peer API security: mutual TLS with grpcio's own credentials, and an allowlist of callers.
+
+TLS (``[peer_api] tls_cert``, ``tls_key``, ``tls_ca``): the peer server presents ``tls_cert`` and
+requires a client certificate signed by ``tls_ca``; the peer client presents the same certificate
+and checks the remote daemon's against ``tls_ca`` (under ``tls_server_name`` when set, else the
+host of the address it dials). A caller without a certificate, or with one from another CA, fails
+the TLS handshake before any RPC runs.
+
+The allowlist (``allow``: CIDRs of caller addresses; ``allow_names``: client certificate CN/SAN
+names, TLS only) is a server interceptor: a call from anyone else ends with PERMISSION_DENIED
+naming the caller and the rule, and the daemon goes on serving others. The health service stays
+open to every caller that gets through TLS, so probes keep working.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from .config import PeerApiConfig
+
+log = structlog.get_logger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def tls_enabled(p: PeerApiConfig) -> bool:
+    return bool(p.tls_cert and p.tls_key and p.tls_ca)
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def server_credentials(p: PeerApiConfig) -> grpc.ServerCredentials:
+    """Our certificate; client certificates signed by the CA are required."""
+    return grpc.ssl_server_credentials([(_read(p.tls_key), _read(p.tls_cert))],
+                                       root_certificates=_read(p.tls_ca), require_client_auth=True)
+
+
+def channel_credentials(p: PeerApiConfig) -> grpc.ChannelCredentials:
+    """The CA to check the remote daemon with, and our certificate to present to it."""
+    return grpc.ssl_channel_credentials(root_certificates=_read(p.tls_ca), private_key=_read(p.tls_key),
+                                        certificate_chain=_read(p.tls_cert))
+
+
+def channel_options(p: PeerApiConfig) -> list[tuple[str, Any]]:
+    if p.tls_server_name:
+        return [("grpc.ssl_target_name_override", p.tls_server_name)]
+    return []
+
+
+def caller_ip(peer: str) -> str:
+    """The IP address in a gRPC peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000"); "" if none."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    return ""
+
+
+def cert_names(auth: dict[str, list[bytes]]) -> list[str]:
+    """The client certificate's common name and subject alternative names."""
+    out: list[str] = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        out += [v.decode(errors="replace") for v in auth.get(key, [])]
+    return out
+
+
+class AllowList(grpc.aio.ServerInterceptor):
+    """PERMISSION_DENIED for callers outside ``allow`` / ``allow_names`` (health excepted)."""
+
+    def __init__(self, p: PeerApiConfig) -> None:
+        self.networks = [ipaddress.ip_network(a, strict=False) for a in p.allow]
+        self.allow = p.allow
+        self.names = frozenset(p.allow_names)
+        self.denied = 0
+
+    def check(self, peer: str, auth: dict[str, list[bytes]]) -> str:
+        """"" when the caller may call, else why not."""
+        if self.networks:
+            ip = caller_ip(peer)
+            try:
+                addr = ipaddress.ip_address(ip)
+            except ValueError:
+                return f"caller {peer} has no IP address; peer_api.allow = {list(self.allow)}"
+            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+                addr = addr.ipv4_mapped
+            if not any(addr in n for n in self.networks):
+                return f"caller {ip} is not in peer_api.allow = {list(self.allow)}"
+        if self.names:
+            names = cert_names(auth)
+            if not self.names.intersection(names):
+                return (f"caller {caller_ip(peer) or peer} presents certificate names {names[:8]}, none in "
+                        f"peer_api.allow_names = {sorted(self.names)}")
+        return ""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = str(handler_call_details.method)  # type: ignore[attr-defined]
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                await self._gate(method, context)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(guarded, handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_s = handler.unary_stream
+
+            async def guarded_s(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                await self._gate(method, context)
+                async for item in inner_s(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(guarded_s, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler  # the peer API has no client-streaming methods
+
+    async def _gate(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        why = self.check(context.peer(), context.auth_context())
+        if why:
+            self.denied += 1
+            log.warning("peer call denied", method=method, reason=why, denied_total=self.denied)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"kvpushd peer API: {why}")
