@@ -73,6 +73,13 @@ class PeerApiConfig:
 @dataclass(frozen=True)
 class TransferConfig:
     backends: tuple[str, ...] = ("UCX",)
+    backend: str = ""  # one NIXL backend ("UCX", "LIBFABRIC"): shorthand for backends = [backend]
+    # NIXL backend init parameters (create_backend), string -> string; a sub-table named after a
+    # backend ([transfer.backend_params.UCX]) applies to that backend only, over the plain keys
+    backend_params: dict[str, Any] = field(default_factory=dict)
+    # per device hints, merged over backend_params for the agent of a worker whose KV lives there:
+    # [transfer.device_params.gpu0] device_list = "mlx5_0"  ("gpu<N>": CUDA device N, "host": shm)
+    device_params: dict[str, dict[str, str]] = field(default_factory=dict)
     publish_timeout_s: float = 120.0
     expect_timeout_s: float = 120.0
     poll_interval_s: float = 0.0002
@@ -152,7 +159,16 @@ def from_dict(data: dict[str, Any]) -> Config:
             f = fields.get(key)
             if f is None:
                 raise InvalidArgument(f"config: unknown key {name}.{key}; known: {sorted(fields)}")
-            kwargs[key] = _coerce(f"{name}.{key}", f.default, v)
+            if f.default_factory is dict:  # type: ignore[comparison-overlap]
+                kwargs[key] = _coerce_table(f"{name}.{key}", v, depth=2 if key == "device_params" else 1)
+            else:
+                kwargs[key] = _coerce(f"{name}.{key}", f.default, v)
+        if name == "transfer" and kwargs.get("backend"):
+            one = (kwargs["backend"],)
+            if "backends" in kwargs and kwargs["backends"] != one:
+                raise InvalidArgument(f"config: transfer.backend = {kwargs['backend']!r} and transfer.backends = "
+                                      f"{list(kwargs['backends'])} disagree; set one of them")
+            kwargs["backends"] = one
         sections[name] = cls(**kwargs)
     cfg = Config(**sections)
     validate(cfg)
@@ -179,12 +195,56 @@ def _coerce(where: str, default: Any, v: Any) -> Any:
     return v
 
 
+def _coerce_table(where: str, v: Any, depth: int) -> dict[str, Any]:
+    """A TOML table of string values (numbers and booleans are written as NIXL expects them).
+
+    ``depth`` 2: a table of such tables (device_params). backend_params takes both: plain keys,
+    and sub-tables named after a backend.
+    """
+    if not isinstance(v, dict):
+        raise InvalidArgument(f"config: {where} must be a table")
+    out: dict[str, Any] = {}
+    for k, x in v.items():
+        if isinstance(x, dict) and (depth == 2 or where.endswith("backend_params")):
+            out[k] = _coerce_table(f"{where}.{k}", x, 1)
+        elif depth == 2:
+            raise InvalidArgument(f"config: {where}.{k} must be a table of backend parameters")
+        elif isinstance(x, bool):
+            out[k] = "true" if x else "false"
+        elif isinstance(x, str | int | float):
+            out[k] = str(x)
+        else:
+            raise InvalidArgument(f"config: {where}.{k} must be a string (NIXL backend parameters are strings)")
+    return out
+
+
+def backend_init_params(t: TransferConfig, backend: str, device: str = "") -> dict[str, str]:
+    """NIXL init parameters for ``backend`` on an agent whose memory is on ``device`` ("gpu0", "host")."""
+    out = {k: v for k, v in t.backend_params.items() if isinstance(v, str)}
+    sub = t.backend_params.get(backend)
+    if isinstance(sub, dict):
+        out.update(sub)
+    out.update(t.device_params.get(device, {}))
+    return out
+
+
 def validate(cfg: Config) -> None:
     split_host_port(cfg.peer_api.listen)
     split_host_port(cfg.metrics.listen)
     t = cfg.transfer
     if not t.backends:
         raise InvalidArgument("config: transfer.backends must name at least one NIXL backend")
+    for b in t.backends:
+        if not b or not b.replace("_", "").isalnum():
+            raise InvalidArgument(f"config: transfer backend {b!r} is not a NIXL backend name (e.g. UCX, LIBFABRIC)")
+    for k, v in t.backend_params.items():
+        if isinstance(v, dict) and k not in t.backends:
+            raise InvalidArgument(f"config: [transfer.backend_params.{k}] names no configured backend "
+                                  f"(transfer.backends: {list(t.backends)})")
+    for dev in t.device_params:
+        if dev != "host" and not (dev.startswith("gpu") and dev[3:].isdigit()):
+            raise InvalidArgument(f"config: [transfer.device_params.{dev}]: devices are \"host\" or \"gpu<N>\" "
+                                  "(the CUDA device index of the worker's KV)")
     for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s",
                  "heartbeat_interval_s", "peer_timeout_s"):
         if getattr(t, name) <= 0:

@@ -64,6 +64,16 @@ def _regions(rs: Sequence[status_pb2.RegionSummary]) -> str:
     return " + ".join(f"{r.count}x{r.num_blocks}x{_bytes(r.block_len)}" for r in rs)
 
 
+def _backends(w: status_pb2.WorkerStatus) -> str:
+    """UCX[gpu0: device_list=mlx5_0 num_workers=2] -- the agent's backends, devices and parameters."""
+    out = []
+    for b in w.backends:
+        params = " ".join(f"{k}={v}" for k, v in sorted(b.params.items()) if v)
+        devs = f"devices {b.devices} ({b.devices_from})" if b.devices else ""
+        out.append(f"{b.name}[{'; '.join(x for x in (b.device, devs, params) if x)}]")
+    return " ".join(out) or "-"
+
+
 def _peers_table(st: status_pb2.NodeStatus) -> str:
     return _table([[p.address, p.node_id, p.direction, p.state, p.channel_state or "-",
                     _age(p.last_contact_age_s) + " ago" if p.last_contact_unix else "never",
@@ -101,9 +111,10 @@ def render(st: status_pb2.NodeStatus) -> str:
         "", "workers:",
         _table([[w.worker_id, w.engine_id, common_pb2.Role.Name(w.role).removeprefix("ROLE_").lower(),
                  f"{w.tp_rank}/{w.tp_size}", w.pp_rank, w.memory_kind, _regions(w.regions) or w.num_regions,
-                 _bytes(w.registered_bytes), w.pending_transfers, _age(w.attached_s)] for w in st.workers],
+                 _bytes(w.registered_bytes), w.pending_transfers, _age(w.attached_s), _backends(w)]
+                for w in st.workers],
                ["WORKER", "ENGINE", "ROLE", "TP", "PP", "MEM", "REGIONS (n x blocks x len)", "BYTES", "PENDING",
-                "ATTACHED"]),
+                "ATTACHED", "BACKENDS"]),
         "", "peers:", _peers_table(st),
         "", "transfers in flight:", _transfers_table(st),
         "", "recent failures:", _failures_table(st),

@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from . import __version__
-from .config import Config
+from .config import Config, backend_init_params
 from .core import notif
 from .core.errors import (
     AlreadyExists,
@@ -194,7 +194,9 @@ class Node:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         t = self.cfg.transfer
         self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
-                                   poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads)
+                                   poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads,
+                                   params_for=lambda b, dev: backend_init_params(t, b, dev),
+                                   param_devices=tuple(t.device_params))
         self.xfer.start()
 
     async def tick_forever(self, interval_s: float = 0.05) -> None:

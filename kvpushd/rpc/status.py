@@ -39,7 +39,8 @@ def node_status(node: Node) -> status_pb2.NodeStatus:
             notifications_received=c.notifications_received,
             stray_notifications=node.recv.stray_notifications + (node.xfer.stray_notifications if node.xfer else 0),
             descriptors_requested=c.descriptors_requested, descriptors_posted=c.descriptors_posted,
-            events_emitted=ev.emitted, events_dropped=ev.dropped),
+            events_emitted=ev.emitted, events_dropped=ev.dropped,
+            reads_posted=c.reads_posted, bytes_read=c.bytes_read),
     )
     pending = collections.Counter(worker_id for worker_id, _ in ev.open)
     for w in node.workers.values():
@@ -48,7 +49,7 @@ def node_status(node: Node) -> status_pb2.NodeStatus:
             tp_rank=w.tp_rank, tp_size=w.tp_size, pp_rank=w.pp_rank, agent_name=w.agent_name,
             memory_kind=w.mem_type, num_regions=len(w.regions), registered_bytes=w.registered_bytes,
             attached_s=now - w.attached_at, description=w.description, regions=region_summary(w.regions),
-            pending_transfers=pending[w.worker_id]))
+            pending_transfers=pending[w.worker_id], backends=agent_backends(node, w.worker_id)))
     st.peers.extend(peer_status(node, wall))
     for s in node.send.views(now):
         peer = next((t.peer for wid in s.workers if (t := ev.open.get((wid, s.transfer_id))) and t.peer), "")
@@ -61,11 +62,18 @@ def node_status(node: Node) -> status_pb2.NodeStatus:
         st.transfers.append(status_pb2.TransferStatus(
             transfer_id=r.transfer_id, side="recv", state=r.state, age_s=r.age_s, waiting_for=r.waiting_for,
             worker_id=r.worker_id, num_blocks=r.num_blocks, engine_id=rw.engine_id if rw else "",
-            peer=r.producer_address))
+            peer=r.producer_address, registration_id=r.registration_id, mode=r.mode))
     for t_unix, tid, text in list(node.recent_failures):
         st.recent_failures.append(status_pb2.FailureRecord(time_unix=t_unix, age_s=max(wall - t_unix, 0.0),
                                                            transfer_id=tid, reason=text))
     return st
+
+
+def agent_backends(node: Node, worker_id: str) -> list[status_pb2.AgentBackend]:
+    """The NIXL backends of a worker's agent: name, init parameters, network devices (its rails)."""
+    got = node.xfer.agent_backends.get(worker_id, ()) if node.xfer is not None else ()
+    return [status_pb2.AgentBackend(name=b.name, params=b.params, devices=b.devices, devices_from=b.devices_from,
+                                    device=b.device) for b in got]
 
 
 def region_summary(regions: Sequence[RegionSpec]) -> list[status_pb2.RegionSummary]:
