@@ -19,6 +19,17 @@ from .types import (
     ShmMemory,
 )
 
+_MODES = {"push": common_pb2.TRANSFER_MODE_PUSH, "pull": common_pb2.TRANSFER_MODE_PULL}
+
+
+def transfer_mode(mode: str) -> common_pb2.TransferMode.ValueType:
+    """"push" | "pull" (vLLM's kv_transfer_params["transfer_mode"]) -> the protobuf enum."""
+    try:
+        return _MODES[str(mode).lower()]
+    except KeyError:
+        raise ValueError(f"transfer_mode {mode!r}: 'push' or 'pull'") from None
+
+
 # A local daemon that restarts is back within a second: reconnect quickly instead of gRPC's
 # default exponential backoff (which reaches tens of seconds).
 CHANNEL_OPTIONS = [

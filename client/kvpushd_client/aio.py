@@ -90,11 +90,13 @@ class AsyncWorker:
             raise _convert.error(e) from None
 
     async def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-                     producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0) -> None:
+                     producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
+                     transfer_mode: str = "push") -> None:
         await self._unary("Expect", worker_pb2.ExpectRequest(
             worker_id=self.worker_id, transfer_id=transfer_id, block_ids=list(block_ids),
             producer_address=producer_address, producer_engine_id=producer_engine_id,
-            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens))
+            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
+            transfer_mode=_convert.transfer_mode(transfer_mode)))
 
     async def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
         await self._unary("Publish", worker_pb2.PublishRequest(worker_id=self.worker_id, transfer_id=transfer_id,

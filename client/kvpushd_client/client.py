@@ -115,15 +115,19 @@ class Worker:
             raise _convert.error(e) from None
 
     def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-               producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0) -> None:
+               producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
+               transfer_mode: str = "push") -> None:
         """Decode side: destination blocks, as soon as they are allocated.
 
         ``skip_tokens``: the prompt's first tokens this worker already holds (a prefix-cache hit,
-        a whole number of its blocks); ``block_ids`` then hold the prompt from that token on."""
+        a whole number of its blocks); ``block_ids`` then hold the prompt from that token on.
+        ``transfer_mode``: "push" (the prefill node's daemon WRITEs) or "pull" (this node's daemon
+        READs once the prefill side has published), vLLM's kv_transfer_params["transfer_mode"]."""
         self._unary("Expect", worker_pb2.ExpectRequest(
             worker_id=self.worker_id, transfer_id=transfer_id, block_ids=list(block_ids),
             producer_address=producer_address, producer_engine_id=producer_engine_id,
-            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens))
+            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
+            transfer_mode=_convert.transfer_mode(transfer_mode)))
 
     def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
         """Prefill side: the source blocks are complete."""

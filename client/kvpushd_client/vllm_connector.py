@@ -157,6 +157,15 @@ class Settings:
 
 
 # ------------------------------------------------------------------------------------------------
+def transfer_mode_of(params: dict[str, Any]) -> str:
+    """kv_transfer_params["transfer_mode"]: "push" (default) or "pull"; anything else is pushed."""
+    mode = str(params.get("transfer_mode") or "push").lower()
+    if mode not in ("push", "pull"):
+        logger.warning("kvpushd: unknown transfer_mode %r; using push", mode)
+        return "push"
+    return mode
+
+
 # Scheduler -> worker metadata (plain data: it is pickled to the workers)
 
 
@@ -168,6 +177,7 @@ class ExpectReq:
     producer_address: str
     producer_engine_id: str
     producer_tp_size: int
+    transfer_mode: str = "push"
 
 
 @dataclass(frozen=True)
@@ -381,7 +391,8 @@ class _SchedulerSide:
         tid = transfer_id_for(request.request_id, params)
         self._expects.append(ExpectReq(
             request.request_id, tid, block_ids, producer_address(params),
-            daemon_engine_id(str(params["remote_engine_id"])), int(params.get("tp_size") or 1)))
+            daemon_engine_id(str(params["remote_engine_id"])), int(params.get("tp_size") or 1),
+            transfer_mode_of(params)))
         self._recving[request.request_id] = tid
 
     # both sides ----------------------------------------------------------------------------------
@@ -418,7 +429,7 @@ class _SchedulerSide:
             "dcp_size": self.dcp_size,
             "pp_size": self.pp_size,
             "remote_num_tokens": request.num_computed_tokens,
-            "transfer_mode": "push",
+            "transfer_mode": transfer_mode_of(params),
             "transfer_id": transfer_id_for(rid, params),
         }
 
@@ -641,7 +652,7 @@ class _DaemonLink:
             if op.kind == "expect":
                 assert isinstance(req, ExpectReq)
                 w.expect(req.transfer_id, req.block_ids, req.producer_address, req.producer_engine_id,
-                         req.producer_tp_size)
+                         req.producer_tp_size, transfer_mode=req.transfer_mode)
             elif op.kind == "publish":
                 w.publish(req.transfer_id, req.block_ids)
             else:

@@ -28,6 +28,21 @@ def decode(msg: bytes) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
+READ_PREFIX = b"kvp1r:"
+
+
+def encode_read(registration_id: int, producer_rank: int) -> bytes:
+    """Pull mode: rides on the decode daemon's READ to the prefill agent ("this READ completed")."""
+    return b"%s%d:%d" % (READ_PREFIX, registration_id, producer_rank)
+
+
+def decode_read(msg: bytes) -> tuple[int, int] | None:
+    """Parse a READ-completion notification; None for anything else (WRITE notifications included)."""
+    if not msg.startswith(READ_PREFIX):
+        return None
+    return decode(PREFIX + msg[len(READ_PREFIX):])
+
+
 def compat_hash() -> str:
     """Two daemons interoperate only if this matches: protocol version and notification format."""
     h = hashlib.sha256(b"kvpushd|%d|%s|regions=block-major" % (PROTOCOL_VERSION, PREFIX))

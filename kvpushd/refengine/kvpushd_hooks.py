@@ -38,9 +38,12 @@ class _Pending:
 class KVPushdHooks:
     """Connector hooks for one engine: ``workers[r]`` is TP rank r's attached worker."""
 
-    def __init__(self, workers: Sequence[Worker], engine_id: str) -> None:
+    def __init__(self, workers: Sequence[Worker], engine_id: str, transfer_mode: str = "push") -> None:
         if not workers:
             raise ValueError("no workers")
+        if transfer_mode not in ("push", "pull"):
+            raise ValueError(f"transfer_mode {transfer_mode!r}: 'push' or 'pull'")
+        self.transfer_mode = transfer_mode  # used when a request's kv_params do not say
         self.workers = list(workers)
         self.engine_id = engine_id
         self.tp_size = len(self.workers)
@@ -50,7 +53,7 @@ class KVPushdHooks:
 
     @classmethod
     def attach(cls, client: KVPushClient | Sequence[KVPushClient], engine_id: str, role: Role,
-               kv: PagedKV | Sequence[PagedKV], description: str = "") -> KVPushdHooks:
+               kv: PagedKV | Sequence[PagedKV], description: str = "", transfer_mode: str = "push") -> KVPushdHooks:
         """Attach every rank cache (each must live in shared memory: ``PagedKV.shared``) as a worker.
 
         ``client`` is one client for all ranks, or one per rank."""
@@ -67,7 +70,7 @@ class KVPushdHooks:
             for w in workers:
                 w.detach()
             raise
-        return cls(workers, engine_id)
+        return cls(workers, engine_id, transfer_mode)
 
     @property
     def peer_address(self) -> str:
@@ -86,7 +89,12 @@ class KVPushdHooks:
         address = f"{kv_params['remote_host']}:{int(kv_params['remote_port'])}"
         producer = str(kv_params["remote_engine_id"])
         tp = int(kv_params.get("tp_size") or 1)
-        self._start(req_id, tid, False, lambda w: w.expect(tid, block_ids, address, producer, tp))
+        mode = str(kv_params.get("transfer_mode") or self.transfer_mode)
+        if mode not in ("push", "pull"):
+            self._failed_now[req_id] = f"transfer_mode {mode!r}: 'push' or 'pull'"
+            return
+        self._start(req_id, tid, False, lambda w: w.expect(tid, block_ids, address, producer, tp,
+                                                           transfer_mode=mode))
 
     def poll(self) -> KVEvents:
         ev = KVEvents(set(), set(), self._failed_now)

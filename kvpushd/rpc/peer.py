@@ -32,7 +32,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         ok = self.node.register(request.caller_instance_id, request.transfer_id, request.registration_id,
                                 request.producer_engine_id, request.producer_tp_size,
                                 request.consumer_engine_id, request.consumer_tp_rank, request.consumer_tp_size,
-                                convert.remote_agent(request.consumer_agent), request.block_ids)
+                                convert.remote_agent(request.consumer_agent), request.block_ids,
+                                convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens)
         return peer_pb2.RegisterResponse(need_metadata=not ok)
 
     @unary
@@ -47,6 +48,21 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self._known(request.caller_instance_id)
         self.node.withdraw(request.caller_instance_id, request.transfer_id, request.registration_id,
                            convert.failure_code(request.code), request.reason)
+        return peer_pb2.FailAck()
+
+    @unary
+    async def Offer(self, request: peer_pb2.OfferRequest, context: Ctx) -> peer_pb2.OfferResponse:
+        self._known(request.caller_instance_id)
+        ok = self.node.offer(request.caller_instance_id, request.transfer_id, request.registration_id,
+                             request.producer_rank, convert.remote_agent(request.producer_agent),
+                             request.block_ids)
+        return peer_pb2.OfferResponse(need_metadata=not ok)
+
+    @unary
+    async def ReadFailed(self, request: peer_pb2.ReadFailedNotice, context: Ctx) -> peer_pb2.FailAck:
+        self._known(request.caller_instance_id)
+        self.node.read_failed(request.caller_instance_id, request.registration_id, request.producer_rank,
+                              request.reason)
         return peer_pb2.FailAck()
 
     @unary

@@ -35,7 +35,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @unary
     async def Expect(self, request: worker_pb2.ExpectRequest, context: Ctx) -> worker_pb2.ExpectResponse:
         self.node.expect(request.worker_id, request.transfer_id, request.block_ids, request.producer_address,
-                         request.producer_engine_id, request.producer_tp_size)
+                         request.producer_engine_id, request.producer_tp_size,
+                         convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens)
         return worker_pb2.ExpectResponse()
 
     @unary
