@@ -144,3 +144,123 @@ def test_killed_prefill_worker_fails_the_decode_side(fast_pair, kv_pair) -> None
         if proc.poll() is None:
             proc.kill()
 
+
+
+# -- WRITEs made to fail, and leases ---------------------------------------------------------------
+# KVPUSHD_FAULTS (kvpushd/transfer/faults.py, test-only) is read by the daemon at start: set it
+# only around the start of the daemon that should misbehave.
+
+
+def _held(x) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(transfers pending, blocks they hold) from the status API."""
+    st = x.client.status()
+    return len(st.transfers), sum(t.num_blocks for t in st.transfers) + sum(w.pending_transfers for w in st.workers)
+
+
+def _start_with_faults(monkeypatch, workdir, name: str, faults: str, config: str):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVPUSHD_FAULTS", faults)
+    try:
+        return start_daemon(workdir, name, config)
+    finally:
+        monkeypatch.delenv("KVPUSHD_FAULTS")
+
+
+@pytest.mark.parametrize("fault", ["write_post", "write_complete"])
+def test_a_failed_write_fails_both_sides(monkeypatch, workdir, kv_pair, fault: str) -> None:
+    """A WRITE that fails (refused at post, or completed in error without its notification):
+    prefill gets FAILED with its blocks, decode gets FAILED (TRANSFER_ERROR) with its blocks from
+    the prefill daemon's failure notice (not from its own timeout), and nothing stays held."""
+    p = _start_with_faults(monkeypatch, workdir, "pnode", f"{fault}=1.0,seed=1", FAST)
+    d = start_daemon(workdir, "dnode", FAST)
+    src, dst = kv_pair
+    try:
+        pw, dw = attach_pair(p, d, src, dst)
+        dw.expect("doomed", [3, 4], p.peer_address, "prefill", 1)
+        pw.publish("doomed", [5, 6])
+        cp = pw.next_completion(30)
+        assert cp is not None and cp.kind is CompletionKind.FAILED, cp
+        assert cp.code == "TRANSFER_ERROR" and cp.block_ids == (5, 6), cp
+        assert f"KVPUSHD_FAULTS {fault}" in cp.reason, cp.reason
+        cd = dw.next_completion(30)  # expect_timeout_s is 60: a TIMEOUT here would mean a silent wait
+        assert cd is not None and cd.kind is CompletionKind.FAILED, cd
+        assert cd.code == "TRANSFER_ERROR" and cd.block_ids == (3, 4), cd
+        assert "WRITE" in cd.reason and f"KVPUSHD_FAULTS {fault}" in cd.reason, cd.reason
+        assert wait_for(lambda: _held(p) == (0, 0) and _held(d) == (0, 0)), (_held(p), _held(d))
+        assert p.client.status().counters.transfers_failed == 1
+        assert d.client.status().counters.transfers_failed == 1
+    finally:
+        for x in (p, d):
+            x.client.close()
+            x.stop()
+
+
+def test_lease_does_not_expire_a_write_in_flight(monkeypatch, workdir, kv_pair) -> None:
+    """publish_timeout_s is 0.5 s, the (injected slow) WRITE takes 3 s: the matched transfer
+    finishes, it is not expired while its WRITE is in flight."""
+    cfg = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 5.0\nexpect_timeout_s = 30.0\n"
+           "publish_timeout_s = 0.5\n")
+    p = _start_with_faults(monkeypatch, workdir, "pnode", "write_hold_s=3", cfg)
+    d = start_daemon(workdir, "dnode", cfg)
+    src, dst = kv_pair
+    try:
+        pw, dw = attach_pair(p, d, src, dst)
+        dw.expect("slow", [1, 2], p.peer_address, "prefill", 1)
+        assert wait_for(lambda: any(t.transfer_id == "slow" for t in p.client.status().transfers))
+        pw.publish("slow", [7, 8])
+        assert wait_for(lambda: any(t.state == "writing" for t in p.client.status().transfers))
+        cd = dw.next_completion(30)
+        cp = pw.next_completion(30)
+        assert cd.kind is CompletionKind.FINISHED_RECEIVING, cd
+        assert cp.kind is CompletionKind.FINISHED_SENDING, cp
+        import numpy as np
+
+        assert np.array_equal(dst.arr[:, [1, 2], :], src.arr[:, [7, 8], :])
+        assert wait_for(lambda: _held(p) == (0, 0) and _held(d) == (0, 0))
+    finally:
+        for x in (p, d):
+            x.client.close()
+            x.stop()
+
+
+def test_lease_expiry_under_load(workdir, kv_pair) -> None:
+    """Many transfers at once: a third are published but never registered (they expire after
+    publish_timeout_s), a third registered but never published (expect_timeout_s), a third
+    both (they finish). Every request ends, and nothing is held afterwards."""
+    cfg = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 10.0\nexpect_timeout_s = 2.0\n"
+           "publish_timeout_s = 1.0\n")
+    p = start_daemon(workdir, "pnode", cfg)
+    d = start_daemon(workdir, "dnode", cfg)
+    src, dst = kv_pair
+    n = 60
+    kinds = ["publish-only", "expect-only", "both"]
+    try:
+        pw, dw = attach_pair(p, d, src, dst)
+        want_p: dict[str, str] = {}
+        want_d: dict[str, str] = {}
+        for i in range(n):
+            kind = kinds[i % 3]
+            tid = f"load-{i}-{kind}"
+            if kind != "publish-only":
+                dw.expect(tid, [i], p.peer_address, "prefill", 1)
+                want_d[tid] = "TIMEOUT" if kind == "expect-only" else "OK"
+            if kind != "expect-only":
+                pw.publish(tid, [63 - (i % 32)] if kind == "publish-only" else [i])
+                want_p[tid] = "TIMEOUT" if kind == "publish-only" else "OK"
+
+        def drain(w, want: dict[str, str]) -> dict[str, str]:  # type: ignore[no-untyped-def]
+            got: dict[str, str] = {}
+            while len(got) < len(want):
+                c = w.next_completion(30)
+                assert c is not None, f"requests never ended: {sorted(set(want) - set(got))[:5]}"
+                assert c.transfer_id not in got, f"two completions for {c.transfer_id}"
+                got[c.transfer_id] = "OK" if c.kind is not CompletionKind.FAILED else c.code
+            return got
+
+        assert drain(pw, want_p) == want_p
+        assert drain(dw, want_d) == want_d
+        assert wait_for(lambda: _held(p) == (0, 0) and _held(d) == (0, 0)), (_held(p), _held(d))
+        assert pw.completions() == [] and dw.completions() == []
+    finally:
+        for x in (p, d):
+            x.client.close()
+            x.stop()

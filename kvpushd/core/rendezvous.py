@@ -422,7 +422,7 @@ class SendSide:
                 pub = t.publishes.get(rank)
                 if pub is None or pub.failure is not None:
                     continue
-                if self._progressing(t, pub):
+                if self._progressing(t, pub) or self._leased(t, pub):
                     self._arm(key, now + self.publish_timeout_s)  # look again: a target may be dropped
                     continue
                 msg = (f"no decode registration for transfer {t.transfer_id!r} within "
@@ -454,6 +454,14 @@ class SendSide:
             if r.registration_id == registration_id:
                 return r
         return None
+
+    @staticmethod
+    def _leased(t: _SendTransfer, pub: _Publish) -> bool:
+        """The publish's lease is held by the decode side: a WRITE from it is in flight, or a
+        registration it wrote into still waits for other producer ranks. Registrations live only
+        while their decode daemon's heartbeats arrive (silence for peer_timeout_s drops them), so
+        the heartbeats renew the lease; expect_timeout_s on the decode side bounds it."""
+        return pub.posted() or any(r.registration_id in pub.legs for r in t.registrations.values())
 
     def _progressing(self, t: _SendTransfer, pub: _Publish) -> bool:
         """A publish whose every target is registered has its WRITEs started: no expiry."""

@@ -15,7 +15,6 @@ blocks are allocated in runs costs one descriptor per run and region.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ import structlog
 from ..core.errors import FailedPrecondition, InvalidArgument
 from ..core.notif import decode as decode_notif
 from ..core.rendezvous import LegKey
+from .faults import Faults
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -115,45 +115,6 @@ def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src:
     return total
 
 
-# NIXL init parameters that select network devices, per backend (UCX 1.5.1 reads device_list, HCA
-# names to which it appends ":1"; newer NIXL reads ucx_devices too). LIBFABRIC picks its rails itself.
-DEVICE_KEYS: dict[str, tuple[str, ...]] = {"UCX": ("device_list", "ucx_devices")}
-# Keys NIXL 1.5.1 plugins read although get_plugin_params does not list them.
-UNADVERTISED: dict[str, frozenset[str]] = {
-    "UCX": frozenset({"device_list", "num_threads", "split_batch_size", "engine_config"}),
-    "LIBFABRIC": frozenset({"num_threads", "split_batch_size", "max_bw_per_dram_seg"}),
-}
-# How nixl_agent_config(num_threads=N) spells N for each backend (transfer.nixl_threads).
-_THREADS_KEY = {"UCX": "num_threads", "OBJ": "num_threads", "LIBFABRIC": "num_threads", "GDS_MT": "thread_count",
-                "UCCL": "num_cpus"}
-
-
-@dataclass(frozen=True, slots=True)
-class AgentBackend:
-    """One backend of a worker's agent, as the status API shows it."""
-
-    name: str
-    params: dict[str, str]  # as NIXL reports them once created (get_backend_params)
-    devices: str  # network devices it is limited to; "": the backend (or UCX) picks
-    devices_from: str  # where ``devices`` comes from: a parameter name, or "env UCX_NET_DEVICES"
-    device: str  # where the worker's KV lives ("host", "gpu0"): the transfer.device_params entry used
-
-
-def memory_device(mem_type: str, mappings: Sequence[tuple[int, int, int]]) -> str:
-    """"host" for shared memory, "gpu<N>" for CUDA memory on device N (its first mapping)."""
-    return "host" if mem_type == "DRAM" or not mappings else f"gpu{mappings[0][2]}"
-
-
-def agent_devices(backend: str, params: dict[str, str]) -> tuple[str, str]:
-    """The network devices ``backend`` is limited to, and where that comes from."""
-    for key in DEVICE_KEYS.get(backend, ()):
-        if params.get(key, "").strip():
-            return params[key], key
-    if backend == "UCX" and os.environ.get("UCX_NET_DEVICES"):
-        return os.environ["UCX_NET_DEVICES"], "env UCX_NET_DEVICES"
-    return "", ""
-
-
 @dataclass(slots=True)
 class _Local:
     worker_id: str
@@ -178,6 +139,7 @@ class _Inflight:
     result: WriteResult
     t_post: float
     remote: str = ""
+    fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
 
 
 class TransferThread:
@@ -192,15 +154,9 @@ class TransferThread:
         poll_interval_s: float = 0.0002,
         idle_wait_s: float = 0.05,
         nixl_threads: int = 0,
-        params_for: Callable[[str, str], dict[str, str]] | None = None,
-        param_devices: Sequence[str] = (),
     ) -> None:
         self._loop = loop
         self._backends = list(backends)
-        # (backend, KV device) -> NIXL init parameters; param_devices: devices with their own hints
-        self._params_for = params_for or (lambda backend, device: {})
-        self._param_devices = tuple(param_devices)
-        self.agent_backends: dict[str, tuple[AgentBackend, ...]] = {}  # worker id -> its agent's backends
         self._on_write_done = on_write_done
         self._on_notifications = on_notifications
         self._poll_s = poll_interval_s
@@ -213,6 +169,9 @@ class TransferThread:
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
         self.stray_notifications = 0
+        self.faults = Faults.from_env()  # test-only fault injection (faults.py): off unless KVPUSHD_FAULTS
+        if self.faults.active:
+            log.warning("KVPUSHD_FAULTS is set: WRITEs will fail on purpose (tests only)", faults=self.faults.spec)
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
         self._nixl: Any = None
@@ -232,35 +191,7 @@ class TransferThread:
         missing = [b for b in self._backends if b not in probe.get_plugin_list()]
         if missing:
             raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
-        for b in self._backends:
-            known = set(probe.get_plugin_params(b)) | UNADVERTISED.get(b, frozenset())
-            for device in ("", *self._param_devices):
-                params = self.init_params(b, device)
-                where = f"transfer.device_params.{device} over transfer.backend_params" if device else \
-                    "transfer.backend_params"
-                unknown = sorted(set(params) - known)
-                if unknown:  # NIXL ignores unknown keys silently: a typo would change nothing
-                    raise FailedPrecondition(f"NIXL backend {b} has no parameter(s) {unknown} ({where}); it "
-                                             f"takes {sorted(known)}")
-                if params:  # a bad value (or device) fails here, at start, not at the first Attach
-                    try:
-                        trial = nixl_api.nixl_agent(f"kvpushd-probe-{b}-{device}", nixl_api.nixl_agent_config(
-                            enable_prog_thread=False, backends=[]))
-                        trial.create_backend(b, params)
-                    except Exception as e:
-                        raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
-                                                 f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
-                                                 "the log") from None
-                    del trial
         del probe
-
-    def init_params(self, backend: str, device: str) -> dict[str, str]:
-        """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
-        params = dict(self._params_for(backend, device))
-        key = _THREADS_KEY.get(backend)
-        if self._nixl_threads > 0 and key:
-            params.setdefault(key, str(self._nixl_threads))
-        return params
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for in-flight WRITEs (bounded), release every agent, end the thread. Idempotent."""
@@ -361,16 +292,10 @@ class TransferThread:
         nx = self._nixl
         # No NIXL progress thread: it spins a whole core per agent (pthrDelay is 0 in the Python
         # API). This thread drives progress instead, by polling transfers and notifications.
-        # Backends are created here rather than by nixl_agent_config, which cannot pass init parameters.
-        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=[])
-        device = memory_device(mem_type, mappings)
-        used = []
+        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=self._backends,
+                                   num_threads=self._nixl_threads)
         try:
             agent = nx.nixl_agent(agent_name, cfg)
-            for b in self._backends:
-                params = self.init_params(b, device)
-                agent.create_backend(b, params)
-                used.append(AgentBackend(b, dict(agent.get_backend_params(b)), *agent_devices(b, params), device))
         except Exception as e:
             raise FailedPrecondition(f"NIXL could not create an agent with backends {self._backends}: {e}") from None
         try:
@@ -384,7 +309,6 @@ class TransferThread:
             raise
         self._locals[worker_id] = _Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
                                          region_bases(regions), receives)
-        self.agent_backends[worker_id] = tuple(used)
         return bytes(agent.get_agent_metadata())
 
     def _remote_view(self, loc: _Local, remote: RemoteAgent,
@@ -450,6 +374,11 @@ class TransferThread:
         lidx = leg_indices(loc.bases, src)
         ridx = leg_indices(rbases, dst)
         nbytes = int(sum(r.block_len // src_part[0] for r in loc.regions)) * len(src)
+        fault = self.faults.on_post() if self.faults.active else ""
+        if fault == "write_post":
+            return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
+        if fault == "write_complete":
+            notif = b""  # the WRITE runs without its notification, then reports an error
         try:
             handle = loc.agent.make_prepped_xfer("WRITE", ldlist, lidx, dlist, ridx, notif)
             state = loc.agent.transfer(handle)
@@ -463,7 +392,7 @@ class TransferThread:
             handle.release()
             return fail("NIXL returned ERR when posting the WRITE")
         loc.inflight += 1
-        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name))
+        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name, fault))
         if state == "DONE":
             self._poll_writes()
 
@@ -476,6 +405,8 @@ class TransferThread:
             except Exception as e:  # e.g. the remote agent was invalidated mid-WRITE: that WRITE failed
                 log.warning("checking a WRITE failed", transfer_id=f.result.leg.transfer_id, error=str(e))
                 state = "ERR"
+            if state == "DONE" and self.faults.write_hold_s and time.perf_counter() - f.t_post < self.faults.write_hold_s:
+                state = "PROC"  # injected slow network (KVPUSHD_FAULTS write_hold_s)
             if state == "PROC":
                 keep.append(f)
                 continue
@@ -486,11 +417,12 @@ class TransferThread:
             except Exception:
                 log.warning("releasing a transfer handle failed", exc_info=True)
             r = f.result
-            if state == "DONE":
+            if state == "DONE" and not f.fault:
                 done.append(WriteResult(r.leg, True, "", r.nbytes, r.post_s, now - f.t_post,
                                         r.descs_requested, r.descs_posted))
             else:
-                done.append(WriteResult(r.leg, False, "WRITE completed in error", 0, r.post_s,
+                why = f"injected fault (KVPUSHD_FAULTS {f.fault}): " if f.fault else ""
+                done.append(WriteResult(r.leg, False, why + "WRITE completed in error", 0, r.post_s,
                                         now - f.t_post, r.descs_requested, r.descs_posted))
         self._inflight = keep
         if done:
@@ -533,7 +465,6 @@ class TransferThread:
 
     def _release(self, worker_id: str) -> None:
         loc = self._locals.pop(worker_id, None)
-        self.agent_backends.pop(worker_id, None)
         if loc is None:
             return
         if loc.receives:  # hand over notifications that raced the detach
