@@ -15,6 +15,7 @@ blocks are allocated in runs costs one descriptor per run and region.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -115,6 +116,45 @@ def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src:
     return total
 
 
+# NIXL init parameters that select network devices, per backend (UCX 1.5.1 reads device_list, HCA
+# names to which it appends ":1"; newer NIXL reads ucx_devices too). LIBFABRIC picks its rails itself.
+DEVICE_KEYS: dict[str, tuple[str, ...]] = {"UCX": ("device_list", "ucx_devices")}
+# Keys NIXL 1.5.1 plugins read although get_plugin_params does not list them.
+UNADVERTISED: dict[str, frozenset[str]] = {
+    "UCX": frozenset({"device_list", "num_threads", "split_batch_size", "engine_config"}),
+    "LIBFABRIC": frozenset({"num_threads", "split_batch_size", "max_bw_per_dram_seg"}),
+}
+# How nixl_agent_config(num_threads=N) spells N for each backend (transfer.nixl_threads).
+_THREADS_KEY = {"UCX": "num_threads", "OBJ": "num_threads", "LIBFABRIC": "num_threads", "GDS_MT": "thread_count",
+                "UCCL": "num_cpus"}
+
+
+@dataclass(frozen=True, slots=True)
+class AgentBackend:
+    """One backend of a worker's agent, as the status API shows it."""
+
+    name: str
+    params: dict[str, str]  # as NIXL reports them once created (get_backend_params)
+    devices: str  # network devices it is limited to; "": the backend (or UCX) picks
+    devices_from: str  # where ``devices`` comes from: a parameter name, or "env UCX_NET_DEVICES"
+    device: str  # where the worker's KV lives ("host", "gpu0"): the transfer.device_params entry used
+
+
+def memory_device(mem_type: str, mappings: Sequence[tuple[int, int, int]]) -> str:
+    """"host" for shared memory, "gpu<N>" for CUDA memory on device N (its first mapping)."""
+    return "host" if mem_type == "DRAM" or not mappings else f"gpu{mappings[0][2]}"
+
+
+def agent_devices(backend: str, params: dict[str, str]) -> tuple[str, str]:
+    """The network devices ``backend`` is limited to, and where that comes from."""
+    for key in DEVICE_KEYS.get(backend, ()):
+        if params.get(key, "").strip():
+            return params[key], key
+    if backend == "UCX" and os.environ.get("UCX_NET_DEVICES"):
+        return os.environ["UCX_NET_DEVICES"], "env UCX_NET_DEVICES"
+    return "", ""
+
+
 @dataclass(slots=True)
 class _Local:
     worker_id: str
@@ -154,9 +194,15 @@ class TransferThread:
         poll_interval_s: float = 0.0002,
         idle_wait_s: float = 0.05,
         nixl_threads: int = 0,
+        params_for: Callable[[str, str], dict[str, str]] | None = None,
+        param_devices: Sequence[str] = (),
     ) -> None:
         self._loop = loop
         self._backends = list(backends)
+        # (backend, KV device) -> NIXL init parameters; param_devices: devices with their own hints
+        self._params_for = params_for or (lambda backend, device: {})
+        self._param_devices = tuple(param_devices)
+        self.agent_backends: dict[str, tuple[AgentBackend, ...]] = {}  # worker id -> its agent's backends
         self._on_write_done = on_write_done
         self._on_notifications = on_notifications
         self._poll_s = poll_interval_s
@@ -191,7 +237,35 @@ class TransferThread:
         missing = [b for b in self._backends if b not in probe.get_plugin_list()]
         if missing:
             raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
+        for b in self._backends:
+            known = set(probe.get_plugin_params(b)) | UNADVERTISED.get(b, frozenset())
+            for device in ("", *self._param_devices):
+                params = self.init_params(b, device)
+                where = f"transfer.device_params.{device} over transfer.backend_params" if device else \
+                    "transfer.backend_params"
+                unknown = sorted(set(params) - known)
+                if unknown:  # NIXL ignores unknown keys silently: a typo would change nothing
+                    raise FailedPrecondition(f"NIXL backend {b} has no parameter(s) {unknown} ({where}); it "
+                                             f"takes {sorted(known)}")
+                if params:  # a bad value (or device) fails here, at start, not at the first Attach
+                    try:
+                        trial = nixl_api.nixl_agent(f"kvpushd-probe-{b}-{device}", nixl_api.nixl_agent_config(
+                            enable_prog_thread=False, backends=[]))
+                        trial.create_backend(b, params)
+                    except Exception as e:
+                        raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
+                                                 f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
+                                                 "the log") from None
+                    del trial
         del probe
+
+    def init_params(self, backend: str, device: str) -> dict[str, str]:
+        """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
+        params = dict(self._params_for(backend, device))
+        key = _THREADS_KEY.get(backend)
+        if self._nixl_threads > 0 and key:
+            params.setdefault(key, str(self._nixl_threads))
+        return params
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for in-flight WRITEs (bounded), release every agent, end the thread. Idempotent."""
@@ -292,10 +366,16 @@ class TransferThread:
         nx = self._nixl
         # No NIXL progress thread: it spins a whole core per agent (pthrDelay is 0 in the Python
         # API). This thread drives progress instead, by polling transfers and notifications.
-        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=self._backends,
-                                   num_threads=self._nixl_threads)
+        # Backends are created here rather than by nixl_agent_config, which cannot pass init parameters.
+        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=[])
+        device = memory_device(mem_type, mappings)
+        used = []
         try:
             agent = nx.nixl_agent(agent_name, cfg)
+            for b in self._backends:
+                params = self.init_params(b, device)
+                agent.create_backend(b, params)
+                used.append(AgentBackend(b, dict(agent.get_backend_params(b)), *agent_devices(b, params), device))
         except Exception as e:
             raise FailedPrecondition(f"NIXL could not create an agent with backends {self._backends}: {e}") from None
         try:
@@ -309,6 +389,7 @@ class TransferThread:
             raise
         self._locals[worker_id] = _Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
                                          region_bases(regions), receives)
+        self.agent_backends[worker_id] = tuple(used)
         return bytes(agent.get_agent_metadata())
 
     def _remote_view(self, loc: _Local, remote: RemoteAgent,
@@ -465,6 +546,7 @@ class TransferThread:
 
     def _release(self, worker_id: str) -> None:
         loc = self._locals.pop(worker_id, None)
+        self.agent_backends.pop(worker_id, None)
         if loc is None:
             return
         if loc.receives:  # hand over notifications that raced the detach
