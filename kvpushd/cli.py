@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import add_args
 
     add_args(d)
-    b = sub.add_parser("bench", add_help=False, help="benchmarks: ceiling, critical-path, engine-cost, rate "
+    b = sub.add_parser("bench", add_help=False, help="benchmarks: ceiling, critical-path, engine-cost, rate, sweep "
                        "(kvpushd bench --help)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     args, extra = ap.parse_known_args(argv)

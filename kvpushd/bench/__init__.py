@@ -26,6 +26,7 @@ SUITES = {
     "critical-path": ("critical_path", "prefill done -> WRITE posted, last byte landed -> decode worker told"),
     "engine-cost": ("engine_cost", "engine-thread time per step: kvpushd client vs NIXL in the engine"),
     "rate": ("rate", "rendezvous per second with small requests"),
+    "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
 }
 
 

@@ -125,6 +125,13 @@ def _rate(r: Result, outdir: Path) -> list[Path]:
     return [_save(fig, outdir / "rate.png")]
 
 
+def _sweep(r: Result, outdir: Path) -> list[Path]:
+    from .sweep import plot_sweep
+
+    return plot_sweep(r, outdir)
+
+
 _PLOTS: dict[str, Callable[[Result, Path], list[Path]]] = {
     "ceiling": _ceiling, "critical-path": _critical_path, "engine-cost": _engine_cost, "rate": _rate,
+    "sweep": _sweep,
 }
