@@ -101,3 +101,16 @@ def test_plot_without_matplotlib(tmp_path: Path) -> None:
 def test_help(argv: list[str]) -> None:
     r = subprocess.run([sys.executable, "-m", "kvpushd", *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "usage: kvpushd bench" in r.stdout
+
+
+def test_soak_smoke() -> None:
+    """200 requests with faults at a high rate: every request ends, nothing held (the invariants the
+    full-size run reports; counts, not times)."""
+    out = bench("soak", "--requests", "200", "--concurrency", "8", "--fault-rate", "0.2", "--write-fault-rate",
+                "0.05", "--timeout-s", "2", "--churn-every-s", "0.3", timeout=600)
+    assert out["never_ended"] == 0, out["never_ended_examples"]
+    assert out["blocks_held_at_end"] == {"prefill": 0, "decode": 0}, out["held_at_end"]
+    assert out["duplicate_completions"] == 0 and out["unexpected_completions"] == 0
+    assert out["finished"] + out["failed"] == 200
+    assert out["finished"] > 0 and sum(out["scenarios"].values()) == 200
+    assert set(out["rss_kib_end"]) == {"prefill", "decode"}

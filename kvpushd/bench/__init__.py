@@ -2,8 +2,9 @@
 
 Suites: ``ceiling`` (daemon vs raw NIXL throughput), ``critical-path`` (prefill done -> WRITE
 posted, last byte landed -> decode worker told), ``engine-cost`` (time the engine's own thread
-spends on transfers per step, vs posting NIXL WRITEs in the engine) and ``rate`` (rendezvous per
-second). Each starts its own daemons as subprocesses in a temporary directory. Targets are printed
+spends on transfers per step, vs posting NIXL WRITEs in the engine), ``rate`` (rendezvous per
+second) and ``soak`` (many small requests with random faults: every request ends, nothing is held,
+RSS growth). Each starts its own daemons as subprocesses in a temporary directory. Targets are printed
 next to the figures; nothing here asserts on time.
 """
 
@@ -26,6 +27,7 @@ SUITES = {
     "critical-path": ("critical_path", "prefill done -> WRITE posted, last byte landed -> decode worker told"),
     "engine-cost": ("engine_cost", "engine-thread time per step: kvpushd client vs NIXL in the engine"),
     "rate": ("rate", "rendezvous per second with small requests"),
+    "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
     "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
 }
 
