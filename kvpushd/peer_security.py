@@ -103,15 +103,15 @@ class AllowList(grpc.aio.ServerInterceptor):
         return ""
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Any:
         handler = await continuation(handler_call_details)
-        method = str(handler_call_details.method)  # type: ignore[attr-defined]
+        method = str(getattr(handler_call_details, "method", ""))
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
         if handler.unary_unary is not None:
-            inner = handler.unary_unary
+            inner: Any = handler.unary_unary
 
             async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 await self._gate(method, context)
@@ -120,7 +120,7 @@ class AllowList(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(guarded, handler.request_deserializer,
                                                        handler.response_serializer)
         if handler.unary_stream is not None:
-            inner_s = handler.unary_stream
+            inner_s: Any = handler.unary_stream
 
             async def guarded_s(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 await self._gate(method, context)
@@ -132,7 +132,8 @@ class AllowList(grpc.aio.ServerInterceptor):
         return handler  # the peer API has no client-streaming methods
 
     async def _gate(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        why = self.check(context.peer(), context.auth_context())
+        auth = {k: list(v) for k, v in context.auth_context().items()}
+        why = self.check(context.peer(), auth)
         if why:
             self.denied += 1
             log.warning("peer call denied", method=method, reason=why, denied_total=self.denied)
