@@ -8,6 +8,7 @@ worker's backend, its parameters and devices. Bad settings stop the daemon at st
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import subprocess
 import sys
@@ -103,8 +104,18 @@ def test_transfer_over_configured_rails_and_status_shows_them(rail_pair: tuple[D
         dw.detach()
 
 
+def _have_libfabric() -> bool:
+    try:
+        ctypes.CDLL("libfabric.so.1")
+        return True
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("extra, words", [
     ('[transfer]\nbackend = "NOSUCHBACKEND"\n', "NIXL backend(s) ['NOSUCHBACKEND'] not available"),
+    pytest.param('[transfer]\nbackend = "LIBFABRIC"\n', "NIXL lists a LIBFABRIC plugin but cannot load it",
+                 marks=pytest.mark.skipif(_have_libfabric(), reason="libfabric is installed: LIBFABRIC may load")),
     ('[transfer.backend_params]\nucx_device = "lo"\n', "has no parameter(s) ['ucx_device']"),
     ('[transfer.backend_params]\nnum_workers = "many"\n', "does not start with {'num_workers': 'many'}"),
 ])

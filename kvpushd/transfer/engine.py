@@ -238,25 +238,34 @@ class TransferThread:
         if missing:
             raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
         for b in self._backends:
-            known = set(probe.get_plugin_params(b)) | UNADVERTISED.get(b, frozenset())
+            advertised = probe.get_plugin_params(b)  # {} where the plugin is listed but cannot load
+            known = set(advertised) | UNADVERTISED.get(b, frozenset())
             for device in ("", *self._param_devices):
                 params = self.init_params(b, device)
                 where = f"transfer.device_params.{device} over transfer.backend_params" if device else \
                     "transfer.backend_params"
+                if device and params == self.init_params(b, ""):
+                    continue
+                # Each backend is created once here, so a plugin that cannot load, a bad value or a
+                # bad device fails at start, not at the first Attach.
+                try:
+                    trial = nixl_api.nixl_agent(f"kvpushd-probe-{b}-{device}", nixl_api.nixl_agent_config(
+                        enable_prog_thread=False, backends=[]))
+                    trial.create_backend(b, params)
+                except Exception as e:
+                    if not advertised:
+                        raise FailedPrecondition(
+                            f"NIXL lists a {b} plugin but cannot load it ({type(e).__name__}: {e}): a shared "
+                            f"library it needs is missing (LIBFABRIC: libfabric.so.1 from the EFA installer, "
+                            f"hwloc, libnuma; `ldd` the plugin's libplugin_{b}.so)") from None
+                    raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
+                                             f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
+                                             "the log") from None
+                del trial
                 unknown = sorted(set(params) - known)
                 if unknown:  # NIXL ignores unknown keys silently: a typo would change nothing
                     raise FailedPrecondition(f"NIXL backend {b} has no parameter(s) {unknown} ({where}); it "
                                              f"takes {sorted(known)}")
-                if params:  # a bad value (or device) fails here, at start, not at the first Attach
-                    try:
-                        trial = nixl_api.nixl_agent(f"kvpushd-probe-{b}-{device}", nixl_api.nixl_agent_config(
-                            enable_prog_thread=False, backends=[]))
-                        trial.create_backend(b, params)
-                    except Exception as e:
-                        raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
-                                                 f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
-                                                 "the log") from None
-                    del trial
         del probe
 
     def init_params(self, backend: str, device: str) -> dict[str, str]:
