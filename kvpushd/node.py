@@ -37,18 +37,21 @@ from .core.rendezvous import (
     RecvSide,
     Registration,
     SendFailNotice,
+    SendOffer,
+    SendReadFailed,
     SendRegister,
     SendSide,
     SendWithdraw,
+    StartRead,
     StartWrite,
 )
-from .core.topology import block_parts
-from .core.types import Completion, CompletionKind, FailureCode, RegionLayout, Role
+from .core.topology import block_parts, skips_replicated
+from .core.types import Completion, CompletionKind, FailureCode, RegionLayout, Role, TransferMode
 from .events import EventHub, EventKind
 from .memory import Mapping
 from .metrics import Metrics
 from .peers import PeerClient, PeerRejected, PeerUnreachable
-from .transfer.engine import RegionSpec, RemoteAgent, TransferThread, WriteResult
+from .transfer.engine import ReadResult, RegionSpec, RemoteAgent, TransferThread, WriteResult
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +82,6 @@ def metadata_agent_name(md: bytes) -> str | None:
         return md[start:start + n].decode()
     except UnicodeDecodeError:
         return None
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +152,13 @@ class Counters:
     notifications_received: int = 0
     descriptors_requested: int = 0
     descriptors_posted: int = 0
+    reads_posted: int = 0  # pull mode: READs this (decode) daemon posted that completed
+    bytes_read: int = 0
+
+
+MAX_PULL_AGENTS = 1024         # prefill agents (from Offers) kept loaded here at once
+MAX_AGENT_METADATA = 1 << 20   # bytes of NIXL agent metadata a peer may send
+MAX_AGENT_REGIONS = 4096       # as for Attach
 
 
 @dataclass(slots=True)
@@ -181,6 +190,8 @@ class Node:
         self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
         self.remote_agents: dict[str, RemoteAgent] = {}
         self.origins: dict[str, Origin] = {}
+        # Pull mode (decode side): prefill agents offers came from: name -> (owner instance, agent, last use)
+        self.pull_agents: dict[str, tuple[str, RemoteAgent, float]] = {}
         self.peers: dict[str, PeerClient] = {}
         self.draining = False
         self._seq = itertools.count(1)
@@ -196,7 +207,8 @@ class Node:
         self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
                                    poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads,
                                    params_for=lambda b, dev: backend_init_params(t, b, dev),
-                                   param_devices=tuple(t.device_params))
+                                   param_devices=tuple(t.device_params),
+                                   on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs)
         self.xfer.start()
 
     async def tick_forever(self, interval_s: float = 0.05) -> None:
@@ -241,6 +253,7 @@ class Node:
                      description: str) -> Worker:
         self._not_draining()
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
+        check_geometry([r.layout for r in regions])
         for w in self.workers.values():
             if (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
                 raise AlreadyExists(
@@ -263,7 +276,8 @@ class Node:
                         f"region {i} does not fit its memory: offset {r.offset} + span "
                         f"{r.layout.span()} > size {m.size}")
                 specs.append(RegionSpec(m.addr + r.offset, r.layout.num_blocks, r.layout.block_len,
-                                        r.layout.block_stride, m.device_id))
+                                        r.layout.block_stride, m.device_id, r.layout.block_tokens,
+                                        r.layout.num_heads, r.layout.kv_layout, r.layout.replicated))
             wid = f"w{next(self._seq)}-{uuid.uuid4().hex[:8]}"
             agent = f"{agent_prefix(self.node_id, self.instance_id)}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
             w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
@@ -291,18 +305,22 @@ class Node:
         return w
 
     def expect(self, worker_id: str, transfer_id: str, block_ids: Sequence[int],
-               producer_address: str, producer_engine_id: str, producer_tp_size: int) -> None:
+               producer_address: str, producer_engine_id: str, producer_tp_size: int,
+               transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0) -> None:
         self._not_draining()
         w = self.worker(worker_id)
         if not w.role.can_receive:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot expect")
         check_blocks(w, block_ids, self.cfg)
+        check_skip(w, skip_tokens)
         check_transfer_id(transfer_id)
         if not producer_engine_id:
             raise InvalidArgument("producer_engine_id must not be empty")
         self._bounded()
         actions = self.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id,
-                                   block_ids, producer_address, producer_engine_id, producer_tp_size)
+                                   block_ids, producer_address, producer_engine_id, producer_tp_size,
+                                   TransferMode.parse(transfer_mode), skip_tokens=skip_tokens,
+                                   mla=all(r.replicated for r in w.regions))
         self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
                          worker_id=w.worker_id, side="recv", peer=producer_address, num_blocks=len(block_ids),
                          nbytes=len(block_ids) * w.block_bytes)
@@ -396,7 +414,8 @@ class Node:
 
     def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
                  producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
-                 consumer_tp_size: int, agent: RemoteAgent, block_ids: Sequence[int]) -> bool:
+                 consumer_tp_size: int, agent: RemoteAgent, block_ids: Sequence[int],
+                 transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0) -> bool:
         """A decode daemon's registration. Returns False when we need the agent's metadata."""
         self._not_draining()
         origin = self.origins.get(origin_id)
@@ -439,9 +458,17 @@ class Node:
             raise InvalidArgument(
                 f"transfer {transfer_id!r}: destination block id {max(block_ids)} out of range "
                 f"(consumer regions have {nb} blocks)")
+        if not 0 <= skip_tokens < 1 << 31:
+            raise InvalidArgument(f"transfer {transfer_id!r}: skip_tokens {skip_tokens} out of range")
         self._bounded()
+        producer = next(w for w in self.workers.values() if w.engine_id == producer_engine_id and w.role.can_send)
+        by_tokens = skip_tokens > 0 or any(
+            lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens
+            for lr, rr in zip(producer.regions, known.regions, strict=False))
         reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
-                           agent.name, consumer_rank, consumer_tp_size, tuple(block_ids))
+                           agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
+                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, by_tokens=by_tokens,
+                           mla=all(r.replicated for r in known.regions))
         self._run(self.send.register(time.monotonic(), reg))
         return True
 
@@ -516,6 +543,139 @@ class Node:
         self._run(self.recv.failed(registration_id, code, reason))
         self._update_expecting()
 
+    # -- pull mode ------------------------------------------------------------------------------
+
+    def offer(self, caller_instance_id: str, transfer_id: str, registration_id: int, producer_rank: int,
+              agent: RemoteAgent, block_ids: Sequence[int]) -> bool:
+        """Pull mode, decode side: the prefill daemon offers a producer rank's source blocks.
+
+        We READ only into the blocks our own worker registered for this very registration, and only
+        when the caller is the prefill daemon the registration was sent to. Returns False when we
+        need the producer agent's metadata.
+        """
+        address = self.recv.producer_address_of(registration_id)
+        if address is None:
+            raise NotFound(f"registration {registration_id} is not pending on node {self.node_id}")
+        peer = self.peers.get(address)
+        origin = self.origins.get(caller_instance_id)
+        if peer is None or origin is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+            raise PermissionDenied(f"offer for registration {registration_id} (transfer {transfer_id[:256]!r}) "
+                                   "from a daemon it was not sent to")
+        origin.last_seen = time.monotonic()
+        if len(block_ids) > self.cfg.worker_api.max_blocks_per_request:
+            raise InvalidArgument(f"offer of {len(block_ids)} blocks; at most "
+                                  f"{self.cfg.worker_api.max_blocks_per_request}")
+        prefix = agent_prefix(origin.node_id, origin.instance_id)
+        if len(agent.name) > 512 or not agent.name.startswith(prefix):
+            raise PermissionDenied(f"producer agent {agent.name[:128]!r} is not one of the calling daemon's "
+                                   f"(its agents are named {prefix}*)")
+        now = time.monotonic()
+        held = self.pull_agents.get(agent.name)
+        if held is not None and held[0] != caller_instance_id:
+            raise PermissionDenied(f"producer agent {agent.name[:128]!r} belongs to another peer daemon")
+        if held is None:
+            if not agent.metadata:
+                return False
+            check_pull_agent(agent)
+            md_name = metadata_agent_name(agent.metadata)
+            if md_name != agent.name:
+                raise PermissionDenied(f"producer agent {agent.name[:128]!r}: its NIXL metadata names agent "
+                                       f"{(md_name or '<unreadable>')[:128]!r}")
+        known = held[1] if held is not None else agent
+        if block_ids and max(block_ids) >= min(r.num_blocks for r in known.regions):
+            raise InvalidArgument(f"transfer {transfer_id[:256]!r}: source block id {max(block_ids)} out of range "
+                                  f"(producer regions have {min(r.num_blocks for r in known.regions)} blocks)")
+        actions = self.recv.offer(registration_id, transfer_id, producer_rank, block_ids)
+        if held is None and len(self.pull_agents) >= MAX_PULL_AGENTS:
+            self._evict_pull_agents()
+        self.pull_agents[agent.name] = (caller_instance_id, known, now)
+        assert self.xfer is not None
+        for a in actions:
+            if isinstance(a, StartRead):
+                src_part, dst_part = block_parts(a.key.producer_rank, a.producer_tp_size, a.consumer_rank,
+                                                 a.consumer_tp_size)
+                self.xfer.post_read(a.key, a.worker_id, a.dst_blocks, known, a.src_blocks,
+                                    notif.encode_read(a.key.registration_id, a.key.producer_rank),
+                                    src_part, dst_part)
+        self._run([a for a in actions if not isinstance(a, StartRead)])
+        return True
+
+    def _evict_pull_agents(self) -> None:
+        """Forget the least recently used half of the prefill agents offers came from."""
+        assert self.xfer is not None
+        for _, name in sorted((t, n) for n, (_, _, t) in self.pull_agents.items())[:len(self.pull_agents) // 2]:
+            del self.pull_agents[name]
+            self.xfer.forget_remote(name)  # deferred by the thread while a READ from it is in flight
+
+    def read_failed(self, caller_instance_id: str, registration_id: int, producer_rank: int, reason: str) -> None:
+        """Pull mode, prefill side: the decode daemon says the READ of our offer failed."""
+        origin = self.origins.get(caller_instance_id)
+        if origin is None:
+            raise FailedPrecondition(f"unknown caller instance {caller_instance_id[:64]!r}: handshake first")
+        origin.last_seen = time.monotonic()
+        self._run(self.send.read_done(caller_instance_id, registration_id, producer_rank, False,
+                                      f"decode daemon {origin.node_id}: {reason[:2000]}"))
+
+    def _on_read_notifs(self, notifs: list[tuple[str, int, int]]) -> None:
+        """Pull mode, prefill side: READ notifications on our producer agents (the READ completed)."""
+        actions: list[Action] = []
+        for agent_name, rid, rank in notifs:
+            origin = next((o for o in self.origins.values() if agent_name in o.agents), None)
+            if origin is None:
+                log.info("READ notification from an unknown agent", remote_agent=agent_name[:128])
+                continue
+            actions += self.send.read_done(origin.instance_id, rid, rank, True)
+        self._run(actions)
+
+    def _on_reads(self, results: list[ReadResult]) -> None:
+        """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
+        actions: list[Action] = []
+        for r in results:
+            if r.ok:
+                self.counters.reads_posted += 1
+                self.counters.bytes_read += r.nbytes
+                self.counters.descriptors_requested += r.descs_requested
+                self.counters.descriptors_posted += r.descs_posted
+            log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
+                      post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
+            actions += self.recv.read_done(r.key, r.ok, r.reason)
+        self._run(actions)
+        self._update_expecting()
+
+    async def _send_offer(self, a: SendOffer) -> None:
+        reg = a.registration
+        w = self.workers.get(a.producer_worker)
+        origin = self.origins.get(reg.origin)
+        if w is None or w.gone or origin is None:
+            why = "prefill worker is gone" if origin is not None else "decode daemon is gone"
+            self._run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
+            return
+        try:
+            sent = await self.peer(origin.address).offer(
+                a, w, lambda: self.send.pull_pending(reg.origin, reg.registration_id, a.producer_rank))
+        except PeerRejected as e:  # the decode daemon answered: it did not start a READ
+            self.metrics.failed(origin.address, str(e))
+            self._run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False,
+                                          f"offer refused: {e}"))
+        except PeerUnreachable as e:
+            # It may have started the READ: the leg stays in flight until the READ is confirmed,
+            # the decode daemon is lost, or publish_timeout_s passes.
+            self.metrics.failed(origin.address, str(e), unreachable=True)
+            log.warning("could not send an offer", transfer_id=reg.transfer_id, engine_id=a.leg.engine_id,
+                        error=str(e))
+        else:
+            if sent:
+                self.metrics.contact(origin.address)
+
+    async def _send_read_failed(self, a: SendReadFailed) -> None:
+        try:
+            await self.peer(a.key.producer_address).read_failed(a.key, a.reason)
+        except KvpushdError as e:
+            self.metrics.failed(a.key.producer_address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.info("could not report a failed READ", transfer_id=a.key.transfer_id, error=str(e))
+        else:
+            self.metrics.contact(a.key.producer_address)
+
     # -- carrying out core actions --------------------------------------------------------------
 
     def _run(self, actions: Sequence[Action]) -> None:
@@ -530,6 +690,14 @@ class Node:
                 self._spawn(self._send_fail(a))
             elif isinstance(a, SendWithdraw):
                 self._spawn(self._send_withdraw(a))
+            elif isinstance(a, SendOffer):
+                self._spawn(self._send_offer(a))
+            elif isinstance(a, SendReadFailed):
+                self._spawn(self._send_read_failed(a))
+            elif isinstance(a, StartRead):  # only offer() starts READs (it holds the agent)
+                log.error("StartRead outside offer()", transfer_id=a.key.transfer_id)
+        if self.xfer is not None:
+            self.xfer.set_pulling(self.send.pulling())
 
     def _deliver(self, worker_id: str, c: Completion) -> None:
         ev = self.events.emit(EventKind.TRANSFER_FAILED if c.kind is CompletionKind.FAILED
@@ -559,7 +727,10 @@ class Node:
         src_part, dst_part = block_parts(a.producer_rank, a.producer_tp_size, reg.consumer_rank,
                                          reg.consumer_tp_size)
         self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, reg.block_ids,
-                             notif.encode(reg.registration_id, a.producer_rank), src_part, dst_part)
+                             notif.encode(reg.registration_id, a.producer_rank), src_part, dst_part,
+                             skip_tokens=reg.skip_tokens,
+                             skip_replicated=skips_replicated(a.producer_rank, a.producer_tp_size,
+                                                              reg.consumer_tp_size))
 
     def _on_writes(self, results: list[WriteResult]) -> None:
         actions: list[Action] = []
@@ -711,6 +882,21 @@ def open_all(memory: Sequence[MemorySpec]) -> list[Mapping]:
     return out
 
 
+def check_pull_agent(agent: RemoteAgent) -> None:
+    """Bounds on a producer agent a peer offers (pull mode) before anything is loaded into NIXL."""
+    if len(agent.metadata) > MAX_AGENT_METADATA:
+        raise InvalidArgument(f"producer agent metadata of {len(agent.metadata)} bytes; at most {MAX_AGENT_METADATA}")
+    if not 1 <= len(agent.regions) <= MAX_AGENT_REGIONS:
+        raise InvalidArgument(f"producer agent {agent.name[:128]!r} has {len(agent.regions)} regions; need 1-"
+                              f"{MAX_AGENT_REGIONS}")
+    if agent.mem_type not in ("DRAM", "VRAM"):
+        raise InvalidArgument(f"producer agent {agent.name[:128]!r}: memory kind {agent.mem_type[:16]!r}")
+    for i, r in enumerate(agent.regions):
+        if r.num_blocks < 1 or r.block_len < 1 or r.block_stride < r.block_len or r.addr >= 1 << 64:
+            raise InvalidArgument(f"producer agent region {i}: need num_blocks >= 1, block_len >= 1, "
+                                  f"block_stride >= block_len")
+
+
 def check_transfer_id(transfer_id: str) -> None:
     if not transfer_id:
         raise InvalidArgument("transfer_id must not be empty")
@@ -759,3 +945,31 @@ def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory:
             raise InvalidArgument(
                 f"region {i}: need num_blocks >= 1, block_len >= 1, block_stride >= block_len "
                 f"(got {lay.num_blocks}, {lay.block_len}, {lay.block_stride})")
+
+
+def check_geometry(layouts: Sequence[RegionLayout]) -> None:
+    """Block size in tokens, head count and layout of each region: bounded and consistent."""
+    for i, lay in enumerate(layouts):
+        if lay.block_tokens > 1 << 20 or lay.num_heads > 1 << 16:
+            raise InvalidArgument(f"region {i}: block_size_tokens {lay.block_tokens} / num_heads {lay.num_heads} "
+                                  "out of range")
+        if lay.kv_layout not in (0, 1, 2):
+            raise InvalidArgument(f"region {i}: unknown layout {lay.kv_layout}")
+        units = (lay.block_tokens or 1) * (lay.num_heads or 1)
+        if lay.block_len % units:
+            raise InvalidArgument(f"region {i}: block_len {lay.block_len} is not a whole number of bytes per "
+                                  f"head and token ({lay.num_heads or 1} heads x {lay.block_tokens or 1} tokens)")
+
+
+def check_skip(w: Worker, skip_tokens: int) -> None:
+    """A skipped prefix is a whole number of the worker's blocks (it holds them already)."""
+    if skip_tokens < 0 or skip_tokens >= 1 << 31:
+        raise InvalidArgument(f"skip_tokens {skip_tokens} out of range")
+    if not skip_tokens:
+        return
+    sizes = {r.block_tokens for r in w.regions}
+    if 0 in sizes:
+        raise InvalidArgument("skip_tokens needs the block size in tokens (Region.block_size_tokens) at attach")
+    bad = [b for b in sizes if skip_tokens % b]
+    if bad:
+        raise InvalidArgument(f"skip_tokens {skip_tokens} is not a whole number of blocks of {bad[0]} tokens")

@@ -7,6 +7,7 @@ changed remote instance id means every agent we had sent it must be sent again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -16,7 +17,7 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from . import PROTOCOL_VERSION
 from .core import notif
 from .core.errors import KvpushdError
-from .core.rendezvous import SendRegister
+from .core.rendezvous import ReadKey, SendOffer, SendRegister
 from .core.types import FailureCode
 from .peer_security import channel_credentials, channel_options, tls_enabled
 
@@ -156,14 +157,18 @@ class PeerClient:
                 agent_name=w.agent_name, memory_kind=w.mem_type,
                 agent_metadata=w.metadata if with_md else b"",
                 regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
-                                               block_stride=r.block_stride, device_id=r.device_id)
+                                               block_stride=r.block_stride, device_id=r.device_id,
+                                               block_size_tokens=r.block_tokens, num_heads=r.num_heads,
+                                               layout=common_pb2.KVLayout.ValueType(r.layout),
+                                               replicated=r.replicated)
                          for r in w.regions] if with_md else [],
             )
             req = peer_pb2.RegisterRequest(
                 caller_instance_id=n.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
                 producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
                 consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank,
-                consumer_tp_size=a.consumer_tp_size, consumer_agent=agent, block_ids=a.block_ids)
+                consumer_tp_size=a.consumer_tp_size, consumer_agent=agent, block_ids=a.block_ids,
+                transfer_mode=common_pb2.TransferMode.ValueType(int(a.mode)), skip_tokens=a.skip_tokens)
             resp = await self._call("Register", req)
             assert isinstance(resp, peer_pb2.RegisterResponse)
             if not resp.need_metadata:
@@ -171,6 +176,46 @@ class PeerClient:
                 return
             self.sent_agents.discard(w.agent_name)
         raise PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata")
+
+    async def offer(self, a: SendOffer, w: Worker, still_wanted: Callable[[], bool]) -> bool:
+        """Pull mode (we are the prefill side): offer a leg's source blocks to the decode daemon.
+
+        Returns False, sending nothing, when the leg was settled meanwhile (e.g. the decode daemon
+        was declared lost while we waited for the handshake): a late offer would READ blocks the
+        prefill worker was already told are free."""
+        n = self.node
+        await self._handshake()
+        for _ in range(2):
+            if not still_wanted():
+                return False
+            with_md = w.agent_name not in self.sent_agents
+            agent = peer_pb2.AgentInfo(
+                agent_name=w.agent_name, memory_kind=w.mem_type,
+                agent_metadata=w.metadata if with_md else b"",
+                regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
+                                               block_stride=r.block_stride, device_id=r.device_id,
+                                               block_size_tokens=r.block_tokens, num_heads=r.num_heads,
+                                               layout=common_pb2.KVLayout.ValueType(r.layout),
+                                               replicated=r.replicated)
+                         for r in w.regions] if with_md else [],
+            )
+            req = peer_pb2.OfferRequest(
+                caller_instance_id=n.instance_id, transfer_id=a.leg.transfer_id,
+                registration_id=a.registration.registration_id, producer_rank=a.producer_rank,
+                producer_tp_size=a.producer_tp_size, producer_agent=agent, block_ids=a.src_blocks)
+            resp = await self._call("Offer", req)
+            assert isinstance(resp, peer_pb2.OfferResponse)
+            if not resp.need_metadata:
+                self.sent_agents.add(w.agent_name)
+                return True
+            self.sent_agents.discard(w.agent_name)
+        raise PeerRejected(f"decode daemon {self.address} keeps asking for agent metadata")
+
+    async def read_failed(self, key: ReadKey, reason: str) -> None:
+        """Pull mode (we are the decode side): the READ of an accepted offer failed."""
+        await self._call("ReadFailed", peer_pb2.ReadFailedNotice(
+            caller_instance_id=self.node.instance_id, transfer_id=key.transfer_id,
+            registration_id=key.registration_id, producer_rank=key.producer_rank, reason=reason[:2000]))
 
     async def heartbeat(self, timeout_s: float) -> None:
         """One liveness probe. Raises PeerUnreachable; a restart is handled like in the handshake."""

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpushd.core.errors import InvalidArgument
-from kvpushd.core.layout import HND, NHD, WHOLE, merge_adjacent, plan_write, token_runs
+from kvpushd.core.layout import HND, NHD, merge_adjacent, plan_write, token_runs
 from kvpushd.core.topology import block_parts, consumer_targets
 
 

@@ -152,10 +152,7 @@ def _resolve(i: int, s: Geometry, d: Geometry, skip: int, sp: Part, dp: Part) ->
 def _addresses(g: Geometry, side: _Side, blocks: I64, off: I64, head: I64) -> U64:
     """Byte address of (block id, token offset in the block, head) for broadcastable arrays."""
     e = side.head_bytes
-    if side.layout == NHD:
-        inner = off * (side.heads * e) + head * e
-    else:
-        inner = head * (side.bs * e) + off * e
+    inner = off * (side.heads * e) + head * e if side.layout == NHD else head * (side.bs * e) + off * e
     return (np.uint64(g.addr) + blocks.astype(np.uint64) * np.uint64(g.block_stride)
             + inner.astype(np.uint64))
 

@@ -6,6 +6,13 @@ second arrival starts the WRITE of one *leg* (producer rank -> one registration)
 RecvSide lives on the decode node: one record per Expect, counting one notification per producer
 rank that writes to it.
 
+Pull mode (per registration, ``Registration.mode``): when a pull registration meets its publish,
+SendSide does not write; it offers the source blocks to the decode daemon (``SendOffer``), whose
+RecvSide validates the offer against its registration and READs them (``StartRead``). The leg stays
+in flight on the prefill side until the READ's notification arrives (``read_done``), the decode
+daemon reports the READ failed (``SendReadFailed`` -> ``read_done(ok=False)``), is lost, or
+``publish_timeout_s`` passes after the offer.
+
 Nothing here performs I/O: every event returns a list of actions for the runtime to carry out
 (``StartWrite``, ``Deliver``, ``SendRegister``, ``SendFailNotice``, ``SendWithdraw``), and time is
 an argument. Each side reports its next deadline so the runtime knows when to call ``tick``.
@@ -27,9 +34,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
-from .errors import AlreadyExists, InvalidArgument
-from .topology import check_tp_pair, consumer_targets, producer_sources
-from .types import Completion, CompletionKind, FailureCode
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from .topology import check_tp_pair, consumer_targets, writer_sources, writer_targets
+from .types import Completion, CompletionKind, FailureCode, TransferMode
 
 # --------------------------------------------------------------------------------------------
 # Actions
@@ -48,6 +55,10 @@ class Registration:
     consumer_rank: int
     consumer_tp_size: int
     block_ids: tuple[int, ...]
+    mode: TransferMode = TransferMode.PUSH  # PULL: offer the source blocks instead of writing
+    skip_tokens: int = 0    # the consumer holds the prompt's first tokens: block_ids start there
+    by_tokens: bool = False  # blocks do not map one to one (block sizes differ, or skip_tokens): send all
+    mla: bool = False       # every consumer region is replicated: one producer rank per consumer writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +105,8 @@ class SendRegister:
     consumer_rank: int
     consumer_tp_size: int
     block_ids: tuple[int, ...]
+    mode: TransferMode = TransferMode.PUSH
+    skip_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +120,55 @@ class SendWithdraw:
     reason: str
 
 
-Action = StartWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw
+@dataclass(frozen=True, slots=True)
+class SendOffer:
+    """Pull mode, prefill side -> decode daemon: READ ``src_blocks`` into the registration's blocks.
+
+    The leg counts as in flight (the prefill worker's blocks stay held) until the READ's
+    notification arrives, the decode daemon reports the READ failed (``read_done``), its offer is
+    refused, the decode daemon is lost, or ``publish_timeout_s`` passes.
+    """
+
+    leg: LegKey
+    producer_worker: str
+    producer_rank: int
+    producer_tp_size: int
+    src_blocks: tuple[int, ...]
+    registration: Registration
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ReadKey:
+    """Pull mode, decode side: one READ of a producer rank's blocks into one registration."""
+
+    producer_address: str
+    transfer_id: str
+    registration_id: int
+    producer_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartRead:
+    """Pull mode, decode side: post a NIXL READ of an accepted offer (src: prefill, dst: ours)."""
+
+    key: ReadKey
+    worker_id: str
+    producer_tp_size: int
+    consumer_rank: int
+    consumer_tp_size: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendReadFailed:
+    """Pull mode, decode side -> prefill daemon: the READ of an accepted offer failed."""
+
+    key: ReadKey
+    reason: str
+
+
+Action = StartWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw | SendOffer | StartRead | SendReadFailed
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -182,6 +243,7 @@ class _SendTransfer:
     reg_ids: dict[int, int] = field(default_factory=dict)
     written: dict[int, set[int]] = field(default_factory=dict)  # reg id -> producer ranks done
     consumer_tp: int | None = None
+    mla: bool = False  # from the registrations: replicated (MLA) regions, fewer writers
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +272,9 @@ class SendSide:
         self._by_reg: dict[tuple[str, int], tuple[str, str]] = {}  # (origin, reg id) -> key
         self._deadlines = _Deadlines()
         self._valid: dict[object, float] = {}
+        # Pull legs offered and not yet settled: (origin, reg id, producer rank) <-> leg
+        self._pulls: dict[tuple[str, int, int], LegKey] = {}
+        self._pull_of: dict[LegKey, tuple[str, int, int]] = {}
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -220,8 +285,17 @@ class SendSide:
         return self._deadlines.next(self._valid)
 
     def origins(self) -> set[str]:
-        """Decode daemons that hold registrations here (they must keep sending heartbeats)."""
-        return {r.origin for t in self._transfers.values() for r in t.registrations.values()}
+        """Decode daemons that hold registrations here, or owe us a READ (they must keep sending heartbeats)."""
+        return {r.origin for t in self._transfers.values() for r in t.registrations.values()} | {
+            pk[0] for pk in self._pulls}
+
+    def pull_pending(self, origin: str, registration_id: int, producer_rank: int) -> bool:
+        """Whether that pull leg is still offered (not confirmed, failed or given up on)."""
+        return (origin, registration_id, producer_rank) in self._pulls
+
+    def pulling(self) -> int:
+        """Pull legs offered whose READ is not settled (the runtime polls READ notifications meanwhile)."""
+        return len(self._pulls)
 
     def agents_in_use(self, origin: str) -> set[str]:
         """Consumer agents that registrations from ``origin`` pending here refer to."""
@@ -242,7 +316,7 @@ class SendSide:
             elif not t.publishes:
                 waiting = "prefill publish"
             elif posted:
-                waiting = f"{posted} WRITE(s) in flight"
+                waiting = f"{posted} WRITE(s)/READ(s) in flight"
             else:
                 waiting = "matching ranks"
             out.append(
@@ -294,7 +368,7 @@ class SendSide:
         deadline = now + self.publish_timeout_s
         t.publishes[rank] = _Publish(worker_id, rank, tp_size, blocks, now, deadline)
         self._arm(("pub", key, rank), deadline)
-        return self._match(t)
+        return self._match(t, now)
 
     def register(self, now: float, reg: Registration) -> list[Action]:
         """The decode side's destination blocks for one consumer rank (forwarded by its daemon)."""
@@ -319,16 +393,21 @@ class SendSide:
             # registration; writes already posted into the old blocks settle on their own.
             actions += self._drop_registration(t, old, None)
         t.consumer_tp = reg.consumer_tp_size
+        t.mla = reg.mla
         t.registrations[reg.consumer_rank] = reg
         t.reg_ids[reg.consumer_rank] = reg.registration_id
         self._by_reg[(reg.origin, reg.registration_id)] = key
         deadline = now + self.registration_timeout_s
         self._arm(("reg", key, reg.consumer_rank), deadline)
-        actions += self._match(t)
+        actions += self._match(t, now)
         return actions
 
     def write_done(self, leg: LegKey, ok: bool, reason: str = "") -> list[Action]:
-        """The runtime reports that a WRITE completed (or failed)."""
+        """The runtime reports that a WRITE (or, in pull mode, the decode side's READ) completed or failed."""
+        pk = self._pull_of.pop(leg, None)
+        if pk is not None:
+            self._pulls.pop(pk, None)
+            self._valid.pop(("pull", (pk[0], pk[1]), pk[2]), None)
         t = self._transfers.get((leg.engine_id, leg.transfer_id))
         if t is None:
             return []
@@ -342,12 +421,25 @@ class SendSide:
         else:
             del pub.legs[leg.registration_id]
             reg = self._reg_by_id(t, leg.registration_id)
-            msg = f"WRITE from producer rank {leg.producer_rank} failed: {reason}"
+            what = "READ by the decode daemon" if pk is not None else "WRITE"
+            msg = f"{what} from producer rank {leg.producer_rank} failed: {reason}"
             if reg is not None:
                 actions += self._drop_registration(t, reg, (FailureCode.TRANSFER_ERROR, msg))
             self._fail_publish(t, pub, FailureCode.TRANSFER_ERROR, msg)
         actions += self._settle(t)
         return actions
+
+    def read_done(self, origin: str, registration_id: int, producer_rank: int, ok: bool,
+                  reason: str = "") -> list[Action]:
+        """Pull mode: the decode daemon ``origin`` READ a leg (its notification), or says the READ failed.
+
+        Only a leg offered to that very daemon for that registration and rank is settled; anything
+        else (late, duplicate, forged) is ignored.
+        """
+        leg = self._pulls.get((origin, registration_id, producer_rank))
+        if leg is None:
+            return []
+        return self.write_done(leg, ok, reason)
 
     def withdraw(self, origin: str, transfer_id: str, registration_id: int, code: FailureCode,
                  reason: str) -> list[Action]:
@@ -393,6 +485,9 @@ class SendSide:
                 actions += self._drop_registration(
                     t, reg, None, fail_publishes=(FailureCode.PEER_UNREACHABLE, reason))
             actions += self._settle(t)
+        # READs that daemon owed us will never be confirmed: the legs failed.
+        for pk, leg in [(pk, leg) for pk, leg in self._pulls.items() if pk[0] == origin]:
+            actions += self.write_done(leg, False, f"decode daemon lost before confirming the READ: {reason}")
         return actions
 
     def shutdown(self, reason: str) -> list[Action]:
@@ -414,6 +509,13 @@ class SendSide:
             if self._valid.get(key) != when:
                 continue
             del self._valid[key]
+            if cast(tuple[str, object, int], key)[0] == "pull":
+                _, (porigin, prid), prank = cast(tuple[str, tuple[str, int], int], key)
+                pleg = self._pulls.get((porigin, prid, prank))
+                if pleg is not None:
+                    actions += self.write_done(pleg, False, f"READ not confirmed within "
+                                                            f"{self.publish_timeout_s:g}s of the offer")
+                continue
             kind, tkey, rank = cast(tuple[str, tuple[str, str], int], key)
             t = self._transfers.get(tkey)
             if t is None:
@@ -467,9 +569,9 @@ class SendSide:
         """A publish whose every target is registered has its WRITEs started: no expiry."""
         if t.consumer_tp is None:
             return False
-        return all(c in t.reg_ids for c in consumer_targets(pub.rank, pub.tp_size, t.consumer_tp))
+        return all(c in t.reg_ids for c in writer_targets(pub.rank, pub.tp_size, t.consumer_tp, t.mla))
 
-    def _match(self, t: _SendTransfer) -> list[Action]:
+    def _match(self, t: _SendTransfer, now: float) -> list[Action]:
         """Start every leg whose publish and registration are both present."""
         actions: list[Action] = []
         for pub in list(t.publishes.values()):
@@ -478,7 +580,7 @@ class SendSide:
             for reg in list(t.registrations.values()):
                 if reg.registration_id in pub.legs or pub.rank in t.written.get(reg.registration_id, ()):
                     continue  # started by this publish, or written by an earlier publish of this rank
-                if reg.consumer_rank not in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
+                if reg.consumer_rank not in writer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size, reg.mla):
                     continue
                 problem = self._mismatch(pub, reg)
                 if problem:
@@ -488,7 +590,15 @@ class SendSide:
                     break
                 pub.legs[reg.registration_id] = LegState.POSTED
                 # A partial prefix-cache hit on decode needs only the tail of the prompt's blocks.
-                src = pub.block_ids[len(pub.block_ids) - len(reg.block_ids):]
+                src = pub.block_ids if reg.by_tokens else pub.block_ids[len(pub.block_ids) - len(reg.block_ids):]
+                if reg.mode is TransferMode.PULL:
+                    leg = LegKey(t.engine_id, t.transfer_id, pub.rank, reg.registration_id)
+                    pk = (reg.origin, reg.registration_id, pub.rank)
+                    self._pulls[pk] = leg
+                    self._pull_of[leg] = pk
+                    self._arm(("pull", (reg.origin, reg.registration_id), pub.rank), now + self.publish_timeout_s)
+                    actions.append(SendOffer(leg, pub.worker_id, pub.rank, pub.tp_size, src, reg))
+                    continue
                 actions.append(
                     StartWrite(
                         leg=LegKey(t.engine_id, t.transfer_id, pub.rank, reg.registration_id),
@@ -506,7 +616,7 @@ class SendSide:
         if reg.producer_tp_size != pub.tp_size:
             return (f"decode side expects producer TP size {reg.producer_tp_size}, "
                     f"prefill engine runs TP {pub.tp_size}")
-        if len(reg.block_ids) > len(pub.block_ids):
+        if len(reg.block_ids) > len(pub.block_ids) and not reg.by_tokens:  # by tokens: checked when posting
             return (f"block lists of unequal length: decode expects {len(reg.block_ids)} blocks, "
                     f"prefill published {len(pub.block_ids)}")
         return ""
@@ -555,7 +665,7 @@ class SendSide:
             else:
                 if t.consumer_tp is None or pub.posted():
                     continue  # a WRITE into a replaced registration may still read the blocks
-                targets = consumer_targets(pub.rank, pub.tp_size, t.consumer_tp)
+                targets = writer_targets(pub.rank, pub.tp_size, t.consumer_tp, t.mla)
                 if not all(
                     c in t.reg_ids and pub.rank in t.written.get(t.reg_ids[c], ())
                     for c in targets
@@ -567,7 +677,7 @@ class SendSide:
             actions.append(Deliver(pub.worker_id, comp))
         # A registration is consumed once every producer rank that writes to it has written.
         for reg in list(t.registrations.values()):
-            sources = producer_sources(reg.consumer_rank, reg.producer_tp_size, reg.consumer_tp_size)
+            sources = writer_sources(reg.consumer_rank, reg.producer_tp_size, reg.consumer_tp_size, reg.mla)
             if set(sources) <= t.written.get(reg.registration_id, set()):
                 self._consume(t, reg)
         if not t.publishes and not t.registrations:
@@ -604,6 +714,11 @@ class _Recv:
     deadline: float
     state: RecvState = RecvState.REGISTERING
     landed: set[int] = field(default_factory=set)
+    mode: TransferMode = TransferMode.PUSH
+    producer_tp_size: int = 1
+    consumer_rank: int = 0
+    consumer_tp_size: int = 1
+    reading: set[int] = field(default_factory=set)  # pull: producer ranks whose READ is posted
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,6 +733,7 @@ class RecvView:
     waiting_for: str
     num_blocks: int
     producer_address: str
+    mode: str = "push"
 
 
 class RecvSide:
@@ -656,11 +772,16 @@ class RecvSide:
         for r in self._by_reg.values():
             if r.state is RecvState.REGISTERING:
                 waiting = f"prefill daemon {r.producer_address} to accept the registration"
+            elif r.mode is TransferMode.PULL:
+                offers = sorted(r.expected - r.landed - r.reading)
+                waiting = ", ".join(([f"READ(s) of producer rank(s) {sorted(r.reading)}"] if r.reading else [])
+                                    + ([f"offer(s) for producer rank(s) {offers}"] if offers else []))
             else:
                 missing = sorted(r.expected - r.landed)
                 waiting = f"WRITE notification(s) from producer rank(s) {missing}"
             out.append(RecvView(r.worker_id, r.transfer_id, r.registration_id, r.state.value,
-                                now - r.created, waiting, len(r.block_ids), r.producer_address))
+                                now - r.created, waiting, len(r.block_ids), r.producer_address,
+                                r.mode.name.lower()))
         return out
 
     def expect(
@@ -674,8 +795,14 @@ class RecvSide:
         producer_address: str,
         producer_engine_id: str,
         producer_tp_size: int,
+        mode: TransferMode = TransferMode.PUSH,
+        skip_tokens: int = 0,
+        mla: bool = False,
     ) -> list[Action]:
-        """A decode worker allocated destination blocks: register them with the prefill side."""
+        """A decode worker allocated destination blocks: register them with the prefill side.
+
+        ``skip_tokens``: the worker holds the prompt's first tokens already (``block_ids`` start
+        there). ``mla``: all its regions are replicated, so fewer producer ranks write to it."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
@@ -687,8 +814,8 @@ class RecvSide:
         actions: list[Action] = []
         old = self._by_key.get((worker_id, transfer_id))
         if old is not None:
-            if (old.block_ids, old.producer_address, old.producer_engine_id) == (
-                blocks, producer_address, producer_engine_id):
+            if (old.block_ids, old.producer_address, old.producer_engine_id, old.mode) == (
+                blocks, producer_address, producer_engine_id, mode):
                 return []  # a retried Expect: idempotent
             # Re-submitted after preemption with new blocks: the new registration replaces the old.
             self._remove(old)
@@ -697,14 +824,15 @@ class RecvSide:
         rid = next(self._next_id)
         deadline = now + self.expect_timeout_s
         r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
-                  frozenset(producer_sources(consumer_rank, producer_tp_size, consumer_tp_size)),
-                  now, deadline)
+                  frozenset(writer_sources(consumer_rank, producer_tp_size, consumer_tp_size, mla)),
+                  now, deadline, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
+                  consumer_tp_size=consumer_tp_size)
         self._by_key[(worker_id, transfer_id)] = r
         self._by_reg[rid] = r
         self._valid[rid] = deadline
         self._deadlines.add(deadline, rid)
         actions.append(SendRegister(producer_address, rid, worker_id, transfer_id, producer_engine_id,
-                                    producer_tp_size, consumer_rank, consumer_tp_size, blocks))
+                                    producer_tp_size, consumer_rank, consumer_tp_size, blocks, mode, skip_tokens))
         return actions
 
     def registered(self, registration_id: int) -> list[Action]:
@@ -724,6 +852,67 @@ class RecvSide:
             return []
         self._remove(r)
         return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+
+    def producer_address_of(self, registration_id: int) -> str | None:
+        """The prefill daemon a pending registration was sent to (offers must come from it)."""
+        r = self._by_reg.get(registration_id)
+        return None if r is None else r.producer_address
+
+    def offer(self, registration_id: int, transfer_id: str, producer_rank: int,
+              src_blocks: Iterable[int]) -> list[Action]:
+        """Pull mode: the prefill daemon offers a producer rank's source blocks; READ them.
+
+        The runtime has checked that the caller is the daemon the registration was sent to. Here:
+        the registration is pending, in pull mode, under this transfer id, expects this producer
+        rank, and the offer covers exactly as many blocks as it registered. Only then is a READ
+        started, always into this registration's own blocks. A repeated offer is ignored.
+        """
+        src = tuple(src_blocks)
+        r = self._by_reg.get(registration_id)
+        if r is None:
+            raise NotFound(f"registration {registration_id} is not pending here (finished, failed or withdrawn)")
+        if r.transfer_id != transfer_id:
+            raise PermissionDenied(f"registration {registration_id} is not for transfer {transfer_id[:256]!r}")
+        if r.mode is not TransferMode.PULL:
+            raise FailedPrecondition(f"transfer {transfer_id!r}: registration {registration_id} is in push mode")
+        if producer_rank not in r.expected:
+            raise InvalidArgument(f"transfer {transfer_id!r}: producer rank {producer_rank} does not feed this "
+                                  f"registration (expects ranks {sorted(r.expected)})")
+        if len(src) != len(r.block_ids):
+            raise InvalidArgument(f"transfer {transfer_id!r}: offer of {len(src)} source blocks for "
+                                  f"{len(r.block_ids)} destination blocks")
+        if producer_rank in r.reading or producer_rank in r.landed:
+            return []
+        r.reading.add(producer_rank)
+        r.state = RecvState.REGISTERED
+        key = ReadKey(r.producer_address, r.transfer_id, registration_id, producer_rank)
+        return [StartRead(key, r.worker_id, r.producer_tp_size, r.consumer_rank, r.consumer_tp_size, src,
+                          r.block_ids)]
+
+    def read_done(self, key: ReadKey, ok: bool, reason: str = "") -> list[Action]:
+        """Pull mode: a READ completed (the rank has landed) or failed (the receive fails, prefill is told).
+
+        A failed READ is reported to the prefill daemon even when the receive already ended (abort,
+        timeout), since the prefill side holds its blocks until it hears how the READ ended.
+        """
+        r = self._by_reg.get(key.registration_id)
+        mine = r is not None and key.producer_rank in r.reading
+        if r is not None and mine:
+            r.reading.discard(key.producer_rank)
+        if ok:
+            if r is None or not mine:
+                return []
+            r.landed.add(key.producer_rank)
+            if r.landed != r.expected:
+                return []
+            self._remove(r)
+            return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+        actions: list[Action] = [SendReadFailed(key, reason)]
+        if r is not None and mine:
+            self._remove(r)
+            actions.append(self._fail(r, FailureCode.TRANSFER_ERROR,
+                                      f"READ from producer rank {key.producer_rank} failed: {reason}"))
+        return actions
 
     def failed(self, registration_id: int, code: FailureCode, reason: str) -> list[Action]:
         """The prefill side (or our Register call) failed this registration."""

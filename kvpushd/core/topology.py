@@ -59,3 +59,25 @@ def block_parts(producer_rank: int, producer_tp: int, consumer_rank: int,
         return (1, 0), (k, producer_rank % k)
     k = consumer_tp // producer_tp  # decode ranks each take 1/k of the producer's heads
     return (k, consumer_rank % k), (1, 0)
+
+
+def writer_targets(producer_rank: int, producer_tp: int, consumer_tp: int, mla: bool) -> range:
+    """Consumer ranks producer rank ``producer_rank`` actually WRITEs to.
+
+    MLA (every region replicated: one latent per token, the same on every rank): with more producer
+    than consumer ranks, only the first producer rank of each consumer's group writes; the others
+    write nothing (and send no notification)."""
+    if mla and producer_tp > consumer_tp and producer_rank % (producer_tp // consumer_tp):
+        return range(0)
+    return consumer_targets(producer_rank, producer_tp, consumer_tp)
+
+
+def writer_sources(consumer_rank: int, producer_tp: int, consumer_tp: int, mla: bool) -> range:
+    """Producer ranks that WRITE to consumer rank ``consumer_rank``: one notification each."""
+    sources = producer_sources(consumer_rank, producer_tp, consumer_tp)
+    return range(sources.start, sources.start + 1) if mla else sources
+
+
+def skips_replicated(producer_rank: int, producer_tp: int, consumer_tp: int) -> bool:
+    """Another producer rank writes the replicated (MLA) regions of this rank's consumer."""
+    return producer_tp > consumer_tp and producer_rank % (producer_tp // consumer_tp) != 0

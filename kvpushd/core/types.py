@@ -21,6 +21,25 @@ class FailureCode(enum.IntEnum):
     SHUTDOWN = 9
 
 
+class TransferMode(enum.IntEnum):
+    """Mirrors kvpushd.v1.TransferMode: who moves the bytes (UNSPECIFIED means PUSH)."""
+
+    UNSPECIFIED = 0
+    PUSH = 1  # the prefill node's daemon WRITEs into the decode worker's blocks
+    PULL = 2  # the decode node's daemon READs from the prefill worker's blocks
+
+    @classmethod
+    def parse(cls, v: int | str) -> TransferMode:
+        """From the wire (0 -> PUSH) or from vLLM's kv_transfer_params ("push"/"pull")."""
+        if isinstance(v, str):
+            try:
+                return {"push": cls.PUSH, "pull": cls.PULL}[v.lower()]
+            except KeyError:
+                raise ValueError(f"transfer mode {v!r}: 'push' or 'pull'") from None
+        m = cls(v)
+        return cls.PUSH if m is cls.UNSPECIFIED else m
+
+
 class Role(enum.IntEnum):
     """Mirrors kvpushd.v1.Role."""
 
@@ -45,6 +64,10 @@ class RegionLayout:
     num_blocks: int
     block_len: int
     block_stride: int
+    block_tokens: int = 0    # tokens per block; 0: not said (blocks map one to one with the peer's)
+    num_heads: int = 0       # KV heads in one block of this rank; 0: not said
+    kv_layout: int = 0       # core.layout.HND (or 0) or NHD
+    replicated: bool = False  # MLA: one latent per token, the same on every TP rank
 
     def span(self) -> int:
         """Bytes from block 0's start to the last block's end."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
 
 from ..core.errors import InvalidArgument
-from ..core.types import Completion, FailureCode, RegionLayout, Role
+from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
 from ..node import CudaSpec, MemorySpec, RegionArg, ShmSpec
 from ..transfer.engine import RegionSpec, RemoteAgent
 
@@ -15,6 +15,13 @@ def role(v: int) -> Role:
         return Role(v)
     except ValueError:
         raise InvalidArgument(f"unknown role {v}") from None
+
+
+def transfer_mode(v: int) -> TransferMode:
+    try:
+        return TransferMode.parse(v)
+    except ValueError:
+        raise InvalidArgument(f"unknown transfer mode {v}") from None
 
 
 def failure_code(v: int) -> FailureCode:
@@ -36,7 +43,8 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
 
 
 def region(r: common_pb2.Region) -> RegionArg:
-    return RegionArg(r.memory_index, r.offset, RegionLayout(r.num_blocks, r.block_len, r.block_stride))
+    return RegionArg(r.memory_index, r.offset, RegionLayout(r.num_blocks, r.block_len, r.block_stride,
+                                                            r.block_size_tokens, r.num_heads, r.layout, r.replicated))
 
 
 def completion(c: Completion) -> worker_pb2.Completion:
@@ -49,5 +57,6 @@ def remote_agent(a: peer_pb2.AgentInfo) -> RemoteAgent:
     if not a.agent_name:
         raise InvalidArgument("consumer_agent.agent_name must not be empty")
     return RemoteAgent(a.agent_name, a.agent_metadata, a.memory_kind,
-                       tuple(RegionSpec(r.base_addr, r.num_blocks, r.block_len, r.block_stride, r.device_id)
+                       tuple(RegionSpec(r.base_addr, r.num_blocks, r.block_len, r.block_stride, r.device_id,
+                                        r.block_size_tokens, r.num_heads, r.layout, r.replicated)
                              for r in a.regions))

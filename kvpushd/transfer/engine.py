@@ -29,7 +29,9 @@ import numpy.typing as npt
 import structlog
 
 from ..core.errors import FailedPrecondition, InvalidArgument
+from ..core.layout import HND, check_block_ids, plan_write
 from ..core.notif import decode as decode_notif
+from ..core.notif import decode_read as decode_read_notif
 from ..core.rendezvous import LegKey
 from .faults import Faults
 
@@ -47,6 +49,10 @@ class RegionSpec:
     block_len: int
     block_stride: int
     device_id: int
+    block_tokens: int = 0    # tokens per block; 0: not said (maps one to one with the peer's blocks)
+    num_heads: int = 0       # KV heads in one block; 0: not said
+    layout: int = 0          # core.layout.HND (or 0) or NHD
+    replicated: bool = False  # MLA latent: the same on every TP rank, never split by heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,20 @@ class WriteResult:
     nbytes: int
     post_s: float      # time from the request reaching the thread to the WRITE being posted
     xfer_s: float      # time from post to completion seen
+    descs_requested: int
+    descs_posted: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """Pull mode: how one READ (prefill blocks -> this node's decode blocks) ended."""
+
+    key: Any           # the core's ReadKey
+    ok: bool
+    reason: str
+    nbytes: int
+    post_s: float
+    xfer_s: float
     descs_requested: int
     descs_posted: int
 
@@ -182,6 +202,15 @@ class _Inflight:
     fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
 
 
+@dataclass(slots=True)
+class _ReadInflight:
+    handle: Any
+    local: _Local
+    result: ReadResult
+    t_post: float
+    remote: str = ""
+
+
 class TransferThread:
     """Owns the NIXL agents. Public methods are called from the event loop."""
 
@@ -196,6 +225,8 @@ class TransferThread:
         nixl_threads: int = 0,
         params_for: Callable[[str, str], dict[str, str]] | None = None,
         param_devices: Sequence[str] = (),
+        on_read_done: Callable[[list[ReadResult]], None] | None = None,
+        on_read_notifications: Callable[[list[tuple[str, int, int]]], None] | None = None,
     ) -> None:
         self._loop = loop
         self._backends = list(backends)
@@ -218,6 +249,12 @@ class TransferThread:
         self.faults = Faults.from_env()  # test-only fault injection (faults.py): off unless KVPUSHD_FAULTS
         if self.faults.active:
             log.warning("KVPUSHD_FAULTS is set: WRITEs will fail on purpose (tests only)", faults=self.faults.spec)
+        # Pull mode: READs this node posted (decode side), and how many offered legs wait for a
+        # READ notification on our producer agents (prefill side, set_pulling).
+        self._on_read_done = on_read_done
+        self._on_read_notifications = on_read_notifications
+        self._reads: list[_ReadInflight] = []
+        self.pulling = 0
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
         self._nixl: Any = None
@@ -284,8 +321,11 @@ class TransferThread:
         deadline = time.monotonic() + timeout_s
 
         def shutdown() -> None:
-            while self._inflight and time.monotonic() < deadline:
-                self._poll_writes()
+            while (self._inflight or self._reads) and time.monotonic() < deadline:
+                if self._inflight:
+                    self._poll_writes()
+                if self._reads:
+                    self._poll_reads()
                 time.sleep(0.001)
             for wid in list(self._locals):
                 self._release(wid)
@@ -317,10 +357,40 @@ class TransferThread:
         return asyncio.wrap_future(fut)
 
     def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
-                   dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
-        """Queue a WRITE; its WriteResult comes back through on_write_done."""
+                   dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE,
+                   skip_tokens: int = 0, skip_replicated: bool = False) -> None:
+        """Queue a WRITE; its WriteResult comes back through on_write_done.
+
+        Blocks that map one to one go through the prepared lists; otherwise (other block sizes,
+        ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``) the
+        descriptors are planned per request by ``core.layout.plan_write``."""
         t0 = time.perf_counter()
-        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part))
+        self._q.put(lambda: self._post_any(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part,
+                                           skip_tokens, skip_replicated))
+
+    def _post_any(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent, dst: Sequence[int],
+                  notif: bytes, t0: float, src_part: Part, dst_part: Part, skip_tokens: int,
+                  skip_replicated: bool) -> None:
+        loc = self._locals.get(worker_id)
+        if loc is not None and needs_plan(loc.regions, remote.regions, skip_tokens, skip_replicated, src_part,
+                                          dst_part):
+            return self._post_planned(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, skip_tokens,
+                                      skip_replicated)
+        return self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part)
+
+    def post_read(self, key: Any, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
+                  src: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
+        """Pull mode: queue a READ of ``remote``'s ``src`` blocks into worker ``worker_id``'s ``dst``
+        blocks (the notification goes to ``remote``); its ReadResult comes back through on_read_done."""
+        t0 = time.perf_counter()
+        self._q.put(lambda: self._post_read(key, worker_id, dst, remote, src, notif, t0, src_part, dst_part))
+
+    def set_pulling(self, n: int) -> None:
+        """Prefill side: how many offered legs wait for a READ notification; wakes the thread from idle."""
+        was = self.pulling
+        self.pulling = n
+        if n > 0 and was == 0:
+            self._q.put(_wake)
 
     def set_expecting(self, n: int) -> None:
         """The loop says how many receives wait for notifications; wakes the thread from idle."""
@@ -345,7 +415,7 @@ class TransferThread:
 
     def _run(self) -> None:
         while True:
-            busy = bool(self._inflight) or self.expecting > 0
+            busy = bool(self._inflight) or bool(self._reads) or self.expecting > 0 or self.pulling > 0
             try:
                 cmd = self._q.get(timeout=self._poll_s if busy else self._idle_s)
             except queue.Empty:
@@ -364,7 +434,9 @@ class TransferThread:
             try:
                 if self._inflight:
                     self._poll_writes()
-                if self.expecting > 0:
+                if self._reads:
+                    self._poll_reads()
+                if self.expecting > 0 or self.pulling > 0:
                     self._poll_notifs()
             except Exception:
                 log.exception("transfer thread poll failed")
@@ -425,7 +497,7 @@ class TransferThread:
     def forget_remote(self, name: str) -> None:
         """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
         def run() -> None:
-            if any(f.remote == name for f in self._inflight):
+            if any(f.remote == name for f in [*self._inflight, *self._reads]):
                 self._forget_later.add(name)  # retried once its WRITEs have settled
                 return
             self._forget_later.discard(name)
@@ -486,6 +558,136 @@ class TransferThread:
         if state == "DONE":
             self._poll_writes()
 
+    def _post_planned(self, leg: LegKey, worker_id: str, src_l: Sequence[int], remote: RemoteAgent,
+                      dst_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
+                      skip_tokens: int, skip_replicated: bool) -> None:
+        """A WRITE whose descriptors are planned per request (token mapping), merged, and posted unprepared."""
+        src = np.asarray(src_l, dtype=np.int64)
+        dst = np.asarray(dst_l, dtype=np.int64)
+
+        def fail(reason: str) -> None:
+            self._deliver_results([WriteResult(leg, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
+
+        loc = self._locals.get(worker_id)
+        if loc is None:
+            return fail("producer worker detached")
+        try:
+            check_block_ids(src, min(r.num_blocks for r in loc.regions), dst, min(r.num_blocks for r in remote.regions))
+            plan = plan_write(loc.regions, remote.regions, src, dst, skip_tokens, src_part, dst_part, skip_replicated)
+            if not len(plan.src):
+                raise InvalidArgument("nothing to write: every region is written by another producer rank")
+            if remote.name not in loc.loaded:
+                loc.agent.add_remote_agent(remote.metadata)
+                loc.loaded.add(remote.name)
+            ldescs = loc.agent.get_xfer_descs(plan.src, loc.mem_type)
+            rdescs = loc.agent.get_xfer_descs(plan.dst, remote.mem_type)
+        except InvalidArgument as e:
+            return fail(f"layout mismatch: {e}" if "mismatch" not in str(e) else str(e))
+        except Exception as e:
+            log.warning("preparing descriptors failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id,
+                        exc_info=True)
+            return fail(f"cannot prepare descriptors: {e}")
+        try:
+            handle = loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, notif)
+            state = loc.agent.transfer(handle)
+        except Exception as e:
+            log.warning("posting WRITE failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id, exc_info=True)
+            return fail(f"NIXL could not post the WRITE: {e}")
+        t_post = time.perf_counter()
+        res = WriteResult(leg, True, "", plan.nbytes, t_post - t0, 0.0, plan.requested, len(plan.src))
+        if state == "ERR":
+            handle.release()
+            return fail("NIXL returned ERR when posting the WRITE")
+        loc.inflight += 1
+        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name))
+        if state == "DONE":
+            self._poll_writes()
+
+    def _post_read(self, key: Any, worker_id: str, dst_l: Sequence[int], remote: RemoteAgent,
+                   src_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
+        """Pull mode: like _post with the roles swapped: the local agent is the decode worker's
+        (destination), the remote one the prefill worker's (source); same slicing for hetero TP."""
+        src = np.asarray(src_l, dtype=np.int64)
+        dst = np.asarray(dst_l, dtype=np.int64)
+
+        def fail(reason: str) -> None:
+            self._deliver_reads([ReadResult(key, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
+
+        loc = self._locals.get(worker_id)
+        if loc is None:
+            return fail("decode worker detached")
+        try:
+            check_layouts(remote.regions, loc.regions, src, dst, src_part, dst_part)
+            rdlist, rbases, rregions = self._remote_view(loc, remote, src_part)
+            ldlist = self._local_list(loc, dst_part)
+        except InvalidArgument as e:
+            return fail(str(e))
+        except Exception as e:
+            log.warning("preparing remote descriptors failed", transfer_id=getattr(key, "transfer_id", ""),
+                        exc_info=True)
+            return fail(f"cannot prepare remote descriptors: {e}")
+        lidx = leg_indices(loc.bases, dst)
+        ridx = leg_indices(rbases, src)
+        nbytes = int(sum(r.block_len // dst_part[0] for r in loc.regions)) * len(dst)
+        try:
+            handle = loc.agent.make_prepped_xfer("READ", ldlist, lidx, rdlist, ridx, notif)
+            state = loc.agent.transfer(handle)
+        except Exception as e:
+            log.warning("posting READ failed", transfer_id=getattr(key, "transfer_id", ""), exc_info=True)
+            return fail(f"NIXL could not post the READ: {e}")
+        t_post = time.perf_counter()
+        res = ReadResult(key, True, "", nbytes, t_post - t0, 0.0, len(lidx),
+                         merged_count(rregions, loc.regions, src, dst, src_part, dst_part))
+        if state == "ERR":
+            handle.release()
+            return fail("NIXL returned ERR when posting the READ")
+        loc.inflight += 1
+        self._reads.append(_ReadInflight(handle, loc, res, t_post, remote.name))
+        if state == "DONE":
+            self._poll_reads()
+
+    def _poll_reads(self) -> None:
+        done: list[ReadResult] = []
+        keep: list[_ReadInflight] = []
+        for f in self._reads:
+            try:
+                state = f.local.agent.check_xfer_state(f.handle)
+            except Exception as e:  # e.g. the remote agent was invalidated mid-READ: that READ failed
+                log.warning("checking a READ failed", transfer_id=getattr(f.result.key, "transfer_id", ""),
+                            error=str(e))
+                state = "ERR"
+            if state == "PROC":
+                keep.append(f)
+                continue
+            now = time.perf_counter()
+            f.local.inflight -= 1
+            try:
+                f.handle.release()
+            except Exception:
+                log.warning("releasing a transfer handle failed", exc_info=True)
+            r = f.result
+            if state == "DONE":
+                done.append(ReadResult(r.key, True, "", r.nbytes, r.post_s, now - f.t_post,
+                                       r.descs_requested, r.descs_posted))
+            else:
+                done.append(ReadResult(r.key, False, "READ completed in error", 0, r.post_s,
+                                       now - f.t_post, r.descs_requested, r.descs_posted))
+        self._reads = keep
+        if done:
+            self._deliver_reads(done)
+            self._check_drained()
+            busy = [*self._inflight, *keep]
+            for name in [n for n in self._forget_later if not any(f.remote == n for f in busy)]:
+                self.forget_remote(name)
+
+    def _deliver_reads(self, results: list[ReadResult]) -> None:
+        if self._on_read_done is not None:
+            self._loop.call_soon_threadsafe(self._on_read_done, results)
+
+    def _deliver_read_notifs(self, got: list[tuple[str, int, int]]) -> None:
+        if got and self._on_read_notifications is not None:
+            self._loop.call_soon_threadsafe(self._on_read_notifications, got)
+
     def _poll_writes(self) -> None:
         done: list[WriteResult] = []
         keep: list[_Inflight] = []
@@ -526,18 +728,22 @@ class TransferThread:
 
     def _poll_notifs(self) -> None:
         got: list[tuple[int, int]] = []
+        reads: list[tuple[str, int, int]] = []  # pull mode: (remote agent, registration id, rank)
         for loc in self._locals.values():
-            if not loc.receives:
+            if not loc.receives and self.pulling <= 0:
                 continue
-            for msgs in loc.agent.get_new_notifs().values():
+            for remote_name, msgs in loc.agent.get_new_notifs().items():
                 for m in msgs:
                     parsed = decode_notif(m)
-                    if parsed is None:
-                        self.stray_notifications += 1
-                    else:
+                    if parsed is not None:
                         got.append(parsed)
+                    elif (rp := decode_read_notif(m)) is not None:
+                        reads.append((str(remote_name), *rp))
+                    else:
+                        self.stray_notifications += 1
         if got:
             self._loop.call_soon_threadsafe(self._on_notifications, got)
+        self._deliver_read_notifs(reads)
 
     def _check_drained(self) -> None:
         still: list[tuple[str, Future[None]]] = []
@@ -558,7 +764,7 @@ class TransferThread:
         self.agent_backends.pop(worker_id, None)
         if loc is None:
             return
-        if loc.receives:  # hand over notifications that raced the detach
+        if loc.receives or self.pulling > 0:  # hand over notifications that raced the detach
             self._poll_notifs_of(loc)
         for dlist, _, _ in loc.remotes.values():
             dlist.release()
@@ -569,10 +775,12 @@ class TransferThread:
         del loc.agent
 
     def _poll_notifs_of(self, loc: _Local) -> None:
-        got = [p for msgs in loc.agent.get_new_notifs().values() for m in msgs
-               if (p := decode_notif(m)) is not None]
+        notifs = loc.agent.get_new_notifs()
+        got = [p for msgs in notifs.values() for m in msgs if (p := decode_notif(m)) is not None]
         if got:
             self._loop.call_soon_threadsafe(self._on_notifications, got)
+        self._deliver_read_notifs([(str(name), *rp) for name, msgs in notifs.items() for m in msgs
+                                   if (rp := decode_read_notif(m)) is not None])
 
 
 _NOOP: Any = object()
@@ -600,3 +808,23 @@ def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src
         raise InvalidArgument("source block id out of range")
     if len(dst) and (dst.min() < 0 or dst.max() >= min(r.num_blocks for r in remote)):
         raise InvalidArgument("destination block id out of range")
+
+
+
+def needs_plan(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], skip_tokens: int, skip_replicated: bool,
+               src_part: Part, dst_part: Part) -> bool:
+    """Whether a WRITE cannot use the prepared one-descriptor-per-block (or per block slice) lists:
+    block sizes differ, a prefix is skipped, a layout other than HND or a replicated region meets
+    a TP size change, or the two sides disagree on layout or replication."""
+    if skip_tokens or skip_replicated:
+        return True
+    hetero = src_part != WHOLE or dst_part != WHOLE
+    for lr, rr in zip(local, remote, strict=False):
+        lay_l, lay_r = lr.layout or HND, rr.layout or HND
+        if lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens:
+            return True
+        if lay_l != lay_r or lr.replicated != rr.replicated:
+            return True
+        if hetero and (lr.replicated or lay_l != HND):
+            return True
+    return False
