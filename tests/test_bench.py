@@ -103,6 +103,74 @@ def test_help(argv: list[str]) -> None:
     assert r.returncode == 0 and "usage: kvpushd bench" in r.stdout
 
 
+def test_sweep_smoke() -> None:
+    """One tiny cell per mode: every available mode completes and matches the monolithic tokens."""
+    out = bench("sweep", "--prompt-lens", "48", "--qps", "4", "--requests", "2", "--warmup", "1",
+                "--max-new-tokens", "4", timeout=900)
+    modes = out["modes"]
+    assert set(modes) == {"kvpushd-push", "kvpushd-pull", "inengine-push", "inengine-pull"}
+    ran = {m for m, s in modes.items() if s["status"] == "ok"}
+    assert {"kvpushd-push", "inengine-push", "inengine-pull"} <= ran
+    for m, s in modes.items():
+        assert m in ran or s["status"].startswith("unavailable"), (m, s)
+    assert {c["mode"] for c in out["cells"]} == ran
+    for c in out["cells"]:
+        assert c["tokens_match"] is True and c["failed"] == 0 and c["completed"] == 2, c
+        positive(c["ttft_ms"], "p50", "p99", "n")
+        positive(c["tpot_ms"], "p50", "n")
+        assert c["prompt_len"] == 48 and c["qps"] == 4
+    assert out["tokens_match"] is True
+    assert out["ratio_at_top_qps"]["48"]["ratio"] > 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_sweep_inengine_hooks(mode: str) -> None:
+    """In-engine NIXL hooks (agents owned by the engines, real UCX transfers): tokens equal the monolithic run."""
+    import time
+
+    from kvpushd.refengine import Engine, PagedKV, TinyConfig, TinyModel, random_prompt
+    from kvpushd.refengine.inengine import InEnginePullHooks, InEnginePushHooks
+
+    cls = InEnginePullHooks if mode == "pull" else InEnginePushHooks
+    cfg = TinyConfig(num_layers=2)
+    model = TinyModel(cfg, 0)
+    pkv, dkv = PagedKV(cfg, 48), PagedKV(cfg, 48)
+    ph, dh = cls(pkv, "p"), cls(dkv, "d")
+    try:
+        pe = Engine(model, pkv, "prefill", ph, max_prefills_per_step=1)
+        de = Engine(model, dkv, "decode", dh)
+        prompts = {f"r{i}": random_prompt(100 + i, 20 + 13 * i, cfg.vocab_size) for i in range(4)}
+        if mode == "push":  # decode registers its blocks before prefill has run
+            for rid, p in prompts.items():
+                de.add_request(rid, p, 5, {"transfer_id": rid, **ph.kv_params})
+        for rid, p in prompts.items():
+            pe.add_request(rid, p, 1)
+        got: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 120
+        while (pe.has_unfinished() or de.has_unfinished()) and time.monotonic() < deadline:
+            for o in pe.step():
+                assert o.ok, o
+                if mode == "push":
+                    de.set_first_token(o.req_id, o.tokens[0])
+                else:  # pull: decode gets the request with prefill's kv_params (block ids, side channel)
+                    assert o.kv_params["remote_block_ids"]
+                    de.add_request(o.req_id, prompts[o.req_id], 5, o.kv_params)
+            for o in de.step():
+                assert o.ok, o
+                got[o.req_id] = o.tokens
+            time.sleep(0.001)
+        assert not pe.has_unfinished() and not de.has_unfinished()  # prefill blocks freed after the transfer
+        assert got == {rid: model.generate_monolithic(p, 5) for rid, p in prompts.items()}
+        assert pe.num_free_blocks == 48 and de.num_free_blocks == 48
+        assert pe.unknown_events == de.unknown_events == 0
+        assert dh.handshakes == 1 and ph.unknown_notifs == dh.unknown_notifs == 0
+    finally:
+        ph.close()
+        dh.close()
+        pkv.close()
+        dkv.close()
+
+
 def test_soak_smoke() -> None:
     """200 requests with faults at a high rate: every request ends, nothing held (the invariants the
     full-size run reports; counts, not times)."""

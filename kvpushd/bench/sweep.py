@@ -134,7 +134,7 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
     torch.set_num_threads(1)
     cfg = _config(spec)
     model = TinyModel(cfg, int(spec["seed"]))
-    kv = PagedKV.shared(cfg, int(spec["num_blocks"]), f"kvpushd-sweep-{role}")
+    kv = PagedKV.shared(cfg, int(spec["num_blocks"]), f"kvpushd-sweep-{mode}-{role}")
     client = None
     hooks: Any = None
     try:
@@ -144,7 +144,8 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
             client = KVPushClient(spec["sock"])
             client.wait_ready(120)
             kw = {"transfer_mode": "pull"} if mode == "kvpushd-pull" else {}
-            hooks = KVPushdHooks.attach(client, f"sweep-{role}", Role.PRODUCER if role == "prefill" else Role.CONSUMER,
+            hooks = KVPushdHooks.attach(client, f"sweep-{mode}-{role}",
+                                        Role.PRODUCER if role == "prefill" else Role.CONSUMER,
                                         kv, description=f"kvpushd bench sweep {role} pid {os.getpid()}", **kw)
             host, _, port = hooks.peer_address.rpartition(":")
             static = {"remote_engine_id": hooks.engine_id, "remote_host": host, "remote_port": int(port),
@@ -153,15 +154,16 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
             from ..refengine.inengine import InEnginePullHooks, InEnginePushHooks
 
             cls = InEnginePullHooks if mode == "inengine-pull" else InEnginePushHooks
-            hooks = cls(kv, f"sweep-{role}")
+            hooks = cls(kv, f"sweep-{mode}-{role}")
             static = hooks.kv_params
         engine = Engine(model, kv, role, hooks, max_num_seqs=int(spec["max_num_seqs"]), max_prefills_per_step=1)
         conn.send(("ready", static if role == "prefill" else {}))
         first_seen: set[str] = set()
         steps_busy = 0
         while True:
-            idle = not (engine.running or engine.waiting)
-            wait_s = 0.001 if idle else 0.0
+            # Nothing unfinished: only a message can bring work, and poll() returns at once for one.
+            # Requests waiting on KV: step every millisecond to read the connector's events.
+            wait_s = 0.0 if engine.running or engine.waiting else 0.001 if engine.has_unfinished() else 0.05
             finishing = False
             while conn.poll(wait_s):
                 wait_s = 0.0
@@ -376,51 +378,62 @@ def _cell_figures(reqs: list[_Req], max_new: int) -> dict[str, Any]:
             "errors": sorted({r.error for r in reqs if r.error})[:3]}
 
 
-def _run_mode(args: argparse.Namespace, mode: str, workdir: Path, spec: dict[str, Any],
-              cells: list[dict[str, Any]], all_reqs: list[_Req]) -> dict[str, Any]:
-    t_mode = time.monotonic()
+def _run_all(args: argparse.Namespace, modes: list[str], workdir: Path, spec: dict[str, Any],
+             cells: list[dict[str, Any]], all_reqs: list[_Req]) -> dict[str, dict[str, Any]]:
+    """Every mode's engines (and one daemon pair for the kvpushd modes) run at once; cell by cell the
+    modes take turns (in a rotating order), so the machine's load drifts over all modes alike."""
+    t_start = time.monotonic()
+    status: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         socks: dict[str, str] = {}
-        if mode.startswith("kvpushd"):
-            mdir = workdir / mode
-            mdir.mkdir(parents=True, exist_ok=True)
-            p, d = stack.enter_context(daemon_pair(mdir))
-            socks = {"prefill": p.sock, "decode": d.sock}
-            daemons: tuple[DaemonProc, DaemonProc] | None = (p, d)
-        else:
-            daemons = None
-        eng = _Engines(mode, spec, socks)
-        stack.callback(eng.stop)
-        static = eng.ready()
-        progress(f"sweep {mode}: engines ready in {time.monotonic() - t_mode:.1f} s")
+        daemons: tuple[DaemonProc, DaemonProc] | None = None
+        engines: dict[str, _Engines] = {}
+        if any(m.startswith("kvpushd") for m in modes):
+            daemons = stack.enter_context(daemon_pair(workdir))
+            socks = {"prefill": daemons[0].sock, "decode": daemons[1].sock}
+        for m in modes:
+            engines[m] = _Engines(m, spec, socks if m.startswith("kvpushd") else {})
+            stack.callback(engines[m].stop)
+        statics = {m: e.ready() for m, e in engines.items()}
+        progress(f"sweep: {len(engines)} engine pairs ready in {time.monotonic() - t_start:.1f} s")
         tag = os.urandom(2).hex()
+        turn = 0
         for plen in args.prompt_lens:
-            warm = [_Req(f"{mode}-warm-{plen}-{k[2]}-{tag}", k, p)
-                    for k, p in _prompts(args, plen, -1.0, args.warmup, spec["vocab"])]
-            for r in warm:  # one at a time: handshakes, first touch of blocks
-                _run_requests(eng, mode, static, [r], [0.0], args.max_new_tokens, args.cell_timeout)
+            for m in modes:  # one at a time: handshakes, first touch of blocks
+                for k, p in _prompts(args, plen, -1.0, args.warmup, spec["vocab"]):
+                    r = _Req(f"{m}-warm-{plen}-{k[2]}-{tag}", k, p)
+                    _run_requests(engines[m], m, statics[m], [r], [0.0], args.max_new_tokens, args.cell_timeout)
             for qps in args.qps:
-                reqs = [_Req(f"{mode}-{plen}-{qps:g}-{i}-{tag}", k, p)
-                        for i, (k, p) in enumerate(_prompts(args, plen, qps, args.requests, spec["vocab"]))]
-                wall = _run_requests(eng, mode, static, reqs, _arrivals(args.seed, plen, qps, args.requests),
-                                     args.max_new_tokens, args.cell_timeout)
-                fig = _cell_figures(reqs, args.max_new_tokens)
-                cell = {"mode": mode, "prompt_len": plen, "qps": qps, "requests": len(reqs), **fig,
-                        "achieved_qps": round(len(reqs) / max(wall, 1e-9), 2), "wall_s": round(wall, 2)}
-                cells.append(cell)
-                all_reqs.extend(reqs)
-                progress(f"  {mode} prompt {plen} qps {qps:g}: TTFT p50 {fig['ttft_ms']['p50']:.1f} ms p99 "
-                         f"{fig['ttft_ms']['p99']:.1f} ms, TPOT p50 {fig['tpot_ms']['p50']:.1f} ms, "
-                         f"{fig['failed']} failed, {wall:.1f} s")
-                time.sleep(0.3)  # let both engines go idle between cells
-        eng.stop()
-        counters = {}
+                prompts = _prompts(args, plen, qps, args.requests, spec["vocab"])
+                offsets = _arrivals(args.seed, plen, qps, args.requests)
+                order = modes[turn % len(modes):] + modes[:turn % len(modes)]
+                turn += 1
+                for m in order:
+                    reqs = [_Req(f"{m}-{plen}-{qps:g}-{i}-{tag}", k, p) for i, (k, p) in enumerate(prompts)]
+                    load = os.getloadavg()[0]
+                    wall = _run_requests(engines[m], m, statics[m], reqs, offsets, args.max_new_tokens,
+                                         args.cell_timeout)
+                    fig = _cell_figures(reqs, args.max_new_tokens)
+                    cells.append({"mode": m, "prompt_len": plen, "qps": qps, "requests": len(reqs), **fig,
+                                  "achieved_qps": round(len(reqs) / max(wall, 1e-9), 2), "wall_s": round(wall, 2),
+                                  "loadavg_1m": round(load, 2)})
+                    all_reqs.extend(reqs)
+                    progress(f"  {m:14s} prompt {plen:5d} qps {qps:4g}: TTFT p50 {fig['ttft_ms']['p50']:8.1f} ms "
+                             f"p99 {fig['ttft_ms']['p99']:8.1f} ms, TPOT p50 {fig['tpot_ms']['p50']:6.1f} ms, "
+                             f"{fig['failed']} failed, {wall:.1f} s, load {load:.1f}")
+                    time.sleep(0.3)  # let the engines go idle between cells
+        for e in engines.values():
+            e.stop()
+        counters: dict[str, int] = {}
         if daemons is not None:
             with contextlib.suppress(Exception):
                 c = daemons[0].client.status().counters
-                counters = {"bytes_written": int(c.bytes_written), "descriptors_posted": int(c.descriptors_posted)}
-    return {"status": "ok", "engine_stats": eng.stats, "daemon_counters": counters,
-            "seconds": round(time.monotonic() - t_mode, 1)}
+                counters = {"prefill_daemon_bytes_written": int(c.bytes_written)}
+        for m, e in engines.items():
+            status[m] = {"status": "ok", "engine_stats": e.stats,
+                         **({"daemon_counters": counters} if m.startswith("kvpushd") else {})}
+    progress(f"sweep: timed runs done in {time.monotonic() - t_start:.1f} s")
+    return status
 
 
 def _references(cfg: Any, seed: int, reqs: list[_Req], max_new: int) -> dict[tuple[int, float, int], list[int]]:
@@ -473,8 +486,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
              f"{max_len}-token request)")
     cells: list[dict[str, Any]] = []
     all_reqs: list[_Req] = []
-    for m in runnable:
-        status[m] = _run_mode(args, m, workdir, spec, cells, all_reqs)
+    if runnable:
+        status.update(_run_all(args, runnable, workdir, spec, cells, all_reqs))
     progress(f"sweep: computing monolithic reference tokens for {len({r.key for r in all_reqs})} prompts")
     refs = _references(cfg, args.seed, all_reqs, args.max_new_tokens)
     for c in cells:
