@@ -3,16 +3,17 @@
 One engine drives one ``Worker`` per TP rank (each rank's ``PagedKV`` is attached as its own worker
 with its ``tp_rank``/``tp_size``, as the ranks of a real TP engine would be). Per request:
 
-* prefill: ``on_prefill_done`` -> ``Worker.publish(req_id, blocks)`` on every rank; the returned
+* prefill: ``on_prefill_done`` -> ``Worker.publish_nowait(req_id, blocks)`` on every rank (queued:
+  the client's sender thread makes the call, off the engine thread); the returned
   kv_params name this daemon's peer address as ``remote_host``/``remote_port`` (vLLM's names);
-* decode: ``on_blocks_allocated`` -> ``Worker.expect(transfer_id, blocks, remote address,
+* decode: ``on_blocks_allocated`` -> ``Worker.expect_nowait(transfer_id, blocks, remote address,
   remote_engine_id, tp_size)`` on every rank;
 * ``poll`` reads ``Worker.completions()`` (no RPC). A request is finished once every rank has its
   completion: finished sending / receiving if all succeeded, failed (with the reasons) otherwise.
   Blocks are only reported when no rank still has the transfer pending, so freeing them is safe.
 
-A call the daemon refuses does not raise into the engine loop: the ranks that did take the call are
-aborted, and the request is reported failed once their completions are in.
+A call the daemon refuses comes back as that rank's FAILED completion ("REFUSED"); the first failed
+rank aborts the others, and the request is reported failed once every rank's completion is in.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class _Pending:
     sending: bool
     waiting: set[int]                          # ranks whose completion is still due
     errors: list[str] = field(default_factory=list)
+    aborted: bool = False
 
 
 class KVPushdHooks:
@@ -79,7 +81,7 @@ class KVPushdHooks:
     # --- KVHooks --------------------------------------------------------------------------
 
     def on_prefill_done(self, req_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
-        self._start(req_id, req_id, True, lambda w: w.publish(req_id, block_ids))
+        self._start(req_id, req_id, True, lambda w: w.publish_nowait(req_id, block_ids))
         host, _, port = self.peer_address.rpartition(":")
         return {"transfer_id": req_id, "remote_engine_id": self.engine_id, "remote_host": host,
                 "remote_port": int(port), "tp_size": self.tp_size}
@@ -93,8 +95,8 @@ class KVPushdHooks:
         if mode not in ("push", "pull"):
             self._failed_now[req_id] = f"transfer_mode {mode!r}: 'push' or 'pull'"
             return
-        self._start(req_id, tid, False, lambda w: w.expect(tid, block_ids, address, producer, tp,
-                                                           transfer_mode=mode))
+        self._start(req_id, tid, False, lambda w: w.expect_nowait(tid, block_ids, address, producer, tp,
+                                                                  transfer_mode=mode))
 
     def poll(self) -> KVEvents:
         ev = KVEvents(set(), set(), self._failed_now)
@@ -108,6 +110,10 @@ class KVPushdHooks:
                 p.waiting.discard(rank)
                 if c.kind is CompletionKind.FAILED:
                     p.errors.append(f"rank {rank}: {c.code} {c.reason}".strip())
+                    if not p.aborted:  # one rank failed: the others stop waiting now, not at a timeout
+                        p.aborted = True
+                        for r in p.waiting:
+                            self.workers[r].abort_nowait(c.transfer_id)
             if not w.alive:  # session gone: the daemon released everything this rank held
                 for p in self._pending.values():
                     if rank in p.waiting:
@@ -155,7 +161,7 @@ class KVPushdHooks:
         for tid, p in self._pending.items():
             if p.req_id == req_id:
                 for rank in p.waiting:
-                    self.workers[rank].abort(tid)
+                    self.workers[rank].abort_nowait(tid)
 
     def close(self) -> None:
         """Detach every rank's worker (the daemon fails whatever is still pending)."""
