@@ -93,6 +93,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=4, help="bytes mode only (the engine's model has 4)")
     p.add_argument("--head-dim", type=int, default=64, help="bytes mode only (the engine's model has 16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transfer-mode", choices=("push", "pull"), default="push",
+                   help="push: the prefill daemon WRITEs; pull: the decode daemon READs (default push)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--workdir", help="where sockets and logs go (default: a temporary directory)")
 
@@ -172,7 +174,8 @@ def _worker_main(role: str, sock: str, layout: Layout, seed: int, conn: Connecti
             msg = conn.recv()
             try:
                 if msg[0] == "expect":
-                    w.expect(msg[1], msg[2], msg[3], "demo-prefill", 1)
+                    w.expect(msg[1], msg[2], msg[3], "demo-prefill", 1,
+                             transfer_mode=msg[4] if len(msg) > 4 else "push")
                 elif msg[0] == "publish":
                     w.publish(msg[1], msg[2])
                 elif msg[0] == "stop":
@@ -334,7 +337,8 @@ class _Demo:
             with self.lock:
                 self.reqs[tid] = r
             pending.append(r)
-            first: tuple[str, tuple[Any, ...]] = ("decode", ("expect", tid, d_blocks, p_addr))
+            first: tuple[str, tuple[Any, ...]] = ("decode", ("expect", tid, d_blocks, p_addr,
+                                                             getattr(a, "transfer_mode", "push")))
             second: tuple[str, tuple[Any, ...]] = ("prefill", ("publish", tid, s_blocks))
             if order == "publish_first":
                 first, second = second, first
@@ -377,7 +381,8 @@ class _Demo:
             return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 3) if lat else None
 
         return {
-            "mode": "bytes", "requests": a.requests, **stats, "bytes_outside_requests": outside,
+            "mode": "bytes", "transfer_mode": getattr(a, "transfer_mode", "push"), "requests": a.requests, **stats,
+            "bytes_outside_requests": outside,
             "arrival_orders": orders, "prompt_tokens": a.prompt_tokens, "blocks_per_request": self.bpr,
             "regions": lay.regions, "block_len": lay.block_len, "wall_s": round(wall, 3),
             "throughput_gbps": round(stats["bytes_moved"] / wall / 1e9, 3) if wall else 0.0,
@@ -570,7 +575,8 @@ def _engine_loop(role: str, sock: str, spec: dict[str, int], conn: Connection) -
                 if conn.poll(0) or time.monotonic() > deadline:
                     raise
         inner = KVPushdHooks.attach(client, f"demo-{role}", Role.PRODUCER if role == "prefill" else Role.CONSUMER,
-                                    caches, description=f"kvpushd demo {role} engine pid {os.getpid()}")
+                                    caches, description=f"kvpushd demo {role} engine pid {os.getpid()}",
+                                    transfer_mode="pull" if spec.get("pull") else "push")
         hooks = _ObservedHooks(inner, caches, conn)
         engine = Engine(model, caches, role, hooks, max_num_seqs=spec["max_num_seqs"], max_prefills_per_step=4)
         if role == "decode":
@@ -755,7 +761,8 @@ class _EngineDemo:
                        "max_num_seqs": a.concurrency},
         }
         for role in ("prefill", "decode"):
-            spec = {**specs[role], "layers": a.layers, "block_size": bs, "seed": a.seed, "parent_pid": os.getpid()}
+            spec = {**specs[role], "layers": a.layers, "block_size": bs, "seed": a.seed, "parent_pid": os.getpid(),
+                    "pull": int(getattr(a, "transfer_mode", "push") == "pull")}
             mine, theirs = ctx.Pipe()
             pr = ctx.Process(target=_engine_main, args=(role, socks[role], spec, theirs), daemon=True,
                              name=f"kvpushd-demo-{role}-engine")
@@ -952,7 +959,9 @@ class _EngineDemo:
         return {
             "mode": "engine", "requests": a.requests, **stats,
             "tokens_match": not mismatched, "tokens_mismatched": len(mismatched),
-            "bytes_moved": p_status.counters.bytes_written,
+            "bytes_moved": p_status.counters.bytes_written + d_status.counters.bytes_read,
+            "transfer_mode": getattr(a, "transfer_mode", "push"),
+            "reads_posted": d_status.counters.reads_posted, "writes_posted": p_status.counters.writes_posted,
             "bytes_outside_requests": outside, "kv_mismatched_requests": kv_mismatched_requests,
             "kv_unverified": sum(1 for r in reqs if r.ok and not r.verified),
             "arrival_orders": orders, "prefill_tp": a.prefill_tp, "decode_tp": a.decode_tp,

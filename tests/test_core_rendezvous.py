@@ -1036,3 +1036,168 @@ def test_producer_lost_after_a_restart_spares_registrations_in_progress() -> Non
     assert r.get(pending.registration_id) == (dw(0), "b")
     assert r.notified(pending.registration_id, 0) == [Deliver(dw(0), finished_receiving("b"))]
     assert_empty(r)
+
+
+# --------------------------------------------------------------------------------------------
+# Pull mode: the prefill side offers instead of writing; the decode side READs what it registered.
+
+
+def _pull_reg(rid: int, **kw: object) -> Registration:
+    import dataclasses
+
+    from kvpushd.core.types import TransferMode
+
+    return dataclasses.replace(reg(rid, **kw), mode=TransferMode.PULL)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("order", ["publish_first", "register_first"])
+def test_pull_offers_instead_of_writing_and_finishes_on_the_read_notification(order: str) -> None:
+    from kvpushd.core.rendezvous import SendOffer
+
+    s = new_send()
+    if order == "publish_first":
+        assert publish(s) == []
+        acts = s.register(T0 + 1, _pull_reg(7))
+    else:
+        assert s.register(T0, _pull_reg(7)) == []
+        acts = publish(s, T0 + 1)
+    o = one(acts, SendOffer)
+    assert o.src_blocks == SRC and o.registration.registration_id == 7 and o.producer_rank == 0
+    assert s.pulling() == 1 and s.pull_pending(ORIGIN, 7, 0) and ORIGIN in s.origins()
+    assert s.read_done("another-decode-daemon", 7, 0, True) == []  # only the daemon offered to
+    assert s.read_done(ORIGIN, 7, 1, True) == []  # not an offered rank
+    assert s.read_done(ORIGIN, 7, 0, True) == [Deliver(pw(0), finished_sending())]
+    assert s.pulling() == 0 and not s.pull_pending(ORIGIN, 7, 0)
+    assert s.read_done(ORIGIN, 7, 0, True) == [] and s.read_done(ORIGIN, 7, 0, False, "late") == []
+    assert_empty(s)
+
+
+def test_pull_failed_read_fails_the_publish_and_the_registration() -> None:
+    s = new_send()
+    publish(s)
+    s.register(T0 + 1, _pull_reg(7))
+    acts = s.read_done(ORIGIN, 7, 0, False, "READ completed in error")
+    failed(one(of(acts, Deliver), Deliver), FailureCode.TRANSFER_ERROR, SRC)
+    notice = one(of(acts, SendFailNotice), SendFailNotice)
+    assert notice.registration_id == 7 and "READ" in notice.reason
+    assert s.pulling() == 0
+    assert_empty(s)
+
+
+def test_pull_publish_waits_for_an_offered_read_after_a_withdrawal() -> None:
+    """The decode side may still be READing the source blocks: the publish fails only once the READ settled."""
+    s = new_send()
+    publish(s)
+    s.register(T0 + 1, _pull_reg(7))
+    assert of(s.withdraw(ORIGIN, TID, 7, FailureCode.ABORTED, "aborted"), Deliver) == []
+    assert s.pulling() == 1
+    failed(one(s.read_done(ORIGIN, 7, 0, True), Deliver), FailureCode.ABORTED, SRC)
+    assert_empty(s)
+
+
+def test_pull_unconfirmed_read_expires_after_publish_timeout() -> None:
+    s = new_send()
+    publish(s)
+    s.register(T0 + 1, _pull_reg(7))
+    assert s.tick(T0 + 1 + PUB_TO - 0.1) == []  # the publish deadline re-arms: its target is registered
+    acts = s.tick(T0 + 1 + PUB_TO)
+    d = one(of(acts, Deliver), Deliver)
+    failed(d, FailureCode.TRANSFER_ERROR, SRC)
+    assert "not confirmed" in d.completion.reason
+    assert s.pulling() == 0
+    assert_empty(s)
+
+
+def test_pull_lost_decode_daemon_settles_its_offered_legs() -> None:
+    s = new_send()
+    publish(s)
+    s.register(T0 + 1, _pull_reg(7))
+    acts = s.origin_lost(ORIGIN, "no heartbeat")
+    failed(one(of(acts, Deliver), Deliver), FailureCode.PEER_UNREACHABLE, SRC)
+    assert s.pulling() == 0 and ORIGIN not in s.origins()
+    assert_empty(s)
+
+
+def test_pull_hetero_tp_offers_one_leg_per_producer_rank() -> None:
+    from kvpushd.core.rendezvous import SendOffer
+
+    s = new_send()
+    s.register(T0, _pull_reg(7, ptp=2))
+    o0 = one(publish(s, rank=0, tp=2), SendOffer)
+    o1 = one(publish(s, rank=1, tp=2), SendOffer)
+    assert (o0.producer_rank, o1.producer_rank) == (0, 1) and s.pulling() == 2
+    assert s.read_done(ORIGIN, 7, 0, True) == [Deliver(pw(0), finished_sending())]
+    assert s.read_done(ORIGIN, 7, 1, True) == [Deliver(pw(1), finished_sending())]
+    assert_empty(s)
+
+
+def _pull_recv(ptp: int = 1) -> tuple[RecvSide, int]:
+    from kvpushd.core.types import TransferMode
+
+    r = new_recv(first_id=50)
+    sr = one(r.expect(T0, dw(0), 0, 1, TID, DST, ADDR, ENGINE, ptp, TransferMode.PULL), SendRegister)
+    assert sr.mode is TransferMode.PULL
+    return r, sr.registration_id
+
+
+def test_recv_pull_offer_is_checked_against_the_registration() -> None:
+    from kvpushd.core.errors import FailedPrecondition, NotFound, PermissionDenied
+    from kvpushd.core.rendezvous import StartRead
+
+    r, rid = _pull_recv()
+    with pytest.raises(NotFound):
+        r.offer(rid + 1, TID, 0, SRC)
+    with pytest.raises(PermissionDenied):
+        r.offer(rid, "another-transfer", 0, SRC)
+    with pytest.raises(InvalidArgument):
+        r.offer(rid, TID, 1, SRC)  # producer rank 1 does not feed this registration
+    with pytest.raises(InvalidArgument):
+        r.offer(rid, TID, 0, SRC[:2])  # block count
+    push = new_recv(first_id=90)
+    expect(push)
+    with pytest.raises(FailedPrecondition):
+        push.offer(90, TID, 0, SRC)
+    a = one(r.offer(rid, TID, 0, SRC), StartRead)
+    assert a.dst_blocks == DST and a.src_blocks == SRC and a.worker_id == dw(0)  # always its own blocks
+    assert (a.key.producer_address, a.key.registration_id, a.key.producer_rank) == (ADDR, rid, 0)
+    assert r.offer(rid, TID, 0, SRC) == []  # a repeated offer starts no second READ
+    assert r.producer_address_of(rid) == ADDR
+    assert r.read_done(a.key, True) == [Deliver(dw(0), finished_receiving())]
+    assert r.read_done(a.key, True) == []
+    assert_empty(r)
+
+
+def test_recv_pull_failed_read_fails_the_receive_and_tells_the_prefill_side() -> None:
+    from kvpushd.core.rendezvous import SendReadFailed, StartRead
+
+    r, rid = _pull_recv()
+    a = one(r.offer(rid, TID, 0, SRC), StartRead)
+    acts = r.read_done(a.key, False, "READ completed in error")
+    failed(one(of(acts, Deliver), Deliver), FailureCode.TRANSFER_ERROR, DST)
+    assert one(of(acts, SendReadFailed), SendReadFailed).key == a.key
+    assert_empty(r)
+
+
+def test_recv_pull_failed_read_after_abort_is_still_reported() -> None:
+    from kvpushd.core.rendezvous import SendReadFailed, StartRead
+
+    r, rid = _pull_recv()
+    a = one(r.offer(rid, TID, 0, SRC), StartRead)
+    found, acts = r.abort(dw(0), TID)
+    assert found and one(of(acts, SendWithdraw), SendWithdraw).registration_id == rid
+    assert r.read_done(a.key, False, "late") == [SendReadFailed(a.key, "late")]  # prefill still holds blocks
+    assert r.read_done(a.key, True) == []
+    assert_empty(r)
+
+
+def test_recv_pull_hetero_tp_waits_for_every_producer_rank() -> None:
+    from kvpushd.core.rendezvous import StartRead
+
+    r, rid = _pull_recv(ptp=2)
+    a0 = one(r.offer(rid, TID, 0, SRC), StartRead)
+    a1 = one(r.offer(rid, TID, 1, SRC), StartRead)
+    assert (a0.producer_tp_size, a0.consumer_tp_size) == (2, 1)
+    assert r.read_done(a1.key, True) == []
+    assert "READ" in r.views(T0)[0].waiting_for and r.views(T0)[0].mode == "pull"
+    assert r.read_done(a0.key, True) == [Deliver(dw(0), finished_receiving())]
+    assert_empty(r)

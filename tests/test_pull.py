@@ -233,3 +233,75 @@ def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> No
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert np.array_equal(dst.arr[:, [1, 2], :], src.arr[:, [5, 6], :])
     assert wait_for(lambda: _settled(p, d))
+
+
+FAST = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 2.0\nexpect_timeout_s = 10.0\n"
+        "publish_timeout_s = 60.0\n")
+
+
+@pytest.fixture
+def fast_pair(workdir):  # type: ignore[no-untyped-def]
+    import signal
+
+    from conftest import start_daemon
+
+    p = start_daemon(workdir, "pnode", FAST)
+    d = start_daemon(workdir, "dnode", FAST)
+    yield p, d
+    for x in (p, d):
+        x.client.close()
+        if x.proc.poll() is None:
+            x.proc.send_signal(signal.SIGCONT)
+            x.stop()
+
+
+def test_decode_daemon_stopped_before_the_offer_ends_the_publish(fast_pair, kv_pair) -> None:
+    """The offer cannot be delivered and the decode daemon goes silent: the publish fails (peer
+    loss), well before publish_timeout_s, and the prefill worker gets its blocks back."""
+    import signal
+
+    p, d = fast_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    dw.expect("stop", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
+    assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        pw.publish("stop", [3, 4])
+        c = pw.next_completion(30)
+        assert c is not None and c.kind is CompletionKind.FAILED and c.block_ids == (3, 4), c
+        assert c.code in ("PEER_UNREACHABLE", "TRANSFER_ERROR"), c
+        assert wait_for(lambda: not p.client.status().transfers)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    # The prefill daemon dropped the decode daemon as lost without telling it (as in push mode):
+    # the decode request ends at the latest at its expect_timeout_s.
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FAILED and c.block_ids == (1, 2), c
+    assert np.all(dst.arr == POISON)
+
+
+def test_prefill_daemon_killed_during_pull_ends_the_decode_side(fast_pair, kv_pair) -> None:
+    """The prefill daemon dies with the offer delivered (or on its way): the decode request ends,
+    FAILED with its blocks, or finished with exact bytes if the READ got through first."""
+    import signal
+
+    p, d = fast_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    dw.expect("kill", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
+    assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
+    d.proc.send_signal(signal.SIGSTOP)  # hold the offer in the decode daemon's socket
+    pw.publish("kill", [3, 4])
+    wait_for(lambda: False, timeout=0.5)
+    p.proc.send_signal(signal.SIGKILL)
+    p.proc.wait(10)
+    d.proc.send_signal(signal.SIGCONT)
+    c = dw.next_completion(30)
+    assert c is not None, "decode request never ended"
+    if c.kind is CompletionKind.FAILED:
+        assert c.block_ids == (1, 2), c
+    else:
+        assert c.kind is CompletionKind.FINISHED_RECEIVING
+        assert np.array_equal(dst.arr[:, [1, 2], :], src.arr[:, [3, 4], :])
+    assert wait_for(lambda: not d.client.status().transfers)
