@@ -97,6 +97,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="push: the prefill daemon WRITEs; pull: the decode daemon READs (default push)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--workdir", help="where sockets and logs go (default: a temporary directory)")
+    p.add_argument("--hosts", choices=("local", "netns"), default="local",
+                   help="local (default): both nodes on this host's loopback; netns: the prefill daemon and "
+                        "engine in one network namespace, the decode daemon and engine in another, joined by a "
+                        "veth pair, UCX over TCP on it (needs root and iproute2; engine mode)")
 
 
 def _resolve(args: argparse.Namespace) -> str:
@@ -116,6 +120,8 @@ def _resolve(args: argparse.Namespace) -> str:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.mode == "bytes":
+        if args.hosts != "local":
+            return "--hosts netns runs the engine mode (--mode engine) only"
         if args.prefill_tp != 1 or args.decode_tp != 1:
             return "--mode bytes runs TP1 -> TP1 only; use --mode engine for --prefill-tp/--decode-tp"
         return ""
@@ -526,6 +532,10 @@ def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -
     signal.signal(signal.SIGTERM, _raise_exit)
     _term_with_parent()
     try:
+        if spec.get("netns"):  # --hosts netns: this engine runs on its node's "host"
+            from .netns import enter
+
+            enter(str(spec["netns"]))
         if os.getppid() != spec["parent_pid"]:
             raise SystemExit("the demo has gone")
         _engine_loop(role, sock, spec, conn)
@@ -656,17 +666,23 @@ def _raise_exit(signum: int, _frame: Any) -> None:
 
 
 class _Daemons:
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, lab: Any = None) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
         self.names: list[str] = []
+        self.lab = lab  # --hosts netns: a NetnsLab, daemon i runs in its namespace i
 
-    def start(self, name: str) -> str:
+    def start(self, name: str, host: int = 0) -> str:
         sock = os.path.join(self.workdir, f"{name}.sock")
         logf = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - lives as long as the daemon
-        self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvpushd", "serve", "--socket", sock, "--listen", f"127.0.0.1:{_free_port()}",
-             "--node-id", name], stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent))
+        listen = f"127.0.0.1:{_free_port()}" if self.lab is None else f"{self.lab.addrs[host]}:7700"
+        argv = [sys.executable, "-m", "kvpushd", "serve", "--socket", sock, "--listen", listen, "--node-id", name]
+        env = None
+        if self.lab is not None:  # peer API on the namespace's address; UCX over TCP on its veth only
+            argv = self.lab.argv(host, argv)
+            env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=self.lab.veth)
+        self.procs.append(subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                           preexec_fn=_term_with_parent))
         self.names.append(name)
         return sock
 
@@ -691,12 +707,14 @@ class _Daemons:
 
 
 class _EngineDemo:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, lab: Any = None) -> None:
         self.args = args
         self.t_start = time.perf_counter()
         self.rng = random.Random(args.seed)
         self.workdir = args.workdir or tempfile.mkdtemp(prefix="kvpushd-demo-")
-        self.daemons = _Daemons(self.workdir)
+        self.lab = lab
+        self.placed: dict[str, bool] = {}
+        self.daemons = _Daemons(self.workdir, lab)
         self.procs: dict[str, Any] = {}
         self.conns: dict[str, Connection] = {}
         self.outboxes: dict[str, queue.SimpleQueue[tuple[Any, ...] | None]] = {}
@@ -737,7 +755,10 @@ class _EngineDemo:
                  f"TP{a.decode_tp}, {a.requests} requests of {a.prompt_tokens} prompt tokens ({blocks_prompt} blocks "
                  f"x {2 * a.layers} regions) + {a.max_new_tokens} new tokens, {a.concurrency} in flight; "
                  f"logs in {self.workdir}")
-        socks = {"prefill": self.daemons.start("prefill-node"), "decode": self.daemons.start("decode-node")}
+        if self.lab is not None:
+            self.log(f"hosts: network namespaces {self.lab.names[0]} (prefill, {self.lab.addrs[0]}) and "
+                     f"{self.lab.names[1]} (decode, {self.lab.addrs[1]}), one veth pair; UCX_TLS=tcp")
+        socks = {"prefill": self.daemons.start("prefill-node", 0), "decode": self.daemons.start("decode-node", 1)}
         # The daemons start first, on their own: on a small machine, engines importing torch next to
         # them only slow their start down (and a daemon gives its NIXL start a bounded time).
         from kvpushd_client import DaemonUnavailable, KVPushClient
@@ -762,7 +783,8 @@ class _EngineDemo:
         }
         for role in ("prefill", "decode"):
             spec = {**specs[role], "layers": a.layers, "block_size": bs, "seed": a.seed, "parent_pid": os.getpid(),
-                    "pull": int(getattr(a, "transfer_mode", "push") == "pull")}
+                    "pull": int(getattr(a, "transfer_mode", "push") == "pull"),
+                    "netns": self.lab.names[0 if role == "prefill" else 1] if self.lab is not None else ""}
             mine, theirs = ctx.Pipe()
             pr = ctx.Process(target=_engine_main, args=(role, socks[role], spec, theirs), daemon=True,
                              name=f"kvpushd-demo-{role}-engine")
@@ -820,6 +842,13 @@ class _EngineDemo:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engines {sorted(starting)} not ready after 600 s; see {self.workdir}")
         self.log("engines attached to their daemons; dispatching")
+        if self.lab is not None:  # checked while all four run: each in its node's namespace
+            from .netns import same_netns
+
+            self.placed = {f"{role}_{kind}": same_netns(pid, self.lab.names[i])
+                           for i, role in enumerate(("prefill", "decode"))
+                           for kind, pid in (("daemon", self.daemons.procs[i].pid), ("engine", self.procs[role].pid))}
+            self.log(f"processes in their namespaces: {self.placed}")
 
         stats = {"completed": 0, "failed": 0, "bytes_verified": 0, "mismatched_bytes": 0}
         orders = {"decode_first": 0, "prefill_first": 0}
@@ -936,6 +965,7 @@ class _EngineDemo:
 
         p_status, d_status = fetch(socks["prefill"]), fetch(socks["decode"])
         self.log("engines drained; daemon counters read")
+        hosts = self._hosts()
         for pr in self.procs.values():
             pr.join(30)
         rss = {name: _rss_kib(d.pid) for name, d in zip(("prefill", "decode"), self.daemons.procs, strict=True)}
@@ -977,8 +1007,20 @@ class _EngineDemo:
             "unknown_events": int(pstats.get("unknown_events", 0)) + int(dstats.get("unknown_events", 0)),
             "descriptors_requested": p_status.counters.descriptors_requested,
             "descriptors_posted": p_status.counters.descriptors_posted,
-            "daemon_rss_kib": rss, "workdir": self.workdir,
+            "daemon_rss_kib": rss, "workdir": self.workdir, **hosts,
         }
+
+    def _hosts(self) -> dict[str, Any]:
+        """--hosts netns: where each daemon and engine ran, and the bytes that crossed the veth pair."""
+        if self.lab is None:
+            return {"hosts": "local"}
+        lab = self.lab
+        p_link, d_link = lab.link_stats(0), lab.link_stats(1)
+        return {"hosts": "netns", "namespaces": {"prefill": lab.names[0], "decode": lab.names[1]},
+                "addresses": {"prefill": lab.addrs[0], "decode": lab.addrs[1]}, "link": "veth pair",
+                "ucx": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": lab.veth}, "in_namespace": self.placed,
+                "veth_bytes": {"prefill_tx": p_link["tx_bytes"], "decode_rx": d_link["rx_bytes"],
+                               "decode_tx": d_link["tx_bytes"]}}
 
     def stop(self) -> None:
         for q in self.outboxes.values():
@@ -995,6 +1037,8 @@ class _EngineDemo:
 
 
 def _engine_ok(out: dict[str, Any]) -> bool:
+    if out.get("hosts") == "netns" and not all(out["in_namespace"].values()):
+        return False
     return bool(out["failed"] == 0 and out["completed"] == out["requests"] and out["tokens_match"]
                 and out["mismatched_bytes"] == 0 and out["kv_unverified"] == 0)
 
@@ -1018,6 +1062,11 @@ def _print_engine(out: dict[str, Any]) -> None:
         ("latency", f"request dispatch -> decoded p50 {out['request_latency_ms']['p50']} ms, "
                     f"p99 {out['request_latency_ms']['p99']} ms; {out['wall_s']} s in all"),
     ]
+    if out.get("hosts") == "netns":
+        rows.append(("hosts", f"netns {out['namespaces']['prefill']} ({out['addresses']['prefill']}) -> "
+                              f"{out['namespaces']['decode']} ({out['addresses']['decode']}) over a veth pair, "
+                              f"UCX_TLS=tcp; {out['veth_bytes']['decode_rx']:,} bytes received on decode's veth; "
+                              f"in their namespaces: {all(out['in_namespace'].values())}"))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
@@ -1032,7 +1081,18 @@ def run_demo(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_exit)  # a terminated demo still stops its daemons and engines
     if args.mode == "engine":
-        edemo = _EngineDemo(args)
+        lab = None
+        if args.hosts == "netns":
+            from .netns import NetnsLab, available, sweep_stale
+
+            ok, why = available()
+            if not ok:
+                print(f"kvpushd demo: --hosts netns needs root and iproute2 to create network namespaces and a "
+                      f"veth pair ({why}); run it as root, or use --hosts local", file=sys.stderr)
+                return 2
+            sweep_stale()
+            lab = NetnsLab(2, link="pair").setup()
+        edemo = _EngineDemo(args, lab)
         try:
             out = edemo.run()
         except RuntimeError as e:
@@ -1040,6 +1100,8 @@ def run_demo(args: argparse.Namespace) -> int:
             return 1
         finally:
             edemo.stop()
+            if lab is not None:
+                lab.teardown()
         if args.json:
             print(json.dumps(out))
         else:
