@@ -121,6 +121,18 @@ def connect(host: str, port: int, timeout_s: float = 10.0) -> socket.socket:
     return s
 
 
+def _new_agent(name: str) -> Any:
+    """A UCX agent without NIXL's progress thread (it would spin a core): the engine thread polls."""
+    import logging
+
+    import nixl._api as nx
+
+    # NIXL logs INFO lines to stdout, which belongs to the bench's table or JSON. (Only the level:
+    # re-pointing its handler's stream, as rawnixl does, upsets pytest's capture in process.)
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
 @dataclass
 class _Remote:
     agent: str
@@ -137,14 +149,12 @@ class _InEngineBase:
         caches = as_caches(kv)
         if len(caches) != 1:
             raise ValueError("the in-engine baselines run TP1 engines only")
-        from ..bench.rawnixl import _agent
-
         c = self.cache = caches[0]
         self.engine_id = engine_id
         layout = c.region_layout()
         base = c.k[0].data_ptr() - layout[0][0]  # address of the memory the cache's views start at
         self.regions = [RegionSpec(base + off, nb, bl, st, 0) for off, nb, bl, st in layout]
-        self.agent = _agent(f"inengine-{self.mode}-{engine_id}-{os.getpid()}")
+        self.agent = _new_agent(f"inengine-{self.mode}-{engine_id}-{os.getpid()}")
         start = self.regions[0].addr
         self._reg = self.agent.register_memory([(start, c.nbytes, 0, "")], "DRAM")
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(self.regions), "DRAM")
