@@ -111,12 +111,13 @@ def _resolve(args: argparse.Namespace) -> str:
             setattr(args, k, v)
     pbs = args.prefill_block_size if args.prefill_block_size is not None else args.block_size
     dbs = args.decode_block_size if args.decode_block_size is not None else args.block_size
-    if pbs != dbs:
-        return (f"different block sizes are not supported yet (prefill {pbs}, decode {dbs} tokens per block); "
-                "kvpushd moves whole blocks between equal layouts")
-    args.block_size = pbs
+    if pbs != dbs and args.mode == "bytes":
+        return (f"--mode bytes moves whole blocks of one size (prefill {pbs}, decode {dbs} tokens per block); "
+                "use --mode engine for different block sizes")
+    args.block_size = args.prefill_block_size = pbs
+    args.decode_block_size = dbs
     for name in ("requests", "prompt_tokens", "max_new_tokens", "prefill_tp", "decode_tp", "concurrency",
-                 "layers", "block_size", "kv_heads", "head_dim"):
+                 "layers", "prefill_block_size", "decode_block_size", "kv_heads", "head_dim"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.mode == "bytes":
@@ -450,16 +451,19 @@ class _Demo:
 ENGINE_POISON = 0xFF  # as float32 a NaN: a decode step reading a never-written slot spoils its tokens
 
 
-def _kv_bytes(caches: Any, block_ids: list[int]) -> bytes:
-    """Every layer's K and V of ``block_ids``, heads gathered over the TP ranks (HND), as raw bytes.
+def _kv_bytes(caches: Any, block_ids: list[int], tokens: int) -> bytes:
+    """Every layer's K and V of the first ``tokens`` tokens in ``block_ids``, heads gathered over the
+    TP ranks, token by token ([heads, tokens, head dim]), as raw bytes.
 
-    The same request gives the same bytes on a TP1, TP2, ... engine when its KV is the same."""
+    The same request gives the same bytes on a TP1, TP2, ... engine, with blocks of any size, when its
+    KV is the same."""
     from .refengine.model import gather_blocks
 
     parts = []
     for layer in range(caches[0].cfg.num_layers):
-        k, v = gather_blocks(caches, layer, block_ids)
-        parts += [k.numpy().tobytes(), v.numpy().tobytes()]
+        for t in gather_blocks(caches, layer, block_ids):  # [n, heads, block size, head dim]
+            n, h, bs, d = t.shape
+            parts.append(t.transpose(0, 1).reshape(h, n * bs, d)[:, :tokens].contiguous().numpy().tobytes())
     return b"".join(parts)
 
 
@@ -468,14 +472,15 @@ class _ObservedHooks:
     side once its blocks are complete (before they are published) and on the decode side the moment
     the transfer is reported finished (before the engine decodes into them)."""
 
-    def __init__(self, inner: Any, caches: Any, conn: Connection) -> None:
+    def __init__(self, inner: Any, caches: Any, conn: Connection, tokens: int) -> None:
         self.inner = inner
         self.caches = caches
         self.conn = conn
+        self.tokens = tokens  # the tokens a transfer moves: min(prefill's, decode's prompt block capacity)
         self.blocks: dict[str, list[int]] = {}
 
     def on_prefill_done(self, req_id: str, block_ids: Any) -> dict[str, Any]:
-        self.conn.send(("kv", req_id, _kv_bytes(self.caches, list(block_ids))))
+        self.conn.send(("kv", req_id, _kv_bytes(self.caches, list(block_ids), self.tokens)))
         return dict(self.inner.on_prefill_done(req_id, block_ids))
 
     def on_blocks_allocated(self, req_id: str, block_ids: Any, kv_params: Any) -> None:
@@ -488,7 +493,7 @@ class _ObservedHooks:
         for rid in ev.finished_recving:
             blocks = self.blocks.pop(rid, None)
             if blocks is not None:
-                self.conn.send(("kv", rid, _kv_bytes(self.caches, blocks)))
+                self.conn.send(("kv", rid, _kv_bytes(self.caches, blocks, self.tokens)))
         for rid in ev.failed:
             self.blocks.pop(rid, None)
         return ev
@@ -587,7 +592,7 @@ def _engine_loop(role: str, sock: str, spec: dict[str, int], conn: Connection) -
         inner = KVPushdHooks.attach(client, f"demo-{role}", Role.PRODUCER if role == "prefill" else Role.CONSUMER,
                                     caches, description=f"kvpushd demo {role} engine pid {os.getpid()}",
                                     transfer_mode="pull" if spec.get("pull") else "push")
-        hooks = _ObservedHooks(inner, caches, conn)
+        hooks = _ObservedHooks(inner, caches, conn, spec["verify_tokens"])
         engine = Engine(model, caches, role, hooks, max_num_seqs=spec["max_num_seqs"], max_prefills_per_step=4)
         if role == "decode":
             alloc = _poison_allocator(caches, nb)
@@ -748,9 +753,11 @@ class _EngineDemo:
 
     def run(self) -> dict[str, Any]:
         a = self.args
-        bs = a.block_size
+        bs, dbs = a.prefill_block_size, a.decode_block_size
         blocks_prompt = -(-a.prompt_tokens // bs)
-        blocks_total = -(-(a.prompt_tokens + a.max_new_tokens - 1) // bs)
+        blocks_total = -(-(a.prompt_tokens + a.max_new_tokens - 1) // dbs)
+        # tokens each transfer moves: the prompt's blocks on both sides overlap this far
+        moved_tokens = min(blocks_prompt * bs, -(-a.prompt_tokens // dbs) * dbs)
         self.log(f"kvpushd demo (engine mode): 2 daemons, prefill engine TP{a.prefill_tp} -> decode engine "
                  f"TP{a.decode_tp}, {a.requests} requests of {a.prompt_tokens} prompt tokens ({blocks_prompt} blocks "
                  f"x {2 * a.layers} regions) + {a.max_new_tokens} new tokens, {a.concurrency} in flight; "
@@ -782,7 +789,8 @@ class _EngineDemo:
                        "max_num_seqs": a.concurrency},
         }
         for role in ("prefill", "decode"):
-            spec = {**specs[role], "layers": a.layers, "block_size": bs, "seed": a.seed, "parent_pid": os.getpid(),
+            spec = {**specs[role], "layers": a.layers, "block_size": bs if role == "prefill" else dbs,
+                    "verify_tokens": moved_tokens, "seed": a.seed, "parent_pid": os.getpid(),
                     "pull": int(getattr(a, "transfer_mode", "push") == "pull"),
                     "netns": self.lab.names[0 if role == "prefill" else 1] if self.lab is not None else ""}
             mine, theirs = ctx.Pipe()
@@ -997,6 +1005,7 @@ class _EngineDemo:
             "arrival_orders": orders, "prefill_tp": a.prefill_tp, "decode_tp": a.decode_tp,
             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "layers": a.layers,
             "block_size": bs, "blocks_per_request": blocks_prompt,
+            "prefill_block_size": bs, "decode_block_size": dbs, "tokens_moved_per_request": moved_tokens,
             "tokens_generated": sum(len(r.tokens) for r in reqs), "wall_s": round(wall, 3),
             "request_latency_ms": {"p50": pct(0.5), "p99": pct(0.99)},
             "notifications_received": d_status.counters.notifications_received,
@@ -1046,7 +1055,7 @@ def _engine_ok(out: dict[str, Any]) -> bool:
 def _print_engine(out: dict[str, Any]) -> None:
     rows = [
         ("mode", f"engine: prefill TP{out['prefill_tp']} -> decode TP{out['decode_tp']}, {out['layers']} layers, "
-                 f"{out['block_size']} tokens per block"),
+                 f"{out['prefill_block_size']} -> {out['decode_block_size']} tokens per block"),
         ("requests", f"{out['requests']} ({out['prompt_tokens']} prompt tokens, {out['max_new_tokens']} new tokens); "
                      f"arrival orders {out['arrival_orders']}"),
         ("completed", f"{out['completed']}"),

@@ -156,8 +156,12 @@ class PagedKV:
                 for i in range(2 * self.cfg.num_layers)]
 
     def regions(self, memory_index: int = 0) -> list[Region]:
-        """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``."""
-        return [Region(memory_index, off, nb, bl, stride) for off, nb, bl, stride in self.region_layout()]
+        """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``.
+
+        Each says its block size in tokens and its KV heads (HND), so the other side may page the
+        same tokens in blocks of another size."""
+        return [Region(memory_index, off, nb, bl, stride, block_size_tokens=self.cfg.block_size,
+                       num_heads=self.num_heads) for off, nb, bl, stride in self.region_layout()]
 
     def fill_(self, value: float) -> None:
         self._flat.fill_(value)
