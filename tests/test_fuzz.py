@@ -1,6 +1,3 @@
-# Work in progress, not collected by pytest (the name does not start with test_): it still fails
-# against the live daemons; see the closing note of the session that added it. Rename to
-# test_fuzz.py once the daemon passes it.
 """Fuzzing a live daemon pair while correct prefill -> decode transfers run alongside.
 
 Malformed and random requests go to both daemons on the worker API (unix socket: WorkerService,
@@ -14,10 +11,13 @@ finishes with the exact bytes.
 
 Targets, in this order: peer_raw, worker_raw (bytes on the wire), peer_msg, worker_msg, attach (random
 messages), cross_peer (one peer registers another daemon's consumer agent with a forged region table:
-that daemon's own transfer must still land on exactly its blocks), agent (registrations that carry a
-real consumer agent's NIXL metadata with absurd region tables, matched by a publish, sometimes with the
-consumer's daemon "restarting" while the WRITE is in flight: NIXL must refuse every descriptor outside
-the consumer's registered memory and the daemon must survive it).
+refused with PERMISSION_DENIED, and that daemon's own transfer must still land on exactly its blocks),
+agent (registrations of a real NIXL agent of the fuzzer's own, named as the calling origin's agents must
+be, with its metadata sometimes mutated and absurd region tables around the buffer it registered,
+matched by a publish, sometimes with the consumer's daemon "restarting" while the WRITE is in flight:
+NIXL must refuse every descriptor outside that buffer, nothing around it may change, a WRITE inside the
+real table must land the exact bytes, and the daemon must survive it; and replays of the real decode
+daemon's captured agent by a fake origin, which must be refused with PERMISSION_DENIED).
 
 Every fuzzed call must come back within 10 s with a status that is not INTERNAL or UNKNOWN. A request
 that grpc itself cannot parse comes back UNKNOWN ("Unexpected <class ...DecodeError>", logged by grpc
@@ -31,7 +31,11 @@ Helpers of the fuzzer, outside the daemons:
 - a fake peer daemon (a gRPC server in this process) that the fuzzer names as the peer address of its
   handshakes and as a producer address: failure notices, withdrawals and registrations then go
   somewhere that answers at once, and its Register handler captures a real consumer agent's NIXL
-  metadata, so that registrations with absurd region tables get past the metadata and reach NIXL;
+  metadata (the decode daemon's: what cross_peer and the agent target's replays forge);
+- a few real NIXL agents in this process (UCX, no progress thread: the agent target drives them), each
+  with a registered host buffer between guard bytes, used in turn by the agent target's origins (their
+  instance ids share the 8 characters the daemon names a peer's agents by), so that registrations with
+  absurd region tables get past the daemon's checks of the agent's name and metadata and reach NIXL;
 - a memory guard (RLIMIT_AS = current size + 1.5 GiB on each daemon): a request that makes a daemon
   allocate without bound fails with MemoryError (INTERNAL, reported) instead of driving the machine
   out of memory;
@@ -47,6 +51,7 @@ KVPUSHD_FUZZ_TARGETS=peer_msg,agent (comma-separated) runs only some targets.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import random
 import re
@@ -77,6 +82,7 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif
+from kvpushd.node import agent_prefix, metadata_agent_name
 
 CALL_TIMEOUT = 10.0  # a fuzzed call not answered within this is a hang
 MAX_MSG = 64 << 20  # the daemons' default peer_api.max_message_bytes
@@ -85,6 +91,7 @@ EXAMPLES = int(os.environ.get("KVPUSHD_FUZZ_EXAMPLES", "150"))
 BUDGET_S = float(os.environ.get("KVPUSHD_FUZZ_BUDGET_S", "6"))  # per target
 GUARD_BYTES = 1536 << 20
 SLOW_S = 3.0
+ORIGIN_NODE = "fuzz-origin"  # the node id of the fuzzer's fake origins (their agents: agent_prefix())
 
 FD = pb_descriptor.FieldDescriptor
 PEER_SVC = peer_pb2.DESCRIPTOR.services_by_name["PeerService"]
@@ -292,6 +299,64 @@ class FakePeer(grpc.GenericRpcHandler):
 
 
 # ------------------------------------------------------------------------------------------------
+# Real NIXL agents of this process (the agent target's consumers)
+
+AGENT_POOL = 4  # the agent target's NIXL agents, used in turn (each by a new origin instance)
+AGENT_GUARD = 16 << 10  # bytes on each side of a fuzz agent's registered buffer that must never change
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(eq=False)
+class FuzzAgent:
+    """A NIXL agent (UCX, no progress thread) that registered a host buffer of the fuzz consumer's
+    size, with guard bytes on both sides; its metadata is what a fake origin sends."""
+
+    name: str
+    agent: Any
+    buf: np.ndarray  # guard + registered + guard, POISON at first
+    reg: Any
+    lo: int  # the registered buffer's address range
+    hi: int
+    metadata: bytes
+    notifs: int = 0
+
+    @classmethod
+    def create(cls, name: str) -> FuzzAgent:
+        import nixl._api as nixl_api
+
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # not a line per agent
+        size = F_REGIONS * F_BLOCKS * F_BLOCK_LEN
+        agent = nixl_api.nixl_agent(name, nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        buf = np.full(size + 2 * AGENT_GUARD, POISON, dtype=np.uint8)
+        lo = buf.ctypes.data + AGENT_GUARD
+        reg = agent.register_memory([(lo, size, 0, "")], "DRAM")
+        return cls(name, agent, buf, reg, lo, lo + size, bytes(agent.get_agent_metadata()))
+
+    @property
+    def kv(self) -> np.ndarray:
+        return self.buf[AGENT_GUARD:-AGENT_GUARD].reshape(F_REGIONS, F_BLOCKS, F_BLOCK_LEN)
+
+    def guards_intact(self) -> bool:
+        return bool((self.buf[:AGENT_GUARD] == POISON).all() and (self.buf[-AGENT_GUARD:] == POISON).all())
+
+    def drain(self) -> None:
+        """Progress (UCX) and the notifications received."""
+        if self.agent is not None:
+            self.notifs += sum(len(v) for v in self.agent.get_new_notifs().values())
+
+    def close(self) -> None:
+        """Deregister and release the agent (the buffer stays with the caller)."""
+        if self.agent is not None:
+            self.drain()
+            self.agent.deregister_memory(self.reg)
+            self.agent = self.reg = None
+
+
+# ------------------------------------------------------------------------------------------------
 # Correct traffic alongside
 
 
@@ -390,6 +455,8 @@ class Fuzz:
     got: dict[tuple[str, str], list[Completion]] = field(default_factory=lambda: collections.defaultdict(list))
     deadline: float = 0.0
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)
+    info: list[str] = field(default_factory=list)
+    kept_buffers: list[np.ndarray] = field(default_factory=list)  # released fuzz agents' memory, kept to the end
 
     def __post_init__(self) -> None:
         self.chans = {
@@ -472,10 +539,10 @@ class Fuzz:
             for c in w.completions():
                 self.got[(wid, c.transfer_id)].append(c)
 
-    def handshake(self, daemon: str, address: str) -> str:
+    def handshake(self, daemon: str, address: str, inst: str = "") -> str:
         """A fake origin: a handshake from an instance that lives at ``address`` (the fake peer)."""
-        inst = f"fz-{uuid.uuid4().hex}"
-        req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=HASH, node_id="fuzz-origin",
+        inst = inst or f"fz-{uuid.uuid4().hex}"
+        req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=HASH, node_id=ORIGIN_NODE,
                                         peer_address=address, instance_id=inst)
         code, _, _ = self.call("setup", daemon, "peer", PEER_SVC, "Handshake", req,
                                want=("OK", lambda c: c is grpc.StatusCode.OK))
@@ -505,7 +572,8 @@ class Fuzz:
         caller = getattr(req, "caller_instance_id", None)
         if method == "Handshake" and (req.protocol_version != PROTOCOL_VERSION or req.compat_hash != HASH):
             want = ("a refusal of a wrong protocol version or hash", lambda c: c is not grpc.StatusCode.OK)
-        elif method in ("Register", "Fail", "Withdraw") and caller not in self.known_origins[daemon]:
+        elif method in ("Register", "Fail", "Withdraw", "Offer", "ReadFailed") \
+                and caller not in self.known_origins[daemon]:
             want = ("a refusal of an unknown caller", lambda c: c is not grpc.StatusCode.OK)
         code, _, _ = self.call("peer_msg", daemon, "peer", PEER_SVC, method, req, want=want)
         if method == "Handshake" and code is grpc.StatusCode.OK:
@@ -571,19 +639,35 @@ class Fuzz:
         run()
 
     def agent(self) -> None:
-        """Registrations with a real consumer agent's metadata (captured) and absurd region tables,
-        matched by a publish of the fuzz producer: the WRITE reaches NIXL, which must refuse every
-        descriptor outside the consumer's registered memory."""
+        """Registrations whose consumer agent is a real NIXL agent of this process (UCX, a host buffer of
+        the fuzz consumer's size), named as the calling fake origin's agents must be, with its metadata
+        sometimes mutated and absurd region tables around that buffer, matched by a publish of the fuzz
+        producer: the WRITE reaches NIXL, which must refuse every descriptor outside the registered buffer
+        (a WRITE that reports FINISHED_SENDING must have stayed inside it, and the guard bytes around it
+        must not change; one inside the real table must land the exact bytes). Each case is a new origin
+        instance at the same address (the daemon forgets the previous one and its agents), so a new agent;
+        the last few are kept and older ones released. A few cases replay the captured agent of the real
+        decode daemon (another daemon's agent): those must be refused with PERMISSION_DENIED."""
         cap = self.fake.captured
         assert cap is not None
-        lo = cap.regions[0].base_addr
-        hi = lo + self.fcap.buf.size
         serial = iter(range(10**9))
+        cases = iter(range(10**9))
+        span = F_BLOCKS * F_BLOCK_LEN
+        # the buffer's real table, relative to its first byte (the cases add the buffer's address)
+        legit = [peer_pb2.RemoteRegion(base_addr=i * span, num_blocks=F_BLOCKS, block_len=F_BLOCK_LEN,
+                                       block_stride=F_BLOCK_LEN, device_id=0) for i in range(F_REGIONS)]
+        # A bounded pool of agents, used in turn: the origin instance ids of slot k all start with the same
+        # 8 characters (fz-agNNN), which is all of an instance id that agent_prefix() keeps, so the agent of
+        # slot k is named as each of those origins' agents must be.
+        slots: list[FuzzAgent | None] = [None] * AGENT_POOL
+        pool: list[FuzzAgent] = []  # the agents of the cases so far, last one last (at most AGENT_POOL)
+        rss0 = rss_bytes()
+        t_agents = 0.0
 
         @st.composite
         def tables(draw: st.DrawFn) -> list[peer_pb2.RemoteRegion]:
-            regs = [peer_pb2.RemoteRegion() for _ in cap.regions]
-            for r, c in zip(regs, cap.regions, strict=True):
+            regs = [peer_pb2.RemoteRegion() for _ in legit]
+            for r, c in zip(regs, legit, strict=True):
                 r.CopyFrom(c)
             kind = draw(st.sampled_from(["same", "shift", "num_blocks", "stride", "block_len", "device", "count"]))
             i = draw(st.integers(0, len(regs) - 1))
@@ -604,69 +688,188 @@ class Fuzz:
                 regs = regs[: draw(st.integers(0, len(regs) - 1))] + regs * draw(st.integers(0, 2))
             return regs
 
-        @st.composite
-        def metadata(draw: st.DrawFn) -> bytes:
-            md = bytearray(cap.agent_metadata)
-            kind = draw(st.sampled_from(["same", "same", "same", "cut", "flip", "random", "empty"]))
-            if kind == "cut":
-                return bytes(md[: draw(st.integers(0, len(md) - 1))])
-            if kind == "flip":
-                for _ in range(draw(st.integers(1, 3))):
-                    md[draw(st.integers(0, len(md) - 1))] ^= 1 << draw(st.integers(0, 7))
-            if kind == "random":
-                return draw(st.binary(min_size=1, max_size=len(md)))
-            if kind == "empty":
+        # how a case's metadata is made from its agent's own: (kind, argument)
+        md_kinds = st.one_of(
+            st.just(("same", None)), st.just(("same", None)), st.just(("same", None)), st.just(("same", None)),
+            st.tuples(st.just("cut"), st.integers(0, 2**16)),
+            st.tuples(st.just("flip"), st.lists(st.tuples(st.integers(0, 2**16), st.integers(0, 7)), min_size=1,
+                                                max_size=3)),
+            st.tuples(st.just("random"), st.binary(min_size=1, max_size=400)),
+            st.sampled_from([("empty", None), ("captured", None), ("previous", None)]))
+        # the agent name a case registers: its own, or one the origin does not own
+        name_kinds = st.one_of(*[st.just(("own", ""))] * 6, st.sampled_from([
+            ("captured", ""), ("previous", ""), ("prefix", ""), ("own+", "")]), st.tuples(st.just("text"), TEXT))
+
+        def make_md(kind: tuple[str, Any], fa: FuzzAgent, previous: FuzzAgent | None) -> bytes:
+            what, arg = kind
+            md = bytearray(fa.metadata)
+            if what == "cut":
+                return bytes(md[: arg % len(md)])
+            if what == "flip":
+                for pos, bit in arg:
+                    md[pos % len(md)] ^= 1 << bit
+            elif what == "random":
+                return bytes(arg)
+            elif what == "empty":
                 return b""
+            elif what == "captured":
+                return bytes(cap.agent_metadata)
+            elif what == "previous":  # the previous case's agent's (another origin's)
+                return previous.metadata if previous else bytes(cap.agent_metadata)
             return bytes(md)
 
-        def case(regions: list[peer_pb2.RemoteRegion], md: bytes, name: str, kind: str, dst: list[int],
-                 src: list[int], rid: int, restart: bool) -> None:
+        def make_name(kind: tuple[str, str], fa: FuzzAgent, prefix: str, previous: FuzzAgent | None) -> str:
+            what, text = kind
+            return {"own": fa.name, "captured": cap.agent_name, "prefix": prefix, "own+": fa.name + "2",
+                    "previous": previous.name if previous else cap.agent_name, "text": text}[what]
+
+        def slot_agent(k: int, origin: str) -> FuzzAgent:
+            nonlocal t_agents
+            fa = slots[k]
+            if fa is None:
+                t0 = time.monotonic()
+                fa = slots[k] = FuzzAgent.create(f"{agent_prefix(ORIGIN_NODE, origin)}x")
+                t_agents += time.monotonic() - t0
+                self.deadline += time.monotonic() - t0  # (the first one loads NIXL: seconds) not the search's time
+                self.stats["agent"]["nixl-agents-created"] += 1
+            assert fa.name.startswith(agent_prefix(ORIGIN_NODE, origin))
+            fa.drain()  # what a previous case left
+            fa.kv[:] = POISON
+            fa.notifs = 0
+            if fa in pool:
+                pool.remove(fa)
+            pool.append(fa)
+            return fa
+
+        def case(rel: list[peer_pb2.RemoteRegion], md_kind: tuple[str, Any], name_kind: tuple[str, str],
+                 mem_kind: str, dst: list[int], src: list[int], rid: int, restart: bool,
+                 must_finish: bool = False) -> None:
             tid = f"ag-{next(serial)}"
+            k = next(cases) % AGENT_POOL
             # a new instance at the same address: the daemon forgets the previous one and its agents
+            origin = self.handshake("p", self.fake_addr, f"fz-ag{k:03d}-{uuid.uuid4().hex}")
+            prefix = agent_prefix(ORIGIN_NODE, origin)
+            previous = pool[-1] if pool else None
+            fa = slot_agent(k, origin)
+            try:
+                regions = [peer_pb2.RemoteRegion() for _ in rel]
+                for r, x in zip(regions, rel, strict=True):
+                    r.CopyFrom(x)
+                    r.base_addr = (x.base_addr + fa.lo) % 2**64
+                md = make_md(md_kind, fa, previous)
+                name = make_name(name_kind, fa, prefix, previous)
+                md_name = metadata_agent_name(md)
+                want = None
+                if not name:
+                    want = ("INVALID_ARGUMENT: no agent name", lambda c: c is grpc.StatusCode.INVALID_ARGUMENT)
+                elif not name.startswith(prefix):
+                    want = ("PERMISSION_DENIED: another daemon's agent name",
+                            lambda c: c is grpc.StatusCode.PERMISSION_DENIED)
+                elif md and md_name != name:
+                    want = ("a refusal: the metadata names another agent", lambda c: c is not grpc.StatusCode.OK)
+                elif name == fa.name and md == fa.metadata:
+                    want = ("no PERMISSION_DENIED: the origin's own agent",
+                            lambda c: c is not grpc.StatusCode.PERMISSION_DENIED)
+                req = peer_pb2.RegisterRequest(
+                    caller_instance_id=origin, transfer_id=tid, registration_id=rid, producer_engine_id="fuzzp",
+                    producer_tp_size=1, consumer_engine_id="fuzzd", consumer_tp_rank=0, consumer_tp_size=1,
+                    consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind=mem_kind,
+                                                      regions=regions), block_ids=dst)
+                code, _, data_ = self.call("agent", "p", "peer", PEER_SVC, "Register", req, want=want)
+                self.registrations.append(Registration("p", origin, tid, rid))
+                if code is not grpc.StatusCode.OK or peer_pb2.RegisterResponse.FromString(data_ or b"").need_metadata:
+                    if must_finish:
+                        self.anomalies[("agent-seed", tid)] = Anomaly(
+                            "agent", "p:Register", "the registration of a fuzz agent with its real table was not "
+                            "accepted with its metadata", code.name, "", describe(req), 0.0)
+                    return
+                pub = worker_pb2.PublishRequest(worker_id=self.fuzzp.worker_id, transfer_id=tid, block_ids=src)
+                code, _, _ = self.call("agent", "p", "local", WORKER_SVC, "Publish", pub,
+                                       want=("OK", lambda c: c is grpc.StatusCode.OK))
+                if code is not grpc.StatusCode.OK:
+                    return
+                self.accepted[(self.fuzzp.worker_id, tid)] += 1
+                self.stats["agent"]["reached-nixl"] += 1
+                if restart:
+                    self.handshake("p", self.fake_addr)
+                key = (self.fuzzp.worker_id, tid)
+                end = time.monotonic() + 15
+                while not self.got.get(key) and time.monotonic() < end:
+                    self.collect()
+                    fa.drain()  # this agent has no progress thread: drive it
+                    time.sleep(0.002)
+                comps = self.got.get(key)
+                if not comps:
+                    self.anomalies[("agent", tid)] = Anomaly("agent", "p:Publish", "no completion within 15 s", "",
+                                                             "", describe(req), 15.0)
+                    return
+                c = comps[0]
+                self.stats["agent"][f"completion:{c.kind.name}:{c.code}"] += 1
+                finished = c.kind is CompletionKind.FINISHED_SENDING
+                if must_finish and not finished:
+                    self.anomalies[("agent-seed", tid)] = Anomaly(
+                        "agent", "p:Register+Publish", f"a correct WRITE to a fuzz agent ended {c}", "", "",
+                        describe(req), 0.0)
+                if finished:
+                    wlen = [max(r.block_len, F_BLOCK_LEN) for r in regions]
+                    inside = all(fa.lo <= a and a + n <= fa.hi for r, n in zip(regions, wlen, strict=True)
+                                 for a in ((r.base_addr + b * r.block_stride) % 2**64 for b in dst))
+                    if not inside or len(regions) != F_REGIONS or name != fa.name:
+                        self.anomalies[("agent-write", tid)] = Anomaly(
+                            "agent", "p:Register+Publish", "a WRITE outside the consumer agent's registered memory "
+                            f"[{fa.lo:#x}, {fa.hi:#x}) reported FINISHED_SENDING", "OK", "", describe(req), 0.0)
+                    elif list(rel) == legit and len(src) == len(dst):
+                        end = time.monotonic() + 3  # the notification follows the data
+                        while not fa.notifs and time.monotonic() < end:
+                            fa.drain()
+                            time.sleep(0.002)
+                        self.stats["agent"][f"notified:{bool(fa.notifs)}"] += 1
+                        bad = int(np.count_nonzero(fa.kv[:, dst] != self.fsrc.arr[:, src]))
+                        if bad:
+                            self.anomalies[("agent-bytes", tid)] = Anomaly(
+                                "agent", "p:Register+Publish", f"a WRITE inside the real table (src {src} -> dst "
+                                f"{dst}) reported FINISHED_SENDING but {bad} destination bytes differ from the "
+                                "source", "OK", "", describe(req), 0.0)
+            finally:
+                fa.drain()
+                if not fa.guards_intact():
+                    self.anomalies[("agent-guard", tid)] = Anomaly(
+                        "agent", "p:Register+Publish", f"bytes around the consumer agent's registered memory "
+                        f"[{fa.lo:#x}, {fa.hi:#x}) changed", "", "", describe(req), 0.0)
+                    fa.buf[:] = POISON
+
+        def replay(regions: list[peer_pb2.RemoteRegion], md: bytes, own_prefix: bool) -> None:
+            """The real decode daemon's captured agent, replayed by a fake origin."""
+            tid = f"ag-replay-{next(serial)}"
             origin = self.handshake("p", self.fake_addr)
+            name = f"{agent_prefix(ORIGIN_NODE, origin)}x" if own_prefix else cap.agent_name
             req = peer_pb2.RegisterRequest(
-                caller_instance_id=origin, transfer_id=tid, registration_id=rid, producer_engine_id="fuzzp",
-                producer_tp_size=1, consumer_engine_id="fuzzd", consumer_tp_rank=0, consumer_tp_size=1,
-                consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind=kind,
-                                                  regions=regions), block_ids=dst)
-            code, _, data_ = self.call("agent", "p", "peer", PEER_SVC, "Register", req)
-            self.registrations.append(Registration("p", origin, tid, rid))
-            if code is not grpc.StatusCode.OK or peer_pb2.RegisterResponse.FromString(data_ or b"").need_metadata:
-                return
-            pub = worker_pb2.PublishRequest(worker_id=self.fuzzp.worker_id, transfer_id=tid, block_ids=src)
-            code, _, _ = self.call("agent", "p", "local", WORKER_SVC, "Publish", pub,
-                                   want=("OK", lambda c: c is grpc.StatusCode.OK))
-            if code is not grpc.StatusCode.OK:
-                return
-            self.accepted[(self.fuzzp.worker_id, tid)] += 1
-            if restart:
-                self.handshake("p", self.fake_addr)
-            key = (self.fuzzp.worker_id, tid)
-            end = time.monotonic() + 15
-            while not self.got.get(key) and time.monotonic() < end:
-                self.collect()
-                time.sleep(0.002)
-            comps = self.got.get(key)
-            if not comps:
-                self.anomalies[("agent", tid)] = Anomaly("agent", "p:Publish", "no completion within 15 s", "",
-                                                         "", describe(req), 15.0)
-                return
-            self.stats["agent"][f"completion:{comps[0].kind.name}:{comps[0].code}"] += 1
-            if comps[0].kind is CompletionKind.FINISHED_SENDING:
-                inside = all(lo <= a and a + r.block_len <= hi for r in regions
-                             for a in ((r.base_addr + b * r.block_stride) % 2**64 for b in dst))
-                if not inside or len(regions) != F_REGIONS:
-                    self.anomalies[("agent-write", tid)] = Anomaly(
-                        "agent", "p:Register+Publish", "a WRITE outside the consumer's registered memory "
-                        f"[{lo:#x}, {hi:#x}) reported FINISHED_SENDING", "OK", "", describe(req), 0.0)
+                caller_instance_id=origin, transfer_id=tid, registration_id=3, producer_engine_id="fuzzp",
+                producer_tp_size=1, consumer_engine_id="fuzzc", consumer_tp_rank=0, consumer_tp_size=1,
+                consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind=cap.memory_kind,
+                                                  regions=regions), block_ids=[1])
+            self.call("agent", "p", "peer", PEER_SVC, "Register", req,
+                      want=("PERMISSION_DENIED", lambda c: c is grpc.StatusCode.PERMISSION_DENIED))
+            self.registrations.append(Registration("p", origin, tid, 3))
+
+        shifted = [peer_pb2.RemoteRegion() for _ in cap.regions]
+        for r, x in zip(shifted, cap.regions, strict=True):
+            r.CopyFrom(x)
+        shifted[0].base_addr -= 2 * F_BLOCK_LEN
+        replay(list(cap.regions), cap.agent_metadata, False)  # as captured
+        replay(shifted, cap.agent_metadata, False)  # with a forged table
+        replay(list(cap.regions), b"", False)  # without metadata (as if the daemon knew the agent)
+        replay(list(cap.regions), cap.agent_metadata, True)  # under the origin's own name
+        # a correct registration first: the cases do reach NIXL (and the bytes land)
+        case(legit, ("same", None), ("own", ""), "DRAM", [1, 2], [5, 6], 7, False, must_finish=True)
 
         @FUZZ_SETTINGS
-        @given(regions=tables(), md=metadata(), data=st.data())
-        def run(regions: list[peer_pb2.RemoteRegion], md: bytes, data: st.DataObject) -> None:
-            name = data.draw(st.one_of(st.just(cap.agent_name), st.just(cap.agent_name), TEXT))
-            kind = data.draw(st.one_of(st.just(cap.memory_kind), st.sampled_from(["DRAM", "VRAM", "dram"])))
+        @given(rel=tables(), md_kind=md_kinds, name_kind=name_kinds, data=st.data())
+        def run(rel: list[peer_pb2.RemoteRegion], md_kind: tuple[str, Any], name_kind: tuple[str, str],
+                data: st.DataObject) -> None:
+            mem_kind = data.draw(st.one_of(st.just("DRAM"), st.just("DRAM"), st.sampled_from(["VRAM", "dram", ""])))
             n = data.draw(st.integers(1, 4))
-            nb = min((r.num_blocks for r in regions), default=0)
+            nb = min((r.num_blocks for r in rel), default=0)
             dst = data.draw(st.lists(st.one_of(st.integers(0, F_BLOCKS - 1), st.integers(0, max(nb - 1, 0))),
                                      min_size=n, max_size=n, unique=True))
             src = data.draw(st.lists(st.integers(0, F_BLOCKS - 1), min_size=n, max_size=n + 2, unique=True))
@@ -674,12 +877,21 @@ class Fuzz:
             restart = data.draw(st.booleans())  # the consumer's daemon "restarts" while the WRITE may be in flight
             if self.out_of_time("agent"):
                 return
-            case(regions, md, name, kind, dst, src, rid, restart)
+            case(rel, md_kind, name_kind, mem_kind, dst, src, rid, restart)
 
-        run()
-        # then a seed the random search may or may not reach within its budget: the consumer's daemon
-        # "restarts" (a handshake from its address with a new instance id) right after the WRITE started
-        case(list(cap.regions), cap.agent_metadata, cap.agent_name, cap.memory_kind, [1], [5], 7, True)
+        try:
+            run()
+            # then a seed the random search may or may not reach within its budget: the consumer's daemon
+            # "restarts" (a handshake from its address with a new instance id) right after the WRITE started
+            case(legit, ("same", None), ("own", ""), "DRAM", [1], [5], 8, True)
+        finally:
+            self.handshake("p", self.fake_addr)  # the daemon forgets the last origin and its agent
+            for fa in pool:
+                fa.close()
+                self.kept_buffers.append(fa.buf)  # a late WRITE would still land in memory we own
+            self.info.append(f"agent: {next(cases)} cases on {len(pool)} NIXL agents of this process (created in "
+                             f"{t_agents:.1f}s); fuzzer RSS {rss0 / 2**20:.0f} -> {rss_bytes() / 2**20:.0f} MiB")
+
 
     def cross_peer(self) -> None:
         """One peer's registration must not change how the daemon writes another peer's transfers: a fake
@@ -698,7 +910,8 @@ class Fuzz:
             producer_tp_size=1, consumer_engine_id="fuzzc", consumer_tp_rank=0, consumer_tp_size=1,
             consumer_agent=peer_pb2.AgentInfo(agent_name=cap.agent_name, agent_metadata=cap.agent_metadata,
                                               memory_kind=cap.memory_kind, regions=regions), block_ids=[0])
-        self.call("cross_peer", "p", "peer", PEER_SVC, "Register", forged)
+        self.call("cross_peer", "p", "peer", PEER_SVC, "Register", forged,
+                  want=("PERMISSION_DENIED: another daemon's agent", lambda c: c is grpc.StatusCode.PERMISSION_DENIED))
         self.registrations.append(Registration("p", origin, "cross-forged", 1))
         self.fcap.arr[:] = POISON
         tid, sb, db = "cross-real", [7, 8], [1, 2]
@@ -743,7 +956,11 @@ class Fuzz:
         wid = getattr(req, "worker_id", "")
         home = self.fuzz_ids.get(wid)
         want = None
-        if svc is WORKER_SVC and wid not in self.fuzz_ids:
+        if svc is WORKER_SVC and wid not in self.fuzz_ids and undefined_enum(req):
+            # a value no enum defines is invalid whatever the state: either refusal is right
+            want = ("NOT_FOUND for an unknown worker or INVALID_ARGUMENT for an undefined enum value",
+                    lambda c: c in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT))
+        elif svc is WORKER_SVC and wid not in self.fuzz_ids:
             want = ("NOT_FOUND for an unknown worker", lambda c: c is grpc.StatusCode.NOT_FOUND)
         elif method == "Session" and daemon == home:
             want = ("ALREADY_EXISTS: the worker has a session", lambda c: c is grpc.StatusCode.ALREADY_EXISTS)
@@ -846,6 +1063,18 @@ class Fuzz:
                           want=("OK", lambda c: c is grpc.StatusCode.OK))
 
         run()
+
+
+def undefined_enum(msg: Message) -> bool:
+    """Whether the message (or one nested in it) sets an enum field to a value its enum does not define."""
+    for f, v in msg.ListFields():
+        if f.type == FD.TYPE_ENUM:
+            if any(x not in f.enum_type.values_by_number for x in (v if is_repeated(f) else [v])):
+                return True
+        elif f.type == FD.TYPE_MESSAGE and not f.message_type.GetOptions().map_entry \
+                and any(undefined_enum(x) for x in (v if is_repeated(f) else [v])):
+            return True
+    return False
 
 
 def grpc_decode_error(details: str) -> bool:
@@ -967,8 +1196,10 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
         chosen = os.environ.get("KVPUSHD_FUZZ_TARGETS",
                                 "peer_raw,worker_raw,peer_msg,worker_msg,attach,cross_peer,agent")
         for name in chosen.split(","):
-            fz.deadline = time.monotonic() + BUDGET_S * (1.5 if name in ("worker_msg", "attach") else 1)
+            t0 = time.monotonic()
+            fz.deadline = t0 + BUDGET_S * {"worker_msg": 1.5, "attach": 1.5, "agent": 2}.get(name, 1)
             getattr(fz, name)()
+            fz.info.append(f"{name}: {time.monotonic() - t0:.1f}s")
     finally:
         traffic.stop_event.set()
         traffic.join(90)
@@ -1061,6 +1292,8 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
                                for comps in fz.got.values() for c in comps)
     summary.append("completions of the fuzz workers' transfers:\n    " + "\n    ".join(
         f"{n} x {k}" for k, n in ends.most_common(25)))
+    summary += [f"info: {s}" for s in fz.info]
+    summary.append("stop on SIGTERM: " + ", ".join(f"{k} {v:.1f}s" for k, v in stop_s.items()))
     summary += [f"slow: {s}" for s in fz.slow[:10]]
     summary += [f"note: {s}" for s in fz.notes]
     print("\n".join(summary))
