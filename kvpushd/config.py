@@ -159,7 +159,7 @@ def from_dict(data: dict[str, Any]) -> Config:
             f = fields.get(key)
             if f is None:
                 raise InvalidArgument(f"config: unknown key {name}.{key}; known: {sorted(fields)}")
-            if f.default_factory is dict:  # type: ignore[comparison-overlap]
+            if f.default_factory is dict:
                 kwargs[key] = _coerce_table(f"{name}.{key}", v, depth=2 if key == "device_params" else 1)
             else:
                 kwargs[key] = _coerce(f"{name}.{key}", f.default, v)
