@@ -239,10 +239,10 @@ class _Engines:
         self.outboxes[role].put(msg)
 
     def recv(self, timeout_s: float) -> Iterator[tuple[str, tuple[Any, ...]]]:
-        for c in wait(list(self.conns.values()), max(0.0, timeout_s)):
-            role = "prefill" if c is self.conns["prefill"] else "decode"
+        for ready in wait(list(self.conns.values()), max(0.0, timeout_s)):
+            role = "prefill" if ready is self.conns["prefill"] else "decode"
             try:
-                msg = tuple(c.recv())  # type: ignore[union-attr]
+                msg = tuple(self.conns[role].recv())
             except EOFError:
                 raise BenchError(f"{self.mode}: the {role} engine exited (code {self.procs[role].exitcode})") from None
             if msg[0] == "error":
