@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -168,6 +169,7 @@ class Origin:
     instance_id: str
     node_id: str
     address: str
+    token: str = ""  # secret of this session (HandshakeResponse.session_token)
     agents: dict[str, float] = field(default_factory=dict)  # consumer agent name -> last registration
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -183,9 +185,9 @@ class Node:
         self.peer_address = f"{cfg.advertise_host}:{cfg.listen_host_port[1]}"
         self.workers: dict[str, Worker] = {}
         self.send = SendSide(cfg.transfer.publish_timeout_s, cfg.transfer.expect_timeout_s)
-        # Registration ids start at a random offset so a restarted daemon's ids do not collide
-        # with stale notifications addressed to its previous instance.
-        self.recv = RecvSide(cfg.transfer.expect_timeout_s, first_registration_id=1 + (uuid.uuid4().int % (1 << 40)))
+        # Registration ids are random (63 bits): they do not collide with stale notifications addressed
+        # to a previous instance, and only the prefill daemon a registration went to knows its id.
+        self.recv = RecvSide(cfg.transfer.expect_timeout_s, random_ids=True)
         self.counters = Counters()
         self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
         self.remote_agents: dict[str, RemoteAgent] = {}
@@ -194,6 +196,7 @@ class Node:
         self.pull_agents: dict[str, tuple[str, RemoteAgent, float]] = {}
         self.peers: dict[str, PeerClient] = {}
         self.draining = False
+        self._withdrawing = 0  # Withdraw RPCs not answered yet (see _send_withdraw)
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.xfer: TransferThread | None = None
@@ -394,7 +397,8 @@ class Node:
     # -- peer API (we are the prefill side) -----------------------------------------------------
 
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str) -> None:
+                  instance_id: str, presented_token: str = "") -> str:
+        """A peer daemon introduces itself; returns the secret token of its session."""
         from . import PROTOCOL_VERSION
 
         if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
@@ -405,12 +409,28 @@ class Node:
             raise InvalidArgument("handshake needs instance_id and peer_address")
         if max(len(node_id), len(peer_address), len(instance_id)) > 256:
             raise InvalidArgument("handshake: node_id, peer_address and instance_id are limited to 256 characters")
+        known = self.origins.get(instance_id)
+        if known is not None:
+            if presented_token and secrets.compare_digest(presented_token, known.token):
+                known.last_seen = time.monotonic()
+                return known.token  # the same session again
+            if instance_id in self.send.origins():
+                raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
+                                       "pending here; a daemon that lost its session token must wait for them to end")
+            # An idle session whose holder lost its token (or a new claimant): it starts afresh,
+            # without the agents the old session introduced.
+            self.origins.pop(instance_id, None)
+            self._forget_agents(known)
         for old in [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]:
             self._origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
-        if instance_id not in self.origins:
-            self.origins[instance_id] = Origin(instance_id, node_id, peer_address)
-            log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
+        origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16))
+        log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
         self.metrics.contact(peer_address, node_id=node_id, inbound=True)
+        return origin.token
+
+    def session_ok(self, instance_id: str, token: str) -> bool:
+        origin = self.origins.get(instance_id)
+        return origin is not None and bool(token) and secrets.compare_digest(token, origin.token)
 
     def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
                  producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
@@ -472,10 +492,10 @@ class Node:
         self._run(self.send.register(time.monotonic(), reg))
         return True
 
-    def heard_from(self, origin_id: str) -> bool:
-        """A decode daemon's heartbeat (or any call): False when we do not know it (we restarted)."""
+    def heard_from(self, origin_id: str, token: str) -> bool:
+        """A decode daemon's heartbeat: False when we do not know it (we restarted) or its session."""
         origin = self.origins.get(origin_id)
-        if origin is None:
+        if origin is None or not self.session_ok(origin_id, token):
             return False
         origin.last_seen = time.monotonic()
         return True
@@ -523,9 +543,17 @@ class Node:
         finally:
             peer.beating = False
 
-    def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
-                 reason: str) -> None:
+    async def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
+                       reason: str) -> None:
+        """A decode daemon withdraws a registration; returns once no WRITE into it is in flight
+        (bounded), so the decode side may then let its engine free the blocks."""
+        key = self.send.transfer_of(origin_id, registration_id)
         self._run(self.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
+        if key is None:
+            return
+        deadline = time.monotonic() + max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0)
+        while self.send.writing_into(key, registration_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
 
     def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
                     reason: str) -> None:
@@ -757,7 +785,7 @@ class Node:
 
     def _update_expecting(self) -> None:
         if self.xfer is not None:
-            self.xfer.set_expecting(len(self.recv))
+            self.xfer.set_expecting(len(self.recv) + self._withdrawing)
 
     def peer(self, address: str) -> PeerClient:
         p = self.peers.get(address)
@@ -796,6 +824,10 @@ class Node:
             self.metrics.contact(origin.address)
 
     async def _send_withdraw(self, a: SendWithdraw) -> None:
+        # Until the prefill daemon answers, a WRITE into these blocks may still be landing, and over
+        # shared memory or TCP it completes only while this side's agent makes progress: keep polling.
+        self._withdrawing += 1
+        self._update_expecting()
         try:
             await self.peer(a.producer_address).withdraw(a.transfer_id, a.registration_id, a.code, a.reason)
         except KvpushdError as e:
@@ -804,6 +836,12 @@ class Node:
                      engine_id=self.events.engine_of(a.transfer_id), error=str(e))
         else:
             self.metrics.contact(a.producer_address)
+        finally:
+            self._withdrawing -= 1
+            self._update_expecting()
+            if a.then is not None:  # the prefill daemon has no WRITE into these blocks in flight any more
+                self.recv.ended(a.then)
+                self._deliver(a.then.worker_id, a.then.completion)
 
     def peer_lost(self, address: str, reason: str, restarted: bool = False) -> None:
         """A prefill daemon is unreachable (or restarted): its pending receives fail now."""

@@ -61,6 +61,7 @@ class PeerClient:
         self.stub = peer_pb2_grpc.PeerServiceStub(self.channel)
         self.remote_node_id = ""
         self.remote_instance = ""
+        self.session: tuple[tuple[str, str], ...] = ()  # (("kvpushd-session", token),) from the handshake
         self.state = "new"
         self.last_error = ""
         self.since = 0.0
@@ -93,14 +94,14 @@ class PeerClient:
                 # wait_for_ready: connect (or reconnect after a restart) within the deadline
                 # instead of failing at once on a channel that last saw the peer down.
                 resp = await self.stub.Handshake(req, timeout=n.cfg.peer_api.connect_timeout_s,
-                                                 wait_for_ready=True)
+                                                 wait_for_ready=True, metadata=self.session)
             except grpc.aio.AioRpcError as e:
                 err: grpc.aio.AioRpcError | None = e
                 if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                     # wait_for_ready hides why the channel cannot connect (refused, TLS handshake
                     # failed): one call without it reports the channel's last connection error.
                     try:
-                        resp = await self.stub.Handshake(req, timeout=1.0)
+                        resp = await self.stub.Handshake(req, timeout=1.0, metadata=self.session)
                         err = None
                     except grpc.aio.AioRpcError as e2:
                         err = e2 if e2.code() is grpc.StatusCode.UNAVAILABLE else e
@@ -115,6 +116,7 @@ class PeerClient:
                 self.sent_agents.clear()
             self.remote_instance = resp.instance_id
             self.remote_node_id = resp.node_id
+            self.session = (("kvpushd-session", resp.session_token),)
             self.state = "connected"
             self.since = self.last_ok = asyncio.get_running_loop().time()
             self.failing_since = 0.0
@@ -138,7 +140,7 @@ class PeerClient:
         timeout = self.node.cfg.peer_api.rpc_timeout_s
         for attempt in (0, 1):
             try:
-                return await getattr(self.stub, method)(req, timeout=timeout)
+                return await getattr(self.stub, method)(req, timeout=timeout, metadata=self.session)
             except grpc.aio.AioRpcError as e:
                 forgot_us = e.code() is grpc.StatusCode.FAILED_PRECONDITION and "handshake first" in (
                     e.details() or "")
@@ -222,7 +224,7 @@ class PeerClient:
         loop = asyncio.get_running_loop()
         req = peer_pb2.HeartbeatRequest(caller_instance_id=self.node.instance_id)
         try:
-            resp = await self.stub.Heartbeat(req, timeout=timeout_s)
+            resp = await self.stub.Heartbeat(req, timeout=timeout_s, metadata=self.session)
         except grpc.aio.AioRpcError as e:
             self._broken(e)
             if self.failing_since == 0.0:

@@ -90,6 +90,16 @@ def to_registration(a: SendRegister, origin: str = ORIGIN) -> Registration:
                         f"agent-{a.worker_id}", a.consumer_rank, a.consumer_tp_size, a.block_ids)
 
 
+def expand(actions: Sequence[Action]) -> list[Action]:
+    """Actions with each withdrawal's deferred completion (``SendWithdraw.then``) after it."""
+    out: list[Action] = []
+    for a in actions:
+        out.append(a)
+        if isinstance(a, SendWithdraw) and a.then is not None:
+            out.append(a.then)
+    return out
+
+
 def one(actions: Sequence[Action], cls: type[A]) -> A:
     assert len(actions) == 1, actions
     (a,) = actions
@@ -126,6 +136,7 @@ class Net:
     delivered: list[Deliver] = field(default_factory=list)
     notices: list[SendFailNotice] = field(default_factory=list)
     withdraws: list[SendWithdraw] = field(default_factory=list)
+    held: list[tuple[tuple[str, str] | None, int, Deliver]] = field(default_factory=list)
     now: float = T0
 
     def run(self, actions: Iterable[Action]) -> None:
@@ -144,7 +155,16 @@ class Net:
                 self.run(self.recv.failed(a.registration_id, a.code, a.reason))
             elif isinstance(a, SendWithdraw):
                 self.withdraws.append(a)
+                key = self.send.transfer_of(ORIGIN, a.registration_id)
                 self.run(self.send.withdraw(ORIGIN, a.transfer_id, a.registration_id, a.code, a.reason))
+                if a.then is not None:  # the runtime answers once no WRITE into it is in flight
+                    self.held.append((key, a.registration_id, a.then))
+        for held in list(self.held):
+            key, rid, d = held
+            if key is None or not self.send.writing_into(key, rid):
+                self.held.remove(held)
+                self.recv.ended(d)
+                self.delivered.append(d)
 
     def expect(self, rank: int, blocks: Sequence[int] = DST, tid: str = TID) -> None:
         self.run(expect(self.recv, self.now, rank, self.dtp, self.ptp, blocks, tid))
@@ -447,7 +467,7 @@ def test_expect_timeout() -> None:
     r.notified(sr.registration_id, 1)
     assert r.next_deadline() == T0 + EXP_TO
     assert r.tick(T0 + EXP_TO - 1) == []
-    actions = r.tick(T0 + EXP_TO)
+    actions = expand(r.tick(T0 + EXP_TO))
     assert len(actions) == 2
     d = one(of(actions, Deliver), Deliver)
     assert d.worker_id == dw(0)
@@ -490,7 +510,7 @@ def test_next_deadline_tracks_the_earliest_live_deadline() -> None:
     assert r.next_deadline() == T0 + 3 + EXP_TO
     assert r.tick(T0 + 2 + EXP_TO) == []  # the superseded record's deadline is stale
     assert len(r) == 1
-    assert len(r.tick(T0 + 3 + EXP_TO)) == 2
+    assert len(r.tick(T0 + 3 + EXP_TO)) == 1  # SendWithdraw, the FAILED riding on it
     assert_empty(r)
 
 
@@ -670,11 +690,14 @@ def test_abort_on_the_decode_side() -> None:
     assert r.abort(dw(0), "other") == (False, [])
     assert r.abort("other-worker", TID) == (False, [])
     found, actions = r.abort(dw(0), TID)
-    assert found and len(actions) == 2
-    d, wd = actions
+    assert found and len(actions) == 1
+    (wd,) = actions
+    # the FAILED is delivered only after the prefill daemon answered the withdrawal (it answers
+    # once no WRITE into these blocks is in flight)
+    d = wd.then  # type: ignore[union-attr]
     assert isinstance(d, Deliver) and d.worker_id == dw(0)
     failed(d, FailureCode.ABORTED, DST)
-    assert wd == SendWithdraw(ADDR, TID, sr.registration_id, FailureCode.ABORTED, wd.reason)  # type: ignore[union-attr]
+    assert wd == SendWithdraw(ADDR, TID, sr.registration_id, FailureCode.ABORTED, wd.reason, then=d)  # type: ignore[union-attr]
     assert_empty(r)
     assert r.abort(dw(0), TID) == (False, [])
 
@@ -689,14 +712,19 @@ def test_decode_abort_end_to_end(with_write: bool) -> None:
     found, actions = n.recv.abort(dw(0), TID)
     assert found
     n.run(actions)
-    (d,) = n.take()
-    failed(d, FailureCode.ABORTED, DST)
     if with_write:
-        n.complete(leg)  # the WRITE was already posted; it lands as a stray
-        (d,) = n.take()
-        assert d.worker_id == pw(0)
-        failed(d, FailureCode.ABORTED, SRC)
+        # the withdrawal is answered only once the WRITE in flight settled: until then the decode
+        # worker is not told (its blocks must not be freed under a landing WRITE)
+        assert n.take() == []
+        n.complete(leg)  # the WRITE lands as a stray
+        pd, dd = n.take()
+        assert pd.worker_id == pw(0)
+        failed(pd, FailureCode.ABORTED, SRC)
+        failed(dd, FailureCode.ABORTED, DST)
         assert n.recv.stray_notifications == 1
+    else:
+        (d,) = n.take()
+        failed(d, FailureCode.ABORTED, DST)
     assert n.notices == []  # no notice goes back for a withdrawn registration
     assert_empty(n.send, n.recv)
 
@@ -747,7 +775,7 @@ def test_decode_worker_gone() -> None:
     assert len(actions) == 2
     assert len(r) == 1
     assert r.worker_gone("gone") == []
-    assert len(r.abort("survivor", TID)[1]) == 2
+    assert len(expand(r.abort("survivor", TID)[1])) == 2
     assert_empty(r)
 
 

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -115,6 +116,9 @@ class PushPair(RuleBasedStateMachine):
         self.registration_ids: set[int] = set()
         self.epoch = 0  # the decode daemon's incarnation (its instance id is the prefill side's origin)
         self.disruptions: Counter[str] = Counter()  # rare events, bounded so that transfers get through
+        # decode completions that ride on a withdrawal, held until no WRITE into it is in flight
+        self.held: list[tuple[tuple[str, str], int, Deliver]] = []
+        self.then_done: set[int] = set()
 
     @property
     def origin(self) -> str:
@@ -131,7 +135,25 @@ class PushPair(RuleBasedStateMachine):
                 return op
         return None
 
+    def riding(self) -> set[int]:
+        """Registrations whose decode completion rides on a withdrawal not yet answered."""
+        return {m.msg.registration_id for m in self.net if isinstance(m, FromDecode)
+                and isinstance(m.msg, SendWithdraw) and m.msg.then is not None
+                and m.msg.registration_id not in self.then_done} | {rid for _, rid, _ in self.held}
+
+    def release_held(self) -> None:
+        for held in list(self.held):
+            key, rid, d = held
+            if not self.send.writing_into(key, rid):
+                self.held.remove(held)
+                self.recv.ended(d)
+                self.deliver(d)
+
     def route(self, actions: list[Action]) -> None:
+        self._route(actions)
+        self.release_held()
+
+    def _route(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, StartWrite):
                 assert a.producer_worker not in self.gone, f"WRITE started for gone worker: {a}"
@@ -192,8 +214,17 @@ class PushPair(RuleBasedStateMachine):
             else:
                 self.recv.registered(m.registration_id)
         elif isinstance(m, SendWithdraw):
+            key = self.send.transfer_of(self.origin, m.registration_id)
             if not lost:
                 self.route(self.send.withdraw(self.origin, m.transfer_id, m.registration_id, m.code, m.reason))
+            if m.then is not None and m.registration_id not in self.then_done:  # a retried RPC answers once
+                self.then_done.add(m.registration_id)
+                if lost or key is None:  # the runtime: the RPC failed or nothing was there: deliver now
+                    self.recv.ended(m.then)
+                    self.deliver(m.then)
+                else:  # the runtime answers once no WRITE into the registration is in flight
+                    self.held.append((key, m.registration_id, m.then))
+                    self.release_held()
         elif isinstance(m, SendFailNotice):
             assert m.origin.startswith("decode-")
             if not lost and m.origin == self.origin:
@@ -239,6 +270,10 @@ class PushPair(RuleBasedStateMachine):
         w = self.worker("recv", rank)
         claimed = {1: 2, 2: 4, 4: 1}[self.ptp] if wrong_ptp else self.ptp
         old = self.open_op(w, tid)
+        if old is not None and old.registration_id in self.riding():
+            with pytest.raises(AlreadyExists):  # still ending: the engine waits for its FAILED
+                self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed)
+            return
         actions = self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed)
         if not actions:  # a retried Expect
             assert old is not None and old.blocks == blocks
@@ -345,11 +380,13 @@ class PushPair(RuleBasedStateMachine):
             rank %= self.dtp
             w = self.worker("recv", rank)
             had = self.open_op(w, tid)
+            if had is not None and had.registration_id in self.riding():
+                had = None  # already ended on the decode side; its FAILED is on its way
             found, actions = self.recv.abort(w, tid)
             assert found == (had is not None)
         self.route(actions)
         if side == "recv":
-            assert had is None or had.status == "done"
+            assert had is None or had.status == "done" or had.registration_id in self.riding()
 
     @precondition(lambda self: self.disruptions["worker_gone"] < 2)
     @rule(side=st.sampled_from(["send", "recv"]), rank=st.integers(0, 3))
@@ -413,7 +450,11 @@ class PushPair(RuleBasedStateMachine):
 
     @invariant()
     def decode_side_holds_exactly_the_open_expects(self) -> None:
-        open_expects = [op for op in self.ops if op.side == "recv" and op.status == "open"]
+        # an Expect that ended on the decode side (abort, timeout) is still open until the FAILED
+        # riding on its withdrawal is delivered: the withdrawal in flight, or held for a WRITE
+        riding = self.riding()
+        open_expects = [op for op in self.ops if op.side == "recv" and op.status == "open"
+                        and op.registration_id not in riding]
         assert len(self.recv) == len(open_expects)
         for op in open_expects:
             assert self.recv.get(op.registration_id) == (op.worker, op.tid)
@@ -444,7 +485,7 @@ class PushPair(RuleBasedStateMachine):
                 break
             self.now = max(self.now, min(deadlines))
             self.tick()
-        assert not self.net and not self.posted
+        assert not self.net and not self.posted and not self.held
         assert len(self.send) == 0, [v for v in self.send.views(self.now)]
         assert len(self.recv) == 0, [v for v in self.recv.views(self.now)]
         for op in self.ops:

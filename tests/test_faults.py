@@ -264,3 +264,37 @@ def test_lease_expiry_under_load(workdir, kv_pair) -> None:
         for x in (p, d):
             x.client.close()
             x.stop()
+
+
+def test_decode_abort_waits_for_the_write_in_flight(monkeypatch, workdir, kv_pair) -> None:
+    """The decode engine aborts while the prefill daemon's WRITE into its blocks is in flight (held
+    3 s by the fault hook): the decode worker is told FAILED only once that WRITE has settled, so it
+    never frees blocks a WRITE may still land in."""
+    cfg = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 5.0\nexpect_timeout_s = 30.0\n"
+           "publish_timeout_s = 30.0\n")
+    p = _start_with_faults(monkeypatch, workdir, "pnode", "write_hold_s=3", cfg)
+    d = start_daemon(workdir, "dnode", cfg)
+    src, dst = kv_pair
+    try:
+        pw, dw = attach_pair(p, d, src, dst)
+        dw.expect("inflight", [1, 2], p.peer_address, "prefill", 1)
+        assert wait_for(lambda: any(t.transfer_id == "inflight" for t in p.client.status().transfers))
+        pw.publish("inflight", [7, 8])
+        assert wait_for(lambda: any(t.state == "writing" for t in p.client.status().transfers))
+        assert dw.abort("inflight")
+        cd = dw.next_completion(30)
+        writing_when_told = [t.transfer_id for t in p.client.status().transfers if t.state == "writing"]
+        assert cd is not None and cd.kind is CompletionKind.FAILED and cd.code == "ABORTED", cd
+        assert cd.block_ids == (1, 2)
+        assert writing_when_told == [], "the decode worker was told to free blocks under a WRITE in flight"
+        cp = pw.next_completion(30)
+        assert cp is not None and cp.kind is CompletionKind.FAILED and cp.block_ids == (7, 8), cp
+        assert wait_for(lambda: _held(p) == (0, 0) and _held(d) == (0, 0))
+        # the transfer id can be used again once its FAILED came
+        dw.expect("inflight", [3, 4], p.peer_address, "prefill", 1)
+        dw.abort("inflight")
+        assert dw.next_completion(30).kind is CompletionKind.FAILED
+    finally:
+        for x in (p, d):
+            x.client.close()
+            x.stop()

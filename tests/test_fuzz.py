@@ -468,6 +468,7 @@ class Fuzz:
         self.fuzz_ids = {self.fuzzp.worker_id: "p", self.fuzzd.worker_id: "d", self.fuzzc.worker_id: "d"}
         self.workers = {w.worker_id: w for w in (self.fuzzp, self.fuzzd, self.fuzzc)}
         self.known_origins = {"p": set(), "d": set()}  # handshakes the daemon accepted from us
+        self.tokens: dict[tuple[str, str], str] = {}  # (daemon, instance) -> session token from its handshake
 
     def close(self) -> None:
         for c in self.chans.values():
@@ -485,16 +486,19 @@ class Fuzz:
         streaming = service.methods_by_name[method].server_streaming
         chan = self.chans[(daemon, api)]
         data: bytes | None = None
+        # peer calls carry the session token of the instance they name (from its handshake)
+        inst = getattr(req, "caller_instance_id", "") if not raw and api == "peer" else ""
+        md = (("kvpushd-session", self.tokens[(daemon, inst)]),) if (daemon, inst) in self.tokens else None
         t0 = time.monotonic()
         try:
             if streaming:
-                it = chan.unary_stream(path)(payload, timeout=timeout)
+                it = chan.unary_stream(path)(payload, timeout=timeout, metadata=md)
                 try:
                     data = next(it, b"")
                 finally:
                     it.cancel()
             else:
-                data = chan.unary_unary(path)(payload, timeout=timeout)
+                data = chan.unary_unary(path)(payload, timeout=timeout, metadata=md)
             code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
@@ -544,9 +548,10 @@ class Fuzz:
         inst = inst or f"fz-{uuid.uuid4().hex}"
         req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=HASH, node_id=ORIGIN_NODE,
                                         peer_address=address, instance_id=inst)
-        code, _, _ = self.call("setup", daemon, "peer", PEER_SVC, "Handshake", req,
-                               want=("OK", lambda c: c is grpc.StatusCode.OK))
+        code, _, data = self.call("setup", daemon, "peer", PEER_SVC, "Handshake", req,
+                                  want=("OK", lambda c: c is grpc.StatusCode.OK))
         if code is grpc.StatusCode.OK:
+            self.tokens[(daemon, inst)] = peer_pb2.HandshakeResponse.FromString(data or b"").session_token
             self.origins[daemon].append(inst)
             self.known_origins[daemon].add(inst)
         return inst

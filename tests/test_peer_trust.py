@@ -30,12 +30,14 @@ def test_metadata_agent_name() -> None:
     assert agent_prefix("node-a", "0123456789abcdef") == "kvpushd.node-a.01234567."
 
 
-def handshake(address: str, node_id: str, instance: str, own_address: str = "127.0.0.1:1") -> peer_pb2_grpc.PeerServiceStub:
+def handshake(address: str, node_id: str, instance: str, own_address: str = "127.0.0.1:1",
+              token: str = "") -> tuple[peer_pb2_grpc.PeerServiceStub, tuple[tuple[str, str], ...]]:
+    """A handshake as ``instance``; returns the stub and the session metadata later calls carry."""
     stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(address))
-    stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
-                                             node_id=node_id, peer_address=own_address, instance_id=instance),
-                   timeout=10)
-    return stub
+    resp = stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                                    node_id=node_id, peer_address=own_address, instance_id=instance),
+                          timeout=10, metadata=(("kvpushd-session", token),) if token else None)
+    return stub, (("kvpushd-session", resp.session_token),)
 
 
 def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
@@ -44,7 +46,7 @@ def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
     pw, dw = attach_pair(p, d, src, dst)
     real_agent = next(w.agent_name for w in d.client.status().workers)
     evil = uuid.uuid4().hex
-    stub = handshake(p.peer_address, "evil", evil)
+    stub, session = handshake(p.peer_address, "evil", evil)
 
     def register(name: str, md: bytes) -> grpc.RpcError:
         req = peer_pb2.RegisterRequest(
@@ -55,7 +57,7 @@ def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
                                                                              block_len=64, block_stride=64)]),
             block_ids=[0])
         with pytest.raises(grpc.RpcError) as ei:
-            stub.Register(req, timeout=10)
+            stub.Register(req, timeout=10, metadata=session)
         return ei.value
 
     # another daemon's agent (name of the real decode worker), with or without metadata
@@ -112,24 +114,31 @@ def test_failure_notice_only_from_the_producer(daemon_pair, kv_pair) -> None:
         assert fake.got.wait(20)
         rid = fake.registrations[0].registration_id
 
-        def notice(stub, instance: str, tid: str):  # type: ignore[no-untyped-def]
+        def notice(stub, md, instance: str, tid: str, rid: int = rid):  # type: ignore[no-untyped-def]
             return stub.Fail(peer_pb2.FailNotice(caller_instance_id=instance, transfer_id=tid, registration_id=rid,
-                                                 reason="forged"), timeout=10)
+                                                 reason="forged"), timeout=10, metadata=md)
 
         # a third daemon that knows the registration id may not fail it
         evil = uuid.uuid4().hex
-        stub = handshake(d.peer_address, "evil", evil)
+        stub, md = handshake(d.peer_address, "evil", evil)
         with pytest.raises(grpc.RpcError) as ei:
-            notice(stub, evil, "t-notice")
+            notice(stub, md, evil, "t-notice")
         assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED, ei.value.details()
-        # nor may the right daemon under another transfer id
-        stub = handshake(d.peer_address, "fakep", fake.instance, f"127.0.0.1:{port}")
+        # nor may the right daemon under another transfer id, or with a guessed registration id
+        stub, md = handshake(d.peer_address, "fakep", fake.instance, f"127.0.0.1:{port}")
         with pytest.raises(grpc.RpcError) as ei:
-            notice(stub, fake.instance, "t-other")
+            notice(stub, md, fake.instance, "t-other")
         assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        notice(stub, md, fake.instance, "t-notice", rid ^ 1)  # no such registration: ignored
+        # a third party naming the right daemon's instance id, without its session token
+        with pytest.raises(grpc.RpcError) as ei:
+            notice(stub, (("kvpushd-session", "guess"),), fake.instance, "t-notice")
+        assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        # or claiming that instance id in a handshake of its own while it has transfers pending: d
+        # holds none for fakep here, so the claim starts a new session and the old token is void
         assert dw.completions() == []
         # the daemon it was sent to may
-        notice(stub, fake.instance, "t-notice")
+        notice(stub, md, fake.instance, "t-notice")
         c = dw.next_completion(20)
         assert c is not None and c.kind is CompletionKind.FAILED and "forged" in c.reason
         assert sorted(c.block_ids) == [3, 4]
@@ -150,3 +159,33 @@ def test_attach_descriptor_bound(daemon_pair, kv_pair) -> None:
         p.client.attach("wordy", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, description="x" * 5000)
     assert ei.value.code == "INVALID_ARGUMENT" and "description" in ei.value.message
     assert list(p.client.status().workers) == []
+
+
+def test_instance_id_is_not_a_credential(daemon_pair, kv_pair) -> None:
+    """An instance id is public (every handshake answer tells it): knowing the decode daemon's, a third
+    party can neither call as it nor take over its session while it has registrations pending."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    # learn d's instance id the way anyone can: handshake with d
+    _, _ = handshake(d.peer_address, "nosy", uuid.uuid4().hex)
+    d_instance = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address)).Handshake(
+        peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(), node_id="nosy2",
+                                  peer_address="127.0.0.1:2", instance_id=uuid.uuid4().hex), timeout=10).instance_id
+    dw.expect("pending", [1, 2], p.peer_address, "prefill", 1)  # d now has a session at p, with a registration
+    assert wait_for(lambda: any(t.transfer_id == "pending" for t in p.client.status().transfers))
+    stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(p.peer_address))
+    forged = peer_pb2.FailNotice(caller_instance_id=d_instance, transfer_id="pending", registration_id=1)
+    for md in (None, (("kvpushd-session", "0" * 32),)):
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Withdraw(forged, timeout=10, metadata=md)
+        assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as ei:  # claiming d's instance id in a handshake
+        stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                                 node_id="dnode", peer_address="127.0.0.1:3", instance_id=d_instance),
+                       timeout=10)
+    assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    pw.publish("pending", [7, 8])  # d's session is intact: the transfer lands exactly
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+    assert (dst.arr[:, [1, 2]] == src.arr[:, [7, 8]]).all()

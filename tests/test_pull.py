@@ -195,9 +195,13 @@ def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> No
     p_instance = p.client.status().instance_id
     stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address))
 
+    tokens: dict[str, str] = {}
+
     def handshake(node_id: str, address: str, instance: str) -> None:
-        stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
-                                                 node_id=node_id, peer_address=address, instance_id=instance))
+        r = stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION,
+                                                     compat_hash=notif.compat_hash(), node_id=node_id,
+                                                     peer_address=address, instance_id=instance))
+        tokens[instance] = r.session_token
 
     def offer(instance: str, node_id: str, tid: str, blocks: list[int], reg: int = rid,
               rank: int = 0) -> grpc.StatusCode:
@@ -210,7 +214,8 @@ def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> No
         try:
             stub.Offer(peer_pb2.OfferRequest(caller_instance_id=instance, transfer_id=tid, registration_id=reg,
                                              producer_rank=rank, producer_tp_size=1, producer_agent=agent,
-                                             block_ids=blocks), timeout=10)
+                                             block_ids=blocks), timeout=10,
+                        metadata=(("kvpushd-session", tokens.get(instance, "")),))
         except grpc.RpcError as e:
             return e.code()
         return grpc.StatusCode.OK

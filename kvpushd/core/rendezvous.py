@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
@@ -118,6 +119,10 @@ class SendWithdraw:
     registration_id: int
     code: FailureCode
     reason: str
+    # Delivered once the prefill daemon answered (or could not be reached): it answers only when
+    # no WRITE into the registration is in flight, so the decode worker frees its blocks after
+    # the last byte that could land in them.
+    then: Deliver | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +301,15 @@ class SendSide:
     def pulling(self) -> int:
         """Pull legs offered whose READ is not settled (the runtime polls READ notifications meanwhile)."""
         return len(self._pulls)
+
+    def transfer_of(self, origin: str, registration_id: int) -> tuple[str, str] | None:
+        """Key of the transfer a registration belongs to (None: unknown here)."""
+        return self._by_reg.get((origin, registration_id))
+
+    def writing_into(self, key: tuple[str, str], registration_id: int) -> bool:
+        """A WRITE into this registration's blocks is still in flight (even after it was withdrawn)."""
+        t = self._transfers.get(key)
+        return t is not None and any(p.legs.get(registration_id) is LegState.POSTED for p in t.publishes.values())
 
     def agents_in_use(self, origin: str) -> set[str]:
         """Consumer agents that registrations from ``origin`` pending here refer to."""
@@ -739,9 +753,15 @@ class RecvView:
 class RecvSide:
     """Decode-node rendezvous: one record per Expect, done when every producer rank has landed."""
 
-    def __init__(self, expect_timeout_s: float, first_registration_id: int = 1) -> None:
+    def __init__(self, expect_timeout_s: float, first_registration_id: int = 1, random_ids: bool = False) -> None:
+        """``random_ids``: registration ids are random 63-bit numbers, not a sequence. The prefill
+        daemon a registration goes to learns its id; a third party cannot guess it, so failure
+        notices and offers that name it come from that daemon (the daemon itself checks the sender)."""
         self.expect_timeout_s = expect_timeout_s
         self._next_id = itertools.count(first_registration_id)
+        self._random_ids = random_ids
+        # (worker, transfer) whose FAILED rides on a withdrawal not answered yet (SendWithdraw.then)
+        self._ending: set[tuple[str, str]] = set()
         self._by_key: dict[tuple[str, str], _Recv] = {}
         self._by_reg: dict[int, _Recv] = {}
         self._deadlines = _Deadlines()
@@ -753,6 +773,10 @@ class RecvSide:
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next(self._valid)
+
+    def ended(self, d: Deliver) -> None:
+        """The FAILED riding on a withdrawal was delivered: the transfer id may be Expected again."""
+        self._ending.discard((d.worker_id, d.completion.transfer_id))
 
     def sent_to(self, registration_id: int) -> tuple[str, str] | None:
         """(transfer id, producer address) of a pending registration, or None."""
@@ -806,6 +830,9 @@ class RecvSide:
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
+        if (worker_id, transfer_id) in self._ending:
+            raise AlreadyExists(f"transfer {transfer_id!r} is still ending on this worker (its withdrawal is "
+                                "not answered yet, a WRITE may be landing): Expect it again after its FAILED")
         if not blocks:
             raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
         if not producer_address:
@@ -822,6 +849,10 @@ class RecvSide:
             actions.append(SendWithdraw(old.producer_address, transfer_id, old.registration_id,
                                         FailureCode.SUPERSEDED, "replaced by a newer Expect"))
         rid = next(self._next_id)
+        if self._random_ids:
+            rid = secrets.randbits(63) or 1
+            while rid in self._by_reg:
+                rid = secrets.randbits(63) or 1
         deadline = now + self.expect_timeout_s
         r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
                   frozenset(writer_sources(consumer_rank, producer_tp_size, consumer_tp_size, mla)),
@@ -927,10 +958,11 @@ class RecvSide:
         if r is None:
             return False, []
         self._remove(r)
+        self._ending.add((r.worker_id, r.transfer_id))
         return True, [
-            self._fail(r, FailureCode.ABORTED, "aborted by the decode engine"),
             SendWithdraw(r.producer_address, transfer_id, r.registration_id, FailureCode.ABORTED,
-                         "aborted by the decode engine"),
+                         "aborted by the decode engine",
+                         then=self._fail(r, FailureCode.ABORTED, "aborted by the decode engine")),
         ]
 
     def worker_gone(self, worker_id: str) -> list[Action]:
@@ -974,9 +1006,9 @@ class RecvSide:
             self._remove(r)
             msg = (f"transfer {r.transfer_id!r} not received within {self.expect_timeout_s:g}s "
                    f"(landed ranks {sorted(r.landed)} of {sorted(r.expected)}, state {r.state.value})")
-            actions.append(self._fail(r, FailureCode.TIMEOUT, msg))
+            self._ending.add((r.worker_id, r.transfer_id))
             actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.TIMEOUT, msg))
+                                        FailureCode.TIMEOUT, msg, then=self._fail(r, FailureCode.TIMEOUT, msg)))
         return actions
 
     def _remove(self, r: _Recv) -> None:

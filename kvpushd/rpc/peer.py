@@ -22,13 +22,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     @unary
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
-        self.node.handshake(request.protocol_version, request.compat_hash, request.node_id,
-                            request.peer_address, request.instance_id)
+        token = self.node.handshake(request.protocol_version, request.compat_hash, request.node_id,
+                                    request.peer_address, request.instance_id, session_of(context))
         return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
-                                          node_id=self.node.node_id, instance_id=self.node.instance_id)
+                                          node_id=self.node.node_id, instance_id=self.node.instance_id,
+                                          session_token=token)
 
     @unary
     async def Register(self, request: peer_pb2.RegisterRequest, context: Ctx) -> peer_pb2.RegisterResponse:
+        self._known(request.caller_instance_id, context)
         ok = self.node.register(request.caller_instance_id, request.transfer_id, request.registration_id,
                                 request.producer_engine_id, request.producer_tp_size,
                                 request.consumer_engine_id, request.consumer_tp_rank, request.consumer_tp_size,
@@ -38,21 +40,21 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     @unary
     async def Fail(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:
-        self._known(request.caller_instance_id)
+        self._known(request.caller_instance_id, context)
         self.node.peer_failed(request.caller_instance_id, request.transfer_id, request.registration_id,
                               convert.failure_code(request.code), request.reason[:2000])
         return peer_pb2.FailAck()
 
     @unary
     async def Withdraw(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:
-        self._known(request.caller_instance_id)
-        self.node.withdraw(request.caller_instance_id, request.transfer_id, request.registration_id,
+        self._known(request.caller_instance_id, context)
+        await self.node.withdraw(request.caller_instance_id, request.transfer_id, request.registration_id,
                            convert.failure_code(request.code), request.reason)
         return peer_pb2.FailAck()
 
     @unary
     async def Offer(self, request: peer_pb2.OfferRequest, context: Ctx) -> peer_pb2.OfferResponse:
-        self._known(request.caller_instance_id)
+        self._known(request.caller_instance_id, context)
         ok = self.node.offer(request.caller_instance_id, request.transfer_id, request.registration_id,
                              request.producer_rank, convert.remote_agent(request.producer_agent),
                              request.block_ids)
@@ -60,16 +62,24 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     @unary
     async def ReadFailed(self, request: peer_pb2.ReadFailedNotice, context: Ctx) -> peer_pb2.FailAck:
-        self._known(request.caller_instance_id)
+        self._known(request.caller_instance_id, context)
         self.node.read_failed(request.caller_instance_id, request.registration_id, request.producer_rank,
                               request.reason)
         return peer_pb2.FailAck()
 
     @unary
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: Ctx) -> peer_pb2.HeartbeatResponse:
-        knows = self.node.heard_from(request.caller_instance_id)
+        knows = self.node.heard_from(request.caller_instance_id, session_of(context))
         return peer_pb2.HeartbeatResponse(instance_id=self.node.instance_id, knows_caller=knows)
 
-    def _known(self, instance_id: str) -> None:
-        if instance_id not in self.node.origins:
-            raise FailedPrecondition(f"unknown caller instance {instance_id!r}: handshake first")
+    def _known(self, instance_id: str, context: Ctx) -> None:
+        """The caller is the daemon that handshook as ``instance_id``: it holds that session's token."""
+        if not self.node.session_ok(instance_id, session_of(context)):
+            raise FailedPrecondition(f"unknown caller instance {instance_id[:256]!r} or session: handshake first")
+
+
+def session_of(context: Ctx) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "kvpushd-session":
+            return value if isinstance(value, str) else ""
+    return ""

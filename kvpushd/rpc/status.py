@@ -39,7 +39,8 @@ def node_status(node: Node) -> status_pb2.NodeStatus:
             notifications_received=c.notifications_received,
             stray_notifications=node.recv.stray_notifications + (node.xfer.stray_notifications if node.xfer else 0),
             descriptors_requested=c.descriptors_requested, descriptors_posted=c.descriptors_posted,
-            events_emitted=ev.emitted, events_dropped=ev.dropped),
+            events_emitted=ev.emitted, events_dropped=ev.dropped,
+            reads_posted=c.reads_posted, bytes_read=c.bytes_read),
     )
     pending = collections.Counter(worker_id for worker_id, _ in ev.open)
     for w in node.workers.values():
@@ -61,7 +62,7 @@ def node_status(node: Node) -> status_pb2.NodeStatus:
         st.transfers.append(status_pb2.TransferStatus(
             transfer_id=r.transfer_id, side="recv", state=r.state, age_s=r.age_s, waiting_for=r.waiting_for,
             worker_id=r.worker_id, num_blocks=r.num_blocks, engine_id=rw.engine_id if rw else "",
-            peer=r.producer_address))
+            peer=r.producer_address, registration_id=r.registration_id, mode=r.mode))
     for t_unix, tid, text in list(node.recent_failures):
         st.recent_failures.append(status_pb2.FailureRecord(time_unix=t_unix, age_s=max(wall - t_unix, 0.0),
                                                            transfer_id=tid, reason=text))

@@ -103,10 +103,16 @@ class HandshakeResponse(_message.Message):
     COMPAT_HASH_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    SESSION_TOKEN_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     compat_hash: _builtins.str
     node_id: _builtins.str
     instance_id: _builtins.str
+    session_token: _builtins.str
+    """Secret of this caller's session: every later call carries it as gRPC metadata
+    "kvpushd-session". An instance id is public (any handshake answer tells it), so it alone
+    must not let a third party act for that daemon.
+    """
     def __init__(
         self,
         *,
@@ -114,10 +120,11 @@ class HandshakeResponse(_message.Message):
         compat_hash: _builtins.str = ...,
         node_id: _builtins.str = ...,
         instance_id: _builtins.str = ...,
+        session_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_hash", b"compat_hash", "instance_id", b"instance_id", "node_id", b"node_id", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_hash", b"compat_hash", "instance_id", b"instance_id", "node_id", b"node_id", "protocol_version", b"protocol_version", "session_token", b"session_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
