@@ -21,7 +21,8 @@ from kvpushd.node import agent_prefix, metadata_agent_name
 
 def test_metadata_agent_name() -> None:
     nixl_api = pytest.importorskip("nixl._api")
-    a = nixl_api.nixl_agent("kvpushd.n.12345678.e.tp0.pp0.w1", nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    a = nixl_api.nixl_agent("kvpushd.n.12345678.e.tp0.pp0.w1",
+                            nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     md = bytes(a.get_agent_metadata())
     assert metadata_agent_name(md) == "kvpushd.n.12345678.e.tp0.pp0.w1"
     for bad in (b"", b"garbage", md[:20], b"nixlSerDes|Agent" + (10**9).to_bytes(8, "little") + b"x",
@@ -65,7 +66,8 @@ def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
     assert e.code() is grpc.StatusCode.PERMISSION_DENIED and "not one of the calling daemon's" in e.details()
     # our own prefix, but metadata that names another agent (loading it would replace that agent)
     nixl_api = pytest.importorskip("nixl._api")
-    other = nixl_api.nixl_agent(real_agent + "-twin", nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    other = nixl_api.nixl_agent(real_agent + "-twin",
+                                nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     e = register(agent_prefix("evil", evil) + "a", bytes(other.get_agent_metadata()))
     assert e.code() is grpc.StatusCode.PERMISSION_DENIED and "metadata names agent" in e.details(), e.details()
     # the real pair still moves exact bytes

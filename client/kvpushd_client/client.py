@@ -199,7 +199,7 @@ class Worker:
                     with self._cond:
                         self._queue.append(c)
                         self._cond.notify_all()
-            except Exception as e:  # noqa: BLE001 - the engine must hear of it, not lose the request
+            except Exception as e:  # the engine must hear of it, not lose the request
                 if method != "Abort":
                     with self._cond:
                         self._queue.append(Completion(CompletionKind.FAILED, tid, "REFUSED",

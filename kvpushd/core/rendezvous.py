@@ -500,7 +500,7 @@ class SendSide:
                     t, reg, None, fail_publishes=(FailureCode.PEER_UNREACHABLE, reason))
             actions += self._settle(t)
         # READs that daemon owed us will never be confirmed: the legs failed.
-        for pk, leg in [(pk, leg) for pk, leg in self._pulls.items() if pk[0] == origin]:
+        for leg in [v for k, v in self._pulls.items() if k[0] == origin]:
             actions += self.write_done(leg, False, f"decode daemon lost before confirming the READ: {reason}")
         return actions
 

@@ -497,7 +497,7 @@ class TransferThread:
     def forget_remote(self, name: str) -> None:
         """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
         def run() -> None:
-            if any(f.remote == name for f in [*self._inflight, *self._reads]):
+            if any(f.remote == name for f in self._inflight) or any(r.remote == name for r in self._reads):
                 self._forget_later.add(name)  # retried once its WRITEs have settled
                 return
             self._forget_later.discard(name)
@@ -676,8 +676,8 @@ class TransferThread:
         if done:
             self._deliver_reads(done)
             self._check_drained()
-            busy = [*self._inflight, *keep]
-            for name in [n for n in self._forget_later if not any(f.remote == n for f in busy)]:
+            busy = {f.remote for f in self._inflight} | {r.remote for r in keep}
+            for name in [n for n in self._forget_later if n not in busy]:
                 self.forget_remote(name)
 
     def _deliver_reads(self, results: list[ReadResult]) -> None:
@@ -697,7 +697,8 @@ class TransferThread:
             except Exception as e:  # e.g. the remote agent was invalidated mid-WRITE: that WRITE failed
                 log.warning("checking a WRITE failed", transfer_id=f.result.leg.transfer_id, error=str(e))
                 state = "ERR"
-            if state == "DONE" and self.faults.write_hold_s and time.perf_counter() - f.t_post < self.faults.write_hold_s:
+            hold = self.faults.write_hold_s
+            if state == "DONE" and hold and time.perf_counter() - f.t_post < hold:
                 state = "PROC"  # injected slow network (KVPUSHD_FAULTS write_hold_s)
             if state == "PROC":
                 keep.append(f)
