@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from . import __version__
@@ -39,7 +40,12 @@ def _serve(args: argparse.Namespace) -> int:
     except KvpushdError as e:
         print(f"kvpushd: {e}", file=sys.stderr)
         return 1
-    return 0
+    # Everything is released by now (memory deregistered and unmapped, sockets removed, "stopped"
+    # logged): skip the interpreter's teardown, whose final garbage collection over torch's object
+    # graph (nixl imports torch) took seconds and delayed the exit that SIGTERM asked for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
