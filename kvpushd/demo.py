@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -533,10 +534,7 @@ def _poison_allocator(caches: Any, num_blocks: int) -> Any:
 
 
 def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -> None:
-    code = 0
-    signal.signal(signal.SIGTERM, _raise_exit)
-    _term_with_parent()
-    try:
+    def body() -> None:
         if spec.get("netns"):  # --hosts netns: this engine runs on its node's "host"
             from .netns import enter
 
@@ -544,7 +542,23 @@ def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -
         if os.getppid() != spec["parent_pid"]:
             raise SystemExit("the demo has gone")
         _engine_loop(role, sock, spec, conn)
-    except SystemExit:  # terminated (by the demo, or because it has gone): cleaned up, nothing to say
+
+    run_engine_child(f"{role} engine", body, conn)
+
+
+def run_engine_child(what: str, body: Callable[[], None], conn: Connection) -> None:
+    """Run ``body`` as an engine child process (demo, bench sweep) and exit the process.
+
+    SIGTERM and the parent's death end it (SystemExit: cleaned up, nothing to say); any other
+    failure is printed and sent to the parent as ("error", text). It exits without the
+    interpreter's teardown: everything is released by then (workers detached, shared memory
+    unlinked), and teardown takes seconds with torch loaded on a busy machine."""
+    code = 0
+    signal.signal(signal.SIGTERM, _raise_exit)
+    _term_with_parent()
+    try:
+        body()
+    except SystemExit:
         code = 1
     except BaseException:
         import traceback
@@ -552,10 +566,8 @@ def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -
         code = 1
         traceback.print_exc()
         with contextlib.suppress(Exception):
-            conn.send(("error", f"{role} engine: {traceback.format_exc()}"))
+            conn.send(("error", f"{what}: {traceback.format_exc()}"))
     finally:
-        # Everything is released by now (workers detached, shared memory unlinked): skip the
-        # interpreter's teardown, which takes seconds with torch loaded on a busy machine.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import secrets
 import time
@@ -197,6 +198,7 @@ class Node:
         self.peers: dict[str, PeerClient] = {}
         self.draining = False
         self._withdrawing = 0  # Withdraw RPCs not answered yet (see _send_withdraw)
+        self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
         self._seq = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.xfer: TransferThread | None = None
@@ -551,9 +553,13 @@ class Node:
         self._run(self.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
         if key is None:
             return
-        deadline = time.monotonic() + max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0)
-        while self.send.writing_into(key, registration_id) and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0)
+        while self.send.writing_into(key, registration_id) and loop.time() < deadline:
+            settled: asyncio.Future[None] = loop.create_future()  # woken by _run after any core change
+            self._settle_waiters.append(settled)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(settled, deadline - loop.time())
 
     def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
                     reason: str) -> None:
@@ -726,6 +732,11 @@ class Node:
                 log.error("StartRead outside offer()", transfer_id=a.key.transfer_id)
         if self.xfer is not None:
             self.xfer.set_pulling(self.send.pulling())
+        if self._settle_waiters:
+            waiters, self._settle_waiters = self._settle_waiters, []
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
 
     def _deliver(self, worker_id: str, c: Completion) -> None:
         ev = self.events.emit(EventKind.TRANSFER_FAILED if c.kind is CompletionKind.FAILED

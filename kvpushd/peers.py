@@ -154,17 +154,7 @@ class PeerClient:
     async def register(self, a: SendRegister, w: Worker) -> None:
         n = self.node
         for _ in range(2):
-            with_md = w.agent_name not in self.sent_agents
-            agent = peer_pb2.AgentInfo(
-                agent_name=w.agent_name, memory_kind=w.mem_type,
-                agent_metadata=w.metadata if with_md else b"",
-                regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
-                                               block_stride=r.block_stride, device_id=r.device_id,
-                                               block_size_tokens=r.block_tokens, num_heads=r.num_heads,
-                                               layout=common_pb2.KVLayout.ValueType(r.layout),
-                                               replicated=r.replicated)
-                         for r in w.regions] if with_md else [],
-            )
+            agent = agent_info(w, with_metadata=w.agent_name not in self.sent_agents)
             req = peer_pb2.RegisterRequest(
                 caller_instance_id=n.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
                 producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
@@ -190,17 +180,7 @@ class PeerClient:
         for _ in range(2):
             if not still_wanted():
                 return False
-            with_md = w.agent_name not in self.sent_agents
-            agent = peer_pb2.AgentInfo(
-                agent_name=w.agent_name, memory_kind=w.mem_type,
-                agent_metadata=w.metadata if with_md else b"",
-                regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
-                                               block_stride=r.block_stride, device_id=r.device_id,
-                                               block_size_tokens=r.block_tokens, num_heads=r.num_heads,
-                                               layout=common_pb2.KVLayout.ValueType(r.layout),
-                                               replicated=r.replicated)
-                         for r in w.regions] if with_md else [],
-            )
+            agent = agent_info(w, with_metadata=w.agent_name not in self.sent_agents)
             req = peer_pb2.OfferRequest(
                 caller_instance_id=n.instance_id, transfer_id=a.leg.transfer_id,
                 registration_id=a.registration.registration_id, producer_rank=a.producer_rank,
@@ -245,3 +225,16 @@ class PeerClient:
         return peer_pb2.FailNotice(caller_instance_id=self.node.instance_id, transfer_id=transfer_id,
                                    registration_id=registration_id,
                                    code=common_pb2.FailureCode.ValueType(int(code)), reason=reason[:2000])
+
+
+def agent_info(w: Worker, with_metadata: bool) -> peer_pb2.AgentInfo:
+    """A worker's NIXL agent as a peer sees it; metadata and region table only the first time."""
+    if not with_metadata:
+        return peer_pb2.AgentInfo(agent_name=w.agent_name, memory_kind=w.mem_type)
+    return peer_pb2.AgentInfo(
+        agent_name=w.agent_name, memory_kind=w.mem_type, agent_metadata=w.metadata,
+        regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
+                                       block_stride=r.block_stride, device_id=r.device_id,
+                                       block_size_tokens=r.block_tokens, num_heads=r.num_heads,
+                                       layout=common_pb2.KVLayout.ValueType(r.layout), replicated=r.replicated)
+                 for r in w.regions])

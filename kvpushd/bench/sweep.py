@@ -34,8 +34,6 @@ import multiprocessing as mp
 import os
 import queue
 import random
-import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -101,26 +99,9 @@ def _config(spec: dict[str, Any]) -> Any:
 
 
 def _engine_main(role: str, mode: str, spec: dict[str, Any], conn: Connection) -> None:
-    from ..demo import _raise_exit, _term_with_parent
+    from ..demo import run_engine_child
 
-    code = 0
-    signal.signal(signal.SIGTERM, _raise_exit)
-    _term_with_parent()
-    try:
-        _engine_loop(role, mode, spec, conn)
-    except SystemExit:
-        code = 1
-    except BaseException:
-        import traceback
-
-        code = 1
-        traceback.print_exc()
-        with contextlib.suppress(Exception):
-            conn.send(("error", f"{mode} {role} engine: {traceback.format_exc()}"))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # everything is released; torch/UCX teardown takes seconds on a busy machine
+    run_engine_child(f"{mode} {role} engine", lambda: _engine_loop(role, mode, spec, conn), conn)
 
 
 def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -> None:

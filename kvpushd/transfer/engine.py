@@ -478,9 +478,7 @@ class TransferThread:
         """The consumer's descriptor list in this producer agent, prepared once per slice."""
         view = loc.remotes.get((remote.name, part))
         if view is None:
-            if remote.name not in loc.loaded:
-                loc.agent.add_remote_agent(remote.metadata)
-                loc.loaded.add(remote.name)
+            self._load_remote(loc, remote)
             dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions, part), remote.mem_type)
             view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions), remote.regions)
         return view
@@ -536,27 +534,42 @@ class TransferThread:
         lidx = leg_indices(loc.bases, src)
         ridx = leg_indices(rbases, dst)
         nbytes = int(sum(r.block_len // src_part[0] for r in loc.regions)) * len(src)
+        self._launch_write(leg, loc, remote.name, notif, fail,
+                           lambda n: loc.agent.make_prepped_xfer("WRITE", ldlist, lidx, dlist, ridx, n),
+                           lambda t_post: WriteResult(leg, True, "", nbytes, t_post - t0, 0.0, len(lidx),
+                                                      merged_count(loc.regions, rregions, src, dst, src_part,
+                                                                   dst_part)))
+
+    def _launch_write(self, leg: LegKey, loc: _Local, remote_name: str, notif: bytes,
+                      fail: Callable[[str], None], make_handle: Callable[[bytes], Any],
+                      result: Callable[[float], WriteResult]) -> None:
+        """Post one WRITE (either path) and track it; KVPUSHD_FAULTS applies here."""
         fault = self.faults.on_post() if self.faults.active else ""
         if fault == "write_post":
             return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
         if fault == "write_complete":
             notif = b""  # the WRITE runs without its notification, then reports an error
         try:
-            handle = loc.agent.make_prepped_xfer("WRITE", ldlist, lidx, dlist, ridx, notif)
+            handle = make_handle(notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
             log.warning("posting WRITE failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id, exc_info=True)
             return fail(f"NIXL could not post the WRITE: {e}")
         t_post = time.perf_counter()
-        res = WriteResult(leg, True, "", nbytes, t_post - t0, 0.0, len(lidx),
-                          merged_count(loc.regions, rregions, src, dst, src_part, dst_part))
         if state == "ERR":
             handle.release()
             return fail("NIXL returned ERR when posting the WRITE")
         loc.inflight += 1
-        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name, fault))
+        self._inflight.append(_Inflight(handle, loc, result(t_post), t_post, remote_name, fault))
         if state == "DONE":
             self._poll_writes()
+        return None
+
+    def _load_remote(self, loc: _Local, remote: RemoteAgent) -> None:
+        """Load a remote agent's metadata into this local agent, once."""
+        if remote.name not in loc.loaded:
+            loc.agent.add_remote_agent(remote.metadata)
+            loc.loaded.add(remote.name)
 
     def _post_planned(self, leg: LegKey, worker_id: str, src_l: Sequence[int], remote: RemoteAgent,
                       dst_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
@@ -576,9 +589,7 @@ class TransferThread:
             plan = plan_write(loc.regions, remote.regions, src, dst, skip_tokens, src_part, dst_part, skip_replicated)
             if not len(plan.src):
                 raise InvalidArgument("nothing to write: every region is written by another producer rank")
-            if remote.name not in loc.loaded:
-                loc.agent.add_remote_agent(remote.metadata)
-                loc.loaded.add(remote.name)
+            self._load_remote(loc, remote)
             ldescs = loc.agent.get_xfer_descs(plan.src, loc.mem_type)
             rdescs = loc.agent.get_xfer_descs(plan.dst, remote.mem_type)
         except InvalidArgument as e:
@@ -587,21 +598,10 @@ class TransferThread:
             log.warning("preparing descriptors failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id,
                         exc_info=True)
             return fail(f"cannot prepare descriptors: {e}")
-        try:
-            handle = loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, notif)
-            state = loc.agent.transfer(handle)
-        except Exception as e:
-            log.warning("posting WRITE failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id, exc_info=True)
-            return fail(f"NIXL could not post the WRITE: {e}")
-        t_post = time.perf_counter()
-        res = WriteResult(leg, True, "", plan.nbytes, t_post - t0, 0.0, plan.requested, len(plan.src))
-        if state == "ERR":
-            handle.release()
-            return fail("NIXL returned ERR when posting the WRITE")
-        loc.inflight += 1
-        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name))
-        if state == "DONE":
-            self._poll_writes()
+        self._launch_write(leg, loc, remote.name, notif, fail,
+                           lambda n: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
+                           lambda t_post: WriteResult(leg, True, "", plan.nbytes, t_post - t0, 0.0, plan.requested,
+                                                      len(plan.src)))
 
     def _post_read(self, key: Any, worker_id: str, dst_l: Sequence[int], remote: RemoteAgent,
                    src_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
