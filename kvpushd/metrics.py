@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from .config import MetricsConfig, split_host_port
 from .core.rendezvous import StartWrite
 from .events import Event, EventKind
-from .transfer.engine import WriteResult
+from .transfer.thread import WriteResult
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

@@ -53,7 +53,8 @@ from .events import EventHub, EventKind
 from .memory import Mapping
 from .metrics import Metrics
 from .peers import PeerClient, PeerRejected, PeerUnreachable
-from .transfer.engine import ReadResult, RegionSpec, RemoteAgent, TransferThread, WriteResult
+from .transfer.descs import RegionSpec, RemoteAgent
+from .transfer.thread import ReadResult, TransferThread, WriteResult
 
 log = structlog.get_logger(__name__)
 

@@ -23,7 +23,8 @@ from conftest import DaemonProc, attach_pair, start_daemon
 from kvpushd_client import CompletionKind
 
 from kvpushd.core.errors import FailedPrecondition
-from kvpushd.transfer.engine import TransferThread, agent_devices, memory_device
+from kvpushd.transfer.backends import agent_devices, memory_device
+from kvpushd.transfer.thread import TransferThread
 
 RAILS = """[transfer]
 backend = "UCX"

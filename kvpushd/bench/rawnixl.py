@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..transfer.engine import RegionSpec, block_descs, leg_indices, region_bases
+from ..transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
 from .common import BenchError, KVMemory, Layout
 
 AGENT_BACKENDS = ["UCX"]

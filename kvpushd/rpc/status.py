@@ -16,7 +16,7 @@ from ..config import Config
 from ..core.errors import InvalidArgument
 from ..events import Event, EventKind
 from ..node import Node
-from ..transfer.engine import RegionSpec
+from ..transfer.descs import RegionSpec
 from .errors import stream, unary
 
 Ctx = Any

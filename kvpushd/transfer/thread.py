@@ -1,4 +1,4 @@
-"""The transfer thread: the only code that calls NIXL.
+"""The NIXL thread: the only code that calls NIXL (``engine`` means the LLM engine elsewhere).
 
 NIXL agents are not thread-safe, so one thread owns every agent and every call on it. The asyncio
 side hands it work through a queue (``submit``) and gets results back with
@@ -15,7 +15,6 @@ blocks are allocated in runs costs one descriptor per run and region.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 import time
@@ -25,44 +24,31 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 import structlog
 
 from ..core.errors import FailedPrecondition, InvalidArgument
-from ..core.layout import HND, check_block_ids, plan_write
+from ..core.layout import check_block_ids, plan_write
 from ..core.notif import decode as decode_notif
 from ..core.notif import decode_read as decode_read_notif
 from ..core.rendezvous import LegKey
+from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, memory_device
+from .descs import (
+    WHOLE,
+    IntArray,
+    Part,
+    RegionSpec,
+    RemoteAgent,
+    block_descs,
+    check_layouts,
+    leg_indices,
+    merged_count,
+    needs_plan,
+    region_bases,
+)
 from .faults import Faults
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class RegionSpec:
-    """Absolute address of block 0 of a region, and its layout."""
-
-    addr: int
-    num_blocks: int
-    block_len: int
-    block_stride: int
-    device_id: int
-    block_tokens: int = 0    # tokens per block; 0: not said (maps one to one with the peer's blocks)
-    num_heads: int = 0       # KV heads in one block; 0: not said
-    layout: int = 0          # core.layout.HND (or 0) or NHD
-    replicated: bool = False  # MLA latent: the same on every TP rank, never split by heads
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteAgent:
-    """A consumer worker's agent as the producer side knows it (from the peer API)."""
-
-    name: str
-    metadata: bytes
-    mem_type: str
-    regions: tuple[RegionSpec, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,89 +76,6 @@ class ReadResult:
     descs_requested: int
     descs_posted: int
 
-
-Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
-WHOLE: Part = (1, 0)
-
-
-def block_descs(regions: Sequence[RegionSpec], part: Part = WHOLE) -> npt.NDArray[np.uint64]:
-    """Nx3 (addr, len, device) for one slice of every block of every region, region-major."""
-    k, j = part
-    out = []
-    for r in regions:
-        step = r.block_len // k
-        d = np.empty((r.num_blocks, 3), dtype=np.uint64)
-        d[:, 0] = (np.uint64(r.addr + j * step)
-                   + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_stride))
-        d[:, 1] = step
-        d[:, 2] = r.device_id
-        out.append(d)
-    return np.concatenate(out) if out else np.empty((0, 3), dtype=np.uint64)
-
-
-def region_bases(regions: Sequence[RegionSpec]) -> IntArray:
-    """Index of each region's block 0 in the block-descriptor list."""
-    counts = np.array([r.num_blocks for r in regions], dtype=np.int64)
-    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-
-
-def leg_indices(bases: IntArray, blocks: IntArray) -> npt.NDArray[np.int32]:
-    """Descriptor indices of ``blocks`` in every region: no Python loop per descriptor."""
-    return (bases[:, None] + blocks[None, :]).reshape(-1).astype(np.int32)
-
-
-def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
-                 dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> int:
-    """Descriptors after merging runs of blocks adjacent on both sides (per region)."""
-    if len(src) == 0:
-        return 0
-    cont = (np.diff(src) == 1) & (np.diff(dst) == 1)
-    runs = int(len(src) - np.count_nonzero(cont))
-    total = 0
-    for lr, rr in zip(local, remote, strict=True):
-        dense = (lr.block_stride == lr.block_len and rr.block_stride == rr.block_len
-                 and src_part == WHOLE and dst_part == WHOLE)
-        total += runs if dense else len(src)
-    return total
-
-
-# NIXL init parameters that select network devices, per backend (UCX 1.5.1 reads device_list, HCA
-# names to which it appends ":1"; newer NIXL reads ucx_devices too). LIBFABRIC picks its rails itself.
-DEVICE_KEYS: dict[str, tuple[str, ...]] = {"UCX": ("device_list", "ucx_devices")}
-# Keys NIXL 1.5.1 plugins read although get_plugin_params does not list them.
-UNADVERTISED: dict[str, frozenset[str]] = {
-    "UCX": frozenset({"device_list", "num_threads", "split_batch_size", "engine_config"}),
-    "LIBFABRIC": frozenset({"num_threads", "split_batch_size", "max_bw_per_dram_seg"}),
-}
-# How nixl_agent_config(num_threads=N) spells N for each backend (transfer.nixl_threads).
-_THREADS_KEY = {"UCX": "num_threads", "OBJ": "num_threads", "LIBFABRIC": "num_threads", "GDS_MT": "thread_count",
-                "UCCL": "num_cpus"}
-
-
-@dataclass(frozen=True, slots=True)
-class AgentBackend:
-    """One backend of a worker's agent, as the status API shows it."""
-
-    name: str
-    params: dict[str, str]  # as NIXL reports them once created (get_backend_params)
-    devices: str  # network devices it is limited to; "": the backend (or UCX) picks
-    devices_from: str  # where ``devices`` comes from: a parameter name, or "env UCX_NET_DEVICES"
-    device: str  # where the worker's KV lives ("host", "gpu0"): the transfer.device_params entry used
-
-
-def memory_device(mem_type: str, mappings: Sequence[tuple[int, int, int]]) -> str:
-    """"host" for shared memory, "gpu<N>" for CUDA memory on device N (its first mapping)."""
-    return "host" if mem_type == "DRAM" or not mappings else f"gpu{mappings[0][2]}"
-
-
-def agent_devices(backend: str, params: dict[str, str]) -> tuple[str, str]:
-    """The network devices ``backend`` is limited to, and where that comes from."""
-    for key in DEVICE_KEYS.get(backend, ()):
-        if params.get(key, "").strip():
-            return params[key], key
-    if backend == "UCX" and os.environ.get("UCX_NET_DEVICES"):
-        return os.environ["UCX_NET_DEVICES"], "env UCX_NET_DEVICES"
-    return "", ""
 
 
 @dataclass(slots=True)
@@ -308,7 +211,7 @@ class TransferThread:
     def init_params(self, backend: str, device: str) -> dict[str, str]:
         """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
         params = dict(self._params_for(backend, device))
-        key = _THREADS_KEY.get(backend)
+        key = THREADS_KEY.get(backend)
         if self._nixl_threads > 0 and key:
             params.setdefault(key, str(self._nixl_threads))
         return params
@@ -790,42 +693,3 @@ _NOOP: Any = object()
 def _wake() -> None:
     """A command that does nothing: it ends an idle wait so polling starts at once."""
 
-
-def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
-                  dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
-    """Layouts must match region for region (slice for slice across TP sizes); ids in range."""
-    if len(local) != len(remote):
-        raise InvalidArgument(
-            f"layout mismatch: producer has {len(local)} regions, consumer has {len(remote)}")
-    for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
-        if lr.block_len % src_part[0] or rr.block_len % dst_part[0] or \
-                lr.block_len // src_part[0] != rr.block_len // dst_part[0]:
-            raise InvalidArgument(
-                f"layout mismatch in region {i}: producer block_len {lr.block_len} (1/{src_part[0]} per WRITE), "
-                f"consumer block_len {rr.block_len} (1/{dst_part[0]} per WRITE)")
-    if len(src) != len(dst):
-        raise InvalidArgument(f"block lists of unequal length: {len(src)} source, {len(dst)} destination")
-    if len(src) and (src.min() < 0 or src.max() >= min(r.num_blocks for r in local)):
-        raise InvalidArgument("source block id out of range")
-    if len(dst) and (dst.min() < 0 or dst.max() >= min(r.num_blocks for r in remote)):
-        raise InvalidArgument("destination block id out of range")
-
-
-
-def needs_plan(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], skip_tokens: int, skip_replicated: bool,
-               src_part: Part, dst_part: Part) -> bool:
-    """Whether a WRITE cannot use the prepared one-descriptor-per-block (or per block slice) lists:
-    block sizes differ, a prefix is skipped, a layout other than HND or a replicated region meets
-    a TP size change, or the two sides disagree on layout or replication."""
-    if skip_tokens or skip_replicated:
-        return True
-    hetero = src_part != WHOLE or dst_part != WHOLE
-    for lr, rr in zip(local, remote, strict=False):
-        lay_l, lay_r = lr.layout or HND, rr.layout or HND
-        if lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens:
-            return True
-        if lay_l != lay_r or lr.replicated != rr.replicated:
-            return True
-        if hetero and (lr.replicated or lay_l != HND):
-            return True
-    return False

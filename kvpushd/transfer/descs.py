@@ -1,0 +1,131 @@
+"""Descriptor building: pure numpy over region tables, no NIXL.
+
+The transfer thread and the lab's raw-NIXL baselines both build their descriptor lists here: one
+descriptor per region and block (or per block slice across TP sizes), index arrays per request,
+and the count after merging blocks adjacent on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ..core.errors import InvalidArgument
+from ..core.layout import HND
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """Absolute address of block 0 of a region, and its layout."""
+
+    addr: int
+    num_blocks: int
+    block_len: int
+    block_stride: int
+    device_id: int
+    block_tokens: int = 0    # tokens per block; 0: not said (maps one to one with the peer's blocks)
+    num_heads: int = 0       # KV heads in one block; 0: not said
+    layout: int = 0          # core.layout.HND (or 0) or NHD
+    replicated: bool = False  # MLA latent: the same on every TP rank, never split by heads
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAgent:
+    """A consumer worker's agent as the producer side knows it (from the peer API)."""
+
+    name: str
+    metadata: bytes
+    mem_type: str
+    regions: tuple[RegionSpec, ...]
+
+
+
+Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
+WHOLE: Part = (1, 0)
+
+
+def block_descs(regions: Sequence[RegionSpec], part: Part = WHOLE) -> npt.NDArray[np.uint64]:
+    """Nx3 (addr, len, device) for one slice of every block of every region, region-major."""
+    k, j = part
+    out = []
+    for r in regions:
+        step = r.block_len // k
+        d = np.empty((r.num_blocks, 3), dtype=np.uint64)
+        d[:, 0] = (np.uint64(r.addr + j * step)
+                   + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_stride))
+        d[:, 1] = step
+        d[:, 2] = r.device_id
+        out.append(d)
+    return np.concatenate(out) if out else np.empty((0, 3), dtype=np.uint64)
+
+
+def region_bases(regions: Sequence[RegionSpec]) -> IntArray:
+    """Index of each region's block 0 in the block-descriptor list."""
+    counts = np.array([r.num_blocks for r in regions], dtype=np.int64)
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+
+def leg_indices(bases: IntArray, blocks: IntArray) -> npt.NDArray[np.int32]:
+    """Descriptor indices of ``blocks`` in every region: no Python loop per descriptor."""
+    return (bases[:, None] + blocks[None, :]).reshape(-1).astype(np.int32)
+
+
+def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
+                 dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> int:
+    """Descriptors after merging runs of blocks adjacent on both sides (per region)."""
+    if len(src) == 0:
+        return 0
+    cont = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    runs = int(len(src) - np.count_nonzero(cont))
+    total = 0
+    for lr, rr in zip(local, remote, strict=True):
+        dense = (lr.block_stride == lr.block_len and rr.block_stride == rr.block_len
+                 and src_part == WHOLE and dst_part == WHOLE)
+        total += runs if dense else len(src)
+    return total
+
+
+
+def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
+                  dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
+    """Layouts must match region for region (slice for slice across TP sizes); ids in range."""
+    if len(local) != len(remote):
+        raise InvalidArgument(
+            f"layout mismatch: producer has {len(local)} regions, consumer has {len(remote)}")
+    for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
+        if lr.block_len % src_part[0] or rr.block_len % dst_part[0] or \
+                lr.block_len // src_part[0] != rr.block_len // dst_part[0]:
+            raise InvalidArgument(
+                f"layout mismatch in region {i}: producer block_len {lr.block_len} (1/{src_part[0]} per WRITE), "
+                f"consumer block_len {rr.block_len} (1/{dst_part[0]} per WRITE)")
+    if len(src) != len(dst):
+        raise InvalidArgument(f"block lists of unequal length: {len(src)} source, {len(dst)} destination")
+    if len(src) and (src.min() < 0 or src.max() >= min(r.num_blocks for r in local)):
+        raise InvalidArgument("source block id out of range")
+    if len(dst) and (dst.min() < 0 or dst.max() >= min(r.num_blocks for r in remote)):
+        raise InvalidArgument("destination block id out of range")
+
+
+
+def needs_plan(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], skip_tokens: int, skip_replicated: bool,
+               src_part: Part, dst_part: Part) -> bool:
+    """Whether a WRITE cannot use the prepared one-descriptor-per-block (or per block slice) lists:
+    block sizes differ, a prefix is skipped, a layout other than HND or a replicated region meets
+    a TP size change, or the two sides disagree on layout or replication."""
+    if skip_tokens or skip_replicated:
+        return True
+    hetero = src_part != WHOLE or dst_part != WHOLE
+    for lr, rr in zip(local, remote, strict=False):
+        lay_l, lay_r = lr.layout or HND, rr.layout or HND
+        if lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens:
+            return True
+        if lay_l != lay_r or lr.replicated != rr.replicated:
+            return True
+        if hetero and (lr.replicated or lay_l != HND):
+            return True
+    return False
