@@ -24,11 +24,12 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, status_
 from .config import Config
 from .core.errors import FailedPrecondition
 from .events import EventKind
-from .node import Node
+from .metrics import Metrics
 from .peer_security import AllowList, server_credentials, tls_enabled
 from .rpc.peer import PeerServicer
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
+from .runtime.node import Node
 from .systemd import SdNotifier
 
 log = structlog.get_logger(__name__)
@@ -38,6 +39,8 @@ class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.node = Node(cfg)
+        self.metrics = Metrics(self.node.view)
+        self.node.executor.observer = self.metrics
         self.notifier = SdNotifier.from_env()
         self.local_server: grpc.aio.Server | None = None
         self.peer_server: grpc.aio.Server | None = None
@@ -62,7 +65,7 @@ class Daemon:
             sock.unlink()  # a stale socket from a previous run
         self.local_server = grpc.aio.server(options=opts)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.node), self.local_server)
-        status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node), self.local_server)
+        status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node.view), self.local_server)
         local_services = [_service(worker_pb2, "WorkerService"), _service(status_pb2, "StatusService")]
         await self._add_health(self.local_health, local_services, self.local_server)
         reflection.enable_server_reflection([*local_services, health.SERVICE_NAME, reflection.SERVICE_NAME],
@@ -86,21 +89,22 @@ class Daemon:
         if bound == 0:
             raise FailedPrecondition(f"cannot listen on {cfg.peer_api.listen}")
         if port == 0:  # an ephemeral port (tests): advertise the one we got
-            self.node.peer_address = f"{cfg.advertise_host}:{bound}"
+            self.node.ident.peer_address = f"{cfg.advertise_host}:{bound}"
         await self.local_server.start()
         await self.peer_server.start()
         os.chmod(sock, cfg.worker_api.socket_mode)
-        self.node.metrics.serve(cfg.metrics)
+        self.metrics.serve(cfg.metrics)
+        self.node.ident.metrics_address = self.metrics.address
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self.node.tick_forever()))
         self._tasks.append(loop.create_task(self.notifier.run_watchdog()))
-        log.info("kvpushd ready", node_id=self.node.node_id, socket=str(sock), peer_address=self.node.peer_address,
+        log.info("kvpushd ready", node_id=self.node.ident.node_id, socket=str(sock),
+                 peer_address=self.node.ident.peer_address,
                  backends=list(cfg.transfer.backends), pid=os.getpid(), peer_tls=tls_enabled(cfg.peer_api),
                  peer_allow=list(cfg.peer_api.allow), peer_allow_names=list(cfg.peer_api.allow_names))
         for h, names in self._health_names:
             for name in names:
                 await h.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.notifier.ready(f"serving on {sock} and {self.node.peer_address}")
+        self.notifier.ready(f"serving on {sock} and {self.node.ident.peer_address}")
 
     async def run(self) -> None:
         """Start, serve until a signal, then drain and stop."""
@@ -154,7 +158,7 @@ class Daemon:
         for t in self._tasks:
             t.cancel()
         self.node.events.close()  # ends Watch streams, so the local server stops without waiting
-        await asyncio.get_running_loop().run_in_executor(None, self.node.metrics.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self.metrics.stop)
         if self.local_server is not None:
             await self.local_server.stop(grace=1.0)
         with contextlib.suppress(FileNotFoundError):

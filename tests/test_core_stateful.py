@@ -41,6 +41,7 @@ from kvpushd.core.errors import AlreadyExists, InvalidArgument
 from kvpushd.core.rendezvous import (
     Action,
     Deliver,
+    Dropped,
     LegKey,
     RecvSide,
     Registration,
@@ -117,7 +118,7 @@ class PushPair(RuleBasedStateMachine):
         self.epoch = 0  # the decode daemon's incarnation (its instance id is the prefill side's origin)
         self.disruptions: Counter[str] = Counter()  # rare events, bounded so that transfers get through
         # decode completions that ride on a withdrawal, held until no WRITE into it is in flight
-        self.held: list[tuple[tuple[str, str], int, Deliver]] = []
+        self.held: list[tuple[tuple[str, str], int]] = []
         self.then_done: set[int] = set()
 
     @property
@@ -137,17 +138,14 @@ class PushPair(RuleBasedStateMachine):
 
     def riding(self) -> set[int]:
         """Registrations whose decode completion rides on a withdrawal not yet answered."""
-        return {m.msg.registration_id for m in self.net if isinstance(m, FromDecode)
-                and isinstance(m.msg, SendWithdraw) and m.msg.then is not None
-                and m.msg.registration_id not in self.then_done} | {rid for _, rid, _ in self.held}
+        return self.recv.deferred()
 
     def release_held(self) -> None:
         for held in list(self.held):
-            key, rid, d = held
+            key, rid = held
             if not self.send.writing_into(key, rid):
                 self.held.remove(held)
-                self.recv.ended(d)
-                self.deliver(d)
+                self._route(self.recv.withdraw_answered(rid))
 
     def route(self, actions: list[Action]) -> None:
         self._route(actions)
@@ -168,6 +166,8 @@ class PushPair(RuleBasedStateMachine):
                 self.net.append(FromDecode(a, self.epoch))
             elif isinstance(a, SendFailNotice):
                 self.net.append(a)
+            elif isinstance(a, Dropped):
+                self.disruptions["dropped " + a.event] += 0  # late events are legal; nothing to do
             else:  # pragma: no cover
                 raise AssertionError(f"unknown action {a!r}")
 
@@ -217,13 +217,12 @@ class PushPair(RuleBasedStateMachine):
             key = self.send.transfer_of(self.origin, m.registration_id)
             if not lost:
                 self.route(self.send.withdraw(self.origin, m.transfer_id, m.registration_id, m.code, m.reason))
-            if m.then is not None and m.registration_id not in self.then_done:  # a retried RPC answers once
+            if m.registration_id not in self.then_done:  # a retried RPC answers once
                 self.then_done.add(m.registration_id)
-                if lost or key is None:  # the runtime: the RPC failed or nothing was there: deliver now
-                    self.recv.ended(m.then)
-                    self.deliver(m.then)
+                if lost or key is None:  # the runtime: the RPC failed or nothing was there: answered now
+                    self._route(self.recv.withdraw_answered(m.registration_id))
                 else:  # the runtime answers once no WRITE into the registration is in flight
-                    self.held.append((key, m.registration_id, m.then))
+                    self.held.append((key, m.registration_id))
                     self.release_held()
         elif isinstance(m, SendFailNotice):
             assert m.origin.startswith("decode-")

@@ -82,7 +82,7 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif
-from kvpushd.node import agent_prefix, metadata_agent_name
+from kvpushd.runtime.identity import agent_prefix, metadata_agent_name
 
 CALL_TIMEOUT = 10.0  # a fuzzed call not answered within this is a hang
 MAX_MSG = 64 << 20  # the daemons' default peer_api.max_message_bytes

@@ -33,7 +33,8 @@ from kvpushd import config
 from kvpushd.core.errors import InvalidArgument
 from kvpushd.core.types import FailureCode
 from kvpushd.events import EventHub, EventKind
-from kvpushd.node import Node
+from kvpushd.metrics import Metrics
+from kvpushd.runtime.node import Node
 
 CONFIG = ('[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n'
           '[metrics]\nlisten = "127.0.0.1:0"\n')
@@ -355,23 +356,23 @@ def test_bad_metrics_config(data: dict[str, Any], words: str) -> None:
 
 def test_metrics_endpoint_disabled_or_port_taken_leaves_the_daemon_running() -> None:
     off = config.from_dict({"metrics": {"enabled": False}})
-    n = Node(off)
-    n.metrics.serve(off.metrics)
-    assert n.metrics.address == ""
+    m = Metrics(Node(off).view)
+    m.serve(off.metrics)
+    assert m.address == ""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         cfg = config.from_dict({"metrics": {"listen": f"127.0.0.1:{taken.getsockname()[1]}"}})
-        n = Node(cfg)
-        n.metrics.serve(cfg.metrics)
-        assert n.metrics.address == ""
+        m = Metrics(Node(cfg).view)
+        m.serve(cfg.metrics)
+        assert m.address == ""
     cfg = config.from_dict({"metrics": {"listen": "127.0.0.1:0"}})
-    n = Node(cfg)
-    n.metrics.serve(cfg.metrics)
+    m = Metrics(Node(cfg).view)
+    m.serve(cfg.metrics)
     try:
-        with urllib.request.urlopen(f"http://{n.metrics.address}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{m.address}/metrics", timeout=10) as r:
             names = {f.name for f in text_string_to_metric_families(r.read().decode())}
         assert {"kvpushd_pending_transfers", "kvpushd_held_blocks", "kvpushd_transfers", "kvpushd_bytes",
                 "kvpushd_rendezvous_wait_seconds", "kvpushd_descriptors"} <= names
     finally:
-        n.metrics.stop()
+        m.stop()

@@ -16,7 +16,7 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif
-from kvpushd.node import agent_prefix, metadata_agent_name
+from kvpushd.runtime.identity import agent_prefix, metadata_agent_name
 
 
 def test_metadata_agent_name() -> None:

@@ -53,6 +53,42 @@ class Geometry(Protocol):
     def replicated(self) -> bool: ...    # MLA: one latent per token, the same on every rank
 
 
+class Shape(Protocol):
+    """What deciding between a prepared and a planned WRITE needs of one region (Geometry has it)."""
+
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def layout(self) -> int: ...
+    @property
+    def replicated(self) -> bool: ...
+
+
+def sizes_differ(local: Sequence[Shape], remote: Sequence[Shape]) -> bool:
+    """Both sides said their block size in tokens, and the sizes differ: tokens must be mapped."""
+    return any(lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens
+               for lr, rr in zip(local, remote, strict=False))
+
+
+def needs_plan(local: Sequence[Shape], remote: Sequence[Shape], skip_tokens: int, skip_replicated: bool,
+               src_part: Part, dst_part: Part) -> bool:
+    """Whether a WRITE cannot use the prepared one-descriptor-per-block (or per block slice) lists:
+    block sizes differ, a prefix is skipped, a layout other than HND or a replicated region meets
+    a TP size change, or the two sides disagree on layout or replication."""
+    if skip_tokens or skip_replicated:
+        return True
+    hetero = src_part != WHOLE or dst_part != WHOLE
+    for lr, rr in zip(local, remote, strict=False):
+        lay_l, lay_r = lr.layout or HND, rr.layout or HND
+        if lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens:
+            return True
+        if lay_l != lay_r or lr.replicated != rr.replicated:
+            return True
+        if hetero and (lr.replicated or lay_l != HND):
+            return True
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """Descriptors of one WRITE: ``src`` and ``dst`` are Nx3 (address, length, device) arrays."""

@@ -33,11 +33,15 @@ import itertools
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
-from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from .topology import check_tp_pair, consumer_targets, writer_sources, writer_targets
+from . import notif
+from .errors import AlreadyExists, IllegalTransition, InvalidArgument, NotFound, PermissionDenied
+from .layout import Shape, needs_plan, sizes_differ
+from .topology import block_parts, check_tp_pair, consumer_targets, skips_replicated, writer_sources, writer_targets
 from .types import Completion, CompletionKind, FailureCode, TransferMode
+
+Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
 
 # --------------------------------------------------------------------------------------------
 # Actions
@@ -60,11 +64,23 @@ class Registration:
     skip_tokens: int = 0    # the consumer holds the prompt's first tokens: block_ids start there
     by_tokens: bool = False  # blocks do not map one to one (block sizes differ, or skip_tokens): send all
     mla: bool = False       # every consumer region is replicated: one producer rank per consumer writes
+    layouts: tuple[Shape, ...] = ()  # the consumer's regions (block size, layout, replication), if known
+
+    def __post_init__(self) -> None:
+        # What the regions say decides; the flags may also be set directly (tests, older peers).
+        if self.layouts and all(r.replicated for r in self.layouts) and not self.mla:
+            object.__setattr__(self, "mla", True)
 
 
 @dataclass(frozen=True, slots=True)
 class StartWrite:
-    """Post a NIXL WRITE of ``src_blocks`` into the registration's blocks."""
+    """Post a NIXL WRITE of ``src_blocks`` into the registration's blocks: the whole plan.
+
+    The runtime carries it out as it stands: which slice of each block on either side (TP sizes),
+    the notification, whether replicated regions are left to another rank, and whether the
+    prepared one-descriptor-per-block lists serve (``planned`` False) or descriptors are planned
+    per token run (block sizes differ, a prefix is skipped, layouts differ).
+    """
 
     leg: LegKey
     producer_worker: str
@@ -72,6 +88,12 @@ class StartWrite:
     producer_tp_size: int
     src_blocks: tuple[int, ...]
     registration: Registration
+    notif: bytes = b""
+    src_part: Part = (1, 0)
+    dst_part: Part = (1, 0)
+    skip_replicated: bool = False
+    planned: bool = False
+    waited_s: float = 0.0  # first arrival of publish or registration -> this, the second
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +141,9 @@ class SendWithdraw:
     registration_id: int
     code: FailureCode
     reason: str
-    # Delivered once the prefill daemon answered (or could not be reached): it answers only when
-    # no WRITE into the registration is in flight, so the decode worker frees its blocks after
-    # the last byte that could land in them.
-    then: Deliver | None = None
+    # The runtime reports the answer (or that none came) with RecvSide.withdraw_answered: the
+    # prefill daemon answers only once no WRITE into the registration is in flight, so a FAILED
+    # the core deferred until then lets the decode worker free its blocks after the last byte.
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +184,10 @@ class StartRead:
     consumer_tp_size: int
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    producer_agent: str = ""  # the offer's prefill agent (loaded by the runtime before the offer event)
+    notif: bytes = b""
+    src_part: Part = (1, 0)
+    dst_part: Part = (1, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +198,18 @@ class SendReadFailed:
     reason: str
 
 
-Action = StartWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw | SendOffer | StartRead | SendReadFailed
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A late or repeated event ignored on purpose (a WRITE settling after its transfer ended, a
+    notice for a registration already gone): the runtime counts and logs it."""
+
+    event: str
+    transfer_id: str
+    why: str
+
+
+Action = (StartWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw | SendOffer | StartRead
+          | SendReadFailed | Dropped)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -222,6 +258,33 @@ class LegState(enum.Enum):
     DONE = "done"
 
 
+class Move(enum.Enum):
+    """What an event does to a record, in the tables below."""
+
+    APPLY = "apply"  # handled: the event's rule runs
+    DROP = "drop"    # late or repeated, ignored on purpose (a Dropped action: counted and logged)
+
+
+# The prefill side's leg (one producer rank's WRITE or offered READ into one registration), in
+# the spirit of h11's _state.py: each (state, event) the table names is legal; None is a leg that
+# is gone (its transfer ended: worker gone, shutdown, timeout). Anything else is IllegalTransition.
+LEG_TABLE: dict[tuple[LegState | None, str], Move] = {
+    (LegState.POSTED, "write_done"): Move.APPLY,  # -> DONE, or removed and the publish fails
+    (LegState.DONE, "write_done"): Move.DROP,     # a second completion of the same leg
+    (None, "write_done"): Move.DROP,              # the leg's transfer ended while it was in flight
+}
+
+
+def step(table: dict[tuple[Any, str], Move], state: Any, event: str, transfer_id: str = "") -> Move:
+    """Look an event up in a side's table: a typed error naming state and event when illegal."""
+    move = table.get((state, event))
+    if move is None:
+        name = state.value if isinstance(state, enum.Enum) else str(state)
+        raise IllegalTransition(name, event, f"transfer {transfer_id[:256]!r}: event {event!r} is not allowed in "
+                                             f"state {name!r}", transfer_id=transfer_id)
+    return move
+
+
 @dataclass(slots=True)
 class _Publish:
     worker_id: str
@@ -230,6 +293,7 @@ class _Publish:
     block_ids: tuple[int, ...]
     created: float
     deadline: float
+    layouts: tuple[Shape, ...] = ()  # the producer's regions, if known
     legs: dict[int, LegState] = field(default_factory=dict)  # registration id -> state
     failure: tuple[FailureCode, str] | None = None  # set while posted legs settle
 
@@ -360,8 +424,9 @@ class SendSide:
         tp_size: int,
         transfer_id: str,
         block_ids: Iterable[int],
+        layouts: tuple[Shape, ...] = (),
     ) -> list[Action]:
-        """A producer rank's source blocks are complete."""
+        """A producer rank's source blocks are complete (``layouts``: its regions, if known)."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
@@ -380,7 +445,7 @@ class SendSide:
                 f"{rank} with other blocks; abort it first"
             )
         deadline = now + self.publish_timeout_s
-        t.publishes[rank] = _Publish(worker_id, rank, tp_size, blocks, now, deadline)
+        t.publishes[rank] = _Publish(worker_id, rank, tp_size, blocks, now, deadline, layouts)
         self._arm(("pub", key, rank), deadline)
         return self._match(t, now)
 
@@ -423,11 +488,12 @@ class SendSide:
             self._pulls.pop(pk, None)
             self._valid.pop(("pull", (pk[0], pk[1]), pk[2]), None)
         t = self._transfers.get((leg.engine_id, leg.transfer_id))
-        if t is None:
-            return []
-        pub = t.publishes.get(leg.producer_rank)
-        if pub is None or pub.legs.get(leg.registration_id) is not LegState.POSTED:
-            return []
+        pub = t.publishes.get(leg.producer_rank) if t is not None else None
+        state = pub.legs.get(leg.registration_id) if pub is not None else None
+        if step(LEG_TABLE, state, "write_done", leg.transfer_id) is Move.DROP:
+            return [Dropped("write_done", leg.transfer_id, f"leg {leg.producer_rank}->{leg.registration_id} "
+                            f"is {state.value if state else 'gone'}")]
+        assert t is not None and pub is not None
         actions: list[Action] = []
         if ok:
             pub.legs[leg.registration_id] = LegState.DONE
@@ -452,19 +518,18 @@ class SendSide:
         """
         leg = self._pulls.get((origin, registration_id, producer_rank))
         if leg is None:
-            return []
+            return [Dropped("read_done", "", f"no READ of registration {registration_id} rank {producer_rank} "
+                            "offered to that daemon is pending")]
         return self.write_done(leg, ok, reason)
 
     def withdraw(self, origin: str, transfer_id: str, registration_id: int, code: FailureCode,
                  reason: str) -> list[Action]:
         """The decode side gave up on a registration (abort, timeout, worker gone)."""
         key = self._by_reg.get((origin, registration_id))
-        if key is None:
-            return []
+        reg = self._reg_by_id(self._transfers[key], registration_id) if key is not None else None
+        if key is None or reg is None:
+            return [Dropped("withdraw", transfer_id, f"registration {registration_id} already ended here")]
         t = self._transfers[key]
-        reg = self._reg_by_id(t, registration_id)
-        if reg is None:
-            return []
         # SUPERSEDED: the decode worker re-registers (new blocks); its publishes must not fail.
         fail = None if code is FailureCode.SUPERSEDED else (code, f"decode side: {reason}")
         return self._drop_registration(t, reg, None, fail_publishes=fail) + self._settle(t)
@@ -596,7 +661,8 @@ class SendSide:
                     continue  # started by this publish, or written by an earlier publish of this rank
                 if reg.consumer_rank not in writer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size, reg.mla):
                     continue
-                problem = self._mismatch(pub, reg)
+                by_tokens = reg.by_tokens or reg.skip_tokens > 0 or sizes_differ(pub.layouts, reg.layouts)
+                problem = self._mismatch(pub, reg, by_tokens)
                 if problem:
                     actions += self._drop_registration(t, reg, (FailureCode.LAYOUT_MISMATCH, problem))
                     actions += self._fail_targets(t, pub, FailureCode.LAYOUT_MISMATCH, problem)
@@ -604,7 +670,7 @@ class SendSide:
                     break
                 pub.legs[reg.registration_id] = LegState.POSTED
                 # A partial prefix-cache hit on decode needs only the tail of the prompt's blocks.
-                src = pub.block_ids if reg.by_tokens else pub.block_ids[len(pub.block_ids) - len(reg.block_ids):]
+                src = pub.block_ids if by_tokens else pub.block_ids[len(pub.block_ids) - len(reg.block_ids):]
                 if reg.mode is TransferMode.PULL:
                     leg = LegKey(t.engine_id, t.transfer_id, pub.rank, reg.registration_id)
                     pk = (reg.origin, reg.registration_id, pub.rank)
@@ -613,6 +679,8 @@ class SendSide:
                     self._arm(("pull", (reg.origin, reg.registration_id), pub.rank), now + self.publish_timeout_s)
                     actions.append(SendOffer(leg, pub.worker_id, pub.rank, pub.tp_size, src, reg))
                     continue
+                src_part, dst_part = block_parts(pub.rank, pub.tp_size, reg.consumer_rank, reg.consumer_tp_size)
+                skip_rep = skips_replicated(pub.rank, pub.tp_size, reg.consumer_tp_size)
                 actions.append(
                     StartWrite(
                         leg=LegKey(t.engine_id, t.transfer_id, pub.rank, reg.registration_id),
@@ -621,16 +689,23 @@ class SendSide:
                         producer_tp_size=pub.tp_size,
                         src_blocks=src,
                         registration=reg,
+                        notif=notif.encode(reg.registration_id, pub.rank),
+                        src_part=src_part,
+                        dst_part=dst_part,
+                        skip_replicated=skip_rep,
+                        planned=by_tokens or needs_plan(pub.layouts, reg.layouts, reg.skip_tokens, skip_rep,
+                                                        src_part, dst_part),
+                        waited_s=max(now - t.created, 0.0),
                     )
                 )
         return actions + self._settle(t)
 
     @staticmethod
-    def _mismatch(pub: _Publish, reg: Registration) -> str:
+    def _mismatch(pub: _Publish, reg: Registration, by_tokens: bool) -> str:
         if reg.producer_tp_size != pub.tp_size:
             return (f"decode side expects producer TP size {reg.producer_tp_size}, "
                     f"prefill engine runs TP {pub.tp_size}")
-        if len(reg.block_ids) > len(pub.block_ids) and not reg.by_tokens:  # by tokens: checked when posting
+        if len(reg.block_ids) > len(pub.block_ids) and not by_tokens:  # by tokens: checked when posting
             return (f"block lists of unequal length: decode expects {len(reg.block_ids)} blocks, "
                     f"prefill published {len(pub.block_ids)}")
         return ""
@@ -715,6 +790,29 @@ class RecvState(enum.Enum):
     REGISTERED = "registered"    # the prefill daemon holds the registration; waiting for WRITEs
 
 
+_PUSH, _PULL = TransferMode.PUSH, TransferMode.PULL
+# The decode side's registration, by mode: (state, event) -> the state it moves to, or DROP. A
+# WRITE may land (notified) before the answer to Register does; an offer may come before it too.
+# A WRITE notification for a pull registration, or an offer for a push one, is not in the table.
+RECV_TABLE: dict[tuple[TransferMode, RecvState, str], RecvState | Move] = {
+    **{(_PUSH, st, "registered"): RecvState.REGISTERED for st in RecvState},
+    **{(_PUSH, st, "notified"): st for st in RecvState},
+    **{(_PULL, st, "registered"): RecvState.REGISTERED for st in RecvState},
+    **{(_PULL, st, "offer"): RecvState.REGISTERED for st in RecvState},
+    **{(_PULL, st, "notified"): Move.DROP for st in RecvState},
+}
+
+
+def recv_step(mode: TransferMode, state: RecvState, event: str, transfer_id: str) -> RecvState | Move:
+    move = RECV_TABLE.get((mode, state, event))
+    if move is None:
+        raise IllegalTransition(f"{mode.name.lower()} {state.value}", event,
+                                f"transfer {transfer_id[:256]!r}: event {event!r} is not allowed for a "
+                                f"{mode.name.lower()}-mode registration in state {state.value!r}",
+                                transfer_id=transfer_id)
+    return move
+
+
 @dataclass(slots=True)
 class _Recv:
     worker_id: str
@@ -760,8 +858,11 @@ class RecvSide:
         self.expect_timeout_s = expect_timeout_s
         self._next_id = itertools.count(first_registration_id)
         self._random_ids = random_ids
-        # (worker, transfer) whose FAILED rides on a withdrawal not answered yet (SendWithdraw.then)
-        self._ending: set[tuple[str, str]] = set()
+        # FAILED completions deferred until the prefill daemon answers a withdrawal (no WRITE into
+        # the blocks is in flight any more), by registration id; until then the (worker, transfer)
+        # may not be Expected again.
+        self._ending: dict[int, Deliver] = {}
+        self._ending_keys: set[tuple[str, str]] = set()
         self._by_key: dict[tuple[str, str], _Recv] = {}
         self._by_reg: dict[int, _Recv] = {}
         self._deadlines = _Deadlines()
@@ -774,9 +875,22 @@ class RecvSide:
     def next_deadline(self) -> float | None:
         return self._deadlines.next(self._valid)
 
-    def ended(self, d: Deliver) -> None:
-        """The FAILED riding on a withdrawal was delivered: the transfer id may be Expected again."""
-        self._ending.discard((d.worker_id, d.completion.transfer_id))
+    def withdraw_answered(self, registration_id: int) -> list[Action]:
+        """The prefill daemon answered a SendWithdraw (or could not be reached): deliver the FAILED
+        deferred until then; the transfer id may be Expected again."""
+        d = self._ending.pop(registration_id, None)
+        if d is None:
+            return []
+        self._ending_keys.discard((d.worker_id, d.completion.transfer_id))
+        return [d]
+
+    def deferred(self) -> set[int]:
+        """Registrations whose FAILED waits for the answer to their withdrawal."""
+        return set(self._ending)
+
+    def _defer(self, r: _Recv, code: FailureCode, reason: str) -> None:
+        self._ending[r.registration_id] = self._fail(r, code, reason)
+        self._ending_keys.add((r.worker_id, r.transfer_id))
 
     def sent_to(self, registration_id: int) -> tuple[str, str] | None:
         """(transfer id, producer address) of a pending registration, or None."""
@@ -822,15 +936,17 @@ class RecvSide:
         mode: TransferMode = TransferMode.PUSH,
         skip_tokens: int = 0,
         mla: bool = False,
+        layouts: tuple[Shape, ...] = (),
     ) -> list[Action]:
         """A decode worker allocated destination blocks: register them with the prefill side.
 
         ``skip_tokens``: the worker holds the prompt's first tokens already (``block_ids`` start
-        there). ``mla``: all its regions are replicated, so fewer producer ranks write to it."""
+        there). ``mla`` (or ``layouts`` all replicated): fewer producer ranks write to it."""
         blocks = tuple(block_ids)
+        mla = mla or (bool(layouts) and all(r.replicated for r in layouts))
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
-        if (worker_id, transfer_id) in self._ending:
+        if (worker_id, transfer_id) in self._ending_keys:
             raise AlreadyExists(f"transfer {transfer_id!r} is still ending on this worker (its withdrawal is "
                                 "not answered yet, a WRITE may be landing): Expect it again after its FAILED")
         if not blocks:
@@ -867,17 +983,23 @@ class RecvSide:
         return actions
 
     def registered(self, registration_id: int) -> list[Action]:
+        """The prefill daemon accepted the registration."""
         r = self._by_reg.get(registration_id)
-        if r is not None and r.state is RecvState.REGISTERING:
-            r.state = RecvState.REGISTERED
+        if r is None:
+            return [Dropped("registered", "", f"registration {registration_id} ended before its Register answer")]
+        nxt = recv_step(r.mode, r.state, "registered", r.transfer_id)
+        if isinstance(nxt, RecvState):
+            r.state = nxt
         return []
 
     def notified(self, registration_id: int, producer_rank: int) -> list[Action]:
         """A WRITE's notification arrived: that producer rank's bytes have landed."""
         r = self._by_reg.get(registration_id)
-        if r is None or producer_rank not in r.expected:
+        if r is None or producer_rank not in r.expected or \
+                recv_step(r.mode, r.state, "notified", r.transfer_id) is Move.DROP:
             self.stray_notifications += 1
-            return []
+            return [Dropped("notified", r.transfer_id if r else "", f"no pending push registration "
+                            f"{registration_id} expects producer rank {producer_rank}")]
         r.landed.add(producer_rank)
         if r.landed != r.expected:
             return []
@@ -890,7 +1012,7 @@ class RecvSide:
         return None if r is None else r.producer_address
 
     def offer(self, registration_id: int, transfer_id: str, producer_rank: int,
-              src_blocks: Iterable[int]) -> list[Action]:
+              src_blocks: Iterable[int], producer_agent: str = "") -> list[Action]:
         """Pull mode: the prefill daemon offers a producer rank's source blocks; READ them.
 
         The runtime has checked that the caller is the daemon the registration was sent to. Here:
@@ -904,8 +1026,7 @@ class RecvSide:
             raise NotFound(f"registration {registration_id} is not pending here (finished, failed or withdrawn)")
         if r.transfer_id != transfer_id:
             raise PermissionDenied(f"registration {registration_id} is not for transfer {transfer_id[:256]!r}")
-        if r.mode is not TransferMode.PULL:
-            raise FailedPrecondition(f"transfer {transfer_id!r}: registration {registration_id} is in push mode")
+        nxt = recv_step(r.mode, r.state, "offer", transfer_id)
         if producer_rank not in r.expected:
             raise InvalidArgument(f"transfer {transfer_id!r}: producer rank {producer_rank} does not feed this "
                                   f"registration (expects ranks {sorted(r.expected)})")
@@ -913,12 +1034,15 @@ class RecvSide:
             raise InvalidArgument(f"transfer {transfer_id!r}: offer of {len(src)} source blocks for "
                                   f"{len(r.block_ids)} destination blocks")
         if producer_rank in r.reading or producer_rank in r.landed:
-            return []
+            return [Dropped("offer", transfer_id, f"producer rank {producer_rank} was offered already")]
         r.reading.add(producer_rank)
-        r.state = RecvState.REGISTERED
+        assert isinstance(nxt, RecvState)
+        r.state = nxt
         key = ReadKey(r.producer_address, r.transfer_id, registration_id, producer_rank)
+        src_part, dst_part = block_parts(producer_rank, r.producer_tp_size, r.consumer_rank, r.consumer_tp_size)
         return [StartRead(key, r.worker_id, r.producer_tp_size, r.consumer_rank, r.consumer_tp_size, src,
-                          r.block_ids)]
+                          r.block_ids, producer_agent, notif.encode_read(registration_id, producer_rank),
+                          src_part, dst_part)]
 
     def read_done(self, key: ReadKey, ok: bool, reason: str = "") -> list[Action]:
         """Pull mode: a READ completed (the rank has landed) or failed (the receive fails, prefill is told).
@@ -932,7 +1056,7 @@ class RecvSide:
             r.reading.discard(key.producer_rank)
         if ok:
             if r is None or not mine:
-                return []
+                return [Dropped("read_done", key.transfer_id, "the receive ended while its READ was in flight")]
             r.landed.add(key.producer_rank)
             if r.landed != r.expected:
                 return []
@@ -949,7 +1073,7 @@ class RecvSide:
         """The prefill side (or our Register call) failed this registration."""
         r = self._by_reg.get(registration_id)
         if r is None:
-            return []
+            return [Dropped("failed", "", f"registration {registration_id} already ended")]
         self._remove(r)
         return [self._fail(r, code, reason)]
 
@@ -958,11 +1082,10 @@ class RecvSide:
         if r is None:
             return False, []
         self._remove(r)
-        self._ending.add((r.worker_id, r.transfer_id))
+        self._defer(r, FailureCode.ABORTED, "aborted by the decode engine")
         return True, [
             SendWithdraw(r.producer_address, transfer_id, r.registration_id, FailureCode.ABORTED,
-                         "aborted by the decode engine",
-                         then=self._fail(r, FailureCode.ABORTED, "aborted by the decode engine")),
+                         "aborted by the decode engine"),
         ]
 
     def worker_gone(self, worker_id: str) -> list[Action]:
@@ -1006,9 +1129,9 @@ class RecvSide:
             self._remove(r)
             msg = (f"transfer {r.transfer_id!r} not received within {self.expect_timeout_s:g}s "
                    f"(landed ranks {sorted(r.landed)} of {sorted(r.expected)}, state {r.state.value})")
-            self._ending.add((r.worker_id, r.transfer_id))
+            self._defer(r, FailureCode.TIMEOUT, msg)
             actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.TIMEOUT, msg, then=self._fail(r, FailureCode.TIMEOUT, msg)))
+                                        FailureCode.TIMEOUT, msg))
         return actions
 
     def _remove(self, r: _Recv) -> None:

@@ -6,7 +6,7 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
 
 from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
-from ..node import CudaSpec, MemorySpec, RegionArg, ShmSpec
+from ..runtime.workers import CudaSpec, MemorySpec, RegionArg, ShmSpec
 from ..transfer.descs import RegionSpec, RemoteAgent
 
 

@@ -1,8 +1,14 @@
-"""The one table from expected errors to gRPC status codes; anything else is INTERNAL, logged."""
+"""The one converter from errors to gRPC statuses; anything not in the table is INTERNAL, logged.
+
+Every refusal also carries its structured reason as trailing metadata ``kvpushd-error``: a JSON
+object with the error's kind (its class name), the status code name, and the transfer id and peer
+it concerns. Callers (the client library, other daemons) match on the kind, never on the text.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -26,16 +32,23 @@ CODES: dict[type[E.KvpushdError], grpc.StatusCode] = {
 R = TypeVar("R")
 
 
-def code_for(exc: E.KvpushdError) -> grpc.StatusCode:
+def code_for(exc: E.KvpushdError) -> grpc.StatusCode | None:
+    """The status code of an expected error; None for a kind the table does not name (a bug)."""
     for cls in type(exc).__mro__:
         if cls in CODES:
             return CODES[cls]
-    return grpc.StatusCode.UNKNOWN
+    return None
+
+
+def reason_metadata(exc: E.KvpushdError, code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
+    reason = {"kind": exc.kind, "code": code.name, "transfer_id": exc.transfer_id[:256], "peer": exc.peer[:256]}
+    return (("kvpushd-error", json.dumps(reason, separators=(",", ":"))),)
 
 
 async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> NoReturn:
-    if isinstance(exc, E.KvpushdError):
-        await context.abort(code_for(exc), str(exc))
+    code = code_for(exc) if isinstance(exc, E.KvpushdError) else None
+    if isinstance(exc, E.KvpushdError) and code is not None:
+        await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc, code))
     log.error("unexpected error in RPC", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
 

@@ -8,8 +8,8 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 
 from .. import PROTOCOL_VERSION
 from ..core import notif
-from ..core.errors import FailedPrecondition
-from ..node import Node
+from ..core.errors import SessionUnknown
+from ..runtime.node import Node
 from . import convert
 from .errors import unary
 
@@ -25,7 +25,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         token = self.node.handshake(request.protocol_version, request.compat_hash, request.node_id,
                                     request.peer_address, request.instance_id, session_of(context))
         return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
-                                          node_id=self.node.node_id, instance_id=self.node.instance_id,
+                                          node_id=self.node.ident.node_id, instance_id=self.node.ident.instance_id,
                                           session_token=token)
 
     @unary
@@ -70,12 +70,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     @unary
     async def Heartbeat(self, request: peer_pb2.HeartbeatRequest, context: Ctx) -> peer_pb2.HeartbeatResponse:
         knows = self.node.heard_from(request.caller_instance_id, session_of(context))
-        return peer_pb2.HeartbeatResponse(instance_id=self.node.instance_id, knows_caller=knows)
+        return peer_pb2.HeartbeatResponse(instance_id=self.node.ident.instance_id, knows_caller=knows)
 
     def _known(self, instance_id: str, context: Ctx) -> None:
         """The caller is the daemon that handshook as ``instance_id``: it holds that session's token."""
         if not self.node.session_ok(instance_id, session_of(context)):
-            raise FailedPrecondition(f"unknown caller instance {instance_id[:256]!r} or session: handshake first")
+            raise SessionUnknown(f"unknown caller instance {instance_id[:256]!r} or session: handshake first")
 
 
 def session_of(context: Ctx) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
 
-from ..node import Node
+from ..runtime.node import Node
 from . import convert
 from .errors import stream, unary
 
@@ -24,8 +24,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                    request.tp_size, request.pp_rank,
                                    [convert.memory(m) for m in request.memory],
                                    [convert.region(r) for r in request.regions], request.description)
-        return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.node_id,
-                                         peer_address=self.node.peer_address)
+        return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
+                                         peer_address=self.node.ident.peer_address)
 
     @stream
     async def Session(self, request: worker_pb2.SessionRequest, context: Ctx) -> AsyncIterator[worker_pb2.Completion]:

@@ -14,7 +14,6 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.errors import InvalidArgument
-from ..core.layout import HND
 
 IntArray = npt.NDArray[np.int64]
 
@@ -109,23 +108,3 @@ def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src
         raise InvalidArgument("source block id out of range")
     if len(dst) and (dst.min() < 0 or dst.max() >= min(r.num_blocks for r in remote)):
         raise InvalidArgument("destination block id out of range")
-
-
-
-def needs_plan(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], skip_tokens: int, skip_replicated: bool,
-               src_part: Part, dst_part: Part) -> bool:
-    """Whether a WRITE cannot use the prepared one-descriptor-per-block (or per block slice) lists:
-    block sizes differ, a prefix is skipped, a layout other than HND or a replicated region meets
-    a TP size change, or the two sides disagree on layout or replication."""
-    if skip_tokens or skip_replicated:
-        return True
-    hetero = src_part != WHOLE or dst_part != WHOLE
-    for lr, rr in zip(local, remote, strict=False):
-        lay_l, lay_r = lr.layout or HND, rr.layout or HND
-        if lr.block_tokens and rr.block_tokens and lr.block_tokens != rr.block_tokens:
-            return True
-        if lay_l != lay_r or lr.replicated != rr.replicated:
-            return True
-        if hetero and (lr.replicated or lay_l != HND):
-            return True
-    return False

@@ -42,7 +42,6 @@ from .descs import (
     check_layouts,
     leg_indices,
     merged_count,
-    needs_plan,
     region_bases,
 )
 from .faults import Faults
@@ -261,25 +260,18 @@ class TransferThread:
 
     def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
                    dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE,
-                   skip_tokens: int = 0, skip_replicated: bool = False) -> None:
-        """Queue a WRITE; its WriteResult comes back through on_write_done.
+                   skip_tokens: int = 0, skip_replicated: bool = False, planned: bool = False) -> None:
+        """Queue a WRITE as the core planned it; its WriteResult comes back through on_write_done.
 
-        Blocks that map one to one go through the prepared lists; otherwise (other block sizes,
-        ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``) the
-        descriptors are planned per request by ``core.layout.plan_write``."""
+        ``planned`` False: blocks map one to one, through the prepared lists. True (other block
+        sizes, ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``):
+        the descriptors are planned per request by ``core.layout.plan_write``."""
         t0 = time.perf_counter()
-        self._q.put(lambda: self._post_any(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part,
-                                           skip_tokens, skip_replicated))
-
-    def _post_any(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent, dst: Sequence[int],
-                  notif: bytes, t0: float, src_part: Part, dst_part: Part, skip_tokens: int,
-                  skip_replicated: bool) -> None:
-        loc = self._locals.get(worker_id)
-        if loc is not None and needs_plan(loc.regions, remote.regions, skip_tokens, skip_replicated, src_part,
-                                          dst_part):
-            return self._post_planned(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, skip_tokens,
-                                      skip_replicated)
-        return self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part)
+        if planned:
+            self._q.put(lambda: self._post_planned(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part,
+                                                   skip_tokens, skip_replicated))
+        else:
+            self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part))
 
     def post_read(self, key: Any, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
                   src: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:

@@ -1,4 +1,7 @@
-"""Client side of the peer API: one channel and one handshake per remote daemon.
+"""Daemons we call: one channel and one handshake per remote daemon (the client side of the peer API).
+
+This room owns the outbound peers (``Outbound.peers``); it gets an identity and the peer API
+settings, never the node. A restart it notices is reported through ``on_restart``.
 
 A handshake is repeated whenever a call says the remote does not know us (it restarted), and a
 changed remote instance id means every agent we had sent it must be sent again.
@@ -7,22 +10,22 @@ changed remote instance id means every agent we had sent it must be sent again.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-from . import PROTOCOL_VERSION
-from .core import notif
-from .core.errors import KvpushdError
-from .core.rendezvous import ReadKey, SendOffer, SendRegister
-from .core.types import FailureCode
-from .peer_security import channel_credentials, channel_options, tls_enabled
-
-if TYPE_CHECKING:
-    from .node import Node, Worker
+from .. import PROTOCOL_VERSION
+from ..config import PeerApiConfig
+from ..core import notif
+from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
+from ..core.rendezvous import ReadKey, SendOffer, SendRegister
+from ..core.types import FailureCode
+from ..peer_security import channel_credentials, channel_options, tls_enabled
+from .identity import Identity
+from .workers import Worker
 
 log = structlog.get_logger(__name__)
 
@@ -38,21 +41,27 @@ KEEPALIVE = [
 ]
 
 
-class PeerUnreachable(KvpushdError):
-    """The remote daemon did not answer."""
-
-
-class PeerRejected(KvpushdError):
-    """The remote daemon answered with an error status."""
+def error_kind(e: grpc.aio.AioRpcError) -> str:
+    """The error class a kvpushd daemon named in its trailing metadata (``kvpushd-error``), or ""."""
+    for key, value in e.trailing_metadata() or ():
+        if key == "kvpushd-error":
+            try:
+                return str(json.loads(value).get("kind", ""))
+            except (ValueError, AttributeError):
+                return ""
+    return ""
 
 
 class PeerClient:
-    def __init__(self, address: str, node: Node) -> None:
+    def __init__(self, address: str, ident: Identity, cfg: PeerApiConfig,
+                 on_restart: Callable[[str, str], None]) -> None:
         self.address = address
-        self.node = node
-        size = node.cfg.peer_api.max_message_bytes
+        self.ident = ident
+        self.cfg = cfg
+        self._on_restart = on_restart
+        size = cfg.max_message_bytes
         opts = [*KEEPALIVE, ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
-        pa = node.cfg.peer_api
+        pa = cfg
         if tls_enabled(pa):
             self.channel = grpc.aio.secure_channel(address, channel_credentials(pa),
                                                    options=[*opts, *channel_options(pa)])
@@ -86,14 +95,14 @@ class PeerClient:
                 # connect timeout after another.
                 raise PeerUnreachable(f"prefill daemon {self.address}: {self.last_error}")
             self.state = "handshaking"
-            n = self.node
+            n = self.ident
             req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                             node_id=n.node_id, peer_address=n.peer_address,
                                             instance_id=n.instance_id)
             try:
                 # wait_for_ready: connect (or reconnect after a restart) within the deadline
                 # instead of failing at once on a channel that last saw the peer down.
-                resp = await self.stub.Handshake(req, timeout=n.cfg.peer_api.connect_timeout_s,
+                resp = await self.stub.Handshake(req, timeout=self.cfg.connect_timeout_s,
                                                  wait_for_ready=True, metadata=self.session)
             except grpc.aio.AioRpcError as e:
                 err: grpc.aio.AioRpcError | None = e
@@ -112,7 +121,7 @@ class PeerClient:
             if resp.instance_id != self.remote_instance:
                 if self.remote_instance:
                     log.warning("peer restarted", peer=self.address, node=resp.node_id)
-                    n.peer_lost(self.address, f"prefill daemon at {self.address} restarted", restarted=True)
+                    self._on_restart(self.address, f"prefill daemon at {self.address} restarted")
                 self.sent_agents.clear()
             self.remote_instance = resp.instance_id
             self.remote_node_id = resp.node_id
@@ -128,22 +137,21 @@ class PeerClient:
 
     def _error(self, e: grpc.aio.AioRpcError) -> KvpushdError:
         msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
-        if "Socket closed" in (e.details() or "") and not tls_enabled(self.node.cfg.peer_api):
+        if "Socket closed" in (e.details() or "") and not tls_enabled(self.cfg):
             msg += " (if that daemon's peer API uses TLS, set peer_api.tls_cert, tls_key and tls_ca here too)"
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return PeerUnreachable(msg)
-        return PeerRejected(msg)
+            return PeerUnreachable(msg, peer=self.address)
+        return PeerRejected(msg, peer=self.address)
 
     async def _call(self, method: str, req: object) -> object:
         """Call after a handshake; re-handshake once if the remote forgot us (restart)."""
         await self._handshake()
-        timeout = self.node.cfg.peer_api.rpc_timeout_s
+        timeout = self.cfg.rpc_timeout_s
         for attempt in (0, 1):
             try:
                 return await getattr(self.stub, method)(req, timeout=timeout, metadata=self.session)
             except grpc.aio.AioRpcError as e:
-                forgot_us = e.code() is grpc.StatusCode.FAILED_PRECONDITION and "handshake first" in (
-                    e.details() or "")
+                forgot_us = error_kind(e) == "SessionUnknown"  # it restarted, or dropped our session
                 if forgot_us and attempt == 0:
                     await self._handshake(force=True)
                     continue
@@ -152,7 +160,7 @@ class PeerClient:
         raise AssertionError("unreachable")
 
     async def register(self, a: SendRegister, w: Worker) -> None:
-        n = self.node
+        n = self.ident
         for _ in range(2):
             agent = agent_info(w, with_metadata=w.agent_name not in self.sent_agents)
             req = peer_pb2.RegisterRequest(
@@ -167,7 +175,7 @@ class PeerClient:
                 self.sent_agents.add(w.agent_name)
                 return
             self.sent_agents.discard(w.agent_name)
-        raise PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata")
+        raise PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata", peer=self.address)
 
     async def offer(self, a: SendOffer, w: Worker, still_wanted: Callable[[], bool]) -> bool:
         """Pull mode (we are the prefill side): offer a leg's source blocks to the decode daemon.
@@ -175,7 +183,7 @@ class PeerClient:
         Returns False, sending nothing, when the leg was settled meanwhile (e.g. the decode daemon
         was declared lost while we waited for the handshake): a late offer would READ blocks the
         prefill worker was already told are free."""
-        n = self.node
+        n = self.ident
         await self._handshake()
         for _ in range(2):
             if not still_wanted():
@@ -191,18 +199,18 @@ class PeerClient:
                 self.sent_agents.add(w.agent_name)
                 return True
             self.sent_agents.discard(w.agent_name)
-        raise PeerRejected(f"decode daemon {self.address} keeps asking for agent metadata")
+        raise PeerRejected(f"decode daemon {self.address} keeps asking for agent metadata", peer=self.address)
 
     async def read_failed(self, key: ReadKey, reason: str) -> None:
         """Pull mode (we are the decode side): the READ of an accepted offer failed."""
         await self._call("ReadFailed", peer_pb2.ReadFailedNotice(
-            caller_instance_id=self.node.instance_id, transfer_id=key.transfer_id,
+            caller_instance_id=self.ident.instance_id, transfer_id=key.transfer_id,
             registration_id=key.registration_id, producer_rank=key.producer_rank, reason=reason[:2000]))
 
     async def heartbeat(self, timeout_s: float) -> None:
         """One liveness probe. Raises PeerUnreachable; a restart is handled like in the handshake."""
         loop = asyncio.get_running_loop()
-        req = peer_pb2.HeartbeatRequest(caller_instance_id=self.node.instance_id)
+        req = peer_pb2.HeartbeatRequest(caller_instance_id=self.ident.instance_id)
         try:
             resp = await self.stub.Heartbeat(req, timeout=timeout_s, metadata=self.session)
         except grpc.aio.AioRpcError as e:
@@ -222,7 +230,7 @@ class PeerClient:
         await self._call("Withdraw", self._notice(transfer_id, registration_id, code, reason))
 
     def _notice(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> peer_pb2.FailNotice:
-        return peer_pb2.FailNotice(caller_instance_id=self.node.instance_id, transfer_id=transfer_id,
+        return peer_pb2.FailNotice(caller_instance_id=self.ident.instance_id, transfer_id=transfer_id,
                                    registration_id=registration_id,
                                    code=common_pb2.FailureCode.ValueType(int(code)), reason=reason[:2000])
 
@@ -238,3 +246,33 @@ def agent_info(w: Worker, with_metadata: bool) -> peer_pb2.AgentInfo:
                                        block_size_tokens=r.block_tokens, num_heads=r.num_heads,
                                        layout=common_pb2.KVLayout.ValueType(r.layout), replicated=r.replicated)
                  for r in w.regions])
+
+
+class Outbound:
+    """The daemons we call, by peer address."""
+
+    def __init__(self, ident: Identity, cfg: PeerApiConfig, on_restart: Callable[[str, str], None]) -> None:
+        self.ident = ident
+        self.cfg = cfg
+        self._on_restart = on_restart
+        self.peers: dict[str, PeerClient] = {}
+
+    def peer(self, address: str) -> PeerClient:
+        p = self.peers.get(address)
+        if p is None:
+            p = self.peers[address] = PeerClient(address, self.ident, self.cfg, self._on_restart)
+        return p
+
+    def idle(self, loop_now: float, waited_on: set[str], idle_s: float) -> list[PeerClient]:
+        """Peers nothing waits on, unheard for ``idle_s``: removed here, for the caller to close."""
+        out = []
+        for address, p in list(self.peers.items()):
+            if (address not in waited_on and not p.beating and p.state != "handshaking"
+                    and loop_now - max(p.last_ok, p.since, p.failed_at) > idle_s):
+                del self.peers[address]
+                out.append(p)
+        return out
+
+    async def close(self) -> None:
+        for p in self.peers.values():
+            await p.close()

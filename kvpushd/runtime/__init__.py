@@ -1,0 +1,1 @@
+"""The asyncio side of the daemon, one room per owned state (see docs/architecture.md)."""

@@ -1,0 +1,418 @@
+"""Carries out what the core decides: every action, the NIXL thread's callbacks, and one timer.
+
+The rendezvous state machines (``send``, ``recv``) live here with the NIXL thread: events go in
+through the node facade or through the callbacks below, and ``run`` performs the actions that come
+out (deliver a completion, post a WRITE or READ, call a peer). After every run the one timer is
+re-armed at the core's next deadline (aioquic's ``call_at`` pattern): no polling tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from ..config import Config, backend_init_params
+from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
+from ..core.rendezvous import (
+    Action,
+    Deliver,
+    Dropped,
+    RecvSide,
+    SendFailNotice,
+    SendOffer,
+    SendReadFailed,
+    SendRegister,
+    SendSide,
+    SendWithdraw,
+    StartRead,
+    StartWrite,
+)
+from ..core.types import Completion, CompletionKind, FailureCode
+from ..events import EventHub, EventKind
+from ..transfer.thread import ReadResult, TransferThread, WriteResult
+from .inbound import Inbound, Origin
+from .observe import NullObserver, Observer
+from .outbound import Outbound, PeerClient
+from .peerbook import PeerBook
+from .workers import Workers
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Counters:
+    transfers_finished: int = 0
+    transfers_failed: int = 0
+    bytes_written: int = 0
+    writes_posted: int = 0
+    notifications_received: int = 0
+    descriptors_requested: int = 0
+    descriptors_posted: int = 0
+    reads_posted: int = 0  # pull mode: READs this (decode) daemon posted that completed
+    bytes_read: int = 0
+    late_events: int = 0   # events the core dropped on purpose (late or repeated)
+
+
+class Executor:
+    """Owns the core's two sides, the NIXL thread, and the tasks that call peers."""
+
+    def __init__(self, cfg: Config, workers: Workers, inbound: Inbound, outbound: Outbound, events: EventHub,
+                 peerbook: PeerBook) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.inbound = inbound
+        self.outbound = outbound
+        self.events = events
+        self.peerbook = peerbook
+        self.observer: Observer = NullObserver()
+        t = cfg.transfer
+        self.send = SendSide(t.publish_timeout_s, t.expect_timeout_s)
+        # Registration ids are random (63 bits): they do not collide with stale notifications addressed
+        # to a previous instance, and only the prefill daemon a registration went to knows its id.
+        self.recv = RecvSide(t.expect_timeout_s, random_ids=True)
+        self.counters = Counters()
+        self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
+        self.xfer: TransferThread | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._legs: dict[object, tuple[str, str]] = {}  # WRITE in flight -> (peer address, producer worker)
+        self._withdrawing = 0  # Withdraw RPCs not answered yet (the decode agent keeps progressing)
+        self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> TransferThread:
+        t = self.cfg.transfer
+        self._loop = loop
+        self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
+                                   poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads,
+                                   params_for=lambda b, dev: backend_init_params(t, b, dev),
+                                   param_devices=tuple(t.device_params),
+                                   on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs)
+        self.xfer.start()
+        return self.xfer
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- carrying out core actions --------------------------------------------------------------
+
+    def run(self, actions: Sequence[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Deliver):
+                self._deliver(a.worker_id, a.completion)
+            elif isinstance(a, StartWrite):
+                self._start_write(a)
+            elif isinstance(a, StartRead):
+                self._start_read(a)
+            elif isinstance(a, SendRegister):
+                self.spawn(self._send_register(a))
+            elif isinstance(a, SendFailNotice):
+                self.spawn(self._send_fail(a))
+            elif isinstance(a, SendWithdraw):
+                self.spawn(self._send_withdraw(a))
+            elif isinstance(a, SendOffer):
+                self.spawn(self._send_offer(a))
+            elif isinstance(a, SendReadFailed):
+                self.spawn(self._send_read_failed(a))
+            elif isinstance(a, Dropped):
+                self.counters.late_events += 1
+                self.observer.dropped(a.event)
+                log.debug("late event dropped", event=a.event, transfer_id=a.transfer_id, why=a.why)
+        if self.xfer is not None:
+            self.xfer.set_pulling(self.send.pulling())
+            self.xfer.set_expecting(len(self.recv) + self._withdrawing)
+        if self._settle_waiters:
+            waiters, self._settle_waiters = self._settle_waiters, []
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
+        self._arm()
+
+    def _arm(self) -> None:
+        """One timer at the core's next deadline; re-armed after every run."""
+        if self._loop is None:
+            return
+        due = [d for d in (self.send.next_deadline(), self.recv.next_deadline()) if d is not None]
+        if not due:
+            self.stop_timer()
+            return
+        nxt = min(due)
+        if self._timer is not None and self._timer_at <= nxt:
+            return  # armed for as early or earlier: it re-arms when it fires
+        self.stop_timer()
+        self._timer_at = nxt
+        # a millisecond late rather than early: the loop's clock may round the delay down
+        self._timer = self._loop.call_later(max(nxt - time.monotonic(), 0.0) + 1e-3, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        try:
+            self.run(self.send.tick(now) + self.recv.tick(now))
+        except Exception:  # a bug here must not stop deadlines for good
+            log.exception("deadline handling failed")
+            self._arm()
+
+    def _deliver(self, worker_id: str, c: Completion) -> None:
+        ev = self.events.emit(EventKind.TRANSFER_FAILED if c.kind is CompletionKind.FAILED
+                              else EventKind.TRANSFER_FINISHED, worker_id=worker_id, transfer_id=c.transfer_id,
+                              code=c.code, detail=c.reason)
+        if c.kind is CompletionKind.FAILED:
+            self.counters.transfers_failed += 1
+            self.recent_failures.append((time.time(), c.transfer_id, f"{c.code.name}: {c.reason}"))
+            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=ev.engine_id, worker_id=worker_id,
+                        code=c.code.name, reason=c.reason)
+        else:
+            self.counters.transfers_finished += 1
+        self.workers.deliver(worker_id, c)
+
+    def _start_write(self, a: StartWrite) -> None:
+        assert self.xfer is not None
+        reg = a.registration
+        origin = self.inbound.origins.get(reg.origin)
+        peer = origin.address if origin is not None else ""
+        self._legs[a.leg] = (peer, a.producer_worker)
+        self.events.annotate(a.producer_worker, a.leg.transfer_id, peer=peer)
+        self.observer.rendezvous_waited(a.waited_s)
+        agent = self.inbound.consumers.get(reg.consumer_agent)
+        if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
+            self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
+            return
+        self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, reg.block_ids, a.notif, a.src_part,
+                             a.dst_part, skip_tokens=reg.skip_tokens, skip_replicated=a.skip_replicated,
+                             planned=a.planned)
+
+    def _start_read(self, a: StartRead) -> None:
+        assert self.xfer is not None
+        agent = self.inbound.producers.get(a.producer_agent)
+        if agent is None:
+            self._on_reads([ReadResult(a.key, False, "producer agent unknown", 0, 0, 0, 0, 0)])
+            return
+        self.xfer.post_read(a.key, a.worker_id, a.dst_blocks, agent, a.src_blocks, a.notif, a.src_part, a.dst_part)
+
+    # -- NIXL callbacks (on the loop) -----------------------------------------------------------
+
+    def _on_writes(self, results: list[WriteResult]) -> None:
+        actions: list[Action] = []
+        for r in results:
+            peer, worker_id = self._legs.pop(r.leg, ("", ""))
+            if r.ok:
+                self.counters.writes_posted += 1
+                self.counters.bytes_written += r.nbytes
+                self.counters.descriptors_requested += r.descs_requested
+                self.counters.descriptors_posted += r.descs_posted
+                self.peerbook.sent(peer, r.nbytes)
+                self.events.annotate(worker_id, r.leg.transfer_id, add_bytes=r.nbytes)
+            else:
+                self.peerbook.failed(peer, f"WRITE for transfer {r.leg.transfer_id!r} failed: {r.reason}")
+            self.observer.write_done(r, peer)
+            log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
+                      post_us=round(r.post_s * 1e6),
+                      xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
+            actions += self.send.write_done(r.leg, r.ok, r.reason)
+        self.run(actions)
+
+    def _on_notifs(self, notifs: list[tuple[int, int]]) -> None:
+        actions: list[Action] = []
+        for rid, rank in notifs:
+            self.counters.notifications_received += 1
+            actions += self.recv.notified(rid, rank)
+        self.run(actions)
+
+    def _on_read_notifs(self, notifs: list[tuple[str, int, int]]) -> None:
+        """Pull mode, prefill side: READ notifications on our producer agents (the READ completed)."""
+        actions: list[Action] = []
+        for agent_name, rid, rank in notifs:
+            origin = self.inbound.origin_of_consumer_agent(agent_name)
+            if origin is None:
+                log.info("READ notification from an unknown agent", remote_agent=agent_name[:128])
+                continue
+            actions += self.send.read_done(origin.instance_id, rid, rank, True)
+        self.run(actions)
+
+    def _on_reads(self, results: list[ReadResult]) -> None:
+        """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
+        actions: list[Action] = []
+        for r in results:
+            if r.ok:
+                self.counters.reads_posted += 1
+                self.counters.bytes_read += r.nbytes
+                self.counters.descriptors_requested += r.descs_requested
+                self.counters.descriptors_posted += r.descs_posted
+            log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
+                      post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
+            actions += self.recv.read_done(r.key, r.ok, r.reason)
+        self.run(actions)
+
+    # -- peer calls the core asked for ------------------------------------------------------------
+
+    async def _send_register(self, a: SendRegister) -> None:
+        w = self.workers.by_id.get(a.worker_id)
+        if w is None:
+            return
+        peer = self.outbound.peer(a.producer_address)
+        try:
+            await peer.register(a, w)
+        except PeerRejected as e:
+            self.peerbook.failed(a.producer_address, str(e))
+            self.run(self.recv.failed(a.registration_id, FailureCode.PEER_REJECTED, str(e)))
+        except PeerUnreachable as e:
+            self.peerbook.failed(a.producer_address, str(e), unreachable=True)
+            self.run(self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e)))
+        else:
+            self.peerbook.contact(a.producer_address, node_id=peer.remote_node_id)
+            self.run(self.recv.registered(a.registration_id))
+
+    async def _send_fail(self, a: SendFailNotice) -> None:
+        origin = self.inbound.origins.get(a.origin)
+        if origin is None:
+            return
+        try:
+            await self.outbound.peer(origin.address).fail(a.transfer_id, a.registration_id, a.code, a.reason)
+        except KvpushdError as e:
+            self.peerbook.failed(origin.address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.warning("could not send failure notice", transfer_id=a.transfer_id,
+                        engine_id=self.events.engine_of(a.transfer_id), error=str(e))
+        else:
+            self.peerbook.contact(origin.address)
+
+    async def _send_withdraw(self, a: SendWithdraw) -> None:
+        # Until the prefill daemon answers, a WRITE into these blocks may still be landing, and over
+        # shared memory or TCP it completes only while this side's agent makes progress: keep polling.
+        self._withdrawing += 1
+        self.run([])
+        try:
+            await self.outbound.peer(a.producer_address).withdraw(a.transfer_id, a.registration_id, a.code,
+                                                                  a.reason)
+        except KvpushdError as e:
+            self.peerbook.failed(a.producer_address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.info("could not withdraw registration", transfer_id=a.transfer_id,
+                     engine_id=self.events.engine_of(a.transfer_id), error=str(e))
+        else:
+            self.peerbook.contact(a.producer_address)
+        finally:
+            self._withdrawing -= 1
+            # answered: no WRITE into these blocks is in flight any more (or the daemon is gone)
+            self.run(self.recv.withdraw_answered(a.registration_id))
+
+    async def _send_offer(self, a: SendOffer) -> None:
+        reg = a.registration
+        w = self.workers.live(a.producer_worker)
+        origin = self.inbound.origins.get(reg.origin)
+        if w is None or origin is None:
+            why = "prefill worker is gone" if origin is not None else "decode daemon is gone"
+            self.run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
+            return
+        try:
+            sent = await self.outbound.peer(origin.address).offer(
+                a, w, lambda: self.send.pull_pending(reg.origin, reg.registration_id, a.producer_rank))
+        except PeerRejected as e:  # the decode daemon answered: it did not start a READ
+            self.peerbook.failed(origin.address, str(e))
+            self.run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False,
+                                         f"offer refused: {e}"))
+        except PeerUnreachable as e:
+            # It may have started the READ: the leg stays in flight until the READ is confirmed,
+            # the decode daemon is lost, or publish_timeout_s passes.
+            self.peerbook.failed(origin.address, str(e), unreachable=True)
+            log.warning("could not send an offer", transfer_id=reg.transfer_id, engine_id=a.leg.engine_id,
+                        error=str(e))
+        else:
+            if sent:
+                self.peerbook.contact(origin.address)
+
+    async def _send_read_failed(self, a: SendReadFailed) -> None:
+        try:
+            await self.outbound.peer(a.key.producer_address).read_failed(a.key, a.reason)
+        except KvpushdError as e:
+            self.peerbook.failed(a.key.producer_address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.info("could not report a failed READ", transfer_id=a.key.transfer_id, error=str(e))
+        else:
+            self.peerbook.contact(a.key.producer_address)
+
+    # -- peers lost, heartbeats -----------------------------------------------------------------
+
+    def producer_lost(self, address: str, reason: str, restarted: bool = False) -> None:
+        """A prefill daemon is unreachable (or restarted): its pending receives fail now."""
+        self.peerbook.lost(address, reason)
+        self.run(self.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
+
+    def origin_lost(self, origin: Origin, reason: str) -> None:
+        """A daemon that called us is gone (silent, or restarted): what it had pending here fails."""
+        self.peerbook.lost(origin.address, reason, inbound=True)
+        self.inbound.drop(origin)
+        self.run(self.send.origin_lost(origin.instance_id, reason))
+
+    def housekeeping(self, now: float) -> None:
+        """Heartbeats to the prefill daemons we wait on; silence from either side fails what is pending;
+        idle peers are forgotten. Called every heartbeat interval (not for deadlines: see ``_arm``)."""
+        t = self.cfg.transfer
+        assert self._loop is not None
+        loop_now = self._loop.time()
+        waited_on = self.recv.producer_addresses()
+        for address in waited_on:
+            peer = self.outbound.peer(address)
+            if peer.failing_since and loop_now - peer.failing_since > t.peer_timeout_s:
+                self.producer_lost(address, f"prefill daemon {address} did not answer for {t.peer_timeout_s:g}s "
+                                            f"({peer.last_error})")
+                peer.failing_since = 0.0
+            elif loop_now - peer.last_beat >= t.heartbeat_interval_s and not peer.beating:
+                peer.last_beat = loop_now
+                self.spawn(self._beat(peer))
+        busy = self.send.origins()
+        for origin in self.inbound.silent(now, busy, t.peer_timeout_s):
+            self.origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address} sent no "
+                                     f"heartbeat for {t.peer_timeout_s:g}s")
+        idle_s = max(60.0, 6 * t.peer_timeout_s)
+        self.inbound.forget_idle(now, busy, idle_s)
+        for p in self.outbound.idle(loop_now, waited_on, idle_s):
+            self.spawn(p.close())
+        wall = time.time()
+        live = self.live_addresses()
+        for address in [a for a, p in self.peerbook.peers.items() if a not in live and wall - p.last_contact > idle_s]:
+            self.peerbook.forget(address)
+
+    def live_addresses(self) -> set[str]:
+        """Addresses of the peers we have a channel to or a session with."""
+        return set(self.outbound.peers) | {o.address for o in self.inbound.origins.values()}
+
+    async def _beat(self, peer: PeerClient) -> None:
+        peer.beating = True
+        try:
+            await peer.heartbeat(min(self.cfg.transfer.peer_timeout_s, 2.0))
+        except KvpushdError:
+            pass  # counted by failing_since; housekeeping decides
+        finally:
+            peer.beating = False
+
+    async def wait_unwritten(self, key: tuple[str, str], registration_id: int, timeout_s: float) -> None:
+        """Return once no WRITE into that registration is in flight (bounded by ``timeout_s``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.send.writing_into(key, registration_id) and loop.time() < deadline:
+            settled: asyncio.Future[None] = loop.create_future()  # woken by run after any core change
+            self._settle_waiters.append(settled)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(settled, deadline - loop.time())
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())

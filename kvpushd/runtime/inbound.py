@@ -1,0 +1,212 @@
+"""Daemons that call us: handshakes and their sessions, and the remote NIXL agents they introduce.
+
+This room owns the sessions (``Inbound.origins``) and two agent tables: decode daemons' consumer
+agents (from Register, push mode's WRITE targets) and prefill daemons' producer agents (from Offer,
+pull mode's READ sources). Both are admitted by one rule (``AgentTable.admit``): the agent is named
+after the calling daemon, an agent already known belongs to the daemon that introduced it, its
+metadata names that same agent and its region table is bounded, and each daemon has a cap, the
+least recently used agents no pending transfer needs being evicted first.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from .. import PROTOCOL_VERSION
+from ..core import notif
+from ..core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, SessionUnknown
+from ..transfer.descs import RemoteAgent
+from .identity import agent_prefix, metadata_agent_name
+
+log = structlog.get_logger(__name__)
+
+MAX_AGENTS_PER_ORIGIN = 1024   # remote agents of one kind one peer daemon may have loaded here at once
+MAX_AGENT_METADATA = 1 << 20   # bytes of NIXL agent metadata a peer may send
+MAX_AGENT_REGIONS = 4096       # as for Attach
+IDLE_PEER_S = 60.0             # a peer with nothing pending is forgotten after this long unheard
+
+
+@dataclass(slots=True)
+class Origin:
+    """A daemon that handshook with us (from its handshake)."""
+
+    instance_id: str
+    node_id: str
+    address: str
+    token: str = ""  # secret of this session (HandshakeResponse.session_token)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Held:
+    owner: str  # instance id of the daemon that introduced the agent
+    agent: RemoteAgent
+    last_used: float
+
+
+def check_agent(agent: RemoteAgent, kind: str) -> None:
+    """Bounds on an agent a peer introduces, before anything of it reaches NIXL."""
+    name = agent.name[:128]
+    if len(agent.metadata) > MAX_AGENT_METADATA:
+        raise InvalidArgument(f"{kind} agent metadata of {len(agent.metadata)} bytes; at most {MAX_AGENT_METADATA}")
+    if not 1 <= len(agent.regions) <= MAX_AGENT_REGIONS:
+        raise InvalidArgument(f"{kind} agent {name!r} has {len(agent.regions)} regions; need 1-{MAX_AGENT_REGIONS}")
+    if agent.mem_type not in ("DRAM", "VRAM"):
+        raise InvalidArgument(f"{kind} agent {name!r}: memory kind {agent.mem_type[:16]!r}")
+    for i, r in enumerate(agent.regions):
+        if r.num_blocks < 1 or r.block_len < 1 or r.block_stride < r.block_len or r.addr >= 1 << 64:
+            raise InvalidArgument(f"{kind} agent region {i}: need num_blocks >= 1, block_len >= 1, "
+                                  f"block_stride >= block_len")
+
+
+class AgentTable:
+    """Remote agents of one kind loaded here, each kept from the daemon that introduced it."""
+
+    def __init__(self, kind: str, per_owner: int, forget: Callable[[str], None]) -> None:
+        self.kind = kind
+        self.per_owner = per_owner
+        self._forget = forget  # unloads an agent from NIXL (deferred there while a transfer uses it)
+        self._held: dict[str, _Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def get(self, name: str) -> RemoteAgent | None:
+        h = self._held.get(name)
+        return None if h is None else h.agent
+
+    def owner_of(self, name: str) -> str | None:
+        h = self._held.get(name)
+        return None if h is None else h.owner
+
+    def count(self, owner: str) -> int:
+        return sum(1 for h in self._held.values() if h.owner == owner)
+
+    def admit(self, origin: Origin, agent: RemoteAgent, in_use: Callable[[], set[str]]) -> RemoteAgent | None:
+        """The agent a call from ``origin`` names, as known here; None when its metadata is needed first."""
+        prefix = agent_prefix(origin.node_id, origin.instance_id)
+        if len(agent.name) > 512 or not agent.name.startswith(prefix):
+            raise PermissionDenied(f"{self.kind} agent {agent.name[:128]!r} is not one of the calling daemon's "
+                                   f"(its agents are named {prefix}*)")
+        held = self._held.get(agent.name)
+        if held is not None and held.owner != origin.instance_id:
+            # Agents are keyed by the daemon that introduced them: another peer may not re-use
+            # (and so redirect) a name it does not own.
+            raise PermissionDenied(f"{self.kind} agent {agent.name[:128]!r} belongs to another peer daemon")
+        now = time.monotonic()
+        if held is None:
+            if not agent.metadata:
+                return None
+            check_agent(agent, self.kind)
+            md_name = metadata_agent_name(agent.metadata)
+            if md_name != agent.name:
+                raise PermissionDenied(f"{self.kind} agent {agent.name[:128]!r}: its NIXL metadata names agent "
+                                       f"{(md_name or '<unreadable>')[:128]!r}")
+            if self.count(origin.instance_id) >= self.per_owner:
+                self._evict(origin, in_use())
+            held = self._held[agent.name] = _Held(origin.instance_id, agent, now)
+        held.last_used = now
+        return held.agent
+
+    def drop_owner(self, owner: str) -> None:
+        for name in [n for n, h in self._held.items() if h.owner == owner]:
+            del self._held[name]
+            self._forget(name)
+
+    def _evict(self, origin: Origin, in_use: set[str]) -> None:
+        """Make room among a peer's agents: forget the least recently used half that no pending
+        transfer refers to (workers that detached on that node leave theirs behind)."""
+        idle = sorted((h.last_used, n) for n, h in self._held.items()
+                      if h.owner == origin.instance_id and n not in in_use)
+        for _, name in idle[:max(1, self.count(origin.instance_id) // 2)]:
+            del self._held[name]
+            self._forget(name)
+        if self.count(origin.instance_id) >= self.per_owner:
+            raise ResourceExhausted(f"peer {origin.node_id} has {self.count(origin.instance_id)} {self.kind} agents "
+                                    f"in use here; at most {self.per_owner}")
+
+
+class Inbound:
+    """Sessions of the daemons that call us, and the agents they introduced."""
+
+    def __init__(self, forget_remote: Callable[[str], None], lost: Callable[[Origin, str], None]) -> None:
+        self.origins: dict[str, Origin] = {}
+        self.consumers = AgentTable("consumer", MAX_AGENTS_PER_ORIGIN, lambda n: forget_remote(n))
+        self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, lambda n: forget_remote(n))
+        self._lost = lost  # a session replaced by a restarted daemon: its pending transfers fail
+
+    def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
+                  instance_id: str, presented_token: str, busy: set[str]) -> str:
+        """A peer daemon introduces itself; returns the secret token of its session.
+
+        ``busy``: instance ids with transfers pending here (their sessions cannot be claimed anew)."""
+        if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
+            raise FailedPrecondition(
+                f"incompatible peer {node_id[:64]!r}: protocol {protocol_version}/{compat_hash}, "
+                f"ours {PROTOCOL_VERSION}/{notif.compat_hash()}")
+        if not instance_id or not peer_address:
+            raise InvalidArgument("handshake needs instance_id and peer_address")
+        if max(len(node_id), len(peer_address), len(instance_id)) > 256:
+            raise InvalidArgument("handshake: node_id, peer_address and instance_id are limited to 256 characters")
+        known = self.origins.get(instance_id)
+        if known is not None:
+            if presented_token and secrets.compare_digest(presented_token, known.token):
+                known.last_seen = time.monotonic()
+                return known.token  # the same session again
+            if instance_id in busy:
+                raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
+                                       "pending here; a daemon that lost its session token must wait for them to end")
+            # An idle session whose holder lost its token (or a new claimant): it starts afresh,
+            # without the agents the old session introduced.
+            self.drop(known)
+        for old in [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]:
+            self._lost(old, f"peer {old.node_id} at {old.address} restarted")
+        origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16))
+        log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
+        return origin.token
+
+    def session_ok(self, instance_id: str, token: str) -> bool:
+        origin = self.origins.get(instance_id)
+        return origin is not None and bool(token) and secrets.compare_digest(token, origin.token)
+
+    def caller(self, instance_id: str) -> Origin:
+        """The calling daemon's session (its token was checked by the servicer); it was heard from now."""
+        origin = self.origins.get(instance_id)
+        if origin is None:
+            raise SessionUnknown(f"unknown caller instance {instance_id[:64]!r}: handshake first")
+        origin.last_seen = time.monotonic()
+        return origin
+
+    def heard_from(self, instance_id: str, token: str) -> bool:
+        """A heartbeat: False when we do not know the caller (we restarted) or its session."""
+        if not self.session_ok(instance_id, token):
+            return False
+        self.origins[instance_id].last_seen = time.monotonic()
+        return True
+
+    def origin_of_consumer_agent(self, name: str) -> Origin | None:
+        owner = self.consumers.owner_of(name)
+        return None if owner is None else self.origins.get(owner)
+
+    def drop(self, origin: Origin) -> None:
+        """Forget a session and every agent it introduced."""
+        self.origins.pop(origin.instance_id, None)
+        self.consumers.drop_owner(origin.instance_id)
+        self.producers.drop_owner(origin.instance_id)
+
+    def silent(self, now: float, busy: set[str], timeout_s: float) -> list[Origin]:
+        """Sessions with transfers pending here whose daemon sent nothing for ``timeout_s``."""
+        return [o for i in busy if (o := self.origins.get(i)) is not None and now - o.last_seen > timeout_s]
+
+    def forget_idle(self, now: float, busy: set[str], idle_s: float) -> None:
+        """Peers idle for a while are forgotten (their agents unloaded); one that comes back handshakes
+        again and resends its agents' metadata when asked."""
+        for origin in [o for o in self.origins.values() if o.instance_id not in busy and now - o.last_seen > idle_s]:
+            log.info("forgetting idle peer", peer_node=origin.node_id, peer_address=origin.address,
+                     agents=self.consumers.count(origin.instance_id) + self.producers.count(origin.instance_id))
+            self.drop(origin)

@@ -1,0 +1,296 @@
+"""The servicers' facade: check -> core event -> executor.run(actions).
+
+Every method runs on the event loop and is a few lines: the checks live with the state they guard
+(workers, inbound sessions and agents), the decisions in the core, the carrying out in the
+executor. The core never sees a protobuf message, and the event loop never calls NIXL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+
+from ..config import Config
+from ..core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from ..core.rendezvous import Registration
+from ..core.types import Completion, FailureCode, Role, TransferMode
+from ..events import EventHub, EventKind
+from ..transfer.descs import RemoteAgent
+from .executor import Executor
+from .identity import Identity
+from .inbound import Inbound
+from .outbound import Outbound
+from .peerbook import PeerBook
+from .view import View
+from .workers import (
+    MemorySpec,
+    RegionArg,
+    Worker,
+    Workers,
+    check_block_ids,
+    check_blocks,
+    check_skip,
+    check_transfer_id,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class Node:
+    """One daemon: the rooms, wired. Servicers call these methods with plain values."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.ident = Identity(cfg.node_id, f"{cfg.advertise_host}:{cfg.listen_host_port[1]}")
+        self.events = EventHub()
+        self.draining = False
+        self.workers = Workers(cfg, self.ident, self.events)
+        self.inbound = Inbound(self._forget_remote, lambda o, why: self.executor.origin_lost(o, why))
+        self.outbound = Outbound(self.ident, cfg.peer_api,
+                                 lambda addr, why: self.executor.producer_lost(addr, why, restarted=True))
+        self.peerbook = PeerBook(self.events, lambda: self.executor.live_addresses())
+        self.executor = Executor(cfg, self.workers, self.inbound, self.outbound, self.events, self.peerbook)
+        self.view = View(cfg, self.ident, self.events, self.workers, self.executor, self.inbound, self.outbound,
+                         self.peerbook, lambda: self.draining)
+        self._housekeeping: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.workers.xfer = self.executor.start(loop)
+        self._housekeeping = loop.create_task(self._housekeep_forever())
+
+    async def _housekeep_forever(self) -> None:
+        """Heartbeats, peer silence, idle peers and workers that never opened a session: every
+        heartbeat interval. Deadlines of transfers are not here: the executor's timer has them."""
+        interval = max(0.05, min(self.cfg.transfer.heartbeat_interval_s, self.cfg.worker_api.session_grace_s) / 2)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                now = time.monotonic()
+                self.executor.housekeeping(now)
+                for wid in self.workers.without_session(now):
+                    log.warning("worker never opened its session; detaching", worker_id=wid)
+                    await self.detach(wid, "no session opened")
+            except Exception:  # a bug here must not stop heartbeats for good
+                log.exception("housekeeping failed")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking new transfers; wait (bounded) for what is in flight; release all memory."""
+        self.draining = True
+        ex = self.executor
+        why = f"daemon {self.ident.node_id} is shutting down"
+        ex.run(ex.send.shutdown(why) + ex.recv.shutdown(why))
+        deadline = time.monotonic() + timeout_s
+        # What is left are WRITEs in flight (and notices to peers): let them finish, bounded.
+        while (len(ex.send) or ex.tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        ex.stop_timer()
+        for wid in list(self.workers.by_id):
+            await self.detach(wid, "daemon shutting down")
+        await self.outbound.close()
+        if ex.xfer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, ex.xfer.stop)
+
+    # -- worker API -----------------------------------------------------------------------------
+
+    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
+                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str) -> Worker:
+        self._not_draining()
+        return await self.workers.attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description)
+
+    def worker(self, worker_id: str) -> Worker:
+        return self.workers.get(worker_id)
+
+    def expect(self, worker_id: str, transfer_id: str, block_ids: Sequence[int],
+               producer_address: str, producer_engine_id: str, producer_tp_size: int,
+               transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0) -> None:
+        self._not_draining()
+        w = self.workers.get(worker_id)
+        if not w.role.can_receive:
+            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot expect")
+        check_blocks(w, block_ids, self.cfg)
+        check_skip(w, skip_tokens)
+        check_transfer_id(transfer_id)
+        if not producer_engine_id:
+            raise InvalidArgument("producer_engine_id must not be empty")
+        self._bounded()
+        actions = self.executor.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id,
+                                            block_ids, producer_address, producer_engine_id, producer_tp_size,
+                                            TransferMode.parse(transfer_mode), skip_tokens=skip_tokens,
+                                            layouts=w.regions)
+        self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
+                         worker_id=w.worker_id, side="recv", peer=producer_address, num_blocks=len(block_ids),
+                         nbytes=len(block_ids) * w.block_bytes)
+        self.executor.run(actions)
+
+    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+        self._not_draining()
+        w = self.workers.get(worker_id)
+        if not w.role.can_send:
+            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
+        check_blocks(w, block_ids, self.cfg)
+        check_transfer_id(transfer_id)
+        self._bounded()
+        actions = self.executor.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
+                                             transfer_id, block_ids, layouts=w.regions)
+        self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
+                         worker_id=w.worker_id, side="send", num_blocks=len(block_ids))
+        self.executor.run(actions)
+
+    def abort(self, worker_id: str, transfer_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        ex = self.executor
+        found_r, acts_r = ex.recv.abort(w.worker_id, transfer_id)
+        found_s, acts_s = ex.send.abort(w.worker_id, w.engine_id, transfer_id)
+        ex.run(acts_r + acts_s)
+        return found_r or found_s
+
+    def poll(self, worker_id: str, max_n: int) -> list[Completion]:
+        return self.workers.poll(worker_id, max_n)
+
+    def session(self, worker_id: str) -> AsyncIterator[Completion]:
+        """The worker's completions until it goes away; the caller's end means detach."""
+        return self.workers.session(worker_id, self.detach)
+
+    async def detach(self, worker_id: str, why: str) -> None:
+        w = self.workers.mark_gone(worker_id)
+        if w is None:
+            return
+        ex = self.executor
+        ex.run(ex.send.worker_gone(worker_id) + ex.recv.worker_gone(worker_id))
+        await self.workers.release(w, why)  # waits for this worker's in-flight WRITEs
+
+    # -- peer API (we are the prefill side) -----------------------------------------------------
+
+    def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
+                  instance_id: str, presented_token: str = "") -> str:
+        """A peer daemon introduces itself; returns the secret token of its session."""
+        token = self.inbound.handshake(protocol_version, compat_hash, node_id, peer_address, instance_id,
+                                       presented_token, self.executor.send.origins())
+        self.peerbook.contact(peer_address, node_id=node_id, inbound=True)
+        return token
+
+    def session_ok(self, instance_id: str, token: str) -> bool:
+        return self.inbound.session_ok(instance_id, token)
+
+    def heard_from(self, origin_id: str, token: str) -> bool:
+        return self.inbound.heard_from(origin_id, token)
+
+    def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
+                 producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
+                 consumer_tp_size: int, agent: RemoteAgent, block_ids: Sequence[int],
+                 transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0) -> bool:
+        """A decode daemon's registration. Returns False when we need the agent's metadata."""
+        self._not_draining()
+        origin = self.inbound.caller(origin_id)
+        check_transfer_id(transfer_id)
+        self.peerbook.contact(origin.address, inbound=True)
+        self.events.remember(transfer_id, producer_engine_id)
+        if self.workers.producer(producer_engine_id) is None:
+            raise NotFound(f"no prefill engine {producer_engine_id!r} is attached to node {self.ident.node_id}")
+        known = self.inbound.consumers.admit(origin, agent, lambda: self.executor.send.agents_in_use(origin_id))
+        if known is None:
+            return False
+        check_block_ids(block_ids, min(r.num_blocks for r in known.regions),
+                        self.cfg.worker_api.max_blocks_per_request, f"transfer {transfer_id[:256]!r}: consumer regions")
+        if not 0 <= skip_tokens < 1 << 31:
+            raise InvalidArgument(f"transfer {transfer_id!r}: skip_tokens {skip_tokens} out of range")
+        self._bounded()
+        reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
+                           agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
+                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions)
+        self.executor.run(self.executor.send.register(time.monotonic(), reg))
+        return True
+
+    async def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
+                       reason: str) -> None:
+        """A decode daemon withdraws a registration; returns once no WRITE into it is in flight
+        (bounded), so the decode side may then let its engine free the blocks."""
+        ex = self.executor
+        key = ex.send.transfer_of(origin_id, registration_id)
+        ex.run(ex.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
+        if key is not None:
+            await ex.wait_unwritten(key, registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
+
+    def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
+                    reason: str) -> None:
+        """The prefill daemon says a registration of ours will not be written.
+
+        Only the daemon the registration was sent to may fail it, and only under its transfer id."""
+        ex = self.executor
+        sent = ex.recv.sent_to(registration_id)
+        if sent is None:
+            return  # already ended (finished, failed or withdrawn): nothing to do
+        tid, address = sent
+        peer = self.outbound.peers.get(address)
+        if tid != transfer_id or peer is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+            raise PermissionDenied(f"failure notice for registration {registration_id} (transfer "
+                                   f"{transfer_id[:256]!r}) from a daemon it was not sent to")
+        ex.run(ex.recv.failed(registration_id, code, reason))
+
+    # -- pull mode ------------------------------------------------------------------------------
+
+    def offer(self, caller_instance_id: str, transfer_id: str, registration_id: int, producer_rank: int,
+              agent: RemoteAgent, block_ids: Sequence[int]) -> bool:
+        """Pull mode, decode side: the prefill daemon offers a producer rank's source blocks.
+
+        We READ only into the blocks our own worker registered for this very registration, and only
+        when the caller is the prefill daemon the registration was sent to. Returns False when we
+        need the producer agent's metadata.
+        """
+        ex = self.executor
+        address = ex.recv.producer_address_of(registration_id)
+        if address is None:
+            raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
+        peer = self.outbound.peers.get(address)
+        origin = self.inbound.origins.get(caller_instance_id)
+        if peer is None or origin is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+            raise PermissionDenied(f"offer for registration {registration_id} (transfer {transfer_id[:256]!r}) "
+                                   "from a daemon it was not sent to")
+        origin = self.inbound.caller(caller_instance_id)
+        if len(block_ids) > self.cfg.worker_api.max_blocks_per_request:
+            raise InvalidArgument(f"offer of {len(block_ids)} blocks; at most "
+                                  f"{self.cfg.worker_api.max_blocks_per_request}")
+        known = self.inbound.producers.admit(origin, agent, set)
+        if known is None:
+            return False
+        if block_ids and max(block_ids) >= min(r.num_blocks for r in known.regions):
+            raise InvalidArgument(f"transfer {transfer_id[:256]!r}: source block id {max(block_ids)} out of range "
+                                  f"(producer regions have {min(r.num_blocks for r in known.regions)} blocks)")
+        ex.run(ex.recv.offer(registration_id, transfer_id, producer_rank, block_ids, producer_agent=known.name))
+        return True
+
+    def read_failed(self, caller_instance_id: str, registration_id: int, producer_rank: int, reason: str) -> None:
+        """Pull mode, prefill side: the decode daemon says the READ of our offer failed."""
+        origin = self.inbound.caller(caller_instance_id)
+        ex = self.executor
+        ex.run(ex.send.read_done(caller_instance_id, registration_id, producer_rank, False,
+                                 f"decode daemon {origin.node_id}: {reason[:2000]}"))
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _forget_remote(self, name: str) -> None:
+        if self.executor.xfer is not None:
+            self.executor.xfer.forget_remote(name)  # deferred by the thread while a transfer uses it
+
+    def _not_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(f"daemon {self.ident.node_id} is shutting down")
+
+    def _bounded(self) -> None:
+        ex = self.executor
+        if len(ex.send) + len(ex.recv) >= self.cfg.transfer.max_pending:
+            raise ResourceExhausted(f"more than {self.cfg.transfer.max_pending} transfers pending")

@@ -1,0 +1,108 @@
+"""What the daemon knows about each other daemon, by peer address, whichever way the calls go.
+
+Kept for the status API (peers: contact, bytes, transfers, errors) and fed by the executor and the
+event hub. Entries are pruned with their peer and the table is capped, so a flood of handshakes
+from made-up addresses cannot grow the status answer without bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..events import Event, EventHub, EventKind
+
+MAX_PEER_STATS = 1024  # entries kept; the ones with the oldest contact and no live peer go first
+
+
+@dataclass(slots=True)
+class PeerStats:
+    address: str
+    node_id: str = ""
+    out_connected: bool = False  # our calls to it succeed
+    in_connected: bool = False   # it handshook with us
+    last_contact: float = 0.0    # wall clock
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_finished: int = 0
+    transfers_failed: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+class PeerBook:
+    def __init__(self, events: EventHub, live: Callable[[], set[str]] = set) -> None:
+        self.events = events
+        self.peers: dict[str, PeerStats] = {}
+        self._live = live  # addresses with a session or a channel: never pruned
+        events.add_listener(self._on_event)
+
+    def contact(self, address: str, *, node_id: str = "", inbound: bool = False) -> None:
+        """A call to (or, ``inbound``, from) a peer went through."""
+        if not address:
+            return
+        p = self._peer(address)
+        p.node_id = node_id or p.node_id
+        p.last_contact = time.time()
+        if inbound and not p.in_connected:
+            p.in_connected = True
+            self.events.emit(EventKind.PEER_CONNECTED, peer=address, detail=f"inbound: {p.node_id}")
+        elif not inbound and not p.out_connected:
+            p.out_connected = True
+            self.events.emit(EventKind.PEER_CONNECTED, peer=address, detail=f"outbound: {p.node_id}")
+
+    def failed(self, address: str, error: str, *, unreachable: bool = False) -> None:
+        """A call to a peer failed, or a WRITE to it; an unreachable peer that was connected is lost."""
+        if not address:
+            return
+        p = self._peer(address)
+        p.errors += 1
+        p.last_error = error
+        if unreachable and p.out_connected:
+            self.lost(address, error)
+
+    def lost(self, address: str, reason: str, *, inbound: bool = False) -> None:
+        """A peer went away (unreachable, or restarted as a new instance)."""
+        p = self._peer(address)
+        if inbound:
+            p.in_connected = False
+        else:
+            p.out_connected = False
+        self.events.emit(EventKind.PEER_LOST, peer=address, detail=f"{'inbound' if inbound else 'outbound'}: {reason}")
+
+    def sent(self, address: str, nbytes: int) -> None:
+        if address:
+            self._peer(address).bytes_sent += nbytes
+
+    def forget(self, address: str) -> None:
+        """The peer itself is forgotten (idle, or its session dropped): so are its figures."""
+        if address not in self._live():
+            self.peers.pop(address, None)
+
+    def _peer(self, address: str) -> PeerStats:
+        p = self.peers.get(address)
+        if p is None:
+            if len(self.peers) >= MAX_PEER_STATS:
+                self._prune()
+            p = self.peers[address] = PeerStats(address)
+        return p
+
+    def _prune(self) -> None:
+        live = self._live()
+        gone = sorted((p.last_contact, a) for a, p in self.peers.items() if a not in live)
+        for _, a in gone[:max(1, len(self.peers) - MAX_PEER_STATS + 1)]:
+            del self.peers[a]
+        while len(self.peers) >= MAX_PEER_STATS:  # all live: drop the oldest contact anyway
+            del self.peers[min(self.peers, key=lambda a: self.peers[a].last_contact)]
+
+    def _on_event(self, ev: Event) -> None:
+        if ev.kind not in (EventKind.TRANSFER_FINISHED, EventKind.TRANSFER_FAILED) or not ev.peer:
+            return
+        p = self._peer(ev.peer)
+        if ev.kind is EventKind.TRANSFER_FINISHED:
+            p.transfers_finished += 1
+            if ev.side == "recv":
+                p.bytes_received += ev.nbytes
+        else:
+            p.transfers_failed += 1

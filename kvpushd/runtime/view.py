@@ -1,0 +1,180 @@
+"""A read-only view of the daemon for the status API and the metrics: nothing here changes state.
+
+rpc/status.py and metrics.py read only through this, so the rooms' internals can change without
+them; what they get are plain values and the core's own view records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from ..config import Config
+from ..core.rendezvous import RecvView, SendView
+from ..events import EventHub
+from ..transfer.backends import AgentBackend
+from .executor import Counters, Executor
+from .identity import Identity
+from .inbound import Inbound
+from .outbound import Outbound
+from .peerbook import PeerBook
+from .workers import Worker, Workers
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """One other daemon as status shows it, by peer address, whichever way the calls go."""
+
+    address: str
+    direction: str = ""  # outbound, inbound, both, or "" (known from figures only)
+    node_id: str = ""
+    instance_id: str = ""
+    state: str = ""
+    since_s: float = 0.0
+    channel_state: str = ""
+    last_contact_unix: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_finished: int = 0
+    transfers_failed: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    cfg: Config
+    ident: Identity
+    events: EventHub
+    workers: Workers
+    executor: Executor
+    inbound: Inbound
+    outbound: Outbound
+    peerbook: PeerBook
+    is_draining: Callable[[], bool]
+
+    @property
+    def draining(self) -> bool:
+        return self.is_draining()
+
+
+class View:
+    def __init__(self, cfg: Config, ident: Identity, events: EventHub, workers: Workers, executor: Executor,
+                 inbound: Inbound, outbound: Outbound, peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
+        self._n = _Parts(cfg, ident, events, workers, executor, inbound, outbound, peerbook, is_draining)
+
+    # -- identity and settings ------------------------------------------------------------------
+
+    @property
+    def cfg(self) -> Config:
+        return self._n.cfg
+
+    @property
+    def node_id(self) -> str:
+        return self._n.ident.node_id
+
+    @property
+    def instance_id(self) -> str:
+        return self._n.ident.instance_id
+
+    @property
+    def version(self) -> str:
+        return self._n.ident.version
+
+    @property
+    def peer_address(self) -> str:
+        return self._n.ident.peer_address
+
+    @property
+    def metrics_address(self) -> str:
+        return self._n.ident.metrics_address
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._n.ident.started
+
+    @property
+    def draining(self) -> bool:
+        return self._n.draining
+
+    @property
+    def events(self) -> EventHub:
+        return self._n.events
+
+    # -- figures --------------------------------------------------------------------------------
+
+    @property
+    def counters(self) -> Counters:
+        return replace(self._n.executor.counters)
+
+    @property
+    def stray_notifications(self) -> int:
+        ex = self._n.executor
+        return ex.recv.stray_notifications + (ex.xfer.stray_notifications if ex.xfer else 0)
+
+    def pending(self) -> tuple[int, int]:
+        """Transfers pending: (send side, recv side)."""
+        ex = self._n.executor
+        return len(ex.send), len(ex.recv)
+
+    def recent_failures(self) -> list[tuple[float, str, str]]:
+        return list(self._n.executor.recent_failures)
+
+    # -- workers and transfers ------------------------------------------------------------------
+
+    def workers(self) -> Iterator[Worker]:
+        return iter(list(self._n.workers.by_id.values()))
+
+    def worker(self, worker_id: str) -> Worker | None:
+        return self._n.workers.by_id.get(worker_id)
+
+    def agent_backends(self, worker_id: str) -> tuple[AgentBackend, ...]:
+        xfer = self._n.executor.xfer
+        return xfer.agent_backends.get(worker_id, ()) if xfer is not None else ()
+
+    def send_transfers(self) -> list[SendView]:
+        return self._n.executor.send.views(time.monotonic())
+
+    def recv_transfers(self) -> list[RecvView]:
+        return self._n.executor.recv.views(time.monotonic())
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def peers(self) -> list[PeerView]:
+        """Every other daemon we call (outbound) or that calls us (inbound), by its peer address."""
+        n = self._n
+        wall = time.time()
+        loop_now = asyncio.get_running_loop().time()
+        mono_now = time.monotonic()
+        inbound = {o.address: o for o in n.inbound.origins.values()}
+        out = []
+        for addr in sorted(set(n.outbound.peers) | set(inbound) | set(n.peerbook.peers)):
+            client = n.outbound.peers.get(addr)
+            origin = inbound.get(addr)
+            stats = n.peerbook.peers.get(addr)
+            direction = "both" if client and origin else "outbound" if client else "inbound" if origin else ""
+            # Last contact either way: calls, and heartbeats (answered by it, or received from it).
+            contact = stats.last_contact if stats is not None else 0.0
+            if client is not None and client.last_ok:
+                contact = max(contact, wall - (loop_now - client.last_ok))
+            if origin is not None:
+                contact = max(contact, wall - (mono_now - origin.last_seen))
+            p = PeerView(addr, direction, last_contact_unix=contact)
+            if stats is not None:
+                p = replace(p, node_id=stats.node_id, bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+                            transfers_finished=stats.transfers_finished, transfers_failed=stats.transfers_failed,
+                            errors=stats.errors, last_error=stats.last_error)
+            if origin is not None:
+                p = replace(p, node_id=p.node_id or origin.node_id, instance_id=origin.instance_id, state="connected")
+            if client is not None:
+                p = replace(p, node_id=client.remote_node_id or p.node_id,
+                            instance_id=client.remote_instance or p.instance_id, state=client.state,
+                            since_s=loop_now - client.since if client.since else 0.0,
+                            last_error=client.last_error or p.last_error,
+                            channel_state=client.channel.get_state(try_to_connect=False).name)
+            elif origin is None:
+                p = replace(p, state="lost")
+            out.append(p)
+        return out

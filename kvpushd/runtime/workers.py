@@ -1,0 +1,332 @@
+"""Attached workers: their memory (opened once), sessions and completion queues, and the checks
+of what a worker may ask for. This room owns ``Workers.by_id``; it knows nothing of peers or of
+the rendezvous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from ..config import Config
+from ..core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from ..core.types import Completion, RegionLayout, Role
+from ..events import EventHub, EventKind
+from ..memory import Mapping
+from ..transfer.descs import RegionSpec
+from ..transfer.thread import TransferThread
+from .identity import Identity, agent_prefix
+
+log = structlog.get_logger(__name__)
+
+MAX_DESCRIPTION = 1024         # characters of a worker's free-text description
+
+
+@dataclass(frozen=True, slots=True)
+class ShmSpec:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaSpec:
+    gpu_uuid: str
+    ipc_handle: bytes
+    size: int
+    storage_offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+MemorySpec = ShmSpec | CudaSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RegionArg:
+    memory_index: int
+    offset: int
+    layout: RegionLayout
+
+
+@dataclass(slots=True)
+class Worker:
+    worker_id: str
+    engine_id: str
+    role: Role
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    agent_name: str
+    mem_type: str
+    mappings: list[Mapping]
+    regions: tuple[RegionSpec, ...]
+    description: str
+    attached_at: float
+    min_blocks: int
+    metadata: bytes = b""
+    completions: collections.deque[Completion] = field(default_factory=collections.deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    session_open: bool = False
+    gone: bool = False
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(m.size for m in self.mappings)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id across all regions (what one block of a transfer moves)."""
+        return sum(r.block_len for r in self.regions)
+
+
+class Workers:
+    """The attached workers, by worker id. Every method runs on the event loop."""
+
+    def __init__(self, cfg: Config, ident: Identity, events: EventHub) -> None:
+        self.cfg = cfg
+        self.ident = ident
+        self.events = events
+        self.by_id: dict[str, Worker] = {}
+        self.xfer: TransferThread | None = None  # set at start
+        self._seq = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
+                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str) -> Worker:
+        check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
+        check_geometry([r.layout for r in regions])
+        for w in self.by_id.values():
+            if (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
+                raise AlreadyExists(
+                    f"engine {engine_id!r} TP rank {tp_rank} PP rank {pp_rank} is already attached "
+                    f"as worker {w.worker_id}; detach it (or end its session) first")
+        if len(self.by_id) >= self.cfg.worker_api.max_workers:
+            raise ResourceExhausted(f"at most {self.cfg.worker_api.max_workers} workers may attach")
+        loop = asyncio.get_running_loop()
+        mappings = await loop.run_in_executor(None, open_all, memory)
+        try:
+            kinds = {m.mem_type for m in mappings}
+            if len(kinds) != 1:
+                raise InvalidArgument("a worker's memory must be all host (shm) or all GPU (CUDA IPC)")
+            mem_type = kinds.pop()
+            specs = []
+            for i, r in enumerate(regions):
+                m = mappings[r.memory_index]
+                if r.offset + r.layout.span() > m.size:
+                    raise InvalidArgument(
+                        f"region {i} does not fit its memory: offset {r.offset} + span "
+                        f"{r.layout.span()} > size {m.size}")
+                specs.append(RegionSpec(m.addr + r.offset, r.layout.num_blocks, r.layout.block_len,
+                                        r.layout.block_stride, m.device_id, r.layout.block_tokens,
+                                        r.layout.num_heads, r.layout.kv_layout, r.layout.replicated))
+            wid = f"w{next(self._seq)}-{uuid.uuid4().hex[:8]}"
+            prefix = agent_prefix(self.ident.node_id, self.ident.instance_id)
+            agent = f"{prefix}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
+            w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
+                       tuple(specs), description, time.monotonic(),
+                       min(r.layout.num_blocks for r in regions))
+            assert self.xfer is not None
+            w.metadata = await self.xfer.attach(wid, agent, mem_type,
+                                                [(m.addr, m.size, m.device_id) for m in mappings],
+                                                specs, role.can_receive)
+        except BaseException:
+            for m in mappings:
+                m.close()
+            raise
+        self.by_id[wid] = w
+        log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
+                 tp_rank=tp_rank, tp_size=tp_size, regions=len(specs), bytes=w.registered_bytes)
+        self.events.emit(EventKind.WORKER_ATTACHED, worker_id=wid, engine_id=engine_id,
+                         detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
+        return w
+
+    def get(self, worker_id: str) -> Worker:
+        w = self.by_id.get(worker_id)
+        if w is None or w.gone:
+            raise NotFound(f"unknown worker {worker_id!r} (not attached, or its session ended)")
+        return w
+
+    def live(self, worker_id: str) -> Worker | None:
+        w = self.by_id.get(worker_id)
+        return None if w is None or w.gone else w
+
+    def producer(self, engine_id: str) -> Worker | None:
+        """A prefill worker of that engine (any rank: they share a layout), or None."""
+        return next((w for w in self.by_id.values() if w.engine_id == engine_id and w.role.can_send and not w.gone),
+                    None)
+
+    def deliver(self, worker_id: str, c: Completion) -> None:
+        """Queue a completion for the worker's session (dropped if the worker is gone)."""
+        w = self.by_id.get(worker_id)
+        if w is None or w.gone:
+            return
+        w.completions.append(c)
+        w.wakeup.set()
+
+    def poll(self, worker_id: str, max_n: int) -> list[Completion]:
+        w = self.get(worker_id)
+        n = len(w.completions) if max_n <= 0 else min(max_n, len(w.completions))
+        return [w.completions.popleft() for _ in range(n)]
+
+    async def session(self, worker_id: str,
+                      on_end: Callable[[str, str], Awaitable[None]]) -> AsyncIterator[Completion]:
+        """Yield the worker's completions until it goes away; the caller's end means detach (``on_end``)."""
+        w = self.get(worker_id)
+        if w.session_open:
+            raise AlreadyExists(f"worker {worker_id} already has a session")
+        w.session_open = True
+        try:
+            while not w.gone:
+                while w.completions:
+                    yield w.completions.popleft()
+                w.wakeup.clear()
+                if w.completions:
+                    continue
+                await w.wakeup.wait()
+        finally:
+            if not w.gone:
+                log.info("worker session ended; detaching", worker_id=worker_id)
+                await on_end(worker_id, "session ended")
+
+    def mark_gone(self, worker_id: str) -> Worker | None:
+        """First step of a detach: no completions are queued for it from now on."""
+        w = self.by_id.get(worker_id)
+        if w is None or w.gone:
+            return None
+        w.gone = True
+        w.wakeup.set()
+        return w
+
+    async def release(self, w: Worker, why: str) -> None:
+        """Last step of a detach: NIXL lets go of its memory (after its WRITEs in flight), then we unmap."""
+        assert self.xfer is not None
+        try:
+            await self.xfer.detach(w.worker_id)
+        finally:
+            for m in w.mappings:
+                m.close()
+            self.by_id.pop(w.worker_id, None)
+            log.info("worker detached", worker_id=w.worker_id, reason=why)
+            self.events.emit(EventKind.WORKER_DETACHED, worker_id=w.worker_id, engine_id=w.engine_id, detail=why)
+
+    def without_session(self, now: float) -> list[str]:
+        """Workers that attached but never opened their session within the grace period."""
+        grace = self.cfg.worker_api.session_grace_s
+        return [w.worker_id for w in self.by_id.values()
+                if not w.session_open and not w.gone and now - w.attached_at > grace]
+
+
+def open_all(memory: Sequence[MemorySpec]) -> list[Mapping]:
+    """Open every handle, or none (closing what was opened when one fails)."""
+    from ..memory.shm import ShmMapping
+
+    out: list[Mapping] = []
+    try:
+        for spec in memory:
+            if isinstance(spec, ShmSpec):
+                out.append(ShmMapping(spec.name, spec.size))
+            else:
+                from ..memory.cuda import CudaIpcMapping
+
+                out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
+                                          spec.ref_counter_handle, spec.ref_counter_offset,
+                                          spec.event_handle, spec.event_sync_required))
+    except BaseException:
+        for m in out:
+            m.close()
+        raise
+    return out
+
+
+def check_transfer_id(transfer_id: str) -> None:
+    if not transfer_id:
+        raise InvalidArgument("transfer_id must not be empty")
+    if len(transfer_id) > 256:
+        raise InvalidArgument(f"transfer_id is {len(transfer_id)} characters long; at most 256")
+
+
+def check_blocks(w: Worker, block_ids: Sequence[int], cfg: Config) -> None:
+    check_block_ids(block_ids, w.min_blocks, cfg.worker_api.max_blocks_per_request, f"worker {w.worker_id}'s regions")
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, whose: str) -> None:
+    """One block list, from a worker or a peer: non-empty, bounded, in range, no duplicates."""
+    if not block_ids:
+        raise InvalidArgument("block_ids must not be empty")
+    if len(block_ids) > max_blocks:
+        raise InvalidArgument(f"{len(block_ids)} block ids; at most {max_blocks}")
+    arr = np.asarray(block_ids, dtype=np.int64)
+    hi = int(arr.max())
+    if hi >= num_blocks or int(arr.min()) < 0:
+        raise InvalidArgument(f"block id {hi} out of range: {whose} have {num_blocks} blocks")
+    if len(np.unique(arr)) != len(arr):
+        raise InvalidArgument("block_ids contain duplicates")
+
+
+def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[MemorySpec],
+                 regions: Sequence[RegionArg], cfg: Config, description: str = "") -> None:
+    if not engine_id or len(engine_id) > 128 or not engine_id.isprintable() or "." in engine_id:
+        raise InvalidArgument(f"engine_id {engine_id!r}: 1-128 printable characters, no '.'")
+    if role is Role.UNSPECIFIED:
+        raise InvalidArgument("role must be PRODUCER, CONSUMER or BOTH")
+    if tp_size < 1 or tp_rank >= tp_size:
+        raise InvalidArgument(f"tp_rank {tp_rank} must be below tp_size {tp_size} (>= 1)")
+    if not memory:
+        raise InvalidArgument("no memory handles")
+    if len(memory) > 256 or not regions or len(regions) > 4096:
+        raise InvalidArgument(f"{len(memory)} memory handles and {len(regions)} regions: need 1-256 and 1-4096")
+    if len(description) > MAX_DESCRIPTION:
+        raise InvalidArgument(f"description is {len(description)} characters long; at most {MAX_DESCRIPTION}")
+    descs = sum(r.layout.num_blocks for r in regions)
+    if descs > cfg.worker_api.max_attach_descriptors:
+        raise InvalidArgument(
+            f"{len(regions)} regions with {descs} blocks in all: at most {cfg.worker_api.max_attach_descriptors} "
+            f"(worker_api.max_attach_descriptors); NIXL needs one descriptor per block per region")
+    for i, r in enumerate(regions):
+        lay = r.layout
+        if not 0 <= r.memory_index < len(memory):
+            raise InvalidArgument(f"region {i}: memory_index {r.memory_index} names no memory handle")
+        if lay.num_blocks < 1 or lay.block_len < 1 or lay.block_stride < lay.block_len:
+            raise InvalidArgument(
+                f"region {i}: need num_blocks >= 1, block_len >= 1, block_stride >= block_len "
+                f"(got {lay.num_blocks}, {lay.block_len}, {lay.block_stride})")
+
+
+def check_geometry(layouts: Sequence[RegionLayout]) -> None:
+    """Block size in tokens, head count and layout of each region: bounded and consistent."""
+    for i, lay in enumerate(layouts):
+        if lay.block_tokens > 1 << 20 or lay.num_heads > 1 << 16:
+            raise InvalidArgument(f"region {i}: block_size_tokens {lay.block_tokens} / num_heads {lay.num_heads} "
+                                  "out of range")
+        if lay.kv_layout not in (0, 1, 2):
+            raise InvalidArgument(f"region {i}: unknown layout {lay.kv_layout}")
+        units = (lay.block_tokens or 1) * (lay.num_heads or 1)
+        if lay.block_len % units:
+            raise InvalidArgument(f"region {i}: block_len {lay.block_len} is not a whole number of bytes per "
+                                  f"head and token ({lay.num_heads or 1} heads x {lay.block_tokens or 1} tokens)")
+
+
+def check_skip(w: Worker, skip_tokens: int) -> None:
+    """A skipped prefix is a whole number of the worker's blocks (it holds them already)."""
+    if skip_tokens < 0 or skip_tokens >= 1 << 31:
+        raise InvalidArgument(f"skip_tokens {skip_tokens} out of range")
+    if not skip_tokens:
+        return
+    sizes = {r.block_tokens for r in w.regions}
+    if 0 in sizes:
+        raise InvalidArgument("skip_tokens needs the block size in tokens (Region.block_size_tokens) at attach")
+    bad = [b for b in sizes if skip_tokens % b]
+    if bad:
+        raise InvalidArgument(f"skip_tokens {skip_tokens} is not a whole number of blocks of {bad[0]} tokens")
