@@ -1,0 +1,377 @@
+"""The decode side of the rendezvous: one record per Expect, counting producer ranks (see rendezvous.py)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import notif
+from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegister, SendWithdraw, StartRead
+from .deadlines import Deadlines
+from .errors import AlreadyExists, IllegalTransition, InvalidArgument, NotFound, PermissionDenied
+from .layout import Shape
+from .table import Move
+from .topology import block_parts, check_tp_pair, writer_sources
+from .types import Completion, CompletionKind, FailureCode, TransferMode
+
+
+class RecvState(enum.Enum):
+    REGISTERING = "registering"  # Register sent to the prefill daemon, no answer yet
+    REGISTERED = "registered"    # the prefill daemon holds the registration; waiting for WRITEs
+
+
+_PUSH, _PULL = TransferMode.PUSH, TransferMode.PULL
+# The decode side's registration, by mode: (state, event) -> the state it moves to, or DROP. A
+# WRITE may land (notified) before the answer to Register does; an offer may come before it too.
+# A WRITE notification for a pull registration, or an offer for a push one, is not in the table.
+RECV_TABLE: dict[tuple[TransferMode, RecvState, str], RecvState | Move] = {
+    **{(_PUSH, st, "registered"): RecvState.REGISTERED for st in RecvState},
+    **{(_PUSH, st, "notified"): st for st in RecvState},
+    **{(_PULL, st, "registered"): RecvState.REGISTERED for st in RecvState},
+    **{(_PULL, st, "offer"): RecvState.REGISTERED for st in RecvState},
+    **{(_PULL, st, "notified"): Move.DROP for st in RecvState},
+}
+
+
+def recv_step(mode: TransferMode, state: RecvState, event: str, transfer_id: str) -> RecvState | Move:
+    move = RECV_TABLE.get((mode, state, event))
+    if move is None:
+        raise IllegalTransition(f"{mode.name.lower()} {state.value}", event,
+                                f"transfer {transfer_id[:256]!r}: event {event!r} is not allowed for a "
+                                f"{mode.name.lower()}-mode registration in state {state.value!r}",
+                                transfer_id=transfer_id)
+    return move
+
+
+@dataclass(slots=True)
+class _Recv:
+    worker_id: str
+    transfer_id: str
+    registration_id: int
+    block_ids: tuple[int, ...]
+    producer_address: str
+    producer_engine_id: str
+    expected: frozenset[int]
+    created: float
+    deadline: float
+    state: RecvState = RecvState.REGISTERING
+    landed: set[int] = field(default_factory=set)
+    mode: TransferMode = TransferMode.PUSH
+    producer_tp_size: int = 1
+    consumer_rank: int = 0
+    consumer_tp_size: int = 1
+    reading: set[int] = field(default_factory=set)  # pull: producer ranks whose READ is posted
+
+
+@dataclass(frozen=True, slots=True)
+class RecvView:
+    """What the status API shows of one decode-side transfer."""
+
+    worker_id: str
+    transfer_id: str
+    registration_id: int
+    state: str
+    age_s: float
+    waiting_for: str
+    num_blocks: int
+    producer_address: str
+    mode: str = "push"
+
+
+class RecvSide:
+    """Decode-node rendezvous: one record per Expect, done when every producer rank has landed."""
+
+    def __init__(self, expect_timeout_s: float, first_registration_id: int = 1, random_ids: bool = False) -> None:
+        """``random_ids``: registration ids are random 63-bit numbers, not a sequence. The prefill
+        daemon a registration goes to learns its id; a third party cannot guess it, so failure
+        notices and offers that name it come from that daemon (the daemon itself checks the sender)."""
+        self.expect_timeout_s = expect_timeout_s
+        self._next_id = itertools.count(first_registration_id)
+        self._random_ids = random_ids
+        # FAILED completions deferred until the prefill daemon answers a withdrawal (no WRITE into
+        # the blocks is in flight any more), by registration id; until then the (worker, transfer)
+        # may not be Expected again.
+        self._ending: dict[int, Deliver] = {}
+        self._ending_keys: set[tuple[str, str]] = set()
+        self._by_key: dict[tuple[str, str], _Recv] = {}
+        self._by_reg: dict[int, _Recv] = {}
+        self._deadlines = Deadlines()
+        self._valid: dict[object, float] = {}
+        self.stray_notifications = 0
+
+    def __len__(self) -> int:
+        return len(self._by_reg)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next(self._valid)
+
+    def withdraw_answered(self, registration_id: int) -> list[Action]:
+        """The prefill daemon answered a SendWithdraw (or could not be reached): deliver the FAILED
+        deferred until then; the transfer id may be Expected again."""
+        d = self._ending.pop(registration_id, None)
+        if d is None:
+            return []
+        self._ending_keys.discard((d.worker_id, d.completion.transfer_id))
+        return [d]
+
+    def deferred(self) -> set[int]:
+        """Registrations whose FAILED waits for the answer to their withdrawal."""
+        return set(self._ending)
+
+    def _defer(self, r: _Recv, code: FailureCode, reason: str) -> None:
+        self._ending[r.registration_id] = self._fail(r, code, reason)
+        self._ending_keys.add((r.worker_id, r.transfer_id))
+
+    def sent_to(self, registration_id: int) -> tuple[str, str] | None:
+        """(transfer id, producer address) of a pending registration, or None."""
+        r = self._by_reg.get(registration_id)
+        return None if r is None else (r.transfer_id, r.producer_address)
+
+    def producer_addresses(self) -> set[str]:
+        """Prefill daemons that pending receives wait on (we send them heartbeats)."""
+        return {r.producer_address for r in self._by_reg.values()}
+
+    def get(self, registration_id: int) -> tuple[str, str] | None:
+        r = self._by_reg.get(registration_id)
+        return (r.worker_id, r.transfer_id) if r else None
+
+    def views(self, now: float) -> list[RecvView]:
+        out = []
+        for r in self._by_reg.values():
+            if r.state is RecvState.REGISTERING:
+                waiting = f"prefill daemon {r.producer_address} to accept the registration"
+            elif r.mode is TransferMode.PULL:
+                offers = sorted(r.expected - r.landed - r.reading)
+                waiting = ", ".join(([f"READ(s) of producer rank(s) {sorted(r.reading)}"] if r.reading else [])
+                                    + ([f"offer(s) for producer rank(s) {offers}"] if offers else []))
+            else:
+                missing = sorted(r.expected - r.landed)
+                waiting = f"WRITE notification(s) from producer rank(s) {missing}"
+            out.append(RecvView(r.worker_id, r.transfer_id, r.registration_id, r.state.value,
+                                now - r.created, waiting, len(r.block_ids), r.producer_address,
+                                r.mode.name.lower()))
+        return out
+
+    def expect(
+        self,
+        now: float,
+        worker_id: str,
+        consumer_rank: int,
+        consumer_tp_size: int,
+        transfer_id: str,
+        block_ids: Iterable[int],
+        producer_address: str,
+        producer_engine_id: str,
+        producer_tp_size: int,
+        mode: TransferMode = TransferMode.PUSH,
+        skip_tokens: int = 0,
+        mla: bool = False,
+        layouts: tuple[Shape, ...] = (),
+    ) -> list[Action]:
+        """A decode worker allocated destination blocks: register them with the prefill side.
+
+        ``skip_tokens``: the worker holds the prompt's first tokens already (``block_ids`` start
+        there). ``mla`` (or ``layouts`` all replicated): fewer producer ranks write to it."""
+        blocks = tuple(block_ids)
+        mla = mla or (bool(layouts) and all(r.replicated for r in layouts))
+        if not transfer_id:
+            raise InvalidArgument("transfer_id must not be empty")
+        if (worker_id, transfer_id) in self._ending_keys:
+            raise AlreadyExists(f"transfer {transfer_id!r} is still ending on this worker (its withdrawal is "
+                                "not answered yet, a WRITE may be landing): Expect it again after its FAILED")
+        if not blocks:
+            raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
+        if not producer_address:
+            raise InvalidArgument(f"transfer {transfer_id!r}: producer_address must not be empty")
+        check_tp_pair(producer_tp_size, consumer_tp_size)
+        actions: list[Action] = []
+        old = self._by_key.get((worker_id, transfer_id))
+        if old is not None:
+            if (old.block_ids, old.producer_address, old.producer_engine_id, old.mode) == (
+                blocks, producer_address, producer_engine_id, mode):
+                return []  # a retried Expect: idempotent
+            # Re-submitted after preemption with new blocks: the new registration replaces the old.
+            self._remove(old)
+            actions.append(SendWithdraw(old.producer_address, transfer_id, old.registration_id,
+                                        FailureCode.SUPERSEDED, "replaced by a newer Expect"))
+        rid = next(self._next_id)
+        if self._random_ids:
+            rid = secrets.randbits(63) or 1
+            while rid in self._by_reg:
+                rid = secrets.randbits(63) or 1
+        deadline = now + self.expect_timeout_s
+        r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
+                  frozenset(writer_sources(consumer_rank, producer_tp_size, consumer_tp_size, mla)),
+                  now, deadline, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
+                  consumer_tp_size=consumer_tp_size)
+        self._by_key[(worker_id, transfer_id)] = r
+        self._by_reg[rid] = r
+        self._valid[rid] = deadline
+        self._deadlines.add(deadline, rid)
+        actions.append(SendRegister(producer_address, rid, worker_id, transfer_id, producer_engine_id,
+                                    producer_tp_size, consumer_rank, consumer_tp_size, blocks, mode, skip_tokens))
+        return actions
+
+    def registered(self, registration_id: int) -> list[Action]:
+        """The prefill daemon accepted the registration."""
+        r = self._by_reg.get(registration_id)
+        if r is None:
+            return [Dropped("registered", "", f"registration {registration_id} ended before its Register answer")]
+        nxt = recv_step(r.mode, r.state, "registered", r.transfer_id)
+        if isinstance(nxt, RecvState):
+            r.state = nxt
+        return []
+
+    def notified(self, registration_id: int, producer_rank: int) -> list[Action]:
+        """A WRITE's notification arrived: that producer rank's bytes have landed."""
+        r = self._by_reg.get(registration_id)
+        if r is None or producer_rank not in r.expected or \
+                recv_step(r.mode, r.state, "notified", r.transfer_id) is Move.DROP:
+            self.stray_notifications += 1
+            return [Dropped("notified", r.transfer_id if r else "", f"no pending push registration "
+                            f"{registration_id} expects producer rank {producer_rank}")]
+        r.landed.add(producer_rank)
+        if r.landed != r.expected:
+            return []
+        self._remove(r)
+        return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+
+    def producer_address_of(self, registration_id: int) -> str | None:
+        """The prefill daemon a pending registration was sent to (offers must come from it)."""
+        r = self._by_reg.get(registration_id)
+        return None if r is None else r.producer_address
+
+    def offer(self, registration_id: int, transfer_id: str, producer_rank: int,
+              src_blocks: Iterable[int], producer_agent: str = "") -> list[Action]:
+        """Pull mode: the prefill daemon offers a producer rank's source blocks; READ them.
+
+        The runtime has checked that the caller is the daemon the registration was sent to. Here:
+        the registration is pending, in pull mode, under this transfer id, expects this producer
+        rank, and the offer covers exactly as many blocks as it registered. Only then is a READ
+        started, always into this registration's own blocks. A repeated offer is ignored.
+        """
+        src = tuple(src_blocks)
+        r = self._by_reg.get(registration_id)
+        if r is None:
+            raise NotFound(f"registration {registration_id} is not pending here (finished, failed or withdrawn)")
+        if r.transfer_id != transfer_id:
+            raise PermissionDenied(f"registration {registration_id} is not for transfer {transfer_id[:256]!r}")
+        nxt = recv_step(r.mode, r.state, "offer", transfer_id)
+        if producer_rank not in r.expected:
+            raise InvalidArgument(f"transfer {transfer_id!r}: producer rank {producer_rank} does not feed this "
+                                  f"registration (expects ranks {sorted(r.expected)})")
+        if len(src) != len(r.block_ids):
+            raise InvalidArgument(f"transfer {transfer_id!r}: offer of {len(src)} source blocks for "
+                                  f"{len(r.block_ids)} destination blocks")
+        if producer_rank in r.reading or producer_rank in r.landed:
+            return [Dropped("offer", transfer_id, f"producer rank {producer_rank} was offered already")]
+        r.reading.add(producer_rank)
+        assert isinstance(nxt, RecvState)
+        r.state = nxt
+        key = ReadKey(r.producer_address, r.transfer_id, registration_id, producer_rank)
+        src_part, dst_part = block_parts(producer_rank, r.producer_tp_size, r.consumer_rank, r.consumer_tp_size)
+        return [StartRead(key, r.worker_id, r.producer_tp_size, r.consumer_rank, r.consumer_tp_size, src,
+                          r.block_ids, producer_agent, notif.encode_read(registration_id, producer_rank),
+                          src_part, dst_part)]
+
+    def read_done(self, key: ReadKey, ok: bool, reason: str = "") -> list[Action]:
+        """Pull mode: a READ completed (the rank has landed) or failed (the receive fails, prefill is told).
+
+        A failed READ is reported to the prefill daemon even when the receive already ended (abort,
+        timeout), since the prefill side holds its blocks until it hears how the READ ended.
+        """
+        r = self._by_reg.get(key.registration_id)
+        mine = r is not None and key.producer_rank in r.reading
+        if r is not None and mine:
+            r.reading.discard(key.producer_rank)
+        if ok:
+            if r is None or not mine:
+                return [Dropped("read_done", key.transfer_id, "the receive ended while its READ was in flight")]
+            r.landed.add(key.producer_rank)
+            if r.landed != r.expected:
+                return []
+            self._remove(r)
+            return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+        actions: list[Action] = [SendReadFailed(key, reason)]
+        if r is not None and mine:
+            self._remove(r)
+            actions.append(self._fail(r, FailureCode.TRANSFER_ERROR,
+                                      f"READ from producer rank {key.producer_rank} failed: {reason}"))
+        return actions
+
+    def failed(self, registration_id: int, code: FailureCode, reason: str) -> list[Action]:
+        """The prefill side (or our Register call) failed this registration."""
+        r = self._by_reg.get(registration_id)
+        if r is None:
+            return [Dropped("failed", "", f"registration {registration_id} already ended")]
+        self._remove(r)
+        return [self._fail(r, code, reason)]
+
+    def abort(self, worker_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
+        r = self._by_key.get((worker_id, transfer_id))
+        if r is None:
+            return False, []
+        self._remove(r)
+        self._defer(r, FailureCode.ABORTED, "aborted by the decode engine")
+        return True, [
+            SendWithdraw(r.producer_address, transfer_id, r.registration_id, FailureCode.ABORTED,
+                         "aborted by the decode engine"),
+        ]
+
+    def worker_gone(self, worker_id: str) -> list[Action]:
+        actions: list[Action] = []
+        for r in [r for r in self._by_reg.values() if r.worker_id == worker_id]:
+            self._remove(r)
+            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
+                                        FailureCode.WORKER_GONE, "decode worker is gone"))
+        return actions
+
+    def shutdown(self, reason: str) -> list[Action]:
+        """The daemon is stopping: every receive fails now, and its registration is withdrawn."""
+        actions: list[Action] = []
+        for r in list(self._by_reg.values()):
+            self._remove(r)
+            actions.append(self._fail(r, FailureCode.SHUTDOWN, reason))
+            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
+                                        FailureCode.SHUTDOWN, reason))
+        return actions
+
+    def producer_lost(self, producer_address: str, code: FailureCode, reason: str,
+                      registered_only: bool = False) -> list[Action]:
+        """The prefill daemon at this address died, restarted or became unreachable.
+
+        After a restart only registrations the old instance had accepted are lost
+        (``registered_only``); those still being registered go to the new instance.
+        """
+        actions: list[Action] = []
+        for r in [r for r in self._by_reg.values() if r.producer_address == producer_address
+                  and not (registered_only and r.state is RecvState.REGISTERING)]:
+            self._remove(r)
+            actions.append(self._fail(r, code, reason))
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for when, rid in self._deadlines.pop_due(now):
+            if self._valid.get(rid) != when:
+                continue
+            r = self._by_reg[rid]  # type: ignore[index]
+            self._remove(r)
+            msg = (f"transfer {r.transfer_id!r} not received within {self.expect_timeout_s:g}s "
+                   f"(landed ranks {sorted(r.landed)} of {sorted(r.expected)}, state {r.state.value})")
+            self._defer(r, FailureCode.TIMEOUT, msg)
+            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
+                                        FailureCode.TIMEOUT, msg))
+        return actions
+
+    def _remove(self, r: _Recv) -> None:
+        del self._by_reg[r.registration_id]
+        del self._by_key[(r.worker_id, r.transfer_id)]
+        self._valid.pop(r.registration_id, None)
+
+    @staticmethod
+    def _fail(r: _Recv, code: FailureCode, reason: str) -> Deliver:
+        return Deliver(r.worker_id, Completion(CompletionKind.FAILED, r.transfer_id, code, reason, r.block_ids))
