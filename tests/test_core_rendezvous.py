@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import pytest
 
-from kvpushd.core.errors import AlreadyExists, InvalidArgument
+from kvpushd.core.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from kvpushd.core.rendezvous import (
     Action,
     Deliver,
@@ -367,13 +367,15 @@ def test_failed_leg_of_co_writer_does_not_strand_the_other_publish() -> None:
     w0, w1 = of(s.register(T0 + 1, reg(4, ptp=2)), StartWrite)
     assert s.tick(T0 + PUB_TO + REG_TO) == []  # every leg started: nothing expires
     actions = s.write_done(w0.leg, False, "boom")
-    assert one(of(actions, SendFailNotice), SendFailNotice).registration_id == 4
+    # the decode daemon hears of it only once rank 1's WRITE into the same blocks has settled
+    assert of(actions, SendFailNotice) == []
     failed(one(of(actions, Deliver), Deliver), FailureCode.TRANSFER_ERROR, SRC)
     actions = s.write_done(w1.leg, True)
+    assert one(of(actions, SendFailNotice), SendFailNotice).registration_id == 4
     assert len(s) == 1
     deadline = s.next_deadline()
     assert deadline is not None
-    actions += s.tick(deadline)
+    actions = s.tick(deadline)
     d = one(actions, Deliver)
     assert d.worker_id == pw(1)
     assert d.completion.kind is CompletionKind.FAILED
@@ -596,28 +598,42 @@ def test_reexpect_supersedes_the_old_registration(change: str) -> None:
     assert_empty(r)
 
 
-@pytest.mark.parametrize("done_order", ["old_first", "new_first"])
-def test_reregistration_replaces_the_old_one(done_order: str) -> None:
+def test_reregistration_replaces_the_old_one() -> None:
     """The decode side re-registered consumer rank 0 (new id) while the WRITE into the old
-    registration is in flight: the new one is written too, and the publish finishes only after
-    both WRITEs settled (the old WRITE still reads the source blocks)."""
+    registration is in flight: one WRITE in flight per publish and consumer rank, so the new one is
+    written once the old one settled (its daemon hears then that it was replaced), and the publish
+    finishes only after both WRITEs."""
     s = new_send()
     publish(s, T0)
     old = one(s.register(T0, reg(1)), StartWrite)
-    new = one(s.register(T0 + 1, reg(2, blocks=(41, 42, 43))), StartWrite)
+    assert s.register(T0 + 1, reg(2, blocks=(41, 42, 43))) == []
+    assert ignored(s.withdraw(ORIGIN, TID, 1, FailureCode.SUPERSEDED, "replaced"))  # late: no-op
+    actions = s.write_done(old.leg, True)
+    notice = one(of(actions, SendFailNotice), SendFailNotice)
+    assert (notice.registration_id, notice.code) == (1, FailureCode.SUPERSEDED)
+    new = one(of(actions, StartWrite), StartWrite)
     assert new.leg == LegKey(ENGINE, TID, 0, 2)
     assert new.registration.block_ids == (41, 42, 43)
-    assert ignored(s.withdraw(ORIGIN, TID, 1, FailureCode.SUPERSEDED, "replaced"))  # late: no-op
-    first, second = (old, new) if done_order == "old_first" else (new, old)
-    assert s.write_done(first.leg, True) == []
-    assert s.write_done(second.leg, True) == [Deliver(pw(0), finished_sending())]
+    assert s.write_done(new.leg, True) == [Deliver(pw(0), finished_sending())]
+    assert_empty(s)
+
+
+def test_only_the_registering_daemon_may_replace_a_registration() -> None:
+    """Another decode daemon that knows the transfer id cannot take over consumer rank 0."""
+    s = new_send()
+    publish(s, T0)
+    w = one(s.register(T0, reg(1)), StartWrite)
+    rogue = Registration(9, "rogue-instance", TID, ENGINE, 1, "rogue-agent", 0, 1, DST)
+    with pytest.raises(PermissionDenied, match="another decode daemon"):
+        s.register(T0 + 1, rogue)
+    assert s.write_done(w.leg, True) == [Deliver(pw(0), finished_sending())]
     assert_empty(s)
 
 
 def test_reregistration_before_publish_keeps_only_the_new_one() -> None:
     s = new_send()
     s.register(T0, reg(1))
-    assert s.register(T0 + 1, reg(2)) == []
+    assert [(n.registration_id, n.code) for n in s.register(T0 + 1, reg(2))] == [(1, FailureCode.SUPERSEDED)]
     assert len(s) == 1
     assert s.next_deadline() == T0 + 1 + REG_TO
     w = one(publish(s, T0 + 2), StartWrite)
@@ -639,12 +655,13 @@ def test_reexpect_end_to_end_writes_the_new_registration(withdraw_first: bool) -
     wd, sr = sr_actions
     assert isinstance(wd, SendWithdraw) and isinstance(sr, SendRegister)
     n.run([wd, sr] if withdraw_first else [sr, wd])
-    new_legs = [k for k in n.posted if k != old_leg]
-    assert [k.registration_id for k in new_legs] == [sr.registration_id]
+    assert [k for k in n.posted if k != old_leg] == []  # one WRITE in flight per publish and rank
     assert n.take() == []
     n.complete(old_leg)  # lands in the old blocks: a stray notification
     assert n.take() == []
     assert n.recv.stray_notifications == 1
+    new_legs = [k for k in n.posted if k != old_leg]
+    assert [k.registration_id for k in new_legs] == [sr.registration_id]
     n.complete(new_legs[0])
     assert sorted(n.take(), key=lambda d: d.worker_id) == [
         Deliver(dw(0), finished_receiving()), Deliver(pw(0), finished_sending())]
@@ -665,14 +682,14 @@ def test_abort_on_the_prefill_side(with_write: bool) -> None:
     if with_write:
         w = one(s.register(T0, reg(1)), StartWrite)
         found, actions = s.abort(pw(0), ENGINE, TID)
-        assert found
-        notice = one(actions, SendFailNotice)  # FAILED waits for the WRITE in flight
-        assert (notice.registration_id, notice.code) == (1, FailureCode.ABORTED)
+        assert found and actions == []  # both FAILED and the notice wait for the WRITE in flight
         actions = s.write_done(w.leg, True)
+        notice = one(of(actions, SendFailNotice), SendFailNotice)
+        assert (notice.registration_id, notice.code) == (1, FailureCode.ABORTED)
     else:
         found, actions = s.abort(pw(0), ENGINE, TID)
         assert found
-    failed(one(actions, Deliver), FailureCode.ABORTED, SRC)
+    failed(one(of(actions, Deliver), Deliver), FailureCode.ABORTED, SRC)
     assert_empty(s)
     assert s.abort(pw(0), ENGINE, TID) == (False, [])
 
@@ -683,8 +700,10 @@ def test_abort_on_the_prefill_side_voids_waiting_registrations() -> None:
     publish(s, T0)
     w = one(s.register(T0, reg(8, crank=1, ctp=2)), StartWrite)
     found, actions = s.abort(pw(0), ENGINE, TID)
-    assert found and one(actions, SendFailNotice).registration_id == 8
-    failed(one(s.write_done(w.leg, False, "cancelled"), Deliver), FailureCode.ABORTED, SRC)
+    assert found and actions == []  # told once no WRITE into its blocks is in flight
+    actions = s.write_done(w.leg, False, "cancelled")
+    assert one(of(actions, SendFailNotice), SendFailNotice).registration_id == 8
+    failed(one(of(actions, Deliver), Deliver), FailureCode.ABORTED, SRC)
     assert_empty(s)
 
 
@@ -753,10 +772,12 @@ def test_prefill_worker_gone(with_write: bool) -> None:
     actions = s.worker_gone(pw(0))
     assert of(actions, Deliver) == []
     if with_write:
-        notice = one(actions, SendFailNotice)
-        assert (notice.registration_id, notice.code) == (1, FailureCode.WORKER_GONE)
+        assert actions == []  # the decode daemon is told once the WRITE in flight settled
         assert len(s) == 2  # the WRITE in flight keeps the publish until it settles
-        assert all(d.worker_id == pw(0) for d in of(s.write_done(w.leg, True), Deliver))
+        done = s.write_done(w.leg, True)
+        notice = one(of(done, SendFailNotice), SendFailNotice)
+        assert (notice.registration_id, notice.code) == (1, FailureCode.WORKER_GONE)
+        assert all(d.worker_id == pw(0) for d in of(done, Deliver))
     else:
         assert actions == []
     assert len(s) == 1
@@ -904,9 +925,11 @@ def test_layout_mismatch_with_a_posted_leg_waits_for_it() -> None:
     w = one(s.register(T0, reg(1, crank=0, ctp=2, blocks=(5, 6))), StartWrite)
     actions = s.register(T0, reg(2, crank=1, ctp=2, blocks=(5, 6, 7)))
     assert of(actions, Deliver) == [] and of(actions, StartWrite) == []
-    assert sorted(n.registration_id for n in of(actions, SendFailNotice)) == [1, 2]
-    assert all(n.code is FailureCode.LAYOUT_MISMATCH for n in of(actions, SendFailNotice))
-    failed(one(s.write_done(w.leg, True), Deliver), FailureCode.LAYOUT_MISMATCH, (1, 2))
+    assert [n.registration_id for n in of(actions, SendFailNotice)] == [2]  # 1: once its WRITE settled
+    done = s.write_done(w.leg, True)
+    assert [n.registration_id for n in of(done, SendFailNotice)] == [1]
+    assert all(n.code is FailureCode.LAYOUT_MISMATCH for n in of(actions + done, SendFailNotice))
+    failed(one(of(done, Deliver), Deliver), FailureCode.LAYOUT_MISMATCH, (1, 2))
     assert_empty(s)
 
 
@@ -973,8 +996,10 @@ def test_register_with_other_consumer_tp_is_refused_without_side_effects() -> No
     w = one(publish(s, T0 + 2), StartWrite)  # P tp1 -> D tp2: writes the surviving registration
     assert w.leg.registration_id == 1
     found, actions = s.abort(pw(0), ENGINE, TID)
-    assert found and one(actions, SendFailNotice).registration_id == 1
-    failed(one(s.write_done(w.leg, True), Deliver), FailureCode.ABORTED, SRC)
+    assert found and actions == []
+    done = s.write_done(w.leg, True)
+    assert one(of(done, SendFailNotice), SendFailNotice).registration_id == 1
+    failed(one(of(done, Deliver), Deliver), FailureCode.ABORTED, SRC)
     assert_empty(s)
 
 
@@ -1001,11 +1026,12 @@ def test_send_side_shutdown() -> None:
     d = one(of(actions, Deliver), Deliver)
     assert (d.worker_id, d.completion.transfer_id) == (pw(0), "lonely")
     failed(d, FailureCode.SHUTDOWN, SRC)
-    assert sorted((n.registration_id, n.code) for n in of(actions, SendFailNotice)) == [
-        (1, FailureCode.SHUTDOWN), (2, FailureCode.SHUTDOWN)]
+    assert sorted((n.registration_id, n.code) for n in of(actions, SendFailNotice)) == [(1, FailureCode.SHUTDOWN)]
     assert of(actions, StartWrite) == []
-    assert len(s) == 1  # "busy" waits for its WRITE
-    d = one(s.write_done(w.leg, True), Deliver)
+    assert len(s) == 1  # "busy" waits for its WRITE, and so does its decode daemon's notice
+    done = s.write_done(w.leg, True)
+    assert [(n.registration_id, n.code) for n in of(done, SendFailNotice)] == [(2, FailureCode.SHUTDOWN)]
+    d = one(of(done, Deliver), Deliver)
     assert d.completion.transfer_id == "busy"
     failed(d, FailureCode.SHUTDOWN, SRC)
     assert_empty(s)

@@ -19,7 +19,7 @@ from .actions import (
     StartWrite,
 )
 from .deadlines import Deadlines
-from .errors import AlreadyExists, InvalidArgument
+from .errors import AlreadyExists, InvalidArgument, PermissionDenied
 from .layout import Shape, needs_plan, sizes_differ
 from .table import Move, step
 from .topology import block_parts, check_tp_pair, consumer_targets, skips_replicated, writer_sources, writer_targets
@@ -48,6 +48,7 @@ class _Publish:
     deadline: float
     layouts: tuple[Shape, ...] = ()  # the producer's regions, if known
     legs: dict[int, LegState] = field(default_factory=dict)  # registration id -> state
+    leg_ranks: dict[int, int] = field(default_factory=dict)  # registration id -> its consumer rank
     failure: tuple[FailureCode, str] | None = None  # set while posted legs settle
 
     def posted(self) -> bool:
@@ -66,6 +67,11 @@ class _SendTransfer:
     written: dict[int, set[int]] = field(default_factory=dict)  # reg id -> producer ranks done
     consumer_tp: int | None = None
     mla: bool = False  # from the registrations: replicated (MLA) regions, fewer writers
+    # consumer rank -> the decode daemon (origin) that registered it: only it may replace it
+    rank_origin: dict[int, str] = field(default_factory=dict)
+    # failure notices held until no WRITE into their registration is in flight (reg id -> notice):
+    # a decode engine told FAILED frees its blocks, so it must not be told while bytes may land
+    notices: dict[int, SendFailNotice] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +103,10 @@ class SendSide:
         # Pull legs offered and not yet settled: (origin, reg id, producer rank) <-> leg
         self._pulls: dict[tuple[str, int, int], LegKey] = {}
         self._pull_of: dict[LegKey, tuple[str, int, int]] = {}
+        self._now = 0.0  # the latest time an event brought (for legs started by a completion)
+        # per decode daemon: destination blocks and registrations it holds here (its quota)
+        self._held: dict[str, int] = {}
+        self._regs: dict[str, int] = {}
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -110,6 +120,10 @@ class SendSide:
         """Decode daemons that hold registrations here, or owe us a READ (they must keep sending heartbeats)."""
         return {r.origin for t in self._transfers.values() for r in t.registrations.values()} | {
             pk[0] for pk in self._pulls}
+
+    def held_by(self, origin: str) -> tuple[int, int]:
+        """(registrations, destination blocks) the decode daemon ``origin`` holds here."""
+        return self._regs.get(origin, 0), self._held.get(origin, 0)
 
     def pull_pending(self, origin: str, registration_id: int, producer_rank: int) -> bool:
         """Whether that pull leg is still offered (not confirmed, failed or given up on)."""
@@ -197,6 +211,7 @@ class SendSide:
                 f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
                 f"{rank} with other blocks; abort it first"
             )
+        self._now = max(self._now, now)
         deadline = now + self.publish_timeout_s
         t.publishes[rank] = _Publish(worker_id, rank, tp_size, blocks, now, deadline, layouts)
         self._arm(("pub", key, rank), deadline)
@@ -218,12 +233,23 @@ class SendSide:
                 f"transfer {reg.transfer_id!r}: consumer TP size {reg.consumer_tp_size} differs from "
                 f"an earlier registration's {t.consumer_tp}"
             )
+        holder = t.rank_origin.get(reg.consumer_rank)
+        if holder is not None and holder != reg.origin:
+            raise PermissionDenied(f"transfer {reg.transfer_id[:256]!r}: consumer rank {reg.consumer_rank} is "
+                                   "registered by another decode daemon; only that daemon may replace it",
+                                   transfer_id=reg.transfer_id)
+        self._now = max(self._now, now)
         actions: list[Action] = []
         old = t.registrations.get(reg.consumer_rank)
         if old is not None:
             # A re-submitted (e.g. preempted and re-allocated) decode request replaces its old
-            # registration; writes already posted into the old blocks settle on their own.
-            actions += self._drop_registration(t, old, None)
+            # registration, and its daemon hears so; writes already posted into the old blocks
+            # settle on their own (the new one is written once they have: one WRITE in flight
+            # per publish and consumer rank).
+            actions += self._drop_registration(t, old, (FailureCode.SUPERSEDED, "replaced by a newer registration"))
+        t.rank_origin[reg.consumer_rank] = reg.origin
+        self._held[reg.origin] = self._held.get(reg.origin, 0) + len(reg.block_ids)
+        self._regs[reg.origin] = self._regs.get(reg.origin, 0) + 1
         t.consumer_tp = reg.consumer_tp_size
         t.mla = reg.mla
         t.registrations[reg.consumer_rank] = reg
@@ -259,7 +285,9 @@ class SendSide:
             if reg is not None:
                 actions += self._drop_registration(t, reg, (FailureCode.TRANSFER_ERROR, msg))
             self._fail_publish(t, pub, FailureCode.TRANSFER_ERROR, msg)
-        actions += self._settle(t)
+        actions += self._release_notices(t)
+        # A WRITE held back for this rank (a replacement registration) may start now.
+        actions += self._match(t, self._now)
         return actions
 
     def read_done(self, origin: str, registration_id: int, producer_rank: int, ok: bool,
@@ -316,6 +344,10 @@ class SendSide:
             for reg in [r for r in t.registrations.values() if r.origin == origin]:
                 actions += self._drop_registration(
                     t, reg, None, fail_publishes=(FailureCode.PEER_UNREACHABLE, reason))
+            for rank in [k for k, o in t.rank_origin.items() if o == origin]:
+                del t.rank_origin[rank]
+            for rid in [k for k, n in t.notices.items() if n.origin == origin]:
+                del t.notices[rid]  # nobody to tell
             actions += self._settle(t)
         # READs that daemon owed us will never be confirmed: the legs failed.
         for leg in [v for k, v in self._pulls.items() if k[0] == origin]:
@@ -336,6 +368,7 @@ class SendSide:
 
     def tick(self, now: float) -> list[Action]:
         """Expire publishes and registrations whose deadline passed without progress."""
+        self._now = max(self._now, now)
         actions: list[Action] = []
         for when, key in self._deadlines.pop_due(now):
             if self._valid.get(key) != when:
@@ -414,6 +447,9 @@ class SendSide:
                     continue  # started by this publish, or written by an earlier publish of this rank
                 if reg.consumer_rank not in writer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size, reg.mla):
                     continue
+                if any(pub.leg_ranks.get(rid) == reg.consumer_rank for rid, st in pub.legs.items()
+                       if st is LegState.POSTED):
+                    continue  # one WRITE in flight per publish and consumer rank: this one follows it
                 by_tokens = reg.by_tokens or reg.skip_tokens > 0 or sizes_differ(pub.layouts, reg.layouts)
                 problem = self._mismatch(pub, reg, by_tokens)
                 if problem:
@@ -422,6 +458,7 @@ class SendSide:
                     self._fail_publish(t, pub, FailureCode.LAYOUT_MISMATCH, problem)
                     break
                 pub.legs[reg.registration_id] = LegState.POSTED
+                pub.leg_ranks[reg.registration_id] = reg.consumer_rank
                 # A partial prefix-cache hit on decode needs only the tail of the prompt's blocks.
                 src = pub.block_ids if by_tokens else pub.block_ids[len(pub.block_ids) - len(reg.block_ids):]
                 if reg.mode is TransferMode.PULL:
@@ -488,7 +525,8 @@ class SendSide:
             del t.reg_ids[reg.consumer_rank]
         t.written.pop(reg.registration_id, None)
         if notice is not None:
-            actions.append(SendFailNotice(reg.origin, t.transfer_id, reg.registration_id, *notice))
+            t.notices[reg.registration_id] = SendFailNotice(reg.origin, t.transfer_id, reg.registration_id, *notice)
+            actions += self._release_notices(t)
         if fail_publishes is not None:
             for pub in t.publishes.values():
                 if reg.consumer_rank in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
@@ -526,9 +564,21 @@ class SendSide:
             del self._transfers[(t.engine_id, t.transfer_id)]
         return actions
 
+    def _release_notices(self, t: _SendTransfer) -> list[Action]:
+        """Failure notices whose registration has no WRITE in flight any more go out now."""
+        ready = [rid for rid in t.notices
+                 if not any(p.legs.get(rid) is LegState.POSTED for p in t.publishes.values())]
+        return [t.notices.pop(rid) for rid in ready]
+
     def _consume(self, t: _SendTransfer, reg: Registration) -> None:
         """Forget a registration's blocks (written, or dropped); its id stays in reg_ids."""
         if t.registrations.get(reg.consumer_rank) is reg:
             del t.registrations[reg.consumer_rank]
+            for table, n in ((self._held, len(reg.block_ids)), (self._regs, 1)):
+                left = table.get(reg.origin, 0) - n
+                if left > 0:
+                    table[reg.origin] = left
+                else:
+                    table.pop(reg.origin, None)
         self._valid.pop(("reg", (t.engine_id, t.transfer_id), reg.consumer_rank), None)
         self._by_reg.pop((reg.origin, reg.registration_id), None)
