@@ -194,7 +194,7 @@ class Worker:
                 call()
             except KVPushError as e:
                 if method != "Abort":
-                    c = Completion(CompletionKind.FAILED, tid, "REFUSED",
+                    c = Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                    f"{method} refused by the daemon: {e.code}: {e.message}", blocks)
                     with self._cond:
                         self._queue.append(c)
@@ -202,7 +202,7 @@ class Worker:
             except Exception as e:  # the engine must hear of it, not lose the request
                 if method != "Abort":
                     with self._cond:
-                        self._queue.append(Completion(CompletionKind.FAILED, tid, "REFUSED",
+                        self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                                       f"{method} failed in the client: {e!r}", blocks))
                         self._cond.notify_all()
 
