@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
-
 from .proto.v1 import common_pb2, worker_pb2
 from .types import (
     Completion,
     CompletionKind,
     CudaMemory,
-    DaemonUnavailable,
-    KVPushError,
     Memory,
     Region,
     Role,
@@ -75,12 +71,3 @@ REFUSED = failure_code_name(common_pb2.FAILURE_REFUSED)
 def completion(c: worker_pb2.Completion) -> Completion:
     code = failure_code_name(c.code)
     return Completion(CompletionKind(c.kind), c.transfer_id, code, c.reason, tuple(c.block_ids))
-
-
-def error(e: grpc.RpcError) -> KVPushError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    name = code.name if code is not None else "UNKNOWN"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return DaemonUnavailable(name, details or "")
-    return KVPushError(name, details or "")

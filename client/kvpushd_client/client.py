@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from . import _convert
+from . import _convert, errors
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Memory, Region, Role
 
@@ -50,7 +50,7 @@ class KVPushClient:
         try:
             return self.status_stub.GetStatus(status_pb2.GetStatusRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
                regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> Worker:
@@ -59,7 +59,7 @@ class KVPushClient:
         try:
             resp = self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
         return Worker(self, resp.worker_id, resp.node_id, resp.peer_address)
 
     def close(self) -> None:
@@ -106,7 +106,7 @@ class Worker:
                     self._cond.notify_all()
             err: KVPushError = DaemonUnavailable("UNAVAILABLE", "session ended by the daemon")
         except grpc.RpcError as e:
-            err = _convert.error(e)
+            err = errors.from_rpc_error(e)
         with self._cond:
             if not self._closed:
                 self.session_error = err
@@ -116,7 +116,7 @@ class Worker:
         try:
             return getattr(self.client.stub, method)(req, timeout=self.client.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
