@@ -3,7 +3,7 @@
 Runs with the vLLM venv (``bash scripts/vllm_venv.sh``; ``make test`` does both)::
 
     KVPUSHD_PYTHON=.venv/bin/python .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
-        tests/test_vllm_connector.py
+        tests/vllm/test_vllm_connector.py
 
 Daemons run under ``KVPUSHD_PYTHON`` (the vLLM venv has no nixl). Under an interpreter without vLLM
 the module is skipped; the clean-venv install check runs in the vLLM run only, so once per make test.
@@ -28,18 +28,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-pytest.importorskip("vllm", reason="needs vLLM 0.33.0: run with the venv scripts/vllm_venv.sh builds")
+# vllm.distributed, not vllm: in a venv without vLLM, this directory (tests/vllm) would pass for a
+# namespace package named vllm.
+pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the venv scripts/vllm_venv.sh builds")
 
 import torch
 import vllm_support as vs
-from kvpushd_client import vllm_connector
-from kvpushd_client.vllm_connector import (
-    ExpectReq,
-    KVPushdConnector,
-    KVPushdConnectorMetadata,
-    PublishReq,
-    describe_kv_caches,
-)
+from kvpushd_client.vllm import worker as vllm_worker
+from kvpushd_client.vllm.connector import KVPushdConnector
+from kvpushd_client.vllm.layout import describe_kv_caches
+from kvpushd_client.vllm.metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
@@ -248,7 +246,7 @@ class Engine:
                 else:
                     t.fill_(POISON)
             # Each worker finds its rank in vLLM's TP group; there is none in this process.
-            with mock.patch.object(vllm_connector, "_tp_rank_and_size", return_value=(rank, tp)):
+            with mock.patch.object(vllm_worker, "_tp_rank_and_size", return_value=(rank, tp)):
                 conn = KVPushdConnector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
             conn.register_kv_caches(kv)
             self.ranks.append((conn, kv))
