@@ -37,7 +37,13 @@ import vllm_support as vs
 from kvpushd_client.vllm import worker as vllm_worker
 from kvpushd_client.vllm.connector import KVPushdConnector
 from kvpushd_client.vllm.layout import describe_kv_caches
-from kvpushd_client.vllm.metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
+from kvpushd_client.vllm.metadata import (
+    COMPAT_HASH,
+    COMPAT_HASH_KEY,
+    ExpectReq,
+    KVPushdConnectorMetadata,
+    PublishReq,
+)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
@@ -155,6 +161,7 @@ def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple
     assert params["remote_engine_id"] == P_ENGINE and params["tp_size"] == 1 and params["pp_size"] == 1
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "push"
     assert params["transfer_id"] == f"cmpl-{x}-0"
+    assert params[COMPAT_HASH_KEY] == COMPAT_HASH
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert rid in s.requests and vs.num_free_blocks(s) == start_free - len(blocks)  # held
     assert s.has_requests() and s.connector.has_pending_push_work()
@@ -219,6 +226,25 @@ def test_bad_remote_params_fall_back_to_local_prefill(model_dir: Path) -> None:
     so = s.schedule()
     assert req.status == RequestStatus.RUNNING and so.num_scheduled_tokens[req.request_id] == 40
     assert not so.kv_connector_metadata.expects
+
+
+def test_other_wire_format_falls_back_to_local_prefill(model_dir: Path) -> None:
+    """A prefill connector with another compatibility hash: prefilled here; none at all: as before."""
+    cfg = vs.make_vllm_config(model_dir, "kv_consumer", D_ENGINE, "/nonexistent/kvpushd.sock")
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    x, y = x_request_id(), x_request_id()
+    other = vs.decode_params(P_ENGINE, "10.0.0.1:7700", x)
+    other[COMPAT_HASH_KEY] = "0" * 16
+    older = vs.decode_params(P_ENGINE, "10.0.0.1:7700", y)
+    older.pop(COMPAT_HASH_KEY, None)
+    r1 = vs.create_request(engine_request_id(x), 40, 1, other, 16)
+    r2 = vs.create_request(engine_request_id(y), 40, 1, older, 16)
+    s.add_request(r1)
+    s.add_request(r2)
+    so = s.schedule()
+    assert r1.status == RequestStatus.RUNNING and so.num_scheduled_tokens[r1.request_id] == 40
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [e.req_id for e in so.kv_connector_metadata.expects] == [r2.request_id]
 
 
 # ------------------------------------------------------------------------------------------------
