@@ -4,7 +4,8 @@ A daemon attaches trailing metadata ``kvpushd-error`` to a refused call: a JSON 
 ``{"kind": "InvalidArgument", "code": "INVALID_ARGUMENT", "transfer_id": "...", "peer": "..."}``
 (any field may be empty or missing; older daemons send none). ``from_rpc_error`` turns a
 ``grpc.RpcError`` (sync or aio) into the matching subclass, using the kind when the daemon named one
-and the gRPC status code otherwise. Pure: no I/O, no grpc import at run time.
+(the daemon's own error classes, kvpushd/core/errors.py) and the gRPC status code otherwise.
+Pure: no I/O, no grpc import at run time.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class FailedPrecondition(KVPushError):
     """The call does not fit the state (wrong role, session not open, draining)."""
 
 
+class SessionUnknown(FailedPrecondition):
+    """A peer call without a live session (the callee restarted): handshake first."""
+
+
+class IllegalTransition(FailedPrecondition):
+    """The daemon's rendezvous table does not allow that event in the transfer's state."""
+
+
+class PeerRejected(KVPushError):
+    """The other node's daemon answered the daemon's call with an error."""
+
+
 class PermissionDenied(KVPushError):
     """The caller may not do this."""
 
@@ -63,13 +76,19 @@ class Unavailable(KVPushError):
     """Something the call needs is not available now; retrying later may work."""
 
 
+class PeerUnreachable(Unavailable):
+    """The other node's daemon did not answer the daemon (connect failure, deadline)."""
+
+
 class DaemonUnavailable(Unavailable):
     """The daemon cannot be reached (not running, restarting, wrong socket): status UNAVAILABLE or
-    CANCELLED, whatever the metadata says."""
+    CANCELLED without the daemon's own reason. (A daemon that answers UNAVAILABLE itself, draining or
+    unable to reach a peer, names its kind: ``Unavailable`` or ``PeerUnreachable``.)"""
 
 
 _KINDS: dict[str, type[KVPushError]] = {cls.__name__: cls for cls in (
-    InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, PermissionDenied, ResourceExhausted, Unavailable)}
+    InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, SessionUnknown, IllegalTransition, PeerRejected,
+    PermissionDenied, ResourceExhausted, Unavailable, PeerUnreachable)}
 _BY_STATUS: dict[str, type[KVPushError]] = {
     "INVALID_ARGUMENT": InvalidArgument, "OUT_OF_RANGE": InvalidArgument, "NOT_FOUND": NotFound,
     "ALREADY_EXISTS": AlreadyExists, "FAILED_PRECONDITION": FailedPrecondition,
@@ -107,12 +126,12 @@ def from_rpc_error(e: grpc.RpcError) -> KVPushError:
     code = getattr(status, "name", None) or meta.get("code") or "UNKNOWN"
     kind = meta.get("kind", "")
     cls: type[KVPushError]
-    if code in _UNREACHABLE:
-        cls = DaemonUnavailable
-    elif kind in _KINDS:
+    if kind in _KINDS:  # the daemon answered and said why
         cls = _KINDS[kind]
+    elif code in _UNREACHABLE and not kind:  # no word from the daemon itself: it is not there
+        cls = DaemonUnavailable
     else:
-        cls = _BY_STATUS.get(code, KVPushError)
+        cls = _BY_STATUS.get(code, Unavailable if code in _UNREACHABLE else KVPushError)
     if not kind and cls is not KVPushError:
         kind = (Unavailable if cls is DaemonUnavailable else cls).__name__
     return cls(code, details or "", kind=kind, transfer_id=meta.get("transfer_id", ""), peer=meta.get("peer", ""))

@@ -65,9 +65,18 @@ def test_kind_wins_over_status_and_unknown_kind_falls_back() -> None:
     assert type(err) is E.FailedPrecondition and err.code == "UNKNOWN"
     err = E.from_rpc_error(FakeRpcError(grpc.StatusCode.NOT_FOUND, "x", meta(kind="SomethingNew", peer="")))
     assert type(err) is E.NotFound and err.kind == "SomethingNew"
-    # a daemon that is unreachable is DaemonUnavailable whatever the metadata says
+    # UNAVAILABLE from the daemon itself (draining, a peer it cannot reach) is no unreachable daemon
     err = E.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "draining", meta(kind="Unavailable")))
-    assert type(err) is DaemonUnavailable and isinstance(err, E.Unavailable) and err.kind == "Unavailable"
+    assert type(err) is E.Unavailable and not isinstance(err, DaemonUnavailable) and err.kind == "Unavailable"
+    err = E.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "peer down", meta(kind="PeerUnreachable",
+                                                                                     peer="10.0.0.9:7700")))
+    assert type(err) is E.PeerUnreachable and isinstance(err, E.Unavailable) and err.peer == "10.0.0.9:7700"
+    assert not isinstance(err, DaemonUnavailable)
+    err = E.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "x", meta(kind="SomethingNew")))
+    assert type(err) is E.Unavailable
+    # the daemon's subclasses of FailedPrecondition stay FailedPrecondition for older callers
+    err = E.from_rpc_error(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "x", meta(kind="SessionUnknown")))
+    assert type(err) is E.SessionUnknown and isinstance(err, E.FailedPrecondition)
 
 
 @pytest.mark.parametrize("metadata", [
