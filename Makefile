@@ -27,7 +27,7 @@ vllm-venv:
 
 test: $(STAMP) vllm-venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
-	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py
+	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvpushd client tests scripts

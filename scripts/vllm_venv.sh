@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the CPU vLLM 0.33.0 venv the connector tests run in (tests/test_vllm_connector.py).
+# Build the CPU vLLM 0.33.0 venv the connector tests run in (tests/vllm/).
 #
 #   bash scripts/vllm_venv.sh [VENV]      # default .venv-vllm
 #

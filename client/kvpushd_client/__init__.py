@@ -2,6 +2,7 @@
 
 from .aio import AsyncKVPushClient, AsyncWorker
 from .client import KVPushClient, Worker
+from .reconnect import ReconnectingWorker
 from .shm import SharedBuffer
 from .types import (
     Completion,
@@ -17,5 +18,6 @@ from .types import (
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVLayout", "KVPushClient", "KVPushError", "Region", "Role", "SharedBuffer", "ShmMemory", "Worker",
+    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingWorker", "Region", "Role", "SharedBuffer", "ShmMemory",
+    "Worker",
 ]

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
-
 from .proto.v1 import common_pb2, worker_pb2
 from .types import (
     Completion,
     CompletionKind,
     CudaMemory,
-    DaemonUnavailable,
-    KVPushError,
     Memory,
     Region,
     Role,
@@ -63,15 +59,15 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
                                     regions=regs, description=description)
 
 
+def failure_code_name(v: int) -> str:
+    """FailureCode value -> the name completions carry ("TIMEOUT", "REFUSED"; "" for unspecified)."""
+    return common_pb2.FailureCode.Name(common_pb2.FailureCode.ValueType(v)).removeprefix("FAILURE_") if v else ""
+
+
+# A queued call the daemon refused (client side only, see Worker.*_nowait).
+REFUSED = failure_code_name(common_pb2.FAILURE_REFUSED)
+
+
 def completion(c: worker_pb2.Completion) -> Completion:
-    code = common_pb2.FailureCode.Name(c.code).removeprefix("FAILURE_") if c.code else ""
+    code = failure_code_name(c.code)
     return Completion(CompletionKind(c.kind), c.transfer_id, code, c.reason, tuple(c.block_ids))
-
-
-def error(e: grpc.RpcError) -> KVPushError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    name = code.name if code is not None else "UNKNOWN"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return DaemonUnavailable(name, details or "")
-    return KVPushError(name, details or "")

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import grpc
 
-from . import _convert
+from . import _convert, errors
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
@@ -25,7 +25,7 @@ class AsyncKVPushClient:
         try:
             return await self.status_stub.GetStatus(status_pb2.GetStatusRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         loop = asyncio.get_running_loop()
@@ -45,7 +45,7 @@ class AsyncKVPushClient:
         try:
             resp = await self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
         return AsyncWorker(self, resp.worker_id, resp.node_id, resp.peer_address)
 
     async def close(self) -> None:
@@ -76,7 +76,7 @@ class AsyncWorker:
                 self._event.set()
             err: KVPushError = DaemonUnavailable("UNAVAILABLE", "session ended by the daemon")
         except grpc.RpcError as e:
-            err = _convert.error(e)
+            err = errors.from_rpc_error(e)
         except asyncio.CancelledError:
             return
         if not self._closed:
@@ -87,7 +87,7 @@ class AsyncWorker:
         try:
             return await getattr(self.client.stub, method)(req, timeout=self.client.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     async def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,

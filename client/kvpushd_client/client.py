@@ -15,13 +15,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 
-from . import _convert
+from . import _convert, errors
+from .calls import Call, CallQueue, DirectTarget
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
-from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Memory, Region, Role
+from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
 
 class KVPushClient:
@@ -50,7 +51,7 @@ class KVPushClient:
         try:
             return self.status_stub.GetStatus(status_pb2.GetStatusRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
                regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> Worker:
@@ -59,7 +60,7 @@ class KVPushClient:
         try:
             resp = self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
         return Worker(self, resp.worker_id, resp.node_id, resp.peer_address)
 
     def close(self) -> None:
@@ -87,10 +88,7 @@ class Worker:
         self._stream = client.stub.Session(worker_pb2.SessionRequest(worker_id=worker_id))
         self._reader = threading.Thread(target=self._read, name=f"kvpushd-session-{worker_id}", daemon=True)
         self._reader.start()
-        self._outbox: collections.deque[tuple[str, str, tuple[int, ...], Callable[[], object]]] = collections.deque()
-        self._out_cond = threading.Condition()
-        self._sender: threading.Thread | None = None
-        self._sending = False
+        self._calls = CallQueue(DirectTarget(self, self._deliver), name=f"kvpushd-calls-{worker_id}")
 
     @property
     def alive(self) -> bool:
@@ -106,7 +104,7 @@ class Worker:
                     self._cond.notify_all()
             err: KVPushError = DaemonUnavailable("UNAVAILABLE", "session ended by the daemon")
         except grpc.RpcError as e:
-            err = _convert.error(e)
+            err = errors.from_rpc_error(e)
         with self._cond:
             if not self._closed:
                 self.session_error = err
@@ -116,7 +114,7 @@ class Worker:
         try:
             return getattr(self.client.stub, method)(req, timeout=self.client.timeout_s)
         except grpc.RpcError as e:
-            raise _convert.error(e) from None
+            raise errors.from_rpc_error(e) from None
 
     def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
@@ -146,65 +144,33 @@ class Worker:
     # -- off the engine thread -------------------------------------------------------------
     # The calls above block the caller for one gRPC round trip (about 0.5 ms of CPU here). The
     # *_nowait variants only queue the call (a few microseconds): one sender thread per worker
-    # makes the calls in order. A call the daemon refuses comes back as a FAILED completion with
-    # code "REFUSED", the daemon's status and message in ``reason`` and the request's block ids,
-    # so an engine frees the blocks on the same path as any other failed transfer.
+    # makes the calls in order (kvpushd_client.calls, the same queue ReconnectingWorker uses). A
+    # call the daemon refuses comes back as a FAILED completion with code "REFUSED", the daemon's
+    # status and message in ``reason`` and the request's block ids, so an engine frees the blocks
+    # on the same path as any other failed transfer.
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int]) -> None:
-        blocks = tuple(block_ids)
-        self._submit("Publish", transfer_id, blocks, lambda: self.publish(transfer_id, blocks))
+        self._calls.submit(Call("Publish", transfer_id, tuple(block_ids)))
 
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                       transfer_mode: str = "push") -> None:
-        blocks = tuple(block_ids)
-        self._submit("Expect", transfer_id, blocks,
-                     lambda: self.expect(transfer_id, blocks, producer_address, producer_engine_id,
-                                         producer_tp_size, skip_tokens, transfer_mode))
+        self._calls.submit(Call("Expect", transfer_id, tuple(block_ids), expect_args=dict(
+            producer_address=producer_address, producer_engine_id=producer_engine_id,
+            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens, transfer_mode=transfer_mode)))
 
     def abort_nowait(self, transfer_id: str) -> None:
         """Queued after any earlier *_nowait call of this worker; an unknown transfer is no error."""
-        self._submit("Abort", transfer_id, (), lambda: self.abort(transfer_id))
+        self._calls.submit(Call("Abort", transfer_id))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued call has been made; False on timeout."""
-        with self._out_cond:
-            return self._out_cond.wait_for(lambda: not self._outbox and not self._sending, timeout_s)
+        return self._calls.flush(timeout_s)
 
-    def _submit(self, method: str, transfer_id: str, blocks: tuple[int, ...], call: Callable[[], object]) -> None:
-        with self._out_cond:
-            if self._sender is None:
-                self._sender = threading.Thread(target=self._send_loop, name=f"kvpushd-calls-{self.worker_id}",
-                                                daemon=True)
-                self._sender.start()
-            self._outbox.append((method, transfer_id, blocks, call))
-            self._out_cond.notify_all()
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._out_cond:
-                self._sending = False
-                self._out_cond.notify_all()
-                self._out_cond.wait_for(lambda: self._outbox or self._closed)
-                if not self._outbox:
-                    return
-                method, tid, blocks, call = self._outbox.popleft()
-                self._sending = True
-            try:
-                call()
-            except KVPushError as e:
-                if method != "Abort":
-                    c = Completion(CompletionKind.FAILED, tid, "REFUSED",
-                                   f"{method} refused by the daemon: {e.code}: {e.message}", blocks)
-                    with self._cond:
-                        self._queue.append(c)
-                        self._cond.notify_all()
-            except Exception as e:  # the engine must hear of it, not lose the request
-                if method != "Abort":
-                    with self._cond:
-                        self._queue.append(Completion(CompletionKind.FAILED, tid, "REFUSED",
-                                                      f"{method} failed in the client: {e!r}", blocks))
-                        self._cond.notify_all()
+    def _deliver(self, c: Completion) -> None:
+        with self._cond:
+            self._queue.append(c)
+            self._cond.notify_all()
 
     def completions(self) -> list[Completion]:
         """Everything delivered so far, without waiting (no RPC)."""
@@ -228,9 +194,8 @@ class Worker:
         if self._closed:
             return
         self.flush(timeout_s=self.client.timeout_s)
-        with self._out_cond:
-            self._closed = True
-            self._out_cond.notify_all()
+        self._closed = True
+        self._calls.close()
         try:
             self._unary("Detach", worker_pb2.DetachRequest(worker_id=self.worker_id))
         except KVPushError as e:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .errors import DaemonUnavailable, KVPushError
+
+__all__ = ["DaemonUnavailable", "KVPushError"]  # kept here for older imports
+
 
 class Role(enum.IntEnum):
     PRODUCER = 1  # prefill
@@ -78,16 +82,3 @@ class Completion:
     @property
     def ok(self) -> bool:
         return self.kind is not CompletionKind.FAILED
-
-
-class KVPushError(Exception):
-    """A daemon call failed; ``code`` is the gRPC status name (e.g. "INVALID_ARGUMENT")."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class DaemonUnavailable(KVPushError):
-    """The daemon cannot be reached (not running, restarting, wrong socket)."""

@@ -19,6 +19,7 @@ class FailureCode(enum.IntEnum):
     WORKER_GONE = 7
     SUPERSEDED = 8
     SHUTDOWN = 9
+    REFUSED = 10  # client side only: a queued call the daemon refused
 
 
 class TransferMode(enum.IntEnum):

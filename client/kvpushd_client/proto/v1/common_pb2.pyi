@@ -92,6 +92,8 @@ class _FailureCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FailureCo
     """a newer registration for the same transfer replaced this one"""
     FAILURE_SHUTDOWN: _FailureCode.ValueType  # 9
     """the daemon is stopping"""
+    FAILURE_REFUSED: _FailureCode.ValueType  # 10
+    """client side only: a queued call the daemon refused (status in the reason)"""
 
 class FailureCode(_FailureCode, metaclass=_FailureCodeEnumTypeWrapper):
     """Reason codes of a failed transfer, for machines; the text is for people."""
@@ -115,6 +117,8 @@ FAILURE_SUPERSEDED: FailureCode.ValueType  # 8
 """a newer registration for the same transfer replaced this one"""
 FAILURE_SHUTDOWN: FailureCode.ValueType  # 9
 """the daemon is stopping"""
+FAILURE_REFUSED: FailureCode.ValueType  # 10
+"""client side only: a queued call the daemon refused (status in the reason)"""
 Global___FailureCode: _TypeAlias = FailureCode  # noqa: Y015
 
 class _TransferMode:

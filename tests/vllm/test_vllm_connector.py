@@ -3,7 +3,7 @@
 Runs with the vLLM venv (``bash scripts/vllm_venv.sh``; ``make test`` does both)::
 
     KVPUSHD_PYTHON=.venv/bin/python .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
-        tests/test_vllm_connector.py
+        tests/vllm/test_vllm_connector.py
 
 Daemons run under ``KVPUSHD_PYTHON`` (the vLLM venv has no nixl). Under an interpreter without vLLM
 the module is skipped; the clean-venv install check runs in the vLLM run only, so once per make test.
@@ -28,17 +28,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-pytest.importorskip("vllm", reason="needs vLLM 0.33.0: run with the venv scripts/vllm_venv.sh builds")
+# vllm.distributed, not vllm: in a venv without vLLM, this directory (tests/vllm) would pass for a
+# namespace package named vllm.
+pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the venv scripts/vllm_venv.sh builds")
 
 import torch
 import vllm_support as vs
-from kvpushd_client import vllm_connector
-from kvpushd_client.vllm_connector import (
+from kvpushd_client.vllm import worker as vllm_worker
+from kvpushd_client.vllm.connector import KVPushdConnector
+from kvpushd_client.vllm.layout import describe_kv_caches
+from kvpushd_client.vllm.metadata import (
+    COMPAT_HASH,
+    COMPAT_HASH_KEY,
     ExpectReq,
-    KVPushdConnector,
     KVPushdConnectorMetadata,
     PublishReq,
-    describe_kv_caches,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -157,6 +161,7 @@ def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple
     assert params["remote_engine_id"] == P_ENGINE and params["tp_size"] == 1 and params["pp_size"] == 1
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "push"
     assert params["transfer_id"] == f"cmpl-{x}-0"
+    assert params[COMPAT_HASH_KEY] == COMPAT_HASH
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert rid in s.requests and vs.num_free_blocks(s) == start_free - len(blocks)  # held
     assert s.has_requests() and s.connector.has_pending_push_work()
@@ -223,6 +228,25 @@ def test_bad_remote_params_fall_back_to_local_prefill(model_dir: Path) -> None:
     assert not so.kv_connector_metadata.expects
 
 
+def test_other_wire_format_falls_back_to_local_prefill(model_dir: Path) -> None:
+    """A prefill connector with another compatibility hash: prefilled here; none at all: as before."""
+    cfg = vs.make_vllm_config(model_dir, "kv_consumer", D_ENGINE, "/nonexistent/kvpushd.sock")
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    x, y = x_request_id(), x_request_id()
+    other = vs.decode_params(P_ENGINE, "10.0.0.1:7700", x)
+    other[COMPAT_HASH_KEY] = "0" * 16
+    older = vs.decode_params(P_ENGINE, "10.0.0.1:7700", y)
+    older.pop(COMPAT_HASH_KEY, None)
+    r1 = vs.create_request(engine_request_id(x), 40, 1, other, 16)
+    r2 = vs.create_request(engine_request_id(y), 40, 1, older, 16)
+    s.add_request(r1)
+    s.add_request(r2)
+    so = s.schedule()
+    assert r1.status == RequestStatus.RUNNING and so.num_scheduled_tokens[r1.request_id] == 40
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [e.req_id for e in so.kv_connector_metadata.expects] == [r2.request_id]
+
+
 # ------------------------------------------------------------------------------------------------
 # Worker side against live daemons
 
@@ -248,7 +272,7 @@ class Engine:
                 else:
                     t.fill_(POISON)
             # Each worker finds its rank in vLLM's TP group; there is none in this process.
-            with mock.patch.object(vllm_connector, "_tp_rank_and_size", return_value=(rank, tp)):
+            with mock.patch.object(vllm_worker, "_tp_rank_and_size", return_value=(rank, tp)):
                 conn = KVPushdConnector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
             conn.register_kv_caches(kv)
             self.ranks.append((conn, kv))

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_vllm_connector.py: daemons started with the daemon venv's interpreter and
+"""Helpers for tests/vllm/test_vllm_connector.py: daemons started with the daemon venv's interpreter and
 vLLM 0.33.0 objects (config, scheduler, requests, model-runner outputs) built without weights.
 
 The vLLM venv has no nixl/uvloop/structlog, so daemons run under ``KVPUSHD_PYTHON`` (default: this
@@ -22,7 +22,7 @@ from typing import Any
 
 from kvpushd_client import KVPushClient
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KVPUSHD_PYTHON = os.environ.get("KVPUSHD_PYTHON") or sys.executable
 EOS_TOKEN_ID = 2
 CONNECTOR_MODULE = "kvpushd_client.vllm_connector"

@@ -1,0 +1,160 @@
+"""vLLM 0.33.0 KV connector (push mode) whose transfers run in the kvpushd daemon of each node.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPushdConnector",
+                           "kv_connector_module_path": "kvpushd_client.vllm_connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"kvpushd_socket": "/run/kvpushd/worker.sock"}}'
+
+(``kvpushd_client.vllm.connector`` is the same class.) It is a drop-in for vLLM's
+``NixlPushConnector``: the same proxy (``disagg_proxy_pushconnector_demo.py``), the same request flow
+and the same ``kv_transfer_params`` (``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``,
+``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``, ``remote_request_id``; prefill answers with
+``transfer_mode="push"``). Only ``remote_host``/``remote_port`` now name the prefill node's *daemon*
+(its peer API, e.g. port 7700) instead of the NIXL side channel.
+
+This class is a thin facade: the scheduler side (``scheduler.py``) decides what to expect, publish
+and abort and ships it to the workers in the connector metadata (``metadata.py``); the worker side
+(``worker.py``) hands the daemon its KV memory once, then per request only block ids.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from ..types import Role
+from .layout import describe_kv_caches
+from .metadata import (
+    AbortReq,
+    ExpectReq,
+    KVPushdConnectorMetadata,
+    PublishReq,
+    base_request_id,
+    daemon_engine_id,
+    transfer_id_for,
+)
+from .scheduler import KVPushdConnectorScheduler
+from .utils import Settings
+from .worker import KVPushdConnectorWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# The package's logger (utils.logger) with vLLM's helpers added.
+logger = init_logger("vllm.kvpushd_connector")
+
+
+_ROLES = {"kv_producer": Role.PRODUCER, "kv_consumer": Role.CONSUMER, "kv_both": Role.BOTH, None: Role.BOTH}
+
+
+class KVPushdConnector(KVConnectorBase_V1):
+    """Push-mode P/D connector whose transfers the node's kvpushd daemon carries out."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvt = self._kv_transfer_config
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise NotImplementedError("KVPushdConnector supports pipeline_parallel_size=1 only")
+        if getattr(pc, "decode_context_parallel_size", 1) > 1:
+            raise NotImplementedError("KVPushdConnector does not support decode context parallelism")
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            raise NotImplementedError(
+                "KVPushdConnector needs one KV cache group (block ids index every layer alike); this model "
+                f"has {len(kv_cache_config.kv_cache_groups)}")
+        assert kvt is not None and kvt.engine_id is not None
+        self.engine_id = daemon_engine_id(kvt.engine_id)
+        self.settings = Settings.from_extra_config(dict(kvt.kv_connector_extra_config or {}))
+        self._sched: KVPushdConnectorScheduler | None = None
+        self._worker: KVPushdConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = KVPushdConnectorScheduler(vllm_config, self.engine_id, self.settings)
+        else:
+            self._worker = KVPushdConnectorWorker(vllm_config, kv_cache_config, self.engine_id, _ROLES[kvt.kv_role],
+                                       self.settings)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: the daemon holds CUDA IPC mappings of the KV, which sleep mode would unmap."""
+        return False
+
+    # scheduler side ------------------------------------------------------------------------------
+    @property
+    def scheduler_side(self) -> KVPushdConnectorScheduler:
+        assert self._sched is not None, "scheduler-side method called on a worker connector"
+        return self._sched
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_push_work()
+
+    # worker side ---------------------------------------------------------------------------------
+    @property
+    def worker_side(self) -> KVPushdConnectorWorker:
+        assert self._worker is not None, "worker-side method called on a scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_side.process(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # the KV of a waiting request is complete before vLLM schedules it
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # nothing per layer: finished requests are published as a whole
+
+    def wait_for_save(self) -> None:
+        self.worker_side.process(self._connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        w = self.worker_side
+        w.process(self._connector_metadata)
+        return w.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+__all__ = [
+    "AbortReq", "ExpectReq", "KVPushdConnector", "KVPushdConnectorMetadata", "KVPushdConnectorScheduler",
+    "KVPushdConnectorWorker", "PublishReq", "Settings", "base_request_id", "describe_kv_caches",
+    "transfer_id_for",
+]

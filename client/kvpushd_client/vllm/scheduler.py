@@ -1,0 +1,151 @@
+"""Scheduler side (engine core process): decides what to expect, publish and abort, and ships it to
+the workers in the connector metadata. Makes no daemon call per request (only one status call, once,
+for the address prefill advertises). Imports vLLM only for type checking and one enum at run time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..client import KVPushClient
+from ..types import KVPushError
+from .metadata import (
+    COMPAT_HASH,
+    COMPAT_HASH_KEY,
+    AbortReq,
+    ExpectReq,
+    KVPushdConnectorMetadata,
+    PublishReq,
+    daemon_engine_id,
+    producer_address,
+    remote_params_problem,
+    transfer_id_for,
+    transfer_mode_of,
+)
+from .utils import Settings, logger, split_host_port
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+
+class KVPushdConnectorScheduler:
+    """The scheduler-side half of KVPushdConnector (one per engine)."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+        pc = vllm_config.parallel_config
+        self.engine_id = engine_id
+        self.settings = settings
+        self.tp_size = pc.tensor_parallel_size
+        self.pp_size = pc.pipeline_parallel_size
+        self.dcp_size = getattr(pc, "decode_context_parallel_size", 1)
+        self._expects: list[ExpectReq] = []
+        self._publishes: list[PublishReq] = []
+        self._aborts: list[AbortReq] = []
+        self._recving: dict[str, str] = {}  # decode: req id -> transfer id, until finished_recving
+        self._sending: dict[str, str] = {}  # prefill: req id -> transfer id, until finished_sending
+        self._peer: tuple[str, int] | None = split_host_port(settings.peer_address) if settings.peer_address \
+            else None
+        self._peer_next_try = 0.0
+
+    # decode side ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        problem = remote_params_problem(params)
+        if problem is not None:
+            logger.error("kvpushd: request %s asks for a remote prefill but %s; prefilling it here instead",
+                         request.request_id, problem)
+            params["do_remote_prefill"] = False
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return  # also the second call, after the KV arrived: the flag is cleared below
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return
+        groups = blocks.get_unhashed_block_ids_all_groups()
+        block_ids = tuple(groups[0]) if groups else ()  # empty: the worker reports it done at once
+        tid = transfer_id_for(request.request_id, params)
+        self._expects.append(ExpectReq(
+            request.request_id, tid, block_ids, producer_address(params),
+            daemon_engine_id(str(params["remote_engine_id"])), int(params.get("tp_size") or 1),
+            transfer_mode_of(params)))
+        self._recving[request.request_id] = tid
+
+    # both sides ----------------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        tid = self._recving.get(rid)
+        if tid is not None:
+            # Decode request finished (aborted) before its KV arrived. vLLM keeps its blocks until
+            # the workers report finished_recving; they abort the transfer on both nodes first.
+            self._aborts.append(AbortReq(rid, tid))
+            return False, None
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed prefill: nothing to push; decode times out
+        blocks = tuple(block_ids)
+        if blocks:
+            tid = transfer_id_for(rid, params)
+            self._publishes.append(PublishReq(rid, tid, blocks))
+            self._sending[rid] = tid
+        host, port = self._advertised_address()
+        return bool(blocks), {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(blocks),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": self.tp_size,
+            "dcp_size": self.dcp_size,
+            "pp_size": self.pp_size,
+            "remote_num_tokens": request.num_computed_tokens,
+            "transfer_mode": transfer_mode_of(params),
+            "transfer_id": transfer_id_for(rid, params),
+            COMPAT_HASH_KEY: COMPAT_HASH,
+        }
+
+    def _advertised_address(self) -> tuple[str | None, int | None]:
+        """This node's daemon peer address (asked once; what decode uses as remote_host/port)."""
+        if self._peer is None and time.monotonic() >= self._peer_next_try:
+            try:
+                with KVPushClient(self.settings.socket, timeout_s=1.0) as c:
+                    self._peer = split_host_port(c.status().peer_address)
+            except (KVPushError, ValueError) as e:
+                self._peer_next_try = time.monotonic() + 30.0
+                logger.error("kvpushd: cannot ask the daemon at %s for its peer address (%s); prefill "
+                             "responses carry no remote_host/remote_port", self.settings.socket, e)
+        return self._peer if self._peer is not None else (None, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushdConnectorMetadata:
+        meta = KVPushdConnectorMetadata(self._expects, self._publishes, self._aborts)
+        self._expects, self._publishes, self._aborts = [], [], []
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._sending.pop(rid, None)
+        for rid in connector_output.finished_recving or ():
+            self._recving.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while blocks wait to be pushed (their free comes from a worker)."""
+        return bool(self._sending or self._expects or self._publishes or self._aborts)
+

@@ -1,0 +1,51 @@
+"""What every part of the connector shares: its logger and its settings (no vLLM import)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# Under "vllm." so vLLM's handlers and VLLM_LOGGING_LEVEL apply (connector.py adds vLLM's helpers
+# to this same logger with init_logger once vLLM loads the connector).
+logger = logging.getLogger("vllm.kvpushd_connector")
+
+DEFAULT_SOCKET = "/run/kvpushd/worker.sock"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` keys, validated once."""
+
+    socket: str = DEFAULT_SOCKET
+    connect_timeout_s: float = 30.0   # register_kv_caches waits this long for the daemon
+    rpc_timeout_s: float = 10.0
+    reconnect_interval_s: float = 0.5
+    host_kv_to_shm: bool = False      # move private host KV into POSIX shm at start (one copy)
+    peer_address: str | None = None   # what prefill advertises as remote_host:remote_port
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> Settings:
+        def num(key: str, default: float) -> float:
+            v = float(extra.get(key, default))
+            if v <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} must be positive, got {v}")
+            return v
+
+        peer = extra.get("kvpushd_peer_address")
+        if peer is not None:
+            split_host_port(str(peer))
+        return cls(
+            socket=str(extra.get("kvpushd_socket") or os.environ.get("KVPUSHD_SOCKET") or DEFAULT_SOCKET),
+            connect_timeout_s=num("kvpushd_connect_timeout_s", cls.connect_timeout_s),
+            rpc_timeout_s=num("kvpushd_rpc_timeout_s", cls.rpc_timeout_s),
+            reconnect_interval_s=num("kvpushd_reconnect_interval_s", cls.reconnect_interval_s),
+            host_kv_to_shm=bool(extra.get("kvpushd_host_kv_to_shm", False)),
+            peer_address=str(peer) if peer is not None else None,
+        )

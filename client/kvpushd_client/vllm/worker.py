@@ -1,0 +1,235 @@
+"""Worker side (one per TP rank): hands the daemon this worker's KV memory once, then per request only
+block ids; reports finished sends and receives to vLLM. Daemon calls run on a background thread: the
+engine thread only queues them and reads completions the session stream already delivered, so a step
+never waits on a gRPC call, let alone on a transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..calls import Call
+from ..reconnect import ReconnectingWorker
+from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role
+from .layout import describe_kv_caches
+from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
+from .utils import Settings, logger
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One request's transfer on this worker, from metadata to its one report."""
+
+    recv: bool
+    req: ExpectReq | PublishReq
+    op: Call | None = None  # the Expect or Publish
+    aborted: bool = False
+    done: bool = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side: request bookkeeping
+
+
+class KVPushdConnectorWorker:
+    """The worker-side half of KVPushdConnector (one per TP rank)."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, engine_id: str,
+                 role: Role, settings: Settings) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.role = role
+        self.num_blocks = kv_cache_config.num_blocks
+        self.tp_rank, self.tp_size = _tp_rank_and_size(vllm_config)
+        self._link: ReconnectingWorker | None = None
+        self._recv: dict[str, _Pending] = {}          # req id -> pending receive
+        self._send: dict[str, _Pending] = {}          # req id -> pending send
+        self._recv_by_tid: dict[str, _Pending] = {}
+        self._send_by_tid: dict[str, _Pending] = {}
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._meta_done: KVConnectorMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm)
+        logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
+                    len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
+        link = ReconnectingWorker(self.settings.socket, {
+            "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+            "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}"},
+            rpc_timeout_s=self.settings.rpc_timeout_s, reconnect_interval_s=self.settings.reconnect_interval_s,
+            logger=logger)
+        try:
+            link.start(self.settings.connect_timeout_s)
+        except DaemonUnavailable as e:
+            raise RuntimeError(
+                f"kvpushd: no daemon answers on {self.settings.socket} after "
+                f"{self.settings.connect_timeout_s:g}s ({e}); start kvpushd on this node or set "
+                "kv_connector_extra_config.kvpushd_socket") from None
+        except KVPushError as e:
+            raise RuntimeError(f"kvpushd: the daemon on {self.settings.socket} refused this worker's "
+                               f"KV memory: {e}") from None
+        self._link = link
+
+    @property
+    def link(self) -> ReconnectingWorker:
+        if self._link is None:
+            raise RuntimeError("kvpushd: register_kv_caches() has not run on this worker")
+        return self._link
+
+    # metadata ------------------------------------------------------------------------------------
+    def process(self, meta: KVConnectorMetadata | None) -> None:
+        """Queue this step's daemon calls (once per metadata; called from several hooks)."""
+        if meta is None or meta is self._meta_done or not isinstance(meta, KVPushdConnectorMetadata):
+            return
+        self._meta_done = meta
+        for e in meta.expects:
+            self._start(True, e, self._recv, self._recv_by_tid)
+        for p in meta.publishes:
+            self._start(False, p, self._send, self._send_by_tid)
+        for a in meta.aborts:
+            pend = self._recv.get(a.req_id)
+            if pend is None or pend.aborted:
+                continue  # already reported
+            pend.aborted = True
+            assert pend.op is not None
+            if self.link.cancel(pend.op):
+                self._finish(pend, ok=True, why="aborted before the daemon saw it")
+            elif pend.op.epoch is not None:
+                self._link_abort(pend, pend.op.epoch)
+
+    def _start(self, recv: bool, req: ExpectReq | PublishReq, by_req: dict[str, _Pending],
+               by_tid: dict[str, _Pending]) -> None:
+        pend = _Pending(recv, req)
+        if not req.block_ids:
+            self._finish(pend, ok=True, tracked=False)  # nothing to move (vLLM allocated no new block)
+            return
+        if req.req_id in by_req:
+            logger.error("kvpushd: request %s was handed to this worker twice; ignoring the repeat", req.req_id)
+            return
+        if req.transfer_id in by_tid:
+            self._finish(pend, ok=False, why=f"transfer id {req.transfer_id!r} is already in use on this worker",
+                         tracked=False)
+            return
+        by_req[req.req_id] = pend
+        by_tid[req.transfer_id] = pend
+        if isinstance(req, ExpectReq):
+            pend.op = self.link.expect_nowait(req.transfer_id, req.block_ids, req.producer_address,
+                                              req.producer_engine_id, req.producer_tp_size,
+                                              transfer_mode=req.transfer_mode, tag=pend)
+        else:
+            pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend)
+
+    # results -------------------------------------------------------------------------------------
+    def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True) -> None:
+        if pend.done:
+            return
+        pend.done = True
+        req = pend.req
+        if tracked:
+            (self._recv if pend.recv else self._send).pop(req.req_id, None)
+            (self._recv_by_tid if pend.recv else self._send_by_tid).pop(req.transfer_id, None)
+        if pend.recv:
+            self._done_recving.add(req.req_id)
+            if not ok and not pend.aborted:
+                self._load_errors.update(req.block_ids)
+                logger.error("kvpushd: KV for request %s (transfer %s) did not arrive: %s; vLLM's "
+                             "kv_load_failure_policy applies", req.req_id, req.transfer_id, why)
+        else:
+            self._done_sending.add(req.req_id)
+            if not ok:
+                logger.error("kvpushd: pushing the KV of request %s (transfer %s) failed: %s; its blocks "
+                             "are freed and the decode side will not get them", req.req_id, req.transfer_id, why)
+
+    def _on_completion(self, epoch: int, c: Completion) -> None:
+        r, s = self._recv_by_tid.get(c.transfer_id), self._send_by_tid.get(c.transfer_id)
+        if c.kind is CompletionKind.FINISHED_RECEIVING:
+            cands = [r]
+        elif c.kind is CompletionKind.FINISHED_SENDING:
+            cands = [s]
+        elif r is not None and s is not None:  # both directions on a kv_both worker: match the blocks
+            cands = [r] if tuple(c.block_ids) == r.req.block_ids else [s]
+        else:
+            cands = [r, s]
+        for pend in cands:
+            if pend is not None and pend.op is not None and pend.op.epoch == epoch:
+                if c.ok:
+                    self._finish(pend, ok=True)
+                elif c.code == "ABORTED" and not pend.recv:
+                    logger.warning("kvpushd: push of request %s cancelled: %s", pend.req.req_id, c.reason)
+                    self._finish(pend, ok=True)
+                else:
+                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}")
+                return
+
+    def _on_lost(self, epoch: int, reason: str) -> None:
+        victims = [p for p in itertools.chain(self._recv.values(), self._send.values())
+                   if p.op is not None and p.op.epoch is not None and p.op.epoch <= epoch]
+        logger.error("kvpushd: lost the daemon at %s (%s); failing %d transfer(s) in flight and re-attaching",
+                     self.settings.socket, reason, len(victims))
+        for p in victims:
+            self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})")
+
+    def _poll(self) -> None:
+        if self._link is None:
+            return
+        for ev in self._link.poll():
+            if ev.kind == "completion":
+                assert ev.epoch is not None and ev.completion is not None
+                self._on_completion(ev.epoch, ev.completion)
+            elif ev.kind == "lost":
+                assert ev.epoch is not None
+                self._on_lost(ev.epoch, ev.reason)
+            elif ev.kind == "refused":
+                # A call that did not go through (an unsure one was followed by an abort on the
+                # same attachment, in the client library).
+                call = ev.call
+                assert call is not None and ev.completion is not None
+                pend = call.tag
+                assert isinstance(pend, _Pending)
+                if pend.op is call or call.method == "Abort":
+                    why = ev.error if ev.error is not None else ev.completion.reason
+                    self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}")
+
+    def _link_abort(self, pend: _Pending, epoch: int) -> None:
+        self.link.abort_nowait(pend.req.transfer_id, only_epoch=epoch, tag=pend)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Sends exist only for requests vLLM already finished (request_finished published them), so
+        # every id reported here is one vLLM handed in finished_req_ids.
+        self._poll()
+        sending, recving = self._done_sending, self._done_recving
+        self._done_sending, self._done_recving = set(), set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._link is not None:
+            self._link.close()
+
+
+def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
+    pc = vllm_config.parallel_config
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        g = get_tp_group()
+        return int(g.rank_in_group), int(g.world_size)
+    except (AssertionError, ImportError, AttributeError):
+        if pc.tensor_parallel_size != 1:
+            raise RuntimeError("kvpushd: the tensor-parallel group is not initialised in this worker") from None
+        return 0, 1
+
