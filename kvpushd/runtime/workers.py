@@ -108,7 +108,9 @@ class Workers:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
         for w in self.by_id.values():
-            if (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
+            # A worker that is gone (its detach waits for WRITEs from its memory to settle) does
+            # not hold its place: its engine may attach again at once.
+            if not w.gone and (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
                 raise AlreadyExists(
                     f"engine {engine_id!r} TP rank {tp_rank} PP rank {pp_rank} is already attached "
                     f"as worker {w.worker_id}; detach it (or end its session) first")
