@@ -207,7 +207,7 @@ class EventHub:
             try:
                 fn(ev)
             except Exception:  # a listener's bug must not break the transfer path
-                log.exception("event listener failed", event=ev.kind.name, transfer_id=ev.transfer_id,
+                log.exception("event listener failed", event_kind=ev.kind.name, transfer_id=ev.transfer_id,
                               engine_id=ev.engine_id)
         for sub in self._subs:
             if not sub.kinds or ev.kind in sub.kinds:

@@ -128,7 +128,7 @@ class Executor:
             elif isinstance(a, Dropped):
                 self.counters.late_events += 1
                 self.observer.dropped(a.event)
-                log.debug("late event dropped", event=a.event, transfer_id=a.transfer_id, why=a.why)
+                log.debug("late event dropped", late_event=a.event, transfer_id=a.transfer_id, why=a.why)
         if self.xfer is not None:
             self.xfer.set_pulling(self.send.pulling())
             self.xfer.set_expecting(len(self.recv) + self._withdrawing)
