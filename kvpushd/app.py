@@ -57,13 +57,15 @@ class Daemon:
         self.node.start(asyncio.get_running_loop())
         opts = [("grpc.max_receive_message_length", cfg.peer_api.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.peer_api.max_message_bytes)]
+        local_opts = [("grpc.max_receive_message_length", cfg.worker_api.max_message_bytes),
+                      ("grpc.max_send_message_length", cfg.worker_api.max_message_bytes)]
         sock = Path(cfg.socket_path)
         sock.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         if sock.exists() or sock.is_symlink():
             if not stat.S_ISSOCK(sock.lstat().st_mode):
                 raise FailedPrecondition(f"{sock} exists and is not a socket")
             sock.unlink()  # a stale socket from a previous run
-        self.local_server = grpc.aio.server(options=opts)
+        self.local_server = grpc.aio.server(options=local_opts)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.node), self.local_server)
         status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node.view), self.local_server)
         local_services = [_service(worker_pb2, "WorkerService"), _service(status_pb2, "StatusService")]

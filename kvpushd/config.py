@@ -53,6 +53,8 @@ class WorkerApiConfig:
     max_blocks_per_request: int = 1 << 20
     max_attach_descriptors: int = 1 << 23  # regions x blocks of one worker (NIXL descriptors it needs)
     session_grace_s: float = 30.0  # an attached worker that never opens its session is reaped
+    # the local socket's own message limit: an Expect of max_blocks_per_request ids is ~3 MiB
+    max_message_bytes: int = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class PeerApiConfig:
     connect_timeout_s: float = 5.0
     rpc_timeout_s: float = 10.0
     max_message_bytes: int = 64 << 20
+    # what one decode daemon may hold here: Registers per second (a token bucket, burst of one
+    # second's worth), registrations pending, destination blocks those cover
+    max_registers_per_s: float = 20000.0
+    max_registrations_per_peer: int = 65536
+    max_blocks_per_peer: int = 1 << 24
     # mutual TLS (grpcio's own credentials): all three paths or none
     tls_cert: str = ""  # PEM certificate chain this daemon presents, as server and as client
     tls_key: str = ""  # PEM private key of tls_cert
@@ -86,6 +93,7 @@ class TransferConfig:
     nixl_threads: int = 0
     max_pending: int = 100_000
     drain_timeout_s: float = 30.0
+    write_timeout_s: float = 60.0  # a WRITE or READ in flight longer than this is cancelled (both sides fail)
     heartbeat_interval_s: float = 1.0  # decode -> prefill daemons, while transfers are pending
     peer_timeout_s: float = 10.0  # a peer silent this long has everything pending with it failed
 
@@ -246,9 +254,16 @@ def validate(cfg: Config) -> None:
             raise InvalidArgument(f"config: [transfer.device_params.{dev}]: devices are \"host\" or \"gpu<N>\" "
                                   "(the CUDA device index of the worker's KV)")
     for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s",
-                 "heartbeat_interval_s", "peer_timeout_s"):
+                 "heartbeat_interval_s", "peer_timeout_s", "write_timeout_s"):
         if getattr(t, name) <= 0:
             raise InvalidArgument(f"config: transfer.{name} must be positive")
+    for where, v in (("peer_api.max_registers_per_s", cfg.peer_api.max_registers_per_s),
+                     ("peer_api.max_registrations_per_peer", cfg.peer_api.max_registrations_per_peer),
+                     ("peer_api.max_blocks_per_peer", cfg.peer_api.max_blocks_per_peer),
+                     ("peer_api.max_message_bytes", cfg.peer_api.max_message_bytes),
+                     ("worker_api.max_message_bytes", cfg.worker_api.max_message_bytes)):
+        if v <= 0:
+            raise InvalidArgument(f"config: {where} must be positive")
     validate_peer_security(cfg.peer_api)
     if not 0 <= cfg.worker_api.socket_mode <= 0o777:
         raise InvalidArgument("config: worker_api.socket_mode must be permission bits (0..511)")

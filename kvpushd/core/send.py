@@ -366,6 +366,16 @@ class SendSide:
             actions += self._settle(t)
         return actions
 
+    def give_up(self, reason: str) -> list[Action]:
+        """The daemon stops past its drain bound: every leg still in flight (a WRITE that was
+        cancelled, a READ never confirmed) ends in failure, so every publish gets its completion."""
+        actions: list[Action] = []
+        for t in list(self._transfers.values()):
+            for pub in list(t.publishes.values()):
+                for rid in [r for r, st in pub.legs.items() if st is LegState.POSTED]:
+                    actions += self.write_done(LegKey(t.engine_id, t.transfer_id, pub.rank, rid), False, reason)
+        return actions
+
     def tick(self, now: float) -> list[Action]:
         """Expire publishes and registrations whose deadline passed without progress."""
         self._now = max(self._now, now)

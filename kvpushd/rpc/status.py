@@ -19,6 +19,8 @@ from ..transfer.descs import RegionSpec
 from .errors import stream, unary
 
 Ctx = Any
+MAX_TRANSFERS = 1000  # entries of a GetStatus answer: it stays well below gRPC's default 4 MiB
+MAX_PEERS = 256
 
 
 def node_status(v: View) -> status_pb2.NodeStatus:
@@ -50,7 +52,11 @@ def node_status(v: View) -> status_pb2.NodeStatus:
             memory_kind=w.mem_type, num_regions=len(w.regions), registered_bytes=w.registered_bytes,
             attached_s=now - w.attached_at, description=w.description, regions=region_summary(w.regions),
             pending_transfers=pending[w.worker_id], backends=agent_backends(v, w.worker_id)))
-    st.peers.extend(peer_status(v, wall))
+    peers = peer_status(v, wall)
+    if len(peers) > MAX_PEERS:  # the ones heard from most recently
+        peers = sorted(peers, key=lambda p: -p.last_contact_unix)
+    st.peers.extend(peers[:MAX_PEERS])
+    st.peers_omitted = max(0, len(peers) - MAX_PEERS)
     for s in v.send_transfers():
         peer = next((t.peer for wid in s.workers if (t := ev.open.get((wid, s.transfer_id))) and t.peer), "")
         st.transfers.append(status_pb2.TransferStatus(
@@ -63,6 +69,11 @@ def node_status(v: View) -> status_pb2.NodeStatus:
             transfer_id=r.transfer_id, side="recv", state=r.state, age_s=r.age_s, waiting_for=r.waiting_for,
             worker_id=r.worker_id, num_blocks=r.num_blocks, engine_id=rw.engine_id if rw else "",
             peer=r.producer_address, registration_id=r.registration_id, mode=r.mode))
+    if len(st.transfers) > MAX_TRANSFERS:  # the oldest first: those are the ones to look at
+        keep = sorted(st.transfers, key=lambda t: -t.age_s)[:MAX_TRANSFERS]
+        st.transfers_omitted = len(st.transfers) - MAX_TRANSFERS
+        del st.transfers[:]
+        st.transfers.extend(keep)
     for t_unix, tid, text in v.recent_failures():
         st.recent_failures.append(status_pb2.FailureRecord(time_unix=t_unix, age_s=max(wall - t_unix, 0.0),
                                                            transfer_id=tid, reason=text))

@@ -57,6 +57,7 @@ class Counters:
     reads_posted: int = 0  # pull mode: READs this (decode) daemon posted that completed
     bytes_read: int = 0
     late_events: int = 0   # events the core dropped on purpose (late or repeated)
+    peer_calls_refused: int = 0  # peer calls refused by a limit or a registration held by another daemon
 
 
 class Executor:
@@ -96,7 +97,8 @@ class Executor:
                                    poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads,
                                    params_for=lambda b, dev: backend_init_params(t, b, dev),
                                    param_devices=tuple(t.device_params),
-                                   on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs)
+                                   on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs,
+                                   write_timeout_s=t.write_timeout_s)
         self.xfer.start()
         return self.xfer
 

@@ -40,6 +40,20 @@ class Origin:
     address: str
     token: str = ""  # secret of this session (HandshakeResponse.session_token)
     last_seen: float = field(default_factory=time.monotonic)
+    tokens: float = -1.0  # Register rate limit: a token bucket (-1: full at the first call)
+    refilled: float = field(default_factory=time.monotonic)
+    refused: int = 0  # calls refused by a limit (rate, quota, replacement of another's registration)
+
+    def take(self, rate: float) -> bool:
+        """One Register's token; a burst of one second's worth, refilled at ``rate`` per second."""
+        now = time.monotonic()
+        burst = max(1.0, rate)
+        self.tokens = burst if self.tokens < 0 else min(burst, self.tokens + (now - self.refilled) * rate)
+        self.refilled = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from ..events import EventHub, EventKind
 from ..transfer.descs import RemoteAgent
 from .executor import Executor
 from .identity import Identity
-from .inbound import Inbound
+from .inbound import Inbound, Origin
 from .outbound import Outbound
 from .peerbook import PeerBook
 from .view import View
@@ -86,15 +86,26 @@ class Node:
                 log.exception("housekeeping failed")
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop taking new transfers; wait (bounded) for what is in flight; release all memory."""
+        """Stop taking new transfers; wait for what is in flight, bounded by ``timeout_s`` whatever
+        the peers do; every Publish and Expect still gets its one completion; release all memory."""
         self.draining = True
         ex = self.executor
         why = f"daemon {self.ident.node_id} is shutting down"
         ex.run(ex.send.shutdown(why) + ex.recv.shutdown(why))
-        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        grace = min(1.0, timeout_s / 4)  # kept for cancelling what is still in flight at the end
         # What is left are WRITEs in flight (and notices to peers): let them finish, bounded.
-        while (len(ex.send) or ex.tasks) and time.monotonic() < deadline:
+        while (len(ex.send) or ex.tasks) and loop.time() < deadline - grace:
             await asyncio.sleep(0.02)
+        if len(ex.send) and ex.xfer is not None:
+            log.warning("drain bound reached: cancelling transfers in flight", pending=len(ex.send))
+            ex.xfer.cancel_inflight(f"{why}: drain_timeout_s = {timeout_s:g}s passed")
+            while len(ex.send) and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+        ex.run(ex.send.give_up(f"{why}: drain_timeout_s = {timeout_s:g}s passed"))  # legs nothing confirms
+        for task in list(ex.tasks):  # peer calls that hang on a stalled peer
+            task.cancel()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
         ex.stop_timer()
@@ -102,7 +113,7 @@ class Node:
             await self.detach(wid, "daemon shutting down")
         await self.outbound.close()
         if ex.xfer is not None:
-            await asyncio.get_running_loop().run_in_executor(None, ex.xfer.stop)
+            await loop.run_in_executor(None, ex.xfer.stop)
 
     # -- worker API -----------------------------------------------------------------------------
 
@@ -197,6 +208,7 @@ class Node:
         self._not_draining()
         origin = self.inbound.caller(origin_id)
         check_transfer_id(transfer_id)
+        self._peer_limits(origin, len(block_ids))
         self.peerbook.contact(origin.address, inbound=True)
         self.events.remember(transfer_id, producer_engine_id)
         if self.workers.producer(producer_engine_id) is None:
@@ -212,8 +224,35 @@ class Node:
         reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
                            agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
                            TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions)
-        self.executor.run(self.executor.send.register(time.monotonic(), reg))
+        try:
+            actions = self.executor.send.register(time.monotonic(), reg)
+        except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
+            origin.refused += 1
+            self.executor.counters.peer_calls_refused += 1
+            log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
+                        transfer_id=transfer_id[:256], consumer_rank=consumer_rank, reason=str(e))
+            raise
+        self.executor.run(actions)
         return True
+
+    def _peer_limits(self, origin: Origin, n_blocks: int) -> None:
+        """What one decode daemon may ask of us: Registers per second, registrations and blocks held."""
+        pa = self.cfg.peer_api
+        regs, blocks = self.executor.send.held_by(origin.instance_id)
+        why = ""
+        if not origin.take(pa.max_registers_per_s):
+            why = f"more than {pa.max_registers_per_s:g} Registers per second (peer_api.max_registers_per_s)"
+        elif regs + 1 > pa.max_registrations_per_peer:
+            why = (f"{regs} registrations pending from this daemon; at most {pa.max_registrations_per_peer} "
+                   "(peer_api.max_registrations_per_peer)")
+        elif blocks + n_blocks > pa.max_blocks_per_peer:
+            why = (f"{blocks} destination blocks held for this daemon, {n_blocks} more asked; at most "
+                   f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
+        if why:
+            origin.refused += 1
+            self.executor.counters.peer_calls_refused += 1
+            log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
+            raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: {why}", peer=origin.address)
 
     async def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
                        reason: str) -> None:

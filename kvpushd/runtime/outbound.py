@@ -81,6 +81,8 @@ class PeerClient:
         self.last_beat = 0.0
         self.beating = False
         self.failed_at = 0.0  # loop time of the last failed handshake
+        self.created = asyncio.get_running_loop().time()
+        self.calls = 0  # calls under way: a peer in use is never idle
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
@@ -145,6 +147,13 @@ class PeerClient:
 
     async def _call(self, method: str, req: object) -> object:
         """Call after a handshake; re-handshake once if the remote forgot us (restart)."""
+        self.calls += 1
+        try:
+            return await self._call_once(method, req)
+        finally:
+            self.calls -= 1
+
+    async def _call_once(self, method: str, req: object) -> object:
         await self._handshake()
         timeout = self.cfg.rpc_timeout_s
         for attempt in (0, 1):
@@ -267,8 +276,8 @@ class Outbound:
         """Peers nothing waits on, unheard for ``idle_s``: removed here, for the caller to close."""
         out = []
         for address, p in list(self.peers.items()):
-            if (address not in waited_on and not p.beating and p.state != "handshaking"
-                    and loop_now - max(p.last_ok, p.since, p.failed_at) > idle_s):
+            if (address not in waited_on and not p.beating and not p.calls and p.state != "handshaking"
+                    and loop_now - max(p.last_ok, p.since, p.failed_at, p.created) > idle_s):
                 del self.peers[address]
                 out.append(p)
         return out

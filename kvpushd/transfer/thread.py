@@ -15,6 +15,7 @@ blocks are allocated in runs costs one descriptor per run and region.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -96,21 +97,18 @@ class _Local:
 
 @dataclass(slots=True)
 class _Inflight:
+    """One WRITE or READ posted and not yet seen complete (the same record for both)."""
+
     handle: Any
     local: _Local
-    result: WriteResult
+    result: WriteResult | ReadResult  # as it will be reported; ok/reason/xfer_s filled in at the end
     t_post: float
     remote: str = ""
     fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
 
-
-@dataclass(slots=True)
-class _ReadInflight:
-    handle: Any
-    local: _Local
-    result: ReadResult
-    t_post: float
-    remote: str = ""
+    @property
+    def what(self) -> str:
+        return "WRITE" if isinstance(self.result, WriteResult) else "READ"
 
 
 class TransferThread:
@@ -129,6 +127,7 @@ class TransferThread:
         param_devices: Sequence[str] = (),
         on_read_done: Callable[[list[ReadResult]], None] | None = None,
         on_read_notifications: Callable[[list[tuple[str, int, int]]], None] | None = None,
+        write_timeout_s: float = 60.0,
     ) -> None:
         self._loop = loop
         self._backends = list(backends)
@@ -139,6 +138,7 @@ class TransferThread:
         self._on_write_done = on_write_done
         self._on_notifications = on_notifications
         self._poll_s = poll_interval_s
+        self._write_timeout_s = write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
         self._idle_s = idle_wait_s
         self._nixl_threads = nixl_threads
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -155,7 +155,6 @@ class TransferThread:
         # READ notification on our producer agents (prefill side, set_pulling).
         self._on_read_done = on_read_done
         self._on_read_notifications = on_read_notifications
-        self._reads: list[_ReadInflight] = []
         self.pulling = 0
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
@@ -223,12 +222,10 @@ class TransferThread:
         deadline = time.monotonic() + timeout_s
 
         def shutdown() -> None:
-            while (self._inflight or self._reads) and time.monotonic() < deadline:
-                if self._inflight:
-                    self._poll_writes()
-                if self._reads:
-                    self._poll_reads()
+            while self._inflight and time.monotonic() < deadline:
+                self._poll_inflight()
                 time.sleep(0.001)
+            self._cancel_inflight("the daemon is stopping")
             for wid in list(self._locals):
                 self._release(wid)
 
@@ -310,7 +307,7 @@ class TransferThread:
 
     def _run(self) -> None:
         while True:
-            busy = bool(self._inflight) or bool(self._reads) or self.expecting > 0 or self.pulling > 0
+            busy = bool(self._inflight) or self.expecting > 0 or self.pulling > 0
             try:
                 cmd = self._q.get(timeout=self._poll_s if busy else self._idle_s)
             except queue.Empty:
@@ -328,9 +325,7 @@ class TransferThread:
                     cmd = _NOOP
             try:
                 if self._inflight:
-                    self._poll_writes()
-                if self._reads:
-                    self._poll_reads()
+                    self._poll_inflight()
                 if self.expecting > 0 or self.pulling > 0:
                     self._poll_notifs()
             except Exception:
@@ -390,7 +385,7 @@ class TransferThread:
     def forget_remote(self, name: str) -> None:
         """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
         def run() -> None:
-            if any(f.remote == name for f in self._inflight) or any(r.remote == name for r in self._reads):
+            if any(f.remote == name for f in self._inflight):
                 self._forget_later.add(name)  # retried once its WRITEs have settled
                 return
             self._forget_later.discard(name)
@@ -457,7 +452,7 @@ class TransferThread:
         loc.inflight += 1
         self._inflight.append(_Inflight(handle, loc, result(t_post), t_post, remote_name, fault))
         if state == "DONE":
-            self._poll_writes()
+            self._poll_inflight()
         return None
 
     def _load_remote(self, loc: _Local, remote: RemoteAgent) -> None:
@@ -537,43 +532,9 @@ class TransferThread:
             handle.release()
             return fail("NIXL returned ERR when posting the READ")
         loc.inflight += 1
-        self._reads.append(_ReadInflight(handle, loc, res, t_post, remote.name))
+        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name))
         if state == "DONE":
-            self._poll_reads()
-
-    def _poll_reads(self) -> None:
-        done: list[ReadResult] = []
-        keep: list[_ReadInflight] = []
-        for f in self._reads:
-            try:
-                state = f.local.agent.check_xfer_state(f.handle)
-            except Exception as e:  # e.g. the remote agent was invalidated mid-READ: that READ failed
-                log.warning("checking a READ failed", transfer_id=getattr(f.result.key, "transfer_id", ""),
-                            error=str(e))
-                state = "ERR"
-            if state == "PROC":
-                keep.append(f)
-                continue
-            now = time.perf_counter()
-            f.local.inflight -= 1
-            try:
-                f.handle.release()
-            except Exception:
-                log.warning("releasing a transfer handle failed", exc_info=True)
-            r = f.result
-            if state == "DONE":
-                done.append(ReadResult(r.key, True, "", r.nbytes, r.post_s, now - f.t_post,
-                                       r.descs_requested, r.descs_posted))
-            else:
-                done.append(ReadResult(r.key, False, "READ completed in error", 0, r.post_s,
-                                       now - f.t_post, r.descs_requested, r.descs_posted))
-        self._reads = keep
-        if done:
-            self._deliver_reads(done)
-            self._check_drained()
-            busy = {f.remote for f in self._inflight} | {r.remote for r in keep}
-            for name in [n for n in self._forget_later if n not in busy]:
-                self.forget_remote(name)
+            self._poll_inflight()
 
     def _deliver_reads(self, results: list[ReadResult]) -> None:
         if self._on_read_done is not None:
@@ -583,41 +544,87 @@ class TransferThread:
         if got and self._on_read_notifications is not None:
             self._loop.call_soon_threadsafe(self._on_read_notifications, got)
 
-    def _poll_writes(self) -> None:
-        done: list[WriteResult] = []
+    def _poll_inflight(self) -> None:
+        """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled."""
+        done: list[_Inflight] = []
         keep: list[_Inflight] = []
+        now = time.perf_counter()
         for f in self._inflight:
             try:
                 state = f.local.agent.check_xfer_state(f.handle)
-            except Exception as e:  # e.g. the remote agent was invalidated mid-WRITE: that WRITE failed
-                log.warning("checking a WRITE failed", transfer_id=f.result.leg.transfer_id, error=str(e))
+            except Exception as e:  # e.g. the remote agent was invalidated mid-transfer: it failed
+                log.warning(f"checking a {f.what} failed", transfer_id=_tid(f), error=str(e))
                 state = "ERR"
             hold = self.faults.write_hold_s
-            if state == "DONE" and hold and time.perf_counter() - f.t_post < hold:
+            if state == "DONE" and hold and f.what == "WRITE" and now - f.t_post < hold:
                 state = "PROC"  # injected slow network (KVPUSHD_FAULTS write_hold_s)
+            if state == "PROC" and now - f.t_post > self._write_timeout_s:
+                self._cancel(f, f"not complete within transfer.write_timeout_s = {self._write_timeout_s:g}s")
+                done.append(f)
+                continue
             if state == "PROC":
                 keep.append(f)
                 continue
-            now = time.perf_counter()
-            f.local.inflight -= 1
-            try:
-                f.handle.release()
-            except Exception:
-                log.warning("releasing a transfer handle failed", exc_info=True)
-            r = f.result
-            if state == "DONE" and not f.fault:
-                done.append(WriteResult(r.leg, True, "", r.nbytes, r.post_s, now - f.t_post,
-                                        r.descs_requested, r.descs_posted))
-            else:
-                why = f"injected fault (KVPUSHD_FAULTS {f.fault}): " if f.fault else ""
-                done.append(WriteResult(r.leg, False, why + "WRITE completed in error", 0, r.post_s,
-                                        now - f.t_post, r.descs_requested, r.descs_posted))
+            self._finish(f, state == "DONE" and not f.fault,
+                         f"injected fault (KVPUSHD_FAULTS {f.fault}): {f.what} completed in error" if f.fault
+                         else f"{f.what} completed in error", now)
+            done.append(f)
         self._inflight = keep
         if done:
-            self._deliver_results(done)
-            self._check_drained()
-            for name in [n for n in self._forget_later if not any(f.remote == n for f in keep)]:
-                self.forget_remote(name)
+            self._report(done)
+
+    def _finish(self, f: _Inflight, ok: bool, reason: str, now: float) -> None:
+        f.local.inflight -= 1
+        try:
+            f.handle.release()
+        except Exception:
+            log.warning("releasing a transfer handle failed", exc_info=True)
+        r = f.result
+        f.result = dataclasses.replace(r, ok=ok, reason="" if ok else reason, nbytes=r.nbytes if ok else 0,
+                                       xfer_s=now - f.t_post)
+
+    def _cancel(self, f: _Inflight, why: str) -> None:
+        """Give up on a transfer in flight: NIXL cancels it when its handle is released; if it cannot,
+        the stalled remote agent is disconnected (invalidated) first, so nothing more can land."""
+        log.warning(f"cancelling a {f.what} in flight", transfer_id=_tid(f), remote_agent=f.remote[:128], why=why)
+        f.local.inflight -= 1
+        try:
+            f.handle.release()
+        except Exception:
+            try:
+                f.local.agent.remove_remote_agent(f.remote)
+                f.local.loaded.discard(f.remote)
+                f.handle.release()
+            except Exception:
+                log.warning("a stalled transfer could not be cancelled; its agent is disconnected", exc_info=True)
+        self._forget_later.add(f.remote)  # its prepared lists and metadata go too: it reloads if it comes back
+        r = f.result
+        f.result = dataclasses.replace(r, ok=False, reason=f"{f.what} cancelled: {why}", nbytes=0,
+                                       xfer_s=time.perf_counter() - f.t_post)
+
+    def _cancel_inflight(self, why: str) -> None:
+        """Every transfer still in flight ends now, in failure (drain past its bound, stop)."""
+        cancelled, self._inflight = self._inflight, []
+        for f in cancelled:
+            self._cancel(f, why)
+        if cancelled:
+            self._report(cancelled)
+
+    def cancel_inflight(self, why: str) -> None:
+        """From the loop: end every transfer in flight now (each is reported failed)."""
+        self._q.put(lambda: self._cancel_inflight(why))
+
+    def _report(self, done: list[_Inflight]) -> None:
+        writes = [f.result for f in done if isinstance(f.result, WriteResult)]
+        reads = [f.result for f in done if isinstance(f.result, ReadResult)]
+        if writes:
+            self._deliver_results(writes)
+        if reads:
+            self._deliver_reads(reads)
+        self._check_drained()
+        busy = {f.remote for f in self._inflight}
+        for name in [n for n in self._forget_later if n not in busy]:
+            self.forget_remote(name)
 
     def _deliver_results(self, results: list[WriteResult]) -> None:
         self._loop.call_soon_threadsafe(self._on_write_done, results)
@@ -685,3 +692,7 @@ _NOOP: Any = object()
 def _wake() -> None:
     """A command that does nothing: it ends an idle wait so polling starts at once."""
 
+
+def _tid(f: _Inflight) -> str:
+    r = f.result
+    return r.leg.transfer_id if isinstance(r, WriteResult) else str(getattr(r.key, "transfer_id", ""))

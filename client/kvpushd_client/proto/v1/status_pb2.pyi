@@ -116,6 +116,8 @@ class NodeStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     STARTED_UNIX_FIELD_NUMBER: _builtins.int
     WATCHERS_FIELD_NUMBER: _builtins.int
+    TRANSFERS_OMITTED_FIELD_NUMBER: _builtins.int
+    PEERS_OMITTED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     version: _builtins.str
     instance_id: _builtins.str
@@ -130,6 +132,11 @@ class NodeStatus(_message.Message):
     """wall clock of the daemon's start"""
     watchers: _builtins.int
     """Watch streams open now"""
+    transfers_omitted: _builtins.int
+    """GetStatus is bounded (it must always fit a message): transfers and peers beyond the caps
+    (the oldest transfers and the peers heard from most recently are the ones listed) are counted here
+    """
+    peers_omitted: _builtins.int
     @_builtins.property
     def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -168,10 +175,12 @@ class NodeStatus(_message.Message):
         draining: _builtins.bool = ...,
         started_unix: _builtins.float = ...,
         watchers: _builtins.int = ...,
+        transfers_omitted: _builtins.int = ...,
+        peers_omitted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "config", b"config", "counters", b"counters", "draining", b"draining", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "node_id", b"node_id", "peer_address", b"peer_address", "peers", b"peers", "recent_failures", b"recent_failures", "started_unix", b"started_unix", "transfers", b"transfers", "uptime_s", b"uptime_s", "version", b"version", "watchers", b"watchers", "worker_socket", b"worker_socket", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "config", b"config", "counters", b"counters", "draining", b"draining", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "node_id", b"node_id", "peer_address", b"peer_address", "peers", b"peers", "peers_omitted", b"peers_omitted", "recent_failures", b"recent_failures", "started_unix", b"started_unix", "transfers", b"transfers", "transfers_omitted", b"transfers_omitted", "uptime_s", b"uptime_s", "version", b"version", "watchers", b"watchers", "worker_socket", b"worker_socket", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
