@@ -25,7 +25,7 @@ from .config import Config
 from .core.errors import FailedPrecondition
 from .events import EventKind
 from .metrics import Metrics
-from .peer_security import AllowList, server_credentials, tls_enabled
+from .peer_security import peer_interceptors, server_credentials, tls_enabled
 from .rpc.peer import PeerServicer
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
@@ -78,7 +78,7 @@ class Daemon:
         finally:
             os.umask(old)
         peer_opts = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-        interceptors = [AllowList(cfg.peer_api)] if cfg.peer_api.allow or cfg.peer_api.allow_names else []
+        interceptors = peer_interceptors(cfg.peer_api)  # protected mode: loopback only unless TLS/allow/insecure
         self.peer_server = grpc.aio.server(options=[*opts, *peer_opts], interceptors=interceptors)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
         await self._add_health(self.peer_health, [_service(peer_pb2, "PeerService")], self.peer_server)

@@ -73,8 +73,16 @@ class PeerApiConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     tls_ca: str = ""  # PEM CA bundle: peers' certificates (both directions) must be signed by it
     tls_server_name: str = ""  # name checked in the remote daemon's certificate instead of its host
-    allow: tuple[str, ...] = ()  # caller addresses allowed (CIDRs or addresses); empty: any
+    allow: tuple[str, ...] = ()  # caller addresses allowed (CIDRs or addresses); empty: see protected mode
     allow_names: tuple[str, ...] = ()  # with TLS: client certificate CN/SAN names allowed; empty: any
+    # Protected mode: with neither TLS nor ``allow`` the peer API serves loopback callers only.
+    # ``insecure = true`` opens it to every caller in plaintext (a warning is logged at start).
+    insecure: bool = False
+
+    @property
+    def protected(self) -> bool:
+        """Loopback callers only: nothing (TLS, an allowlist, or insecure) opens the peer API."""
+        return not (self.insecure or self.allow or (self.tls_cert and self.tls_key and self.tls_ca))
 
 
 @dataclass(frozen=True)
@@ -133,10 +141,14 @@ class Config:
 
     @property
     def advertise_host(self) -> str:
+        """The host peers are told to dial. In protected mode only this host's loopback callers are
+        served, so a wildcard listen advertises 127.0.0.1 (another daemon here dials it from loopback)."""
         if self.node.advertise_host:
             return self.node.advertise_host
         host = self.listen_host_port[0]
-        return host if host not in ("", "0.0.0.0", "::", "[::]") else default_advertise_host()
+        if host not in ("", "0.0.0.0", "::", "[::]"):
+            return host
+        return "127.0.0.1" if self.peer_api.protected else default_advertise_host()
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -299,6 +311,10 @@ def validate_peer_security(p: PeerApiConfig) -> None:
         except ValueError:
             raise InvalidArgument(f"config: peer_api.allow entry {entry!r} is not an address or CIDR "
                                   "(e.g. \"10.0.0.0/8\", \"127.0.0.1\")") from None
+    if p.insecure and (given or p.allow):
+        opened = "TLS" if given else "peer_api.allow"
+        raise InvalidArgument(f"config: peer_api.insecure = true opens the peer API to every caller in plaintext, "
+                              f"but {opened} is set and already decides who may call: remove insecure")
 
 
 def load(path: str | None) -> Config:

@@ -10,6 +10,10 @@ The allowlist (``allow``: CIDRs of caller addresses; ``allow_names``: client cer
 names, TLS only) is a server interceptor: a call from anyone else ends with PERMISSION_DENIED
 naming the caller and the rule, and the daemon goes on serving others. The health service stays
 open to every caller that gets through TLS, so probes keep working.
+
+Closed by default (protected mode, as Redis has): with neither TLS nor ``allow``, the same
+interceptor admits loopback callers only and tells anyone else how to open the peer API. Opening
+it to the network without TLS or an allowlist takes ``insecure = true``, logged as a warning.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from .config import PeerApiConfig
 log = structlog.get_logger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HOW_TO_OPEN = ("to open it, set in [peer_api] tls_cert, tls_key and tls_ca (mutual TLS, with allow_names), "
+               "or allow = [\"<CIDR of the peer daemons>\"], or insecure = true (plaintext, open to anyone who "
+               "reaches the port)")
 
 
 def tls_enabled(p: PeerApiConfig) -> bool:
@@ -74,25 +81,74 @@ def cert_names(auth: dict[str, list[bytes]]) -> list[str]:
     return out
 
 
+def _address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The caller's address (IPv4-mapped IPv6 as IPv4), None if it has none."""
+    try:
+        addr = ipaddress.ip_address(caller_ip(peer))
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def access_mode(p: PeerApiConfig) -> str:
+    """Who may call the peer API: "loopback" (protected mode), "insecure", or what opens it."""
+    if p.insecure:
+        return "insecure"
+    if p.protected:
+        return "loopback"
+    return "+".join(m for m, on in (("tls", tls_enabled(p)), ("allow", bool(p.allow)),
+                                    ("allow_names", bool(p.allow_names))) if on)
+
+
+def peer_interceptors(p: PeerApiConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The peer server's interceptors; logs, once at start, who may call it."""
+    mode = access_mode(p)
+    if mode == "insecure":
+        log.warning("peer API open to every caller without TLS or an allowlist (peer_api.insecure = true): "
+                    "anyone who reaches it can register for transfers and receive KV; use TLS with allow_names, "
+                    "or an allow list, outside a trusted lab", listen=p.listen, peer_access=mode)
+        return []
+    if mode == "loopback":
+        host = p.listen.rpartition(":")[0].strip("[]")
+        try:
+            reachable = host in ("", "0.0.0.0", "::", "localhost") or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            reachable = False
+        # listening on one non-loopback address, nothing that may call can reach it: say so loudly
+        say = log.info if reachable else log.warning
+        say("peer API serves loopback callers only (protected mode: neither TLS nor peer_api.allow is set); "
+            + HOW_TO_OPEN, listen=p.listen, peer_access=mode)
+    else:
+        log.info("peer API access", listen=p.listen, peer_access=mode, peer_allow=list(p.allow),
+                 peer_allow_names=list(p.allow_names))
+    return [AllowList(p)] if mode == "loopback" or p.allow or p.allow_names else []
+
+
 class AllowList(grpc.aio.ServerInterceptor):
-    """PERMISSION_DENIED for callers outside ``allow`` / ``allow_names`` (health excepted)."""
+    """PERMISSION_DENIED for callers outside ``allow`` / ``allow_names``, or, in protected mode, for
+    every caller not on loopback (health excepted)."""
 
     def __init__(self, p: PeerApiConfig) -> None:
         self.networks = [ipaddress.ip_network(a, strict=False) for a in p.allow]
         self.allow = p.allow
         self.names = frozenset(p.allow_names)
+        self.loopback_only = p.protected
         self.denied = 0
 
     def check(self, peer: str, auth: dict[str, list[bytes]]) -> str:
         """"" when the caller may call, else why not."""
+        if self.loopback_only:
+            addr = _address(peer)
+            if addr is None or not addr.is_loopback:
+                return (f"caller {caller_ip(peer) or peer} is not on loopback, and this daemon serves loopback "
+                        "callers only (protected mode: neither TLS nor peer_api.allow is set); " + HOW_TO_OPEN)
         if self.networks:
-            ip = caller_ip(peer)
-            try:
-                addr = ipaddress.ip_address(ip)
-            except ValueError:
+            addr = _address(peer)
+            if addr is None:
                 return f"caller {peer} has no IP address; peer_api.allow = {list(self.allow)}"
-            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-                addr = addr.ipv4_mapped
+            ip = caller_ip(peer)
             if not any(addr in n for n in self.networks):
                 return f"caller {ip} is not in peer_api.allow = {list(self.allow)}"
         if self.names:

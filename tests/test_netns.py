@@ -67,7 +67,8 @@ def daemon_config(name: str, addr: str, sock: str, settings: Settings) -> str:
     sections: dict[str, dict[str, object]] = {
         "node": {"node_id": name, "advertise_host": addr},
         "worker_api": {"socket": sock},
-        "peer_api": {"listen": f"{addr}:{PORT}"},
+        # not loopback: protected mode would refuse the other namespaces; allow the lab's /24
+        "peer_api": {"listen": f"{addr}:{PORT}", "allow": [f"{addr.rpartition('.')[0]}.0/24"]},
     }
     for section, values in settings.items():
         sections.setdefault(section, {}).update(values)
