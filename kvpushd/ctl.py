@@ -1,7 +1,9 @@
 """kvpushctl: what a daemon's status API says, as tables for a person or JSON for scripts.
 
-``status`` (everything), ``peers``, ``transfers`` (in flight, and recent failures) and ``watch``
-(events as they happen; ``--json``: one object per line). JSON follows protobuf's JSON mapping
+``status`` (everything), ``peers``, ``transfers`` (in flight, and recent failures), ``watch``
+(events as they happen; ``--json``: one object per line) and ``health`` (grpc.health.v1 on the
+socket, for exec probes: Kubernetes' own gRPC probes reach TCP ports only, and the peer port may
+require a client certificate). JSON follows protobuf's JSON mapping
 with the .proto field names: enums are names, 64-bit integers are strings.
 """
 
@@ -22,6 +24,21 @@ from kvpushd_client.proto.v1 import common_pb2, status_pb2, status_pb2_grpc
 from .config import default_socket_path
 
 EVENT_KINDS = [n.removeprefix("EVENT_").lower() for n, v in status_pb2.EventKind.items() if v]
+
+
+def health(socket: str, service: str = "", live: bool = False, timeout: float = 5.0) -> int:
+    """0 when the daemon answers SERVING (``live``: when it answers at all, e.g. while it drains), else 1."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(f"unix:{socket}") as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as e:
+        print(f"kvpushctl: no health answer at {socket}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(name)
+    return 0 if live or r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def fetch(socket: str, timeout: float = 5.0) -> status_pb2.NodeStatus:
@@ -187,7 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--count", type=int, default=0, help="stop after this many events (exit 1 if fewer came)")
     w.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
     w.add_argument("--kind", action="append", default=[], choices=EVENT_KINDS, help="only these kinds (repeat)")
+    h = sub.add_parser("health", help="grpc.health.v1 status (exit 0 when SERVING): for readiness/liveness probes")
+    h.add_argument("--service", default="", help="a service name (default: the daemon as a whole)")
+    h.add_argument("--live", action="store_true", help="exit 0 for any answer (liveness: NOT_SERVING while starting or "
+                   "draining is still alive)")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     args = ap.parse_args(argv)
+    if args.cmd == "health":
+        return health(args.socket, args.service, args.live, args.timeout)
     try:
         if args.cmd == "watch":
             return watch(args.socket, args.kind, args.json, args.count, args.timeout)
