@@ -256,3 +256,79 @@ def test_the_probe_command_against_a_real_daemon(workdir: Path) -> None:
         assert d.stop() == 0
     r = subprocess.run(ctl, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and "no health answer" in r.stderr, (r.stdout, r.stderr)
+
+
+def _pki(d: Path, cn: str) -> dict[str, str]:
+    """A CA and one certificate named ``cn`` signed by it, as the Secret holds them (tls.crt, tls.key, ca.crt)."""
+    import datetime
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(n: str) -> Any:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, n)])
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("kvpushd-ca")).issuer_name(name("kvpushd-ca"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(cn)]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    files = {"ca.crt": ca.public_bytes(pem), "tls.crt": cert.public_bytes(pem),
+             "tls.key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())}
+    for f, data in files.items():
+        (d / f).write_bytes(data)
+    return {f: str(d / f) for f in files}
+
+
+def test_config_map_peer_settings_carry_a_transfer(workdir: Path, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Two daemons with the ConfigMap's [peer_api] (TLS files from a stand-in Secret, loopback ports):
+    a transfer goes through, and a caller without the certificate is refused."""
+    import numpy as np
+    from conftest import attach_pair, start_daemon
+    from kvpushd_client import CompletionKind, Role
+
+    raw = tomllib.loads(config_text())["peer_api"]
+    secret = workdir / "secret"
+    secret.mkdir()
+    files = _pki(secret, raw["tls_server_name"])
+    lines = []
+    for k, v in raw.items():
+        if k == "listen":
+            continue  # start_daemon listens on loopback, ephemeral port
+        if k in ("tls_cert", "tls_key", "tls_ca"):
+            v = files[Path(v).name]
+        lines.append(f"{k} = {json.dumps(v)}")
+    peer = "\n".join(lines) + "\n" + "connect_timeout_s = 3.0\nrpc_timeout_s = 5.0\n"
+    timeouts = "[transfer]\npublish_timeout_s = 30.0\nexpect_timeout_s = 30.0\n"
+    src, dst = kv_pair
+    p = start_daemon(workdir, "pnode", peer + timeouts)
+    daemons = [p]
+    try:
+        d = start_daemon(workdir, "dnode", peer + timeouts)
+        daemons.append(d)
+        plain = start_daemon(workdir, "plain", timeouts)
+        daemons.append(plain)
+        pw, dw = attach_pair(p, d, src, dst)
+        dw.expect("k8s-1", [1, 2], p.peer_address, "prefill", 1)
+        pw.publish("k8s-1", [9, 10])
+        c_d, c_p = dw.next_completion(30), pw.next_completion(30)
+        assert c_d is not None and c_d.kind is CompletionKind.FINISHED_RECEIVING, c_d
+        assert c_p is not None and c_p.kind is CompletionKind.FINISHED_SENDING, c_p
+        assert np.array_equal(dst.arr[:, [1, 2], :], src.arr[:, [9, 10], :])
+        rw = plain.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        rw.expect("k8s-2", [3], p.peer_address, "prefill", 1)
+        c = rw.next_completion(30)
+        assert c is not None and c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE", c
+    finally:
+        for x in daemons:
+            x.client.close()
+            x.stop()
