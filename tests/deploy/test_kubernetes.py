@@ -31,6 +31,19 @@ K8S = ROOT / "deploy" / "kubernetes"
 VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 
 
+def helpers() -> Any:
+    """The test helpers' package (tests/support), else the older tests/conftest.py."""
+    try:
+        import support
+
+        support.start_daemon  # noqa: B018 - loaded on first use there
+        return support
+    except (ImportError, AttributeError):
+        import conftest
+
+        return conftest
+
+
 def manifests() -> list[Path]:
     return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
 
@@ -240,9 +253,7 @@ def test_vllm_examples_mount_the_socket_and_name_the_connector(tmp_path: Path, r
 
 def test_the_probe_command_against_a_real_daemon(workdir: Path) -> None:
     """``kvpushctl health`` (the probes' command): SERVING and exit 0 when ready, 1 when nothing answers."""
-    from conftest import start_daemon
-
-    d = start_daemon(workdir, "k8s")
+    d = helpers().start_daemon(workdir, "k8s")
     env = dict(os.environ)
     # what the kvpushctl console script runs
     ctl = [sys.executable, "-c", "import sys; from kvpushd.ctl import main; sys.exit(main())", "--socket", d.sock,
@@ -293,8 +304,9 @@ def test_config_map_peer_settings_carry_a_transfer(workdir: Path, kv_pair) -> No
     """Two daemons with the ConfigMap's [peer_api] (TLS files from a stand-in Secret, loopback ports):
     a transfer goes through, and a caller without the certificate is refused."""
     import numpy as np
-    from conftest import attach_pair, start_daemon
     from kvpushd_client import CompletionKind, Role
+
+    attach_pair, start_daemon = helpers().attach_pair, helpers().start_daemon
 
     raw = tomllib.loads(config_text())["peer_api"]
     secret = workdir / "secret"
