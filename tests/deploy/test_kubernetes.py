@@ -17,13 +17,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate  # the dev extra: a missing package fails here rather than skipping the check
 import pytest
+import yaml
 
 from kvpushd import config
 from kvpushd.peer_security import access_mode
-
-yaml = pytest.importorskip("yaml")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
