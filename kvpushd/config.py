@@ -97,7 +97,8 @@ class TransferConfig:
     device_params: dict[str, dict[str, str]] = field(default_factory=dict)
     publish_timeout_s: float = 120.0
     expect_timeout_s: float = 120.0
-    poll_interval_s: float = 0.0002
+    poll_interval_s: float = 0.0002  # NIXL progress while transfers are active ...
+    poll_max_interval_s: float = 0.001  # ... backing off to this while nothing happens (idle: no polling)
     nixl_threads: int = 0
     max_pending: int = 100_000
     drain_timeout_s: float = 30.0
@@ -266,7 +267,7 @@ def validate(cfg: Config) -> None:
             raise InvalidArgument(f"config: [transfer.device_params.{dev}]: devices are \"host\" or \"gpu<N>\" "
                                   "(the CUDA device index of the worker's KV)")
     for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s",
-                 "heartbeat_interval_s", "peer_timeout_s", "write_timeout_s"):
+                 "heartbeat_interval_s", "peer_timeout_s", "write_timeout_s", "poll_max_interval_s"):
         if getattr(t, name) <= 0:
             raise InvalidArgument(f"config: transfer.{name} must be positive")
     for where, v in (("peer_api.max_registers_per_s", cfg.peer_api.max_registers_per_s),

@@ -94,7 +94,8 @@ class Executor:
         t = self.cfg.transfer
         self._loop = loop
         self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
-                                   poll_interval_s=t.poll_interval_s, nixl_threads=t.nixl_threads,
+                                   poll_interval_s=t.poll_interval_s, poll_max_interval_s=t.poll_max_interval_s,
+                                   nixl_threads=t.nixl_threads,
                                    params_for=lambda b, dev: backend_init_params(t, b, dev),
                                    param_devices=tuple(t.device_params),
                                    on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs,

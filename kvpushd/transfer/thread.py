@@ -121,7 +121,7 @@ class TransferThread:
         on_write_done: Callable[[list[WriteResult]], None],
         on_notifications: Callable[[list[tuple[int, int]]], None],
         poll_interval_s: float = 0.0002,
-        idle_wait_s: float = 0.05,
+        poll_max_interval_s: float = 0.001,
         nixl_threads: int = 0,
         params_for: Callable[[str, str], dict[str, str]] | None = None,
         param_devices: Sequence[str] = (),
@@ -139,7 +139,7 @@ class TransferThread:
         self._on_notifications = on_notifications
         self._poll_s = poll_interval_s
         self._write_timeout_s = write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
-        self._idle_s = idle_wait_s
+        self._poll_max_s = max(poll_max_interval_s, poll_interval_s)
         self._nixl_threads = nixl_threads
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._locals: dict[str, _Local] = {}
@@ -306,12 +306,21 @@ class TransferThread:
         return fut
 
     def _run(self) -> None:
+        """Commands first, then progress. Idle (nothing in flight, nothing expected) the thread
+        sleeps until a command comes. Busy, it polls every ``poll_interval_s`` while something
+        happens and for ``HOT_S`` after, then backs off (doubling) to ``poll_max_interval_s``: a
+        completion right after activity is seen within the short interval, one after a quiet
+        period (decode waiting for a long prefill) within the max interval, and a long wait costs
+        ~1/max_interval wakeups a second instead of 1/min."""
+        wait = self._poll_s
+        hot_until = 0.0
         while True:
             busy = bool(self._inflight) or self.expecting > 0 or self.pulling > 0
             try:
-                cmd = self._q.get(timeout=self._poll_s if busy else self._idle_s)
+                cmd = self._q.get(timeout=wait) if busy else self._q.get()
             except queue.Empty:
                 cmd = _NOOP
+            worked = cmd is not _NOOP
             while cmd is not _NOOP:
                 if cmd is None:
                     return
@@ -325,11 +334,14 @@ class TransferThread:
                     cmd = _NOOP
             try:
                 if self._inflight:
-                    self._poll_inflight()
+                    worked = self._poll_inflight() or worked
                 if self.expecting > 0 or self.pulling > 0:
-                    self._poll_notifs()
+                    worked = self._poll_notifs() or worked
             except Exception:
                 log.exception("transfer thread poll failed")
+            if worked:
+                hot_until = time.monotonic() + HOT_S
+            wait = self._poll_s if worked or time.monotonic() < hot_until else min(wait * 2, self._poll_max_s)
 
     def _attach(self, worker_id: str, agent_name: str, mem_type: str,
                 mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],
@@ -544,8 +556,9 @@ class TransferThread:
         if got and self._on_read_notifications is not None:
             self._loop.call_soon_threadsafe(self._on_read_notifications, got)
 
-    def _poll_inflight(self) -> None:
-        """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled."""
+    def _poll_inflight(self) -> bool:
+        """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled.
+        True when any of them ended."""
         done: list[_Inflight] = []
         keep: list[_Inflight] = []
         now = time.perf_counter()
@@ -572,6 +585,7 @@ class TransferThread:
         self._inflight = keep
         if done:
             self._report(done)
+        return bool(done)
 
     def _finish(self, f: _Inflight, ok: bool, reason: str, now: float) -> None:
         f.local.inflight -= 1
@@ -629,7 +643,8 @@ class TransferThread:
     def _deliver_results(self, results: list[WriteResult]) -> None:
         self._loop.call_soon_threadsafe(self._on_write_done, results)
 
-    def _poll_notifs(self) -> None:
+    def _poll_notifs(self) -> bool:
+        """Hand new notifications to the loop; True when there were any."""
         got: list[tuple[int, int]] = []
         reads: list[tuple[str, int, int]] = []  # pull mode: (remote agent, registration id, rank)
         for loc in self._locals.values():
@@ -647,6 +662,7 @@ class TransferThread:
         if got:
             self._loop.call_soon_threadsafe(self._on_notifications, got)
         self._deliver_read_notifs(reads)
+        return bool(got or reads)
 
     def _check_drained(self) -> None:
         still: list[tuple[str, Future[None]]] = []
@@ -687,6 +703,7 @@ class TransferThread:
 
 
 _NOOP: Any = object()
+HOT_S = 0.02  # after any command, completion or notification, poll at the short interval this long
 
 
 def _wake() -> None:
