@@ -1,33 +1,60 @@
-"""CPU of kvpushd daemons: idle, and with one Expect waiting (decode polling for a notification)."""
-import json, os, sys, tempfile, time
+"""CPU of two kvpushd daemons: idle, and with one Expect waiting (the decode daemon polling NIXL).
+
+Run from the repository root: ``python scripts/bench_poll_cpu.py``; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
 from pathlib import Path
+
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-from conftest import start_daemon, make_kv  # noqa: E402
-from kvpushd_client import Role  # noqa: E402
+from conftest import make_kv, start_daemon
+from kvpushd_client import Role
 
-def cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
-def measure(pids, s):
-    a = [cpu(p) for p in pids]; t = time.monotonic(); time.sleep(s); dt = time.monotonic() - t
-    return [round(100 * (cpu(p) - x) / dt, 2) for p, x in zip(pids, a)]
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-with tempfile.TemporaryDirectory() as d:
-    w = Path(d)
-    cfg = "[transfer]\nexpect_timeout_s = 300.0\npublish_timeout_s = 300.0\n"
-    p = start_daemon(w, "pnode", cfg); dn = start_daemon(w, "dnode", cfg)
-    src, dst = make_kv("ab-src"), make_kv("ab-dst", fill="poison")
-    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    dw = dn.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    time.sleep(2)
-    idle = measure([p.proc.pid, dn.proc.pid], 10)
-    dw.expect("wait", [1], p.peer_address, "prefill", 1)
-    time.sleep(1)
-    waiting = measure([p.proc.pid, dn.proc.pid], 10)
-    print(json.dumps({"idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
-                      "one_expect_waiting_cpu_pct": {"prefill": waiting[0], "decode": waiting[1]},
-                      "loadavg": os.getloadavg()[0]}))
-    for x in (p, dn):
-        x.client.close(); x.stop()
-    src.close(); dst.close()
+
+def percent(pids: list[int], seconds: float) -> list[float]:
+    before = [cpu_s(p) for p in pids]
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    return [round(100 * (cpu_s(p) - b) / dt, 2) for p, b in zip(pids, before, strict=True)]
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = "[transfer]\nexpect_timeout_s = 300.0\npublish_timeout_s = 300.0\n"
+        p = start_daemon(Path(d), "pnode", cfg)
+        dn = start_daemon(Path(d), "dnode", cfg)
+        src, dst = make_kv("poll-cpu-src"), make_kv("poll-cpu-dst", fill="poison")
+        try:
+            p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+            dw = dn.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+            time.sleep(2)
+            idle = percent([p.proc.pid, dn.proc.pid], 10)
+            dw.expect("wait", [1], p.peer_address, "prefill", 1)  # the prefill never publishes it
+            time.sleep(1)
+            waiting = percent([p.proc.pid, dn.proc.pid], 10)
+            print(json.dumps({"idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
+                              "one_expect_waiting_cpu_pct": {"prefill": waiting[0], "decode": waiting[1]},
+                              "loadavg": os.getloadavg()[0]}))
+        finally:
+            for x in (p, dn):
+                x.client.close()
+                x.stop()
+            src.close()
+            dst.close()
+
+
+if __name__ == "__main__":
+    main()

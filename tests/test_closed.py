@@ -175,9 +175,10 @@ time.sleep(600)
 
 def test_sigkill_of_the_prefill_worker_mid_write(monkeypatch, workdir, kv_pair) -> None:  # type: ignore[no-untyped-def]
     """The prefill worker process is SIGKILLed while its WRITE is in flight (the fault hook posts it
-    without its notification and holds it 3 s, as a slow network would): the decode worker is told FAILED only once that WRITE settled (never while the prefill
-    daemon still shows it writing, and the destination bytes do not change after it was told), and
-    the killed worker's engine may attach again at once."""
+    without its notification and holds it 3 s, as a slow network would): the decode worker is told
+    FAILED only once that WRITE settled (never while the prefill daemon still shows it writing, and
+    the destination bytes do not change after it was told), and the killed worker's engine may
+    attach again at once."""
     monkeypatch.setenv("KVPUSHD_FAULTS", "write_complete=1,write_hold_s=3")
     p = start_daemon(workdir, "pnode", FAST)
     monkeypatch.delenv("KVPUSHD_FAULTS")
