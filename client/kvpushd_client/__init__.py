@@ -4,6 +4,7 @@ from .aio import AsyncKVPushClient, AsyncWorker
 from .client import KVPushClient, Worker
 from .reconnect import ReconnectingWorker
 from .shm import SharedBuffer
+from .stream import StreamWorker
 from .types import (
     Completion,
     CompletionKind,
@@ -19,5 +20,5 @@ from .types import (
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
     "KVLayout", "KVPushClient", "KVPushError", "ReconnectingWorker", "Region", "Role", "SharedBuffer", "ShmMemory",
-    "Worker",
+    "StreamWorker", "Worker",
 ]

@@ -22,6 +22,7 @@ import grpc
 from . import _convert, errors
 from .calls import Call, CallQueue, DirectTarget
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
+from .stream import StreamWorker
 from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
 
@@ -62,6 +63,17 @@ class KVPushClient:
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
         return Worker(self, resp.worker_id, resp.node_id, resp.peer_address)
+
+    def attach_stream(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
+                      regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> StreamWorker:
+        """As ``attach``, with the session on one stream both ways: commands batched per engine step
+        (``*_nowait`` then ``step()``), results and completions on the same stream."""
+        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description)
+        try:
+            resp = self.stub.Attach(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address)
 
     def close(self) -> None:
         self.channel.close()

@@ -135,3 +135,10 @@ def from_rpc_error(e: grpc.RpcError) -> KVPushError:
     if not kind and cls is not KVPushError:
         kind = (Unavailable if cls is DaemonUnavailable else cls).__name__
     return cls(code, details or "", kind=kind, transfer_id=meta.get("transfer_id", ""), peer=meta.get("peer", ""))
+
+
+def error_of(code: str, message: str, kind: str = "", transfer_id: str = "", peer: str = "") -> KVPushError:
+    """The typed error for a refusal that came as values (a Stream command's result), not as a status."""
+    cls = _KINDS.get(kind) or _BY_STATUS.get(code, KVPushError)
+    return cls(code, message, kind=kind or (cls.__name__ if cls is not KVPushError else ""), transfer_id=transfer_id,
+               peer=peer)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import structlog
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
 
+from ..core.errors import InvalidArgument, KvpushdError
 from ..runtime.node import Node
 from . import convert
-from .errors import stream, unary
+from .errors import code_for, stream, unary
 
 Ctx = Any
+log = structlog.get_logger(__name__)
+MAX_BATCH = 4096  # commands in one CommandBatch
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -59,3 +65,68 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.node.worker(request.worker_id)
         await self.node.detach(request.worker_id, "detached by the worker")
         return worker_pb2.DetachResponse()
+
+    @stream
+    async def Stream(self, request_iterator: Any, context: Ctx) -> AsyncIterator[worker_pb2.EventBatch]:
+        requests = request_iterator.__aiter__()
+        try:
+            first: worker_pb2.CommandBatch = await requests.__anext__()
+        except StopAsyncIteration:
+            return
+        worker_id = first.worker_id
+        self.node.worker(worker_id)  # NOT_FOUND before anything else
+        results: list[worker_pb2.CommandResult] = []
+
+        def run(batch: worker_pb2.CommandBatch) -> None:
+            if len(batch.commands) > MAX_BATCH:
+                results.append(worker_pb2.CommandResult(
+                    seq=batch.commands[0].seq, code="INVALID_ARGUMENT", kind="InvalidArgument",
+                    message=f"{len(batch.commands)} commands in one batch; at most {MAX_BATCH}"))
+            else:
+                results.extend(self._command(worker_id, c) for c in batch.commands)
+            self.node.wake(worker_id)
+
+        async def read() -> None:
+            async for batch in requests:
+                run(batch)
+
+        run(first)
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            async for completions in self.node.session_batches(worker_id):
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()  # type: ignore[misc]
+                out, results[:] = list(results), []
+                if out or completions:
+                    yield worker_pb2.EventBatch(results=out, completions=[convert.completion(c) for c in completions])
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    def _command(self, worker_id: str, c: worker_pb2.Command) -> worker_pb2.CommandResult:
+        """One command of a batch: it fails alone, the others go on."""
+        n = self.node
+        try:
+            op = c.WhichOneof("op")
+            if op == "expect":
+                r = c.expect
+                n.expect(worker_id, r.transfer_id, r.block_ids, r.producer_address, r.producer_engine_id,
+                         r.producer_tp_size, convert.transfer_mode(r.transfer_mode), skip_tokens=r.skip_tokens)
+            elif op == "publish":
+                n.publish(worker_id, c.publish.transfer_id, c.publish.block_ids)
+            elif op == "abort":
+                return worker_pb2.CommandResult(seq=c.seq, code="OK", found=n.abort(worker_id, c.abort.transfer_id))
+            else:
+                raise InvalidArgument("command has no operation (expect, publish or abort)")
+        except KvpushdError as e:
+            code = code_for(e)
+            if code is None:
+                log.error("unexpected error in a stream command", exc_info=e)
+                return worker_pb2.CommandResult(seq=c.seq, code="INTERNAL", kind=e.kind, message=str(e))
+            return worker_pb2.CommandResult(seq=c.seq, code=code.name, kind=e.kind, message=str(e))
+        except Exception as e:
+            log.error("unexpected error in a stream command", exc_info=e)
+            return worker_pb2.CommandResult(seq=c.seq, code="INTERNAL", kind=type(e).__name__,
+                                            message=f"internal error: {type(e).__name__}")
+        return worker_pb2.CommandResult(seq=c.seq, code="OK")

@@ -176,6 +176,16 @@ class Node:
         """The worker's completions until it goes away; the caller's end means detach."""
         return self.workers.session(worker_id, self.detach)
 
+    def session_batches(self, worker_id: str) -> AsyncIterator[list[Completion]]:
+        """The worker's completions in batches (the Stream RPC); the caller's end means detach."""
+        return self.workers.session_batches(worker_id, self.detach)
+
+    def wake(self, worker_id: str) -> None:
+        """Wake the worker's session (the Stream RPC has answers of its own to send)."""
+        w = self.workers.live(worker_id)
+        if w is not None:
+            w.wakeup.set()
+
     async def detach(self, worker_id: str, why: str) -> None:
         w = self.workers.mark_gone(worker_id)
         if w is None:

@@ -202,6 +202,27 @@ class Workers:
                 log.info("worker session ended; detaching", worker_id=worker_id)
                 await on_end(worker_id, "session ended")
 
+    async def session_batches(self, worker_id: str, on_end: Callable[[str, str], Awaitable[None]]
+                              ) -> AsyncIterator[list[Completion]]:
+        """As ``session``, in batches: every completion queued when it wakes. Woken with none (the
+        caller set ``wakeup`` for something of its own to send) it yields an empty batch."""
+        w = self.get(worker_id)
+        if w.session_open:
+            raise AlreadyExists(f"worker {worker_id} already has a session")
+        w.session_open = True
+        try:
+            while not w.gone:
+                batch = list(w.completions)
+                w.completions.clear()
+                w.wakeup.clear()
+                yield batch
+                if not w.completions and not w.gone:
+                    await w.wakeup.wait()
+        finally:
+            if not w.gone:
+                log.info("worker stream ended; detaching", worker_id=worker_id)
+                await on_end(worker_id, "session ended")
+
     def mark_gone(self, worker_id: str) -> Worker | None:
         """First step of a detach: no completions are queued for it from now on."""
         w = self.by_id.get(worker_id)

@@ -23,6 +23,125 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class Command(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    EXPECT_FIELD_NUMBER: _builtins.int
+    PUBLISH_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """the worker's own number for the command, echoed in its result"""
+    @_builtins.property
+    def expect(self) -> Global___ExpectRequest: ...
+    @_builtins.property
+    def publish(self) -> Global___PublishRequest: ...
+    @_builtins.property
+    def abort(self) -> Global___AbortRequest: ...
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        expect: Global___ExpectRequest | None = ...,
+        publish: Global___PublishRequest | None = ...,
+        abort: Global___AbortRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "expect", b"expect", "op", b"op", "publish", b"publish"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "expect", b"expect", "op", b"op", "publish", b"publish", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["expect", "publish", "abort"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___Command: _TypeAlias = Command  # noqa: Y015
+
+@_typing.final
+class CommandBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """required in the first batch; later batches may leave it empty"""
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___Command]: ...
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        commands: _abc.Iterable[Global___Command] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommandBatch: _TypeAlias = CommandBatch  # noqa: Y015
+
+@_typing.final
+class CommandResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    FOUND_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    code: _builtins.str
+    """"OK", or the gRPC status code name the unary call would have failed with"""
+    message: _builtins.str
+    """why, when refused"""
+    kind: _builtins.str
+    """the error's kind (as in the kvpushd-error metadata), when refused"""
+    found: _builtins.bool
+    """Abort: whether the transfer was pending"""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "found", b"found", "kind", b"kind", "message", b"message", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015
+
+@_typing.final
+class EventBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    COMPLETIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommandResult]:
+        """in the order the commands came"""
+
+    @_builtins.property
+    def completions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Completion]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CommandResult] | None = ...,
+        completions: _abc.Iterable[Global___Completion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completions", b"completions", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventBatch: _TypeAlias = EventBatch  # noqa: Y015
+
+@_typing.final
 class AttachRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -69,6 +69,11 @@ class WorkerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_worker__pb2.DetachRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_worker__pb2.DetachResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/kvpushd.v1.WorkerService/Stream',
+                request_serializer=kvpushd_dot_v1_dot_worker__pb2.CommandBatch.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -124,6 +129,16 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """The session as one stream both ways (instead of Session plus a unary call per request): the
+        worker sends batches of commands (one batch per engine step), the daemon answers each command
+        (in order) and sends the worker's completions on the same stream. The first batch names the
+        worker; the end of the stream means the worker is gone, as for Session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +176,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Detach,
                     request_deserializer=kvpushd_dot_v1_dot_worker__pb2.DetachRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_worker__pb2.DetachResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.CommandBatch.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.EventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +372,33 @@ class WorkerService:
             '/kvpushd.v1.WorkerService/Detach',
             kvpushd_dot_v1_dot_worker__pb2.DetachRequest.SerializeToString,
             kvpushd_dot_v1_dot_worker__pb2.DetachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpushd.v1.WorkerService/Stream',
+            kvpushd_dot_v1_dot_worker__pb2.CommandBatch.SerializeToString,
+            kvpushd_dot_v1_dot_worker__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

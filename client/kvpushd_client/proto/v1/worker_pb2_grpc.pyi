@@ -49,6 +49,12 @@ class WorkerServiceStub:
     """The engine gave up on a request: release everything for it, on both nodes."""
     Detach: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DetachRequest, _worker_pb2.DetachResponse]
     """Orderly goodbye: fails what is pending and releases the worker's memory."""
+    Stream: _grpc.StreamStreamMultiCallable[_worker_pb2.CommandBatch, _worker_pb2.EventBatch]
+    """The session as one stream both ways (instead of Session plus a unary call per request): the
+    worker sends batches of commands (one batch per engine step), the daemon answers each command
+    (in order) and sends the worker's completions on the same stream. The first batch names the
+    worker; the end of the stream means the worker is gone, as for Session.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -69,6 +75,12 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """The engine gave up on a request: release everything for it, on both nodes."""
     Detach: _aio.UnaryUnaryMultiCallable[_worker_pb2.DetachRequest, _worker_pb2.DetachResponse]  # type: ignore[assignment]
     """Orderly goodbye: fails what is pending and releases the worker's memory."""
+    Stream: _aio.StreamStreamMultiCallable[_worker_pb2.CommandBatch, _worker_pb2.EventBatch]  # type: ignore[assignment]
+    """The session as one stream both ways (instead of Session plus a unary call per request): the
+    worker sends batches of commands (one batch per engine step), the daemon answers each command
+    (in order) and sends the worker's completions on the same stream. The first batch names the
+    worker; the end of the stream means the worker is gone, as for Session.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -128,5 +140,17 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.DetachResponse, _abc.Awaitable[_worker_pb2.DetachResponse]]:
         """Orderly goodbye: fails what is pending and releases the worker's memory."""
+
+    @_abc_1.abstractmethod
+    def Stream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.CommandBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.EventBatch], _abc.AsyncIterator[_worker_pb2.EventBatch]]:
+        """The session as one stream both ways (instead of Session plus a unary call per request): the
+        worker sends batches of commands (one batch per engine step), the daemon answers each command
+        (in order) and sends the worker's completions on the same stream. The first batch names the
+        worker; the end of the stream means the worker is gone, as for Session.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,193 @@
+"""A worker on one stream both ways (WorkerService.Stream): batches of commands, one per engine step.
+
+    w = client.attach_stream("decode-0", Role.CONSUMER, 0, 1, memory, regions)
+    w.expect_nowait(...); w.expect_nowait(...)   # the engine thread only appends (no lock a gRPC thread holds)
+    w.step()                                      # once per engine step: the batch goes out as one message
+    for c in w.completions(): ...                 # results and completions come back on the same stream
+
+The engine thread never waits on the network: ``*_nowait`` append to the step's batch, ``step()``
+hands the batch to the stream's sender (a queue put). A command the daemon refuses comes back as a
+FAILED completion with code ``REFUSED``, its status and message in ``reason`` and its block ids, as
+for ``Worker.*_nowait``. One gRPC message per step instead of one unary call per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from . import _convert, errors
+from .proto.v1 import worker_pb2
+from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
+
+if TYPE_CHECKING:
+    from .client import KVPushClient
+
+_END = None
+
+
+class StreamWorker:
+    """An attached worker whose session is a WorkerService.Stream."""
+
+    def __init__(self, client: KVPushClient, worker_id: str, node_id: str, peer_address: str) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.peer_address = peer_address
+        self.session_error: KVPushError | None = None
+        self._seq = itertools.count(1)
+        self._batch: list[worker_pb2.Command] = []  # the engine thread's own: no lock
+        self._sent: dict[int, tuple[str, tuple[int, ...], str]] = {}  # seq -> (transfer, blocks, op), unanswered
+        self._out: queue.SimpleQueue[worker_pb2.CommandBatch | None] = queue.SimpleQueue()
+        self._queue: collections.deque[Completion] = collections.deque()
+        self._aborts: dict[int, bool] = {}  # seq -> found, for abort()
+        self._waited: set[int] = set()  # commands of the blocking forms: a refusal is raised, not queued
+        self._refusals: dict[int, KVPushError] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._out.put(worker_pb2.CommandBatch(worker_id=worker_id))
+        self._call = client.stub.Stream(self._requests())
+        self._reader = threading.Thread(target=self._read, name=f"kvpushd-stream-{worker_id}", daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.session_error is None and not self._closed
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
+                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
+                      transfer_mode: str = "push") -> int:
+        blocks = list(block_ids)
+        return self._add(worker_pb2.Command(expect=worker_pb2.ExpectRequest(
+            transfer_id=transfer_id, block_ids=blocks, producer_address=producer_address,
+            producer_engine_id=producer_engine_id, producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
+            transfer_mode=_convert.transfer_mode(transfer_mode))), transfer_id, blocks, "expect")
+
+    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int]) -> int:
+        blocks = list(block_ids)
+        return self._add(worker_pb2.Command(publish=worker_pb2.PublishRequest(transfer_id=transfer_id,
+                                                                              block_ids=blocks)),
+                         transfer_id, blocks, "publish")
+
+    def abort_nowait(self, transfer_id: str) -> int:
+        return self._add(worker_pb2.Command(abort=worker_pb2.AbortRequest(transfer_id=transfer_id)),
+                         transfer_id, [], "abort")
+
+    def _add(self, cmd: worker_pb2.Command, transfer_id: str, blocks: list[int], op: str) -> int:
+        cmd.seq = next(self._seq)
+        self._batch.append(cmd)
+        with self._cond:
+            self._sent[cmd.seq] = (transfer_id, tuple(blocks), op)
+        return cmd.seq
+
+    def step(self) -> int:
+        """Send this step's commands as one message (nothing when there are none); returns how many."""
+        n = len(self._batch)
+        if n:
+            batch, self._batch = self._batch, []
+            self._out.put(worker_pb2.CommandBatch(commands=batch))
+        return n
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Send the step and wait until the daemon answered every command sent; False on timeout."""
+        self.step()
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._sent or self.session_error is not None, timeout_s)
+
+    # blocking forms, for tools: one command, its answer
+    def expect(self, *args: object, **kwargs: object) -> None:
+        self._blocking(self.expect_nowait(*args, **kwargs))  # type: ignore[arg-type]
+
+    def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
+        self._blocking(self.publish_nowait(transfer_id, block_ids))
+
+    def abort(self, transfer_id: str) -> bool:
+        seq = self.abort_nowait(transfer_id)
+        self._blocking(seq)
+        with self._cond:
+            return self._aborts.pop(seq, False)
+
+    def _blocking(self, seq: int) -> None:
+        with self._cond:
+            self._waited.add(seq)
+        self.step()
+        with self._cond:
+            self._cond.wait_for(lambda: seq not in self._sent or self.session_error is not None,
+                                self.client.timeout_s)
+            self._waited.discard(seq)
+            if seq in self._refusals:
+                raise self._refusals.pop(seq)
+            if self.session_error is not None:
+                raise self.session_error
+
+    def completions(self) -> list[Completion]:
+        with self._cond:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def next_completion(self, timeout_s: float | None = None) -> Completion | None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
+                return None
+            if self._queue:
+                return self._queue.popleft()
+            assert self.session_error is not None
+            raise self.session_error
+
+    def detach(self) -> None:
+        """Answer what was sent, then end the stream (the daemon detaches the worker). Idempotent."""
+        if self._closed:
+            return
+        self.flush(self.client.timeout_s)
+        self._closed = True
+        self._out.put(_END)
+        self._call.cancel()
+        self._reader.join(timeout=5)
+
+    # -- the stream's threads -------------------------------------------------------------------
+
+    def _requests(self) -> Iterator[worker_pb2.CommandBatch]:
+        while (batch := self._out.get()) is not _END:
+            yield batch
+
+    def _read(self) -> None:
+        try:
+            for ev in self._call:
+                got: list[Completion] = []
+                with self._cond:
+                    for r in ev.results:
+                        tid, blocks, op = self._sent.pop(r.seq, ("", (), ""))
+                        if op == "abort":
+                            self._aborts[r.seq] = r.found
+                        if r.code == "OK":
+                            continue
+                        if r.seq in self._waited:
+                            self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind, tid)
+                        elif op != "abort":
+                            got.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
+                                                  f"{r.code}: {r.message}", blocks))
+                    got += [_convert.completion(c) for c in ev.completions]
+                    self._queue.extend(got)
+                    self._cond.notify_all()
+            err: KVPushError = DaemonUnavailable("UNAVAILABLE", "stream ended by the daemon")
+        except grpc.RpcError as e:
+            err = errors.from_rpc_error(e)
+        with self._cond:
+            if not self._closed:
+                self.session_error = err
+                # commands that got no answer end as refused: the engine frees their blocks
+                for _, (tid, blocks, op) in sorted(self._sent.items()):
+                    if op != "abort":
+                        self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
+                                                      f"{err.code}: stream ended before an answer", blocks))
+                self._sent.clear()
+            self._cond.notify_all()
