@@ -30,6 +30,20 @@ if TYPE_CHECKING:
     from .client import KVPushClient
 
 _END = None
+_Queued = tuple[int, str, str, list[int], tuple[object, ...]]
+
+
+def _command(q: _Queued) -> worker_pb2.Command:
+    seq, op, tid, blocks, args = q
+    if op == "expect":
+        address, engine, tp, skip, mode = args
+        return worker_pb2.Command(seq=seq, expect=worker_pb2.ExpectRequest(
+            transfer_id=tid, block_ids=blocks, producer_address=str(address), producer_engine_id=str(engine),
+            producer_tp_size=int(tp), skip_tokens=int(skip),  # type: ignore[call-overload]
+            transfer_mode=_convert.transfer_mode(str(mode))))
+    if op == "publish":
+        return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(transfer_id=tid, block_ids=blocks))
+    return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=tid))
 
 
 class StreamWorker:
@@ -42,9 +56,11 @@ class StreamWorker:
         self.peer_address = peer_address
         self.session_error: KVPushError | None = None
         self._seq = itertools.count(1)
-        self._batch: list[worker_pb2.Command] = []  # the engine thread's own: no lock
+        # the engine thread's own (no lock): (seq, op, transfer id, blocks, expect arguments); the
+        # protobuf messages are built by the stream's sender thread, off the engine thread
+        self._batch: list[tuple[int, str, str, list[int], tuple[object, ...]]] = []
         self._sent: dict[int, tuple[str, tuple[int, ...], str]] = {}  # seq -> (transfer, blocks, op), unanswered
-        self._out: queue.SimpleQueue[worker_pb2.CommandBatch | None] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[worker_pb2.CommandBatch | list[_Queued] | None] = queue.SimpleQueue()
         self._queue: collections.deque[Completion] = collections.deque()
         self._aborts: dict[int, bool] = {}  # seq -> found, for abort()
         self._waited: set[int] = set()  # commands of the blocking forms: a refusal is raised, not queued
@@ -65,35 +81,28 @@ class StreamWorker:
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                       transfer_mode: str = "push") -> int:
-        blocks = list(block_ids)
-        return self._add(worker_pb2.Command(expect=worker_pb2.ExpectRequest(
-            transfer_id=transfer_id, block_ids=blocks, producer_address=producer_address,
-            producer_engine_id=producer_engine_id, producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
-            transfer_mode=_convert.transfer_mode(transfer_mode))), transfer_id, blocks, "expect")
+        return self._add("expect", transfer_id, list(block_ids),
+                         (producer_address, producer_engine_id, producer_tp_size, skip_tokens, transfer_mode))
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int]) -> int:
-        blocks = list(block_ids)
-        return self._add(worker_pb2.Command(publish=worker_pb2.PublishRequest(transfer_id=transfer_id,
-                                                                              block_ids=blocks)),
-                         transfer_id, blocks, "publish")
+        return self._add("publish", transfer_id, list(block_ids), ())
 
     def abort_nowait(self, transfer_id: str) -> int:
-        return self._add(worker_pb2.Command(abort=worker_pb2.AbortRequest(transfer_id=transfer_id)),
-                         transfer_id, [], "abort")
+        return self._add("abort", transfer_id, [], ())
 
-    def _add(self, cmd: worker_pb2.Command, transfer_id: str, blocks: list[int], op: str) -> int:
-        cmd.seq = next(self._seq)
-        self._batch.append(cmd)
+    def _add(self, op: str, transfer_id: str, blocks: list[int], args: tuple[object, ...]) -> int:
+        seq = next(self._seq)
+        self._batch.append((seq, op, transfer_id, blocks, args))
         with self._cond:
-            self._sent[cmd.seq] = (transfer_id, tuple(blocks), op)
-        return cmd.seq
+            self._sent[seq] = (transfer_id, tuple(blocks), op)
+        return seq
 
     def step(self) -> int:
         """Send this step's commands as one message (nothing when there are none); returns how many."""
         n = len(self._batch)
         if n:
             batch, self._batch = self._batch, []
-            self._out.put(worker_pb2.CommandBatch(commands=batch))
+            self._out.put(batch)
         return n
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -157,7 +166,8 @@ class StreamWorker:
 
     def _requests(self) -> Iterator[worker_pb2.CommandBatch]:
         while (batch := self._out.get()) is not _END:
-            yield batch
+            yield batch if isinstance(batch, worker_pb2.CommandBatch) else worker_pb2.CommandBatch(
+                commands=[_command(q) for q in batch])
 
     def _read(self) -> None:
         try:

@@ -1,0 +1,106 @@
+"""Control-path cost of the worker API: per-request unary calls vs one Stream message per step.
+
+Two real daemons, real NIXL (4 KiB per request). Each round is one "engine step" of B requests on
+each side: decode queues B Expects, prefill queues B Publishes; the round ends when all 2B
+completions are back. Prints one JSON object per mode with rendezvous/s, the engine thread's time
+per step (what queueing the step's calls costs the caller: appends plus step() for the stream;
+B *_nowait calls for the queued unary client) and daemon CPU per rendezvous.
+
+    python scripts/bench_stream.py [--batch 8] [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+from conftest import make_kv, start_daemon
+from kvpushd_client import Role
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(mode: str, batch: int, rounds: int) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = "[transfer]\nexpect_timeout_s = 60.0\npublish_timeout_s = 60.0\n"
+        p = start_daemon(Path(d), "pnode", cfg)
+        dn = start_daemon(Path(d), "dnode", cfg)
+        src, dst = make_kv("bench-stream-src", num_blocks=2 * batch), make_kv("bench-stream-dst", num_blocks=2 * batch)
+        attach = "attach_stream" if mode == "stream" else "attach"
+        pw = getattr(p.client, attach)("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = getattr(dn.client, attach)("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        step_us: list[float] = []
+
+        def step(w) -> None:  # type: ignore[no-untyped-def]
+            if mode == "stream":
+                w.step()
+
+        def one_round(r: int) -> None:
+            t0 = time.perf_counter()
+            for i in range(batch):
+                dw.expect_nowait(f"r{r}-{i}", [i], p.peer_address, "prefill", 1)
+            step(dw)
+            step_us.append((time.perf_counter() - t0) * 1e6)
+            t0 = time.perf_counter()
+            for i in range(batch):
+                pw.publish_nowait(f"r{r}-{i}", [i])
+            step(pw)
+            step_us.append((time.perf_counter() - t0) * 1e6)
+            got = 0
+            while got < 2 * batch:
+                got += len(dw.completions()) + len(pw.completions())
+                if got < 2 * batch:
+                    time.sleep(0.0002)
+
+        for r in range(10):  # warm-up
+            one_round(-1 - r)
+        step_us.clear()
+        c0 = (cpu_s(p.proc.pid), cpu_s(dn.proc.pid))
+        t0 = time.monotonic()
+        for r in range(rounds):
+            one_round(r)
+        wall = time.monotonic() - t0
+        c1 = (cpu_s(p.proc.pid), cpu_s(dn.proc.pid))
+        n = rounds * batch
+        out = {"mode": mode, "batch": batch, "rounds": rounds, "rendezvous_per_s": round(n / wall, 1),
+               "engine_step_us": {"p50": round(pct(step_us, 0.5), 1), "p99": round(pct(step_us, 0.99), 1)},
+               "daemon_cpu_us_per_rendezvous": {"prefill": round((c1[0] - c0[0]) / n * 1e6, 1),
+                                                "decode": round((c1[1] - c0[1]) / n * 1e6, 1)},
+               "loadavg": os.getloadavg()[0]}
+        for w in (pw, dw):
+            w.detach()
+        for x in (p, dn):
+            x.client.close()
+            x.stop()
+        src.close()
+        dst.close()
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--modes", default="unary,stream,unary,stream")
+    a = ap.parse_args()
+    for mode in a.modes.split(","):
+        print(json.dumps(run(mode, a.batch, a.rounds)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
