@@ -120,3 +120,44 @@ def test_a_worker_that_dies_mid_batch_is_released(daemon_pair, kv_pair) -> None:
     # the decode daemon detaches it and withdraws its 16 registrations; the prefill daemon lets go
     assert wait_for(lambda: not [w for w in d.client.status().workers if w.engine_id == "decode"], 30)
     assert wait_for(lambda: not d.client.status().transfers and not p.client.status().transfers, 30)
+
+
+def test_register_batch_one_bad_item_fails_alone(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """A peer's RegisterBatch: good registrations are accepted, a bad one (blocks out of range, or
+    naming another caller) is answered with its own status, the rest go on; the session is checked
+    once for the batch."""
+    import uuid
+
+    from kvpushd_client.proto.v1 import peer_pb2
+    from test_closed import _rogue_agent
+    from test_peer_trust import handshake
+
+    p, _ = daemon_pair
+    src, _ = kv_pair
+    p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    me = uuid.uuid4().hex
+    stub, session = handshake(p.peer_address, "rogue", me)
+    name, md = _rogue_agent(me)
+
+    def reg(tid: str, rid: int, blocks: list[int], caller: str = me, with_md: bool = False) -> peer_pb2.RegisterRequest:
+        return peer_pb2.RegisterRequest(
+            caller_instance_id=caller, transfer_id=tid, registration_id=rid, producer_engine_id="prefill",
+            producer_tp_size=1, consumer_engine_id="x", consumer_tp_rank=0, consumer_tp_size=1,
+            consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md if with_md else b"",
+                                              memory_kind="DRAM", regions=[peer_pb2.RemoteRegion(
+                                                  base_addr=1 << 20, num_blocks=64, block_len=4096,
+                                                  block_stride=4096)] * 4),
+            block_ids=blocks)
+
+    batch = peer_pb2.RegisterBatchRequest(caller_instance_id=me, registrations=[
+        reg("b1", 1, [1], with_md=True), reg("b2", 2, [99]), reg("b3", 3, [3], caller="someone-else"),
+        reg("b4", 4, [4])])
+    resp = stub.RegisterBatch(batch, timeout=10, metadata=session)
+    assert [r.code for r in resp.results] == ["OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "OK"], resp
+    assert not resp.results[0].need_metadata and not resp.results[3].need_metadata
+    assert resp.results[1].kind == "InvalidArgument" and "out of range" in resp.results[1].message
+    assert sorted(t.transfer_id for t in p.client.status().transfers) == ["b1", "b4"]
+    # without the session token the whole batch is refused
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.RegisterBatch(batch, timeout=10)
+    assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION

@@ -8,12 +8,13 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 
 from .. import PROTOCOL_VERSION
 from ..core import notif
-from ..core.errors import SessionUnknown
+from ..core.errors import InvalidArgument, KvpushdError, PermissionDenied, SessionUnknown
 from ..runtime.node import Node
 from . import convert
-from .errors import unary
+from .errors import code_for, unary
 
 Ctx = Any
+MAX_BATCH = 4096  # registrations in one RegisterBatch
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
@@ -31,12 +32,33 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     @unary
     async def Register(self, request: peer_pb2.RegisterRequest, context: Ctx) -> peer_pb2.RegisterResponse:
         self._known(request.caller_instance_id, context)
-        ok = self.node.register(request.caller_instance_id, request.transfer_id, request.registration_id,
-                                request.producer_engine_id, request.producer_tp_size,
-                                request.consumer_engine_id, request.consumer_tp_rank, request.consumer_tp_size,
-                                convert.remote_agent(request.consumer_agent), request.block_ids,
-                                convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens)
-        return peer_pb2.RegisterResponse(need_metadata=not ok)
+        return peer_pb2.RegisterResponse(need_metadata=not self._register(request))
+
+    @unary
+    async def RegisterBatch(self, request: peer_pb2.RegisterBatchRequest,
+                            context: Ctx) -> peer_pb2.RegisterBatchResponse:
+        self._known(request.caller_instance_id, context)
+        if len(request.registrations) > MAX_BATCH:
+            raise InvalidArgument(f"{len(request.registrations)} registrations in one batch; at most {MAX_BATCH}")
+        out = peer_pb2.RegisterBatchResponse()
+        for r in request.registrations:
+            try:
+                if r.caller_instance_id != request.caller_instance_id:
+                    raise PermissionDenied("a registration of the batch names another caller instance")
+                out.results.add(code="OK", need_metadata=not self._register(r))
+            except KvpushdError as e:  # this one fails alone
+                code = code_for(e)
+                if code is None:
+                    raise
+                out.results.add(code=code.name, message=str(e), kind=e.kind)
+        return out
+
+    def _register(self, request: peer_pb2.RegisterRequest) -> bool:
+        return self.node.register(request.caller_instance_id, request.transfer_id, request.registration_id,
+                                  request.producer_engine_id, request.producer_tp_size,
+                                  request.consumer_engine_id, request.consumer_tp_rank, request.consumer_tp_size,
+                                  convert.remote_agent(request.consumer_agent), request.block_ids,
+                                  convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens)
 
     @unary
     async def Fail(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:

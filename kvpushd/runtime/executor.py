@@ -85,6 +85,7 @@ class Executor:
         self._withdrawing = 0  # Withdraw RPCs not answered yet (the decode agent keeps progressing)
         self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._registers: dict[str, list[SendRegister]] = {}  # per prefill daemon: this loop turn's Registers
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
 
@@ -119,7 +120,7 @@ class Executor:
             elif isinstance(a, StartRead):
                 self._start_read(a)
             elif isinstance(a, SendRegister):
-                self.spawn(self._send_register(a))
+                self._queue_register(a)
             elif isinstance(a, SendFailNotice):
                 self.spawn(self._send_fail(a))
             elif isinstance(a, SendWithdraw):
@@ -260,22 +261,44 @@ class Executor:
 
     # -- peer calls the core asked for ------------------------------------------------------------
 
-    async def _send_register(self, a: SendRegister) -> None:
-        w = self.workers.by_id.get(a.worker_id)
-        if w is None:
+    def _queue_register(self, a: SendRegister) -> None:
+        """Registers to one prefill daemon made in one turn of the loop go out as one RegisterBatch."""
+        batch = self._registers.setdefault(a.producer_address, [])
+        batch.append(a)
+        if len(batch) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_registers, a.producer_address)
+
+    def _flush_registers(self, address: str) -> None:
+        batch = self._registers.pop(address, [])
+        if batch:
+            self.spawn(self._send_registers(address, batch))
+
+    async def _send_registers(self, address: str, batch: list[SendRegister]) -> None:
+        items = [(a, w) for a in batch if (w := self.workers.by_id.get(a.worker_id)) is not None]
+        if not items:
             return
-        peer = self.outbound.peer(a.producer_address)
+        peer = self.outbound.peer(address)
         try:
-            await peer.register(a, w)
+            results = await peer.register_batch(items)
         except PeerRejected as e:
-            self.peerbook.failed(a.producer_address, str(e))
-            self.run(self.recv.failed(a.registration_id, FailureCode.PEER_REJECTED, str(e)))
+            self.peerbook.failed(address, str(e))
+            results = [e] * len(items)
         except PeerUnreachable as e:
-            self.peerbook.failed(a.producer_address, str(e), unreachable=True)
-            self.run(self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e)))
-        else:
-            self.peerbook.contact(a.producer_address, node_id=peer.remote_node_id)
-            self.run(self.recv.registered(a.registration_id))
+            self.peerbook.failed(address, str(e), unreachable=True)
+            self.run([x for a, _ in items
+                      for x in self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e))])
+            return
+        actions: list[Action] = []
+        for (a, _), err in zip(items, results, strict=True):
+            if err is None:
+                actions += self.recv.registered(a.registration_id)
+            else:
+                actions += self.recv.failed(a.registration_id, FailureCode.PEER_REJECTED, str(err))
+        if any(err is None for err in results):
+            self.peerbook.contact(address, node_id=peer.remote_node_id)
+        if any(err is not None for err in results):
+            self.peerbook.failed(address, str(next(err for err in results if err is not None)))
+        self.run(actions)
 
     async def _send_fail(self, a: SendFailNotice) -> None:
         origin = self.inbound.origins.get(a.origin)

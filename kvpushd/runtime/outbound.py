@@ -169,22 +169,55 @@ class PeerClient:
         raise AssertionError("unreachable")
 
     async def register(self, a: SendRegister, w: Worker) -> None:
-        n = self.ident
+        """One registration (RegisterBatch is what the daemon uses; this stays for tools and tests)."""
+        (err,) = await self.register_batch([(a, w)])
+        if err is not None:
+            raise err
+
+    async def register_batch(self, items: list[tuple[SendRegister, Worker]]) -> list[KvpushdError | None]:
+        """Many registrations in one RegisterBatch call: per item None (accepted) or why it was not.
+
+        Raises PeerUnreachable (nothing is known of any item) or PeerRejected (the call as a whole)."""
+        out: list[KvpushdError | None] = [None] * len(items)
+        todo = list(range(len(items)))
         for _ in range(2):
-            agent = agent_info(w, with_metadata=w.agent_name not in self.sent_agents)
-            req = peer_pb2.RegisterRequest(
-                caller_instance_id=n.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
-                producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
-                consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank,
-                consumer_tp_size=a.consumer_tp_size, consumer_agent=agent, block_ids=a.block_ids,
-                transfer_mode=common_pb2.TransferMode.ValueType(int(a.mode)), skip_tokens=a.skip_tokens)
-            resp = await self._call("Register", req)
-            assert isinstance(resp, peer_pb2.RegisterResponse)
-            if not resp.need_metadata:
-                self.sent_agents.add(w.agent_name)
-                return
-            self.sent_agents.discard(w.agent_name)
-        raise PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata", peer=self.address)
+            with_md: set[str] = set()
+            regs = []
+            for i in todo:
+                a, w = items[i]
+                md = w.agent_name not in self.sent_agents and w.agent_name not in with_md
+                with_md.add(w.agent_name)
+                regs.append(self._register_request(a, w, md))
+            req = peer_pb2.RegisterBatchRequest(caller_instance_id=self.ident.instance_id, registrations=regs)
+            resp = await self._call("RegisterBatch", req)
+            assert isinstance(resp, peer_pb2.RegisterBatchResponse)
+            if len(resp.results) != len(todo):
+                raise PeerRejected(f"prefill daemon {self.address} answered {len(resp.results)} of {len(todo)} "
+                                   "registrations", peer=self.address)
+            again = []
+            for i, r in zip(todo, resp.results, strict=True):
+                w = items[i][1]
+                if r.code == "OK" and r.need_metadata:
+                    self.sent_agents.discard(w.agent_name)
+                    again.append(i)
+                elif r.code == "OK":
+                    self.sent_agents.add(w.agent_name)
+                else:
+                    out[i] = PeerRejected(f"prefill daemon {self.address}: {r.code}: {r.message}", peer=self.address)
+            todo = again
+            if not todo:
+                return out
+        for i in todo:
+            out[i] = PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata", peer=self.address)
+        return out
+
+    def _register_request(self, a: SendRegister, w: Worker, with_metadata: bool) -> peer_pb2.RegisterRequest:
+        return peer_pb2.RegisterRequest(
+            caller_instance_id=self.ident.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
+            producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
+            consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank, consumer_tp_size=a.consumer_tp_size,
+            consumer_agent=agent_info(w, with_metadata=with_metadata), block_ids=a.block_ids,
+            transfer_mode=common_pb2.TransferMode.ValueType(int(a.mode)), skip_tokens=a.skip_tokens)
 
     async def offer(self, a: SendOffer, w: Worker, still_wanted: Callable[[], bool]) -> bool:
         """Pull mode (we are the prefill side): offer a leg's source blocks to the decode daemon.

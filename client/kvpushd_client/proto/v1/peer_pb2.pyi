@@ -291,6 +291,83 @@ class RegisterResponse(_message.Message):
 Global___RegisterResponse: _TypeAlias = RegisterResponse  # noqa: Y015
 
 @_typing.final
+class RegisterBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    REGISTRATIONS_FIELD_NUMBER: _builtins.int
+    caller_instance_id: _builtins.str
+    """every registration's caller_instance_id must be this one"""
+    @_builtins.property
+    def registrations(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisterRequest]: ...
+    def __init__(
+        self,
+        *,
+        caller_instance_id: _builtins.str = ...,
+        registrations: _abc.Iterable[Global___RegisterRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "registrations", b"registrations"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterBatchRequest: _TypeAlias = RegisterBatchRequest  # noqa: Y015
+
+@_typing.final
+class RegisterResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEED_METADATA_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    need_metadata: _builtins.bool
+    """as RegisterResponse"""
+    code: _builtins.str
+    """"OK", or the status code name a Register of it alone would have failed with"""
+    message: _builtins.str
+    kind: _builtins.str
+    """the error's kind (as in the kvpushd-error metadata)"""
+    def __init__(
+        self,
+        *,
+        need_metadata: _builtins.bool = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        kind: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "kind", b"kind", "message", b"message", "need_metadata", b"need_metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterResult: _TypeAlias = RegisterResult  # noqa: Y015
+
+@_typing.final
+class RegisterBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisterResult]:
+        """one per registration, in order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___RegisterResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterBatchResponse: _TypeAlias = RegisterBatchResponse  # noqa: Y015
+
+@_typing.final
 class FailNotice(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -44,6 +44,11 @@ class PeerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_peer__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.RegisterBatch = channel.unary_unary(
+                '/kvpushd.v1.PeerService/RegisterBatch',
+                request_serializer=kvpushd_dot_v1_dot_peer__pb2.RegisterBatchRequest.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_peer__pb2.RegisterBatchResponse.FromString,
+                _registered_method=True)
         self.Fail = channel.unary_unary(
                 '/kvpushd.v1.PeerService/Fail',
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.FailNotice.SerializeToString,
@@ -83,6 +88,14 @@ class PeerServiceServicer:
 
     def Register(self, request, context):
         """Decode side -> prefill side: destination blocks of one consumer rank for one transfer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterBatch(self, request, context):
+        """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
+        is checked and answered on its own, a bad one fails alone; the session is checked once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +155,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=kvpushd_dot_v1_dot_peer__pb2.RegisterRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_peer__pb2.RegisterResponse.SerializeToString,
+            ),
+            'RegisterBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterBatch,
+                    request_deserializer=kvpushd_dot_v1_dot_peer__pb2.RegisterBatchRequest.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_peer__pb2.RegisterBatchResponse.SerializeToString,
             ),
             'Fail': grpc.unary_unary_rpc_method_handler(
                     servicer.Fail,
@@ -223,6 +241,33 @@ class PeerService:
             '/kvpushd.v1.PeerService/Register',
             kvpushd_dot_v1_dot_peer__pb2.RegisterRequest.SerializeToString,
             kvpushd_dot_v1_dot_peer__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpushd.v1.PeerService/RegisterBatch',
+            kvpushd_dot_v1_dot_peer__pb2.RegisterBatchRequest.SerializeToString,
+            kvpushd_dot_v1_dot_peer__pb2.RegisterBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,10 @@ class PeerServiceStub:
     """Exchanged once per pair of daemons (and again after either restarts)."""
     Register: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RegisterRequest, _peer_pb2.RegisterResponse]
     """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
+    RegisterBatch: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RegisterBatchRequest, _peer_pb2.RegisterBatchResponse]
+    """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
+    is checked and answered on its own, a bad one fails alone; the session is checked once.
+    """
     Fail: _grpc.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]
     """Prefill side -> decode side: this registration will not be written (WRITE failed, timeout,
     prefill worker gone or aborted). The decode daemon fails the Expect with the reason.
@@ -65,6 +69,10 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """Exchanged once per pair of daemons (and again after either restarts)."""
     Register: _aio.UnaryUnaryMultiCallable[_peer_pb2.RegisterRequest, _peer_pb2.RegisterResponse]  # type: ignore[assignment]
     """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
+    RegisterBatch: _aio.UnaryUnaryMultiCallable[_peer_pb2.RegisterBatchRequest, _peer_pb2.RegisterBatchResponse]  # type: ignore[assignment]
+    """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
+    is checked and answered on its own, a bad one fails alone; the session is checked once.
+    """
     Fail: _aio.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
     """Prefill side -> decode side: this registration will not be written (WRITE failed, timeout,
     prefill worker gone or aborted). The decode daemon fails the Expect with the reason.
@@ -104,6 +112,16 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.RegisterResponse, _abc.Awaitable[_peer_pb2.RegisterResponse]]:
         """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
+
+    @_abc_1.abstractmethod
+    def RegisterBatch(
+        self,
+        request: _peer_pb2.RegisterBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.RegisterBatchResponse, _abc.Awaitable[_peer_pb2.RegisterBatchResponse]]:
+        """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
+        is checked and answered on its own, a bad one fails alone; the session is checked once.
+        """
 
     @_abc_1.abstractmethod
     def Fail(
