@@ -289,6 +289,13 @@ class FakePeer(grpc.GenericRpcHandler):
             agent = peer_pb2.RegisterRequest.FromString(req).consumer_agent
             if agent.agent_metadata and self.captured is None:
                 self.captured = agent
+        if name == "RegisterBatch":  # what a daemon sends: every registration accepted
+            batch = peer_pb2.RegisterBatchRequest.FromString(req)
+            for r in batch.registrations:
+                if r.consumer_agent.agent_metadata and self.captured is None:
+                    self.captured = r.consumer_agent
+            return peer_pb2.RegisterBatchResponse(
+                results=[peer_pb2.RegisterResult(code="OK") for _ in batch.registrations]).SerializeToString()
         if name == "Heartbeat" and hasattr(peer_pb2, "HeartbeatResponse"):
             resp = peer_pb2.HeartbeatResponse()
             for k, v in (("instance_id", self.instance), ("knows_caller", True)):
@@ -1189,7 +1196,7 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
         # the decode daemon registers the capture consumer's agent with the fake peer: keep its metadata
         fuzzc.expect("capture", [0], fz.fake_addr, "fuzzp", 1)
         fz.accepted[(fuzzc.worker_id, "capture")] += 1
-        assert wait_for(lambda: fake.captured is not None, 30), f"no Register reached the fake peer: {fake.calls}"
+        assert wait_for(lambda: fake.captured is not None, 30), f"no RegisterBatch reached the fake peer: {fake.calls}"
         fuzzc.abort("capture")
         for daemon in ("p", "d"):
             fz.handshake(daemon, fz.fake_addr2)

@@ -95,6 +95,12 @@ class FakePrefill(peer_pb2_grpc.PeerServiceServicer):
         self.got.set()
         return peer_pb2.RegisterResponse()
 
+    def RegisterBatch(self, request, context):  # type: ignore[no-untyped-def]
+        self.registrations.extend(request.registrations)
+        self.got.set()
+        return peer_pb2.RegisterBatchResponse(results=[peer_pb2.RegisterResult(code="OK")
+                                                       for _ in request.registrations])
+
     def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
         return peer_pb2.HeartbeatResponse(instance_id=self.instance, knows_caller=True)
 

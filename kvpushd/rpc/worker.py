@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
+from google.protobuf.message import DecodeError
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
 
 from ..core.errors import InvalidArgument, KvpushdError
@@ -73,6 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             first: worker_pb2.CommandBatch = await requests.__anext__()
         except StopAsyncIteration:
             return
+        except DecodeError as e:
+            raise InvalidArgument(f"malformed CommandBatch: {e}") from None
         worker_id = first.worker_id
         self.node.worker(worker_id)  # NOT_FOUND before anything else
         results: list[worker_pb2.CommandResult] = []
@@ -87,15 +90,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.node.wake(worker_id)
 
         async def read() -> None:
-            async for batch in requests:
-                run(batch)
+            try:
+                async for batch in requests:
+                    run(batch)
+            except DecodeError:  # a malformed later batch ends the stream (and with it the session)
+                log.warning("malformed CommandBatch on a worker stream", worker_id=worker_id)
+                self.node.wake(worker_id)
+                raise
 
         run(first)
         reader = asyncio.get_running_loop().create_task(read())
         try:
             async for completions in self.node.session_batches(worker_id):
                 if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                    raise reader.exception()  # type: ignore[misc]
+                    raise InvalidArgument("malformed CommandBatch")
                 out, results[:] = list(results), []
                 if out or completions:
                     yield worker_pb2.EventBatch(results=out, completions=[convert.completion(c) for c in completions])
