@@ -93,8 +93,6 @@ class StreamWorker:
     def _add(self, op: str, transfer_id: str, blocks: list[int], args: tuple[object, ...]) -> int:
         seq = next(self._seq)
         self._batch.append((seq, op, transfer_id, blocks, args))
-        with self._cond:
-            self._sent[seq] = (transfer_id, tuple(blocks), op)
         return seq
 
     def step(self) -> int:
@@ -102,6 +100,9 @@ class StreamWorker:
         n = len(self._batch)
         if n:
             batch, self._batch = self._batch, []
+            with self._cond:  # one lock per step, held for the appends only
+                for seq, op, tid, blocks, _ in batch:
+                    self._sent[seq] = (tid, tuple(blocks), op)
             self._out.put(batch)
         return n
 
