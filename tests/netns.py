@@ -1,5 +1,5 @@
-"""The namespace helper moved into the package (kvpushd/netns.py, also used by ``kvpushd demo --hosts netns``)."""
+"""The namespace helper moved into the package (kvpushd_lab/netns.py, also used by ``kvpushd demo --hosts netns``)."""
 
-from kvpushd.netns import PREFIX, VETH, NetnsLab, available, sweep_stale
+from kvpushd_lab.netns import PREFIX, VETH, NetnsLab, available, sweep_stale
 
 __all__ = ["PREFIX", "VETH", "NetnsLab", "available", "sweep_stale"]

@@ -128,8 +128,8 @@ def test_sweep_inengine_hooks(mode: str) -> None:
     """In-engine NIXL hooks (agents owned by the engines, real UCX transfers): tokens equal the monolithic run."""
     import time
 
-    from kvpushd.refengine import Engine, PagedKV, TinyConfig, TinyModel, random_prompt
-    from kvpushd.refengine.inengine import InEnginePullHooks, InEnginePushHooks
+    from kvpushd_lab.refengine import Engine, PagedKV, TinyConfig, TinyModel, random_prompt
+    from kvpushd_lab.refengine.inengine import InEnginePullHooks, InEnginePushHooks
 
     cls = InEnginePullHooks if mode == "pull" else InEnginePushHooks
     cfg = TinyConfig(num_layers=2)

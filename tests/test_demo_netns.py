@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import pytest
-
-from kvpushd.netns import available
+from kvpushd_lab.netns import available
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 from kvpushd_client import Role
-
-from kvpushd.refengine import (
+from kvpushd_lab.refengine import (
     Engine,
     KVPushdHooks,
     LocalKVNetwork,

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
+from kvpushd.transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
+
 from .common import BenchError, KVMemory, Layout
 
 AGENT_BACKENDS = ["UCX"]
@@ -51,7 +52,7 @@ def _agent(name: str) -> Any:
 def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection) -> None:
     """Like the decode daemon's NIXL thread: poll every ``poll_s`` while a WRITE is awaited (or while
     told to stay busy), otherwise wake every 50 ms only; ``poll_s`` 0 spins while awaiting."""
-    from ..memory.shm import ShmMapping
+    from kvpushd.memory.shm import ShmMapping
 
     m = ShmMapping(shm_name, size)
     agent = _agent(f"kvpushd-bench-target-{os.getpid()}")
@@ -160,7 +161,7 @@ class Initiator:
     """A NIXL agent in this process on the source memory, with prepared lists towards ``target``."""
 
     def __init__(self, mem: KVMemory, target: Target, name: str = "") -> None:
-        from ..memory.shm import ShmMapping
+        from kvpushd.memory.shm import ShmMapping
 
         self.layout: Layout = mem.layout
         self._map = ShmMapping(mem.name, mem.layout.total_bytes)

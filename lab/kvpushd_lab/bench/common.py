@@ -11,11 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +20,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import KVPushClient, Region, SharedBuffer
+from kvpushd_client import Region, SharedBuffer
+
+from .. import launch
 
 POISON = 0x5A
 
@@ -108,91 +107,26 @@ class KVMemory:
 
 # -- daemons ---------------------------------------------------------------------------------------
 
+DaemonProc = launch.Daemon  # started by the one launcher (kvpushd_lab.launch), as the tests and the demo do
 
-@dataclass
-class DaemonProc:
-    name: str
-    sock: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    client: KVPushClient
-    peer_address: str = ""
-    metrics_address: str = ""
 
-    def cpu_s(self) -> float:
-        return cpu_seconds(self.proc.pid)
+def _settings(log_level: str) -> dict[str, dict[str, object]]:
+    return {"log": {"level": log_level, "format": "json"}, "metrics": {"listen": "127.0.0.1:0"}}
 
-    def metrics(self) -> str:
-        if not self.metrics_address:
-            return ""
-        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as r:
-            return str(r.read().decode())
 
-    def log_records(self, event: str) -> list[dict[str, Any]]:
-        """The daemon's JSON log lines whose ``event`` is ``event``."""
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == event:
-                out.append(rec)
-        return out
+def _ready(d: DaemonProc) -> DaemonProc:
+    try:
+        return launch.wait_ready(d, 90)
+    except launch.DaemonStartError as e:
+        raise BenchError(str(e)) from None
 
-    def terminate(self) -> None:
-        """SIGTERM: the daemon drains and exits (see ``wait``)."""
-        with contextlib.suppress(Exception):
-            self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
 
-    def wait(self, timeout_s: float = 30.0) -> None:
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.terminate()
-        self.wait(timeout_s)
+def _spawn_daemon(workdir: Path, name: str, log_level: str = "info", extra_config: str = "") -> DaemonProc:
+    return launch.spawn(workdir, name, settings=_settings(log_level), extra_config=extra_config)
 
 
 def start_daemon(workdir: Path, name: str, log_level: str = "info", extra_config: str = "") -> DaemonProc:
     return _ready(_spawn_daemon(workdir, name, log_level, extra_config))
-
-
-def _spawn_daemon(workdir: Path, name: str, log_level: str,
-                  extra_config: str) -> tuple[str, str, subprocess.Popen[bytes], Path]:
-    sock = str(workdir / f"{name}.sock")
-    cfg = workdir / f"{name}.toml"
-    cfg.write_text(
-        f'[node]\nnode_id = "{name}"\nadvertise_host = "127.0.0.1"\n'
-        f'[worker_api]\nsocket = "{sock}"\n'
-        '[peer_api]\nlisten = "127.0.0.1:0"\n'
-        f'[log]\nlevel = "{log_level}"\nformat = "json"\n'
-        '[metrics]\nlisten = "127.0.0.1:0"\n' + extra_config
-    )
-    log = workdir / f"{name}.log"
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpushd", "serve", "--config", str(cfg)],
-                                stdout=logf, stderr=subprocess.STDOUT)
-    return name, sock, proc, log
-
-
-def _ready(spawned: tuple[str, str, subprocess.Popen[bytes], Path]) -> DaemonProc:
-    name, sock, proc, log = spawned
-    client = KVPushClient(sock)
-    try:
-        client.wait_ready(90)
-        st = client.status()
-    except Exception:
-        proc.kill()
-        raise BenchError(f"daemon {name} did not start:\n{log.read_text(errors='replace')[-3000:]}") from None
-    return DaemonProc(name, sock, proc, log, client, st.peer_address, st.metrics_address)
 
 
 @contextlib.contextmanager
@@ -202,28 +136,25 @@ def daemon_pair(workdir: Path, prefill_log_level: str = "info",
 
     ``transfer``: settings of the daemons' [transfer] section (for example poll_interval_s).
     """
-    settings = {"publish_timeout_s": 60.0, "expect_timeout_s": 60.0, **(transfer or {})}
-    section = "[transfer]\n" + "".join(f"{k} = {float(v)!r}\n" for k, v in settings.items())
+    section = {"publish_timeout_s": 60.0, "expect_timeout_s": 60.0,
+               **{k: float(v) for k, v in (transfer or {}).items()}}
     # Both start at once: each spends seconds importing NIXL and torch.
-    ps = _spawn_daemon(workdir, "bench-pnode", prefill_log_level, section)
-    ds = _spawn_daemon(workdir, "bench-dnode", "info", section)
+    ps = launch.spawn(workdir, "bench-pnode", settings={**_settings(prefill_log_level), "transfer": section})
+    ds = launch.spawn(workdir, "bench-dnode", settings={**_settings("info"), "transfer": section})
     try:
         p = _ready(ps)
     except BaseException:
-        ds[2].kill()
+        ds.proc.kill()
         raise
     try:
         d = _ready(ds)
     except BaseException:
-        p.stop()
+        p.shutdown()
         raise
     try:
         yield p, d
     finally:
-        d.terminate()
-        p.terminate()
-        d.wait()
-        p.wait()
+        launch.stop_all([d, p])
 
 
 def wait_registered(p: DaemonProc, transfer_id: str, timeout_s: float = 10.0, interval_s: float = 0.01) -> None:
@@ -241,16 +172,6 @@ def wait_registered(p: DaemonProc, transfer_id: str, timeout_s: float = 10.0, in
 
 
 # -- processes and the machine ---------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sched_ns(pid: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""PNG plots of a suite's figures (optional: needs matplotlib, ``pip install 'kvpushd[bench]'``)."""
+"""PNG plots of a suite's figures (optional: needs matplotlib, ``pip install 'kvpushd-lab[bench]'``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise BenchError("--plot needs matplotlib, which is not installed; install it with: "
-                         "pip install 'kvpushd[bench]' (or: pip install 'matplotlib>=3.8')") from None
+                         "pip install 'kvpushd-lab[bench]' (or: pip install 'matplotlib>=3.8')") from None
 
 
 def plot(result: Result, outdir: Path) -> list[Path]:

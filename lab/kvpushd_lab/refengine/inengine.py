@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from ..transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
+from kvpushd.transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
+
 from .engine import KVEvents
 from .model import PagedKV, as_caches
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from kvpushd_client import AsyncKVPushClient, AsyncWorker, Completion, CompletionKind, Region, Role
 
-from .common import POISON, BenchError, KVMemory, Layout, Result, cpu_seconds, daemon_pair, dist, met, progress
+from ..launch import cpu_seconds
+from .common import POISON, BenchError, KVMemory, Layout, Result, daemon_pair, dist, met, progress
 
 TARGET_PER_S = 5000.0
 BUCKET_S = 0.1

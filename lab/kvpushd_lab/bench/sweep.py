@@ -14,7 +14,7 @@ Modes (``--modes``):
 * ``inengine-pull``: ``InEnginePullHooks`` (vLLM's NixlConnector): after prefill the decode engine
   thread handshakes (once), posts a READ, polls it, then notifies prefill to free.
 
-Per mode one prefill engine process and one decode engine process (``kvpushd.refengine``, the tiny
+Per mode one prefill engine process and one decode engine process (``kvpushd_lab.refengine``, the tiny
 deterministic model, prefix caching off: there is none) serve every cell in turn; kvpushd modes also
 start two daemons. Per prompt length a few warm-up requests go first (handshakes, first-touch);
 then per QPS ``--requests`` distinct prompts arrive as a Poisson process. The same prompts and
@@ -99,7 +99,7 @@ def _config(spec: dict[str, Any]) -> Any:
 
 
 def _engine_main(role: str, mode: str, spec: dict[str, Any], conn: Connection) -> None:
-    from ..demo import run_engine_child
+    from ..demo.engine_proc import run_engine_child
 
     run_engine_child(f"{mode} {role} engine", lambda: _engine_loop(role, mode, spec, conn), conn)
 

@@ -314,9 +314,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     finally:
         for x, s in ((d, ds), (p, ps)):
             if x is not None:
-                x.stop()
-            elif s[2].poll() is None:
-                s[2].kill()
+                x.shutdown()
+            elif s.proc.poll() is None:
+                s.proc.kill()
         src.close()
         dst.close()
     return _result(args, soak, out)
