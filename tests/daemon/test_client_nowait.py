@@ -3,8 +3,8 @@ the client's sender thread; a refused call comes back as a FAILED completion wit
 
 from __future__ import annotations
 
-from conftest import attach_pair, wait_for
 from kvpushd_client import CompletionKind
+from support import attach_pair, wait_for
 
 
 def drain(w, n: int, timeout: float = 20.0):  # type: ignore[no-untyped-def]

@@ -71,7 +71,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from conftest import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
 from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory, text_format
 from google.protobuf.message import Message
@@ -79,6 +78,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvpushd_client import Completion, CompletionKind, Role
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2
+from support import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from conftest import POISON, wait_for
 from kvpushd_client import CompletionKind, Region, Role, SharedBuffer
+from support import POISON, wait_for
 
 R, E, HEADS = 3, 8, 4  # regions, bytes per head and token, KV heads of the whole model
 

@@ -9,12 +9,10 @@ directory and hand it shared-memory KV. Skipped, saying why, where namespaces ca
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import KV, POISON, make_kv, wait_for
-from kvpushd_client import Completion, CompletionKind, KVPushClient, KVPushError, Role, Worker
-from netns import VETH, NetnsLab, available, sweep_stale
+from kvpushd_client import Completion, CompletionKind, KVPushError, Role, Worker
+from kvpushd_lab import launch
+from kvpushd_lab.netns import VETH, NetnsLab, available, sweep_stale
+from support import KV, POISON, DaemonProc, make_kv, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,34 +45,12 @@ def _namespaces_available() -> None:
     sweep_stale()
 
 
-@dataclass
-class NsDaemon:
-    name: str
-    addr: str
-    sock: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    client: KVPushClient
-
-    @property
-    def peer_address(self) -> str:
-        return f"{self.addr}:{PORT}"
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
+NsDaemon = DaemonProc  # the one launcher's daemon (kvpushd_lab.launch), here inside a namespace
 
 
-def daemon_config(name: str, addr: str, sock: str, settings: Settings) -> str:
-    sections: dict[str, dict[str, object]] = {
-        "node": {"node_id": name, "advertise_host": addr},
-        "worker_api": {"socket": sock},
-        # not loopback: protected mode would refuse the other namespaces; allow the lab's /24
-        "peer_api": {"listen": f"{addr}:{PORT}", "allow": [f"{addr.rpartition('.')[0]}.0/24"]},
-    }
-    for section, values in settings.items():
-        sections.setdefault(section, {}).update(values)
-    return "".join(f"[{sec}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())  # TOML-compatible
-                   for sec, kv in sections.items())
+def _allow_lab(addr: str, settings: Settings) -> Settings:
+    """Not loopback: protected mode would refuse the other namespaces; allow the lab's /24."""
+    return {**settings, "peer_api": {**settings.get("peer_api", {}), "allow": [f"{addr.rpartition('.')[0]}.0/24"]}}
 
 
 def start_daemons(lab: NetnsLab, workdir: Path, nodes: Sequence[tuple[str, int]],
@@ -82,38 +59,15 @@ def start_daemons(lab: NetnsLab, workdir: Path, nodes: Sequence[tuple[str, int]]
 
     Peer API on the namespace's address; UCX limited to TCP on its veth, so the WRITEs cross the bridge.
     """
-    started: list[tuple[str, int, subprocess.Popen[bytes], Path, str]] = []
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=VETH)
     try:
-        for name, i in nodes:
-            sock = str(workdir / f"{name}.sock")
-            cfg = workdir / f"{name}.toml"
-            cfg.write_text(daemon_config(name, lab.addrs[i], sock, settings))
-            log = workdir / f"{name}.log"
-            with open(log, "wb") as out:
-                proc = lab.popen(i, [sys.executable, "-m", "kvpushd", "serve", "--config", str(cfg)],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env)
-            started.append((name, i, proc, log, sock))
-        daemons = []
-        deadline = time.monotonic() + 90
-        for name, i, proc, log, sock in started:
-            client = KVPushClient(sock)
-            while True:
-                try:
-                    client.wait_ready(1)
-                    break
-                except KVPushError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        client.close()
-                        raise RuntimeError(f"daemon {name} did not start (exit {proc.poll()}):\n"
-                                           f"{log.read_text(errors='replace')[-4000:]}") from None
-            daemons.append(NsDaemon(name, lab.addrs[i], sock, proc, log, client))
-        return daemons
-    except BaseException:
-        for _, _, proc, _, _ in started:
-            proc.kill()
-            proc.wait(10)
-        raise
+        return launch.start_all(workdir, [name for name, _ in nodes], env=env,
+                                die_with_parent=True, timeout_s=90,
+                                per_daemon={name: {"netns": (lab, i), "listen": f"{lab.addrs[i]}:{PORT}",
+                                                   "settings": _allow_lab(lab.addrs[i], settings)}
+                                            for name, i in nodes})
+    except launch.DaemonStartError as e:
+        raise RuntimeError(str(e)) from None
 
 
 def stop_all(daemons: Sequence[NsDaemon], expect_clean: bool = True) -> None:

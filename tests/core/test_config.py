@@ -12,7 +12,7 @@ import pytest
 from kvpushd import config
 from kvpushd.core.errors import InvalidArgument
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_usable() -> None:

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DaemonProc, attach_pair, start_daemon
 from kvpushd_client import CompletionKind
+from support import DaemonFactory, DaemonProc, attach_pair
 
 from kvpushd.core.errors import FailedPrecondition
 from kvpushd.transfer.backends import agent_devices, memory_device
@@ -47,17 +47,13 @@ def rail_pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
     mp.setenv("UCX_TLS", "tcp")
     try:
         with tempfile.TemporaryDirectory(prefix="kvpushd-rails-") as tmp:
-            p = start_daemon(Path(tmp), "pnode", RAILS)
+            factory = DaemonFactory(Path(tmp))
             try:
-                d = start_daemon(Path(tmp), "dnode", RAILS)
-            except BaseException:
-                p.stop()
-                raise
-            yield p, d
-            for x in (p, d):
-                x.client.close()
-                rc = x.stop()
-                assert rc == 0, f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}"
+                p, d = factory.pair(RAILS)
+                yield p, d
+                factory.close(check=(p, d))  # both exit 0
+            finally:
+                factory.close()
     finally:
         mp.undo()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import POISON, attach_pair, make_kv, wait_for
 from kvpushd_client import CompletionKind, Role
+from support import POISON, attach_pair, make_kv, wait_for
 
 R, NB, HALF = 4, 32, 2048
 
@@ -245,19 +245,8 @@ FAST = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 2.0\nexpect_ti
 
 
 @pytest.fixture
-def fast_pair(workdir):  # type: ignore[no-untyped-def]
-    import signal
-
-    from conftest import start_daemon
-
-    p = start_daemon(workdir, "pnode", FAST)
-    d = start_daemon(workdir, "dnode", FAST)
-    yield p, d
-    for x in (p, d):
-        x.client.close()
-        if x.proc.poll() is None:
-            x.proc.send_signal(signal.SIGCONT)
-            x.stop()
+def fast_pair(daemon_factory):  # type: ignore[no-untyped-def]
+    return daemon_factory.pair(FAST)  # stopped (SIGCONT first if stopped) by the factory
 
 
 def test_decode_daemon_stopped_before_the_offer_ends_the_publish(fast_pair, kv_pair) -> None:

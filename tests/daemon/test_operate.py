@@ -21,13 +21,13 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import DaemonProc, attach_pair, start_daemon, wait_for
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from kvpushd_client import CompletionKind
 from prometheus_client.parser import text_string_to_metric_families
+from support import DaemonFactory, DaemonProc, attach_pair, start_daemon, wait_for
 
 from kvpushd import config
 from kvpushd.core.errors import InvalidArgument
@@ -44,17 +44,13 @@ BLOCK_BYTES = 4 * 4096  # kv_pair: 4 regions of 4 KiB blocks
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
     with tempfile.TemporaryDirectory(prefix="kvpushd-op-") as tmp:
-        p = start_daemon(Path(tmp), "pnode", CONFIG)
+        factory = DaemonFactory(Path(tmp))
         try:
-            d = start_daemon(Path(tmp), "dnode", CONFIG)
-        except BaseException:
-            p.stop()
-            raise
-        yield p, d
-        for x in (p, d):
-            x.client.close()
-            rc = x.stop()
-            assert rc == 0, f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}"
+            p, d = factory.pair(CONFIG)
+            yield p, d
+            factory.close(check=(p, d))  # both exit 0
+        finally:
+            factory.close()
 
 
 def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -29,7 +29,7 @@ import structlog
 import kvpushd.systemd as sd
 from kvpushd.systemd import SdNotifier
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 UNIT_FILE = REPO_ROOT / "systemd" / "kvpushd.service"
 CONFIG_FILE = REPO_ROOT / "systemd" / "kvpushd.toml"
 EXEC_START = "/usr/local/bin/kvpushd serve --config /etc/kvpushd/kvpushd.toml"

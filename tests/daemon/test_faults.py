@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
-from conftest import attach_pair, start_daemon, wait_for
 from kvpushd_client import CompletionKind, Role
+from support import attach_pair, start_daemon, wait_for
 
 FAST = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 2.0\nexpect_timeout_s = 60.0\n"
         "publish_timeout_s = 60.0\n")
@@ -27,14 +27,8 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def fast_pair(workdir):  # type: ignore[no-untyped-def]
-    p = start_daemon(workdir, "pnode", FAST)
-    d = start_daemon(workdir, "dnode", FAST)
-    yield p, d
-    for x in (p, d):
-        if x.proc.poll() is None:
-            x.proc.send_signal(signal.SIGCONT)
-            x.stop()
+def fast_pair(daemon_factory):  # type: ignore[no-untyped-def]
+    return daemon_factory.pair(FAST)  # stopped (SIGCONT first if stopped) by the factory
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])

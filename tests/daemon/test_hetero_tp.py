@@ -8,8 +8,8 @@ prefill block. Every rank's destination blocks are checked bit for bit.
 from __future__ import annotations
 
 import numpy as np
-from conftest import POISON, make_kv, wait_for
 from kvpushd_client import CompletionKind, Role
+from support import POISON, make_kv, wait_for
 
 R, NB, HALF = 4, 32, 2048
 

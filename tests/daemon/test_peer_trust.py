@@ -10,9 +10,9 @@ from concurrent import futures
 
 import grpc
 import pytest
-from conftest import attach_pair, wait_for
 from kvpushd_client import CompletionKind, KVPushError, Region, Role
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
+from support import attach_pair, wait_for
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif

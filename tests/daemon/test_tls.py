@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import attach_pair, start_daemon
 from kvpushd_client import CompletionKind, Role
+from support import attach_pair, start_daemon
 
 from kvpushd.config import PeerApiConfig, from_dict
 from kvpushd.core.errors import InvalidArgument

@@ -6,8 +6,8 @@ import random
 import threading
 
 import numpy as np
-from conftest import KV, POISON, attach_pair, make_kv, wait_for
 from kvpushd_client import CompletionKind, Role
+from support import KV, POISON, attach_pair, make_kv, wait_for
 
 
 def check_blocks(src: KV, dst: KV, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -128,7 +128,7 @@ def test_partial_prefix_hit_writes_only_the_tail(daemon_pair, kv_pair) -> None:
 
 
 def test_kv_both_role_and_publish_timeout(workdir, kv_pair) -> None:
-    from conftest import start_daemon
+    from support import start_daemon
 
     src, _dst = kv_pair
     p = start_daemon(workdir, "short", "[transfer]\npublish_timeout_s = 0.3\nexpect_timeout_s = 0.3\n")
@@ -147,7 +147,7 @@ def test_kv_both_role_and_publish_timeout(workdir, kv_pair) -> None:
 
 
 def test_sigterm_releases_everything(workdir, kv_pair) -> None:
-    from conftest import start_daemon
+    from support import start_daemon
 
     src, _ = kv_pair
     p = start_daemon(workdir, "term")

@@ -1,4 +1,4 @@
-"""kvpushctl against a live daemon pair, and the demo as a user runs it."""
+"""kvpushctl against a live daemon pair (the demo as a user runs it: tests/lab/test_demo_cli.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import attach_pair
+from support import attach_pair
 
 
 def test_kvpushctl_status(daemon_pair, kv_pair) -> None:
@@ -30,16 +30,3 @@ def test_kvpushctl_status(daemon_pair, kv_pair) -> None:
     bad = subprocess.run([sys.executable, "-m", "kvpushd.ctl", "--socket", "/nonexistent.sock", "status"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "cannot reach kvpushd" in bad.stderr
-
-
-def test_demo_json() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvpushd", "demo", "--mode", "bytes", "--requests", "12",
-                        "--prompt-tokens", "256", "--layers", "4", "--json"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
-    assert out["mode"] == "bytes"
-    assert out["requests"] == out["completed"] == 12
-    assert out["failed"] == 0 and out["mismatched_bytes"] == 0
-    assert out["bytes_verified"] == out["bytes_moved"] == 12 * 16 * 8 * 8192
-    assert set(out["arrival_orders"]) == {"expect_first", "publish_first"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import attach_pair, make_kv, wait_for
 from kvpushd_client import CompletionKind, KVPushError, Region, Role, ShmMemory
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2
+from support import attach_pair, make_kv, wait_for
 
 
 def code_of(fn) -> tuple[str, str]:  # type: ignore[no-untyped-def]
