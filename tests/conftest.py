@@ -5,9 +5,13 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from support import KV, DaemonFactory, DaemonProc, make_kv
+from support import KV, make_kv
+
+if TYPE_CHECKING:  # the lab (kvpushd_lab.launch) is imported only where daemons start: the vLLM venv has none
+    from support.daemons import DaemonFactory, DaemonProc
 
 
 @pytest.fixture
@@ -20,6 +24,8 @@ def workdir() -> Iterator[Path]:
 def daemon_factory(workdir: Path) -> Iterator[DaemonFactory]:
     """``daemon_factory(name, extra_config="", listen=...)`` starts a daemon in ``workdir``;
     ``daemon_factory.pair(config)`` two. Whatever still runs is stopped after the test."""
+    from support.daemons import DaemonFactory
+
     f = DaemonFactory(workdir)
     try:
         yield f

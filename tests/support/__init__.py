@@ -1,75 +1,36 @@
 """Helpers every test directory shares (import as ``support``: pyproject puts tests/ on the path).
 
 Daemons come from the lab's one launcher (``kvpushd_lab.launch``): real ``kvpushd serve`` processes on
-unix sockets in a temporary directory and loopback TCP. ``DaemonFactory`` starts them for a test and
-stops them afterwards; the top conftest.py wraps it as the ``daemon_factory`` fixture.
+unix sockets in a temporary directory and loopback TCP. ``DaemonFactory`` (support/daemons.py) starts
+them for a test and stops them afterwards; the top conftest.py wraps it as the ``daemon_factory`` fixture.
+``DaemonProc``, ``DaemonFactory`` and ``start_daemon`` load on first use: the vLLM venv, which runs
+tests/vllm/ with this conftest, has the client but not the lab.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kvpushd_client import Region, Role, SharedBuffer
-from kvpushd_lab import launch
+
+if TYPE_CHECKING:
+    from .daemons import DaemonProc
 
 POISON = 0xA5
-
-DaemonProc = launch.Daemon
-
-
-def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str = "127.0.0.1:0") -> DaemonProc:
-    """A ready daemon: node ``name``, worker socket ``<workdir>/<name>.sock``, ``extra_config`` (TOML) appended."""
-    try:
-        return launch.start(workdir, name, listen=listen, advertise_host="127.0.0.1", extra_config=extra_config,
-                            timeout_s=60)
-    except launch.DaemonStartError as e:
-        raise RuntimeError(str(e)) from None
+_DAEMONS = ("DaemonFactory", "DaemonProc", "start_daemon")
 
 
-class DaemonFactory:
-    """Starts daemons in one directory and stops whatever still runs at ``close`` (a stopped one with
-    SIGSTOP is continued first): the one daemon factory of the tests."""
+def __getattr__(name: str) -> object:
+    if name in _DAEMONS:
+        from . import daemons
 
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.started: list[DaemonProc] = []
-
-    def __call__(self, name: str, extra_config: str = "", listen: str = "127.0.0.1:0") -> DaemonProc:
-        d = start_daemon(self.workdir, name, extra_config, listen)
-        self.started.append(d)
-        return d
-
-    def pair(self, extra_config: str = "",
-             names: tuple[str, str] = ("pnode", "dnode")) -> tuple[DaemonProc, DaemonProc]:
-        """A prefill-node daemon and a decode-node daemon with the same settings."""
-        return self(names[0], extra_config), self(names[1], extra_config)
-
-    def close(self, check: Iterable[DaemonProc] = ()) -> None:
-        """Close every client, SIGTERM every daemon still running and wait; each daemon in ``check``
-        must have exited 0."""
-        must = {id(x) for x in check}
-        errors = []
-        for x in self.started:
-            x.client.close()
-            if x.proc.poll() is None:
-                x.proc.send_signal(signal.SIGCONT)
-            try:
-                rc = x.stop()
-            except subprocess.TimeoutExpired:
-                errors.append(f"daemon {x.name} did not stop within 30 s of SIGTERM (killed)")
-                continue
-            if id(x) in must and rc != 0:
-                errors.append(f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}")
-        self.started.clear()
-        assert not errors, "\n".join(errors)
-
+        return getattr(daemons, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 @dataclass
 class KV:
