@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +85,7 @@ class Daemon:
     metrics_address: str = ""
     config: Path | None = None
     _client: KVPushClient | None = field(default=None, repr=False)
+    _start: Callable[[str], subprocess.Popen[bytes]] | None = field(default=None, repr=False)
 
     @property
     def client(self) -> KVPushClient:
@@ -139,6 +140,15 @@ class Daemon:
         self.terminate()
         return self.wait(timeout_s)
 
+    def restart(self) -> None:
+        """Start the process again with the same config and environment (the log is appended to);
+        call after it has exited, then ``wait_ready``."""
+        assert self._start is not None and self.proc.poll() is not None, "restart a daemon that has exited"
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self.proc = self._start("ab")
+
     def cpu_s(self) -> float:
         return cpu_seconds(self.proc.pid)
 
@@ -166,11 +176,13 @@ class Daemon:
 def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advertise_host: str | None = None,
           settings: Settings | None = None, extra_config: str = "", netns: tuple[NetnsLab, int] | None = None,
           env: Mapping[str, str] | None = None, python: str = sys.executable, die_with_parent: bool = False,
-          argv_prefix: Sequence[str] = ()) -> Daemon:
+          cwd: str | Path | None = None) -> Daemon:
     """Write ``<workdir>/<name>.toml`` and start the daemon; it is not ready yet (``wait_ready``).
 
     ``netns=(lab, i)``: run it inside the lab's namespace i, peer API on that namespace's address
-    (port 7700 unless ``listen`` names one there) and UCX limited to TCP on its veth."""
+    (port 7700 unless ``listen`` names one there) and UCX limited to TCP on its veth. ``python``: the
+    interpreter that runs it (another venv's, say). ``die_with_parent``: it gets SIGTERM (SIGKILL in
+    a namespace) when this process dies."""
     workdir = Path(workdir)
     sock = str(workdir / f"{name}.sock")
     run_env = dict(os.environ if env is None else env)
@@ -184,15 +196,18 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
     cfg = workdir / f"{name}.toml"
     cfg.write_text(daemon_config(name, sock, listen, host, settings, extra_config))
     log = workdir / f"{name}.log"
-    argv = [*argv_prefix, python, "-m", "kvpushd", "serve", "--config", str(cfg)]
-    with open(log, "wb") as out:
-        if netns is not None:
-            proc = netns[0].popen(netns[1], argv, die_with_parent=die_with_parent, stdout=out,
-                                  stderr=subprocess.STDOUT, env=run_env)
-        else:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=run_env,
+    argv = [python, "-m", "kvpushd", "serve", "--config", str(cfg)]
+
+    def start_process(mode: str) -> subprocess.Popen[bytes]:
+        with open(log, mode) as out:
+            if netns is not None:
+                return netns[0].popen(netns[1], argv, die_with_parent=die_with_parent, stdout=out,
+                                      stderr=subprocess.STDOUT, env=run_env, cwd=cwd)
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=run_env, cwd=cwd,
                                     preexec_fn=term_with_parent if die_with_parent else None)
-    return Daemon(name, sock, proc, log, config=cfg)
+
+    proc = start_process("wb")
+    return Daemon(name, sock, proc, log, config=cfg, _start=start_process)
 
 
 def wait_ready(d: Daemon, timeout_s: float = 90.0) -> Daemon:

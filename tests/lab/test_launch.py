@@ -28,3 +28,16 @@ def test_config_merges_settings_into_sections_and_loads(tmp_path: Path) -> None:
 def test_a_daemon_that_cannot_start_raises_with_its_log(tmp_path: Path) -> None:
     with pytest.raises(launch.DaemonStartError, match="did not start"):
         launch.start(tmp_path, "bad", extra_config="[transfer]\npublish_timeout_s = -1.0\n", timeout_s=60)
+
+
+def test_start_stop_restart(tmp_path: Path) -> None:
+    d = launch.start(tmp_path, "again", settings={"metrics": {"listen": "127.0.0.1:0"}})
+    try:
+        assert d.client.status().node_id == "again" and d.peer_address.startswith("127.0.0.1:")
+        assert d.stop() == 0
+        d.restart()
+        launch.wait_ready(d)
+        assert d.client.status().node_id == "again"
+        assert d.logs().count("kvpushd ready") == 2  # one log, appended to
+    finally:
+        assert launch.stop_all([d]) == {"again": 0}
