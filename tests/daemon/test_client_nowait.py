@@ -55,9 +55,9 @@ def test_refused_call_becomes_failed_completion(daemon_pair, kv_pair) -> None:
 def test_reconnecting_worker_reattaches_after_a_daemon_restart(daemon_pair, kv_pair, workdir) -> None:
     """ReconnectingWorker (the connector's link) on the same queue: refusals come back as REFUSED
     with their blocks; a killed daemon is reported lost once, a restarted one re-attached to."""
-    from conftest import start_daemon
     from kvpushd_client import Role
     from kvpushd_client.reconnect import ReconnectingWorker
+    from support import start_daemon
 
     p, d = daemon_pair
     src, dst = kv_pair
