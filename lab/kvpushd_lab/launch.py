@@ -95,6 +95,10 @@ class Daemon:
             self._client = KVPushClient(self.sock)
         return self._client
 
+    @client.setter
+    def client(self, c: KVPushClient) -> None:
+        self._client = c
+
     @property
     def pid(self) -> int:
         return self.proc.pid
