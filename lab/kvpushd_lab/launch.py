@@ -50,7 +50,9 @@ def term_with_parent() -> None:
 def daemon_config(name: str, sock: str, listen: str = "127.0.0.1:0", advertise_host: str = "127.0.0.1",
                   settings: Settings | None = None, extra: str = "") -> str:
     """The TOML config of one daemon: node id, worker socket, peer listen address, then ``settings``
-    (section -> key -> value, merged into those sections) and ``extra`` (raw TOML, appended)."""
+    (section -> key -> value, merged into those sections) and ``extra`` (raw TOML, appended; without
+    ``settings`` the section it follows is [peer_api], so bare keys there are peer_api keys, as the
+    older tests' configs have it)."""
     sections: dict[str, dict[str, object]] = {
         "node": {"node_id": name, "advertise_host": advertise_host},
         "worker_api": {"socket": sock},
@@ -184,7 +186,8 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
     """Write ``<workdir>/<name>.toml`` and start the daemon; it is not ready yet (``wait_ready``).
 
     ``netns=(lab, i)``: run it inside the lab's namespace i, peer API on that namespace's address
-    (port 7700 unless ``listen`` names one there) and UCX limited to TCP on its veth. ``python``: the
+    (port 7700 unless ``listen`` names one there), callers allowed from the lab's /24 (``peer_api.allow``,
+    unless ``settings`` names them) and UCX limited to TCP on its veth. ``python``: the
     interpreter that runs it (another venv's, say). ``die_with_parent``: it gets SIGTERM (SIGKILL in
     a namespace) when this process dies."""
     workdir = Path(workdir)
@@ -196,6 +199,10 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
             listen = f"{lab.addrs[i]}:7700"
         run_env.setdefault("UCX_TLS", "tcp")
         run_env.setdefault("UCX_NET_DEVICES", lab.veth)
+        # not loopback: protected mode would refuse the other namespaces; allow the lab's /24
+        peer_api = dict((settings or {}).get("peer_api", {}))
+        peer_api.setdefault("allow", [f"{lab.addrs[i].rpartition('.')[0]}.0/24"])
+        settings = {**(settings or {}), "peer_api": peer_api}
     host = advertise_host if advertise_host is not None else listen.rpartition(":")[0]
     cfg = workdir / f"{name}.toml"
     cfg.write_text(daemon_config(name, sock, listen, host, settings, extra_config))

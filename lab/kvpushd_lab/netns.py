@@ -1,6 +1,6 @@
 """Network namespaces as "hosts": N of them on a private subnet that exists only inside them.
 
-Used by the multi-host tests (tests/test_netns.py) and by ``kvpushd demo --hosts netns``. Needs root
+Used by the multi-host tests (tests/lab/test_netns.py) and by ``kvpushd demo --hosts netns``. Needs root
 (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; ``available()`` says why not where it cannot work.
 
     ok, why = available()            # (False, reason) where namespaces cannot be made: tests skip

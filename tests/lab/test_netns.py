@@ -48,11 +48,6 @@ def _namespaces_available() -> None:
 NsDaemon = DaemonProc  # the one launcher's daemon (kvpushd_lab.launch), here inside a namespace
 
 
-def _allow_lab(addr: str, settings: Settings) -> Settings:
-    """Not loopback: protected mode would refuse the other namespaces; allow the lab's /24."""
-    return {**settings, "peer_api": {**settings.get("peer_api", {}), "allow": [f"{addr.rpartition('.')[0]}.0/24"]}}
-
-
 def start_daemons(lab: NetnsLab, workdir: Path, nodes: Sequence[tuple[str, int]],
                   settings: Settings = SLOW) -> list[NsDaemon]:
     """``kvpushd serve`` inside namespace i for each (name, i), all started at once, then waited for.
@@ -63,8 +58,8 @@ def start_daemons(lab: NetnsLab, workdir: Path, nodes: Sequence[tuple[str, int]]
     try:
         return launch.start_all(workdir, [name for name, _ in nodes], env=env,
                                 die_with_parent=True, timeout_s=90,
-                                per_daemon={name: {"netns": (lab, i), "listen": f"{lab.addrs[i]}:{PORT}",
-                                                   "settings": _allow_lab(lab.addrs[i], settings)}
+                                settings=settings,  # the launcher allows the lab's /24 (protected mode)
+                                per_daemon={name: {"netns": (lab, i), "listen": f"{lab.addrs[i]}:{PORT}"}
                                             for name, i in nodes})
     except launch.DaemonStartError as e:
         raise RuntimeError(str(e)) from None

@@ -15,9 +15,9 @@ import uuid
 import grpc
 import numpy as np
 import pytest
-from conftest import KV, attach_pair, make_kv, start_daemon, wait_for
 from kvpushd_client import CompletionKind, Role
 from kvpushd_client.proto.v1 import peer_pb2, worker_pb2, worker_pb2_grpc
+from support import KV, attach_pair, make_kv, start_daemon, wait_for
 from test_peer_trust import handshake
 
 from kvpushd.runtime.identity import agent_prefix
