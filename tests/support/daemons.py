@@ -16,7 +16,7 @@ def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str =
     """A ready daemon: node ``name``, worker socket ``<workdir>/<name>.sock``, ``extra_config`` (TOML) appended."""
     try:
         return launch.start(workdir, name, listen=listen, advertise_host="127.0.0.1", extra_config=extra_config,
-                            timeout_s=60)
+                            timeout_s=120)  # a loaded machine: imports alone can take a minute
     except launch.DaemonStartError as e:
         raise RuntimeError(str(e)) from None
 
