@@ -9,9 +9,9 @@ import sys
 
 import grpc
 import pytest
-from conftest import wait_for
 from kvpushd_client import CompletionKind, KVPushError, Role
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
+from support import wait_for
 
 
 def _stream_pair(p, d, src, dst):  # type: ignore[no-untyped-def]

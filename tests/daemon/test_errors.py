@@ -8,9 +8,9 @@ import json
 
 import grpc
 import pytest
-from conftest import attach_pair
 from kvpushd_client import KVPushError
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
+from support import attach_pair
 
 from kvpushd.core import errors as E
 from kvpushd.rpc.errors import CODES, code_for
