@@ -9,12 +9,13 @@ STAMP := $(VENV)/.kvpushd-installed
 
 .PHONY: demo test venv vllm-venv lint protos clean
 
-$(STAMP): pyproject.toml client/pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml lab/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first (a CPU build on this machine's disk), or nixl's unpinned torch pulls a CUDA build
+	# torch first (a CPU build on this machine's disk), or nixl's unpinned torch pulls a CUDA build;
+	# the daemon itself needs no torch, the lab (demo, reference engine, benchmarks) does
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ./client -e '.[dev]'
+	$(PY) -m pip install -q -e ./client -e '.[dev]' -e ./lab
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,8 +31,9 @@ test: $(STAMP) vllm-venv
 	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvpushd client tests scripts
+	$(VENV)/bin/ruff check kvpushd client tests scripts lab
 	$(VENV)/bin/mypy kvpushd
+	$(VENV)/bin/mypy lab/kvpushd_lab
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py

@@ -1,11 +1,15 @@
-"""Console scripts: ``kvpushd`` (serve, demo, version) and ``kvpushctl`` (inspection)."""
+"""Console scripts: ``kvpushd`` (serve, version; demo and bench from kvpushd-lab) and ``kvpushctl`` (inspection)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from . import __version__
 
@@ -48,7 +52,35 @@ def _serve(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
+LAB_HINT = ("kvpushd {cmd}: the demo and the benchmarks live in the kvpushd-lab distribution, which is not "
+            "installed: pip install -e ./lab (from a source checkout; `make demo` does it)")
+
+
+def _command_registrars() -> list[Callable[[Any], None]]:
+    """Functions that add subcommands (``demo``, ``bench``) from other distributions: the
+    ``kvpushd.commands`` entry points, or, where no distribution declares one (the lab on PYTHONPATH
+    only, say a source checkout next to an older install), ``kvpushd_lab.commands`` if it can be found.
+    kvpushd itself never imports the lab."""
+    from importlib.metadata import entry_points
+
+    found = []
+    for ep in entry_points(group="kvpushd.commands"):
+        try:
+            found.append(ep.load())
+        except ImportError:  # a stale entry point (distribution removed): skip it
+            continue
+    if not found and importlib.util.find_spec("kvpushd_lab") is not None:
+        found.append(importlib.import_module("kvpushd_lab.commands").register)
+    return found
+
+
+def _missing_lab(args: argparse.Namespace, extra: list[str]) -> int:
+    print(LAB_HINT.format(cmd=args.cmd), file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="kvpushd", description="KV-cache push sidecar for disaggregated LLM serving")
     ap.add_argument("--version", action="version", version=f"kvpushd {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -57,25 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--socket", help="override worker_api.socket")
     s.add_argument("--listen", help="override peer_api.listen (host:port)")
     s.add_argument("--node-id", help="override node.node_id")
-    d = sub.add_parser("demo", help="local prefill/decode demo: two daemons, reference engines, real NIXL WRITEs")
-    from .demo import add_args
-
-    add_args(d)
-    b = sub.add_parser("bench", add_help=False, help="benchmarks: ceiling, critical-path, engine-cost, rate, sweep "
-                       "(kvpushd bench --help)")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    s.set_defaults(run_command=lambda args, extra: _serve(args))
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first != "serve":  # `kvpushd serve` never looks for the lab
+        for register in _command_registrars():
+            register(sub)
+    for cmd in ("demo", "bench"):
+        if cmd not in sub.choices:
+            m = sub.add_parser(cmd, add_help=False, help="needs kvpushd-lab (pip install -e ./lab)")
+            m.add_argument("rest", nargs=argparse.REMAINDER)
+            m.set_defaults(run_command=_missing_lab, takes_extra=True)
     args, extra = ap.parse_known_args(argv)
-    if args.cmd == "bench":  # kvpushd.bench parses its own options; imported only when used
-        from .bench import main as bench_main
-
-        return bench_main(extra + args.bench_args)
-    if extra:
+    if extra and not getattr(args, "takes_extra", False):
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.cmd == "serve":
-        return _serve(args)
-    from .demo import run_demo
-
-    return run_demo(args)
+    return int(args.run_command(args, extra))
 
 
 def ctl_main(argv: list[str] | None = None) -> int:

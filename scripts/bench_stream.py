@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-from conftest import make_kv, start_daemon
 from kvpushd_client import Role
+from support import make_kv, start_daemon  # tests/support: the test helpers (daemons via kvpushd_lab.launch)
 
 
 def cpu_s(pid: int) -> float:

@@ -2,7 +2,7 @@
 
 Handles name the GPU by UUID, because ordinals differ between processes that see different
 CUDA_VISIBLE_DEVICES. Needs a GPU and a CUDA build of torch; tested only where both exist
-(tests/test_cuda_ipc.py skips otherwise).
+(tests/daemon/test_cuda_ipc.py skips otherwise).
 """
 
 from __future__ import annotations

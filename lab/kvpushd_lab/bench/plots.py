@@ -1,0 +1,137 @@
+"""PNG plots of a suite's figures (optional: needs matplotlib, ``pip install 'kvpushd-lab[bench]'``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .common import BenchError, Result
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib, which is not installed; install it with: "
+                         "pip install 'kvpushd-lab[bench]' (or: pip install 'matplotlib>=3.8')") from None
+
+
+def plot(result: Result, outdir: Path) -> list[Path]:
+    """Write the suite's plots into ``outdir``; returns the files written."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    outdir.mkdir(parents=True, exist_ok=True)
+    fn = _PLOTS.get(result.suite)
+    return fn(result, outdir) if fn is not None else []
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _cdf(ax: Any, values: Sequence[float], label: str) -> None:
+    if not values:
+        return
+    v = np.sort(np.asarray(values, dtype=float))
+    ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=f"{label} (p99 {np.percentile(v, 99):.0f})")
+
+
+def _ceiling(r: Result, outdir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    rows = r.rows
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    w = 0.27
+    for i, (key, label) in enumerate((("ceiling_gbps", "ceiling: raw NIXL, 1 descriptor/region"),
+                                      ("raw_blocks_gbps", "raw NIXL, daemon's descriptors"),
+                                      ("daemon_gbps", "kvpushd daemons"))):
+        ax.bar(x + (i - 1) * w, [row[key] for row in rows], w, label=label)
+    ax.set_xticks(x, [f"{row['tokens']} tok\n{row['bytes'] / 2**20:.0f} MiB" for row in rows])
+    ax.set_ylabel("GB/s")
+    for xi, row in zip(x, rows, strict=True):
+        ax.annotate(f"eff {row['efficiency']:.2f}", (xi + w, row["daemon_gbps"]), ha="center", va="bottom",
+                    fontsize=8)
+    frag = "fragmented" if r.data.get("fragmented") else "contiguous"
+    ax.set_title(f"kvpushd bench ceiling ({frag} blocks; target efficiency >= {r.data['target_efficiency']})")
+    ax.legend(fontsize=8)
+    return [_save(fig, outdir / "ceiling.png")]
+
+
+def _critical_path(r: Result, outdir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    s = r.samples
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _cdf(ax, s.get("publish_to_landed_us", []), "(a) Publish -> first byte landed")
+    _cdf(ax, s.get("daemon_post_us", []), "daemon: WRITE queued -> posted")
+    _cdf(ax, s.get("landed_to_told_us", []), "(b) last byte landed -> decode worker told")
+    ax.axvline(r.data["target_p99_us"], color="red", linestyle="--", label="target p99")
+    ax.set_xscale("log")
+    ax.set_xlabel("microseconds")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("kvpushd bench critical-path")
+    ax.legend(fontsize=8)
+    return [_save(fig, outdir / "critical_path.png")]
+
+
+def _engine_cost(r: Result, outdir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    s = r.samples
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _cdf(ax, s.get("prefill_step_us", []), "kvpushd prefill engine (Publish x B + completions)")
+    _cdf(ax, s.get("decode_step_us", []), "kvpushd decode engine (Expect x B + completions)")
+    _cdf(ax, s.get("inengine_step_us", []), "NIXL in the engine (prep + post + poll)")
+    _cdf(ax, s.get("inengine_nopost_us", []), "NIXL in the engine, without transfer()")
+    ax.axvline(r.data["target_p99_us"], color="red", linestyle="--", label="target p99")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"microseconds per engine step (batch of {r.data['batch']})")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title("kvpushd bench engine-cost")
+    ax.legend(fontsize=8)
+    return [_save(fig, outdir / "engine_cost.png")]
+
+
+def _rate(r: Result, outdir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    s = r.samples
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    tl = s.get("timeline", [])
+    if tl:
+        t = np.arange(len(tl)) * s.get("bucket_s", 0.1)
+        a1.plot(t, np.asarray(tl) / s.get("bucket_s", 0.1))
+    a1.axhline(r.data["target_per_s"], color="red", linestyle="--", label="target")
+    a1.set_xlabel("seconds")
+    a1.set_ylabel("rendezvous completed per second")
+    a1.legend(fontsize=8)
+    _cdf(a2, s.get("latency_ms", []), "Expect+Publish -> both completions (ms)")
+    a2.set_xscale("log")
+    a2.set_xlabel("milliseconds")
+    a2.set_ylabel("fraction of requests")
+    a2.legend(fontsize=8)
+    fig.suptitle(f"kvpushd bench rate (concurrency {r.data['concurrency']})")
+    return [_save(fig, outdir / "rate.png")]
+
+
+def _sweep(r: Result, outdir: Path) -> list[Path]:
+    from .sweep import plot_sweep
+
+    return plot_sweep(r, outdir)
+
+
+_PLOTS: dict[str, Callable[[Result, Path], list[Path]]] = {
+    "ceiling": _ceiling, "critical-path": _critical_path, "engine-cost": _engine_cost, "rate": _rate,
+    "sweep": _sweep,
+}

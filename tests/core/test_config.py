@@ -1,0 +1,94 @@
+"""Config: every key has a default, typos and bad values fail loudly at load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvpushd import config
+from kvpushd.core.errors import InvalidArgument
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_usable() -> None:
+    cfg = config.load(None)
+    assert cfg.transfer.backends == ("UCX",)
+    assert cfg.listen_host_port == ("0.0.0.0", 7700)
+    assert cfg.socket_path.endswith("worker.sock")
+    assert cfg.node_id
+
+
+def test_shipped_config_file_loads() -> None:
+    data = tomllib.loads((ROOT / "systemd" / "kvpushd.toml").read_text())
+    cfg = config.from_dict(data)
+    assert cfg.worker_api.socket == "/run/kvpushd/worker.sock"
+    assert cfg.worker_api.socket_mode == 0o660
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"nope": {}}, "unknown section"),
+    ({"transfer": {"backend": ["UCX"]}}, "transfer.backend must be a str"),
+    ({"transfer": {"backend": "UCX", "backends": ["LIBFABRIC"]}}, "disagree"),
+    ({"transfer": {"backend": "LIB FABRIC"}}, "not a NIXL backend name"),
+    ({"transfer": {"backend_params": "device_list=mlx5_0"}}, "backend_params must be a table"),
+    ({"transfer": {"backend_params": {"device_list": ["mlx5_0"]}}}, "must be a string"),
+    ({"transfer": {"backend_params": {"LIBFABRIC": {"num_threads": "4"}}}}, "names no configured backend"),
+    ({"transfer": {"device_params": {"cuda0": {"device_list": "mlx5_0"}}}}, "\"host\" or \"gpu<N>\""),
+    ({"transfer": {"device_params": {"gpu0": "mlx5_0"}}}, "must be a table of backend parameters"),
+    ({"transfer": {"device_params": {"gpu0": {"x": {"y": "z"}}}}}, "must be a string"),
+    ({"transfer": {"backends": "UCX"}}, "list of strings"),
+    ({"transfer": {"backends": []}}, "at least one"),
+    ({"transfer": {"publish_timeout_s": -1}}, "positive"),
+    ({"transfer": {"expect_timeout_s": "10"}}, "number"),
+    ({"peer_api": {"listen": "7700"}}, "host:port"),
+    ({"worker_api": {"socket_mode": 0o1777}}, "permission bits"),
+    ({"log": {"level": "loud"}}, "log.level"),
+    ({"log": {"format": "xml"}}, "log.format"),
+])
+def test_bad_config(data: dict, words: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(InvalidArgument, match=words):
+        config.from_dict(data)
+
+
+def test_serve_rejects_bad_config_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("[transfer]\npublish_timeout_s = 0\n")
+    r = subprocess.run([sys.executable, "-m", "kvpushd", "serve", "--config", str(f)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "publish_timeout_s must be positive" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvpushd", "serve", "--config", str(tmp_path / "missing.toml")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_backend_settings() -> None:
+    """[transfer] backend, backend_params (plain keys and per-backend tables) and device_params hints."""
+    data = tomllib.loads("""
+[transfer]
+backend = "LIBFABRIC"
+[transfer.backend_params]
+num_threads = 4
+split_batch_size = "1024"
+[transfer.backend_params.LIBFABRIC]
+split_batch_size = "2048"
+[transfer.device_params.gpu1]
+max_bw_per_dram_seg = "200"
+[transfer.device_params.host]
+flag = true
+""")
+    t = config.from_dict(data).transfer
+    assert t.backends == ("LIBFABRIC",) and t.backend == "LIBFABRIC"
+    assert config.backend_init_params(t, "LIBFABRIC") == {"num_threads": "4", "split_batch_size": "2048"}
+    assert config.backend_init_params(t, "LIBFABRIC", "gpu1") == {
+        "num_threads": "4", "split_batch_size": "2048", "max_bw_per_dram_seg": "200"}
+    assert config.backend_init_params(t, "LIBFABRIC", "host")["flag"] == "true"
+    assert config.backend_init_params(t, "LIBFABRIC", "gpu7") == config.backend_init_params(t, "LIBFABRIC")
+    # backends alone still works, and the same list given both ways is no conflict
+    assert config.from_dict({"transfer": {"backends": ["UCX", "POSIX"]}}).transfer.backends == ("UCX", "POSIX")
+    assert config.from_dict({"transfer": {"backend": "UCX", "backends": ["UCX"]}}).transfer.backends == ("UCX",)
+    assert config.load(None).transfer.backend_params == {}

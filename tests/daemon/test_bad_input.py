@@ -1,0 +1,167 @@
+"""Bad input on every RPC gets a clear status code and message, and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from kvpushd_client import CompletionKind, KVPushError, Region, Role, ShmMemory
+from kvpushd_client.proto.v1 import common_pb2, worker_pb2
+from support import attach_pair, make_kv, wait_for
+
+
+def code_of(fn) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(KVPushError) as ei:
+        fn()
+    return ei.value.code, ei.value.message
+
+
+def assert_still_serves(p, d, src, dst) -> None:  # type: ignore[no-untyped-def]
+    pw, dw = attach_pair(p, d, src, dst) if not hasattr(src, "_w") else (src._w, dst._w)
+    dw.expect("health-check", [1, 2], p.peer_address, "prefill", 1)
+    pw.publish("health-check", [3, 4])
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+
+
+def test_attach_errors(daemon_pair, kv_pair) -> None:
+    p, d = daemon_pair
+    src, dst = kv_pair
+    c = p.client
+    mem = [src.buf.memory]
+    regs = src.region_list
+    cases = [
+        (lambda: c.attach("", Role.PRODUCER, 0, 1, mem, regs), "INVALID_ARGUMENT", "engine_id"),
+        (lambda: c.attach("e", Role.PRODUCER, 2, 2, mem, regs), "INVALID_ARGUMENT", "tp_rank"),
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, [], regs), "INVALID_ARGUMENT", "no memory"),
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, mem, []), "INVALID_ARGUMENT", "regions"),
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, mem, [Region(1, 0, 4, 4096)]), "INVALID_ARGUMENT",
+         "memory_index"),
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, mem, [Region(0, 0, 4, 4096, 1024)]), "INVALID_ARGUMENT",
+         "block_stride"),
+        # a region that does not fit its shared memory
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, mem, [Region(0, src.buf.size - 4096, 2, 4096)]),
+         "INVALID_ARGUMENT", "does not fit"),
+        # declared size larger than the object
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, [ShmMemory(src.buf.name, src.buf.size * 2)], regs),
+         "INVALID_ARGUMENT", "holds"),
+        # a handle that cannot be opened
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, [ShmMemory("kvpushd-no-such-object", 4096)], regs[:1]),
+         "NOT_FOUND", "does not exist"),
+        (lambda: c.attach("e", Role.PRODUCER, 0, 1, [ShmMemory("../etc/passwd", 4096)], regs[:1]),
+         "INVALID_ARGUMENT", "invalid shared memory name"),
+    ]
+    for fn, code, words in cases:
+        got, msg = code_of(fn)
+        assert got == code, (got, msg)
+        assert words in msg, msg
+    assert list(c.status().workers) == []  # nothing half-attached is left behind
+    # an unspecified role (raw protobuf, the client library cannot even express it)
+    req = worker_pb2.AttachRequest(engine_id="e", role=common_pb2.ROLE_UNSPECIFIED, tp_size=1,
+                                   memory=[common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=src.buf.name,
+                                                                                             size=src.buf.size))],
+                                   regions=[common_pb2.Region(num_blocks=1, block_len=64, block_stride=64)])
+    with pytest.raises(grpc.RpcError) as ei:
+        c.stub.Attach(req, timeout=10)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "role" in ei.value.details()
+    # a memory handle with no kind set
+    req = worker_pb2.AttachRequest(engine_id="e", role=common_pb2.ROLE_PRODUCER, tp_size=1,
+                                   memory=[common_pb2.MemoryHandle()],
+                                   regions=[common_pb2.Region(num_blocks=1, block_len=64, block_stride=64)])
+    with pytest.raises(grpc.RpcError) as ei:
+        c.stub.Attach(req, timeout=10)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert_still_serves(p, d, src, dst)
+
+
+def test_request_errors(daemon_pair, kv_pair) -> None:
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    pa = p.peer_address
+    cases = [
+        (lambda: dw.expect("t", [src.num_blocks], pa, "prefill", 1), "INVALID_ARGUMENT", "out of range"),
+        (lambda: pw.publish("t", [10_000]), "INVALID_ARGUMENT", "out of range"),
+        (lambda: pw.publish("t", []), "INVALID_ARGUMENT", "empty"),
+        (lambda: pw.publish("", [1]), "INVALID_ARGUMENT", "transfer_id"),
+        (lambda: pw.publish("t", [1, 1]), "INVALID_ARGUMENT", "duplicates"),
+        (lambda: dw.expect("t", [1], "", "prefill", 1), "INVALID_ARGUMENT", "producer_address"),
+        (lambda: dw.expect("t", [1], pa, "prefill", 0), "INVALID_ARGUMENT", "positive"),
+        (lambda: pw.expect("t", [1], pa, "prefill", 1), "FAILED_PRECONDITION", "cannot expect"),
+        (lambda: dw.publish("t", [1]), "FAILED_PRECONDITION", "cannot publish"),
+    ]
+    for fn, code, words in cases:
+        got, msg = code_of(fn)
+        assert got == code, (got, msg)
+        assert words in msg, msg
+    # unknown worker ids, on every per-worker RPC
+    from kvpushd_client.client import Worker
+
+    ghost = object.__new__(Worker)
+    ghost.client, ghost.worker_id = p.client, "w-does-not-exist"
+    for fn in (lambda: ghost.publish("t", [1]), lambda: ghost.abort("t"),
+               lambda: ghost.expect("t", [1], pa, "prefill", 1)):
+        assert code_of(fn)[0] == "NOT_FOUND"
+    with pytest.raises(grpc.RpcError) as ei:
+        p.client.stub.PollCompletions(worker_pb2.PollCompletionsRequest(worker_id="nope"), timeout=10)
+    assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as ei:
+        list(p.client.stub.Session(worker_pb2.SessionRequest(worker_id="nope"), timeout=10))
+    assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as ei:
+        p.client.stub.Detach(worker_pb2.DetachRequest(worker_id="nope"), timeout=10)
+    assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+    # a second attach of the same engine rank is refused while the first is attached
+    got, msg = code_of(lambda: p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list))
+    assert got == "ALREADY_EXISTS" and "already attached" in msg
+
+    # a transfer id published twice with other blocks
+    pw.publish("twice", [1, 2])
+    pw.publish("twice", [1, 2])  # the same call again is idempotent
+    got, msg = code_of(lambda: pw.publish("twice", [3, 4]))
+    assert got == "ALREADY_EXISTS" and "already published" in msg
+    assert pw.abort("twice") is True
+    c = pw.next_completion(10)
+    assert c.kind is CompletionKind.FAILED and c.code == "ABORTED"
+
+    # unknown producer engine: the decode request fails with the prefill daemon's reason
+    dw.expect("no-engine", [1], pa, "no-such-engine", 1)
+    c = dw.next_completion(20)
+    assert c.kind is CompletionKind.FAILED and c.code == "PEER_REJECTED" and "no prefill engine" in c.reason
+    assert c.block_ids == (1,)
+
+    # unreachable producer daemon
+    dw.expect("nobody-home", [2], "127.0.0.1:9", "prefill", 1)
+    c = dw.next_completion(30)
+    assert c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE"
+
+    # block lists of unequal length: decode wants more blocks than prefill published
+    pw.publish("short", [1, 2])
+    dw.expect("short", [5, 6, 7], pa, "prefill", 1)
+    cd, cp = dw.next_completion(20), pw.next_completion(20)
+    for comp in (cd, cp):
+        assert comp.kind is CompletionKind.FAILED and comp.code == "LAYOUT_MISMATCH", comp
+        assert "unequal length" in comp.reason
+
+    # and everything else still works, with nothing left pending
+    dw.expect("ok", [8, 9], pa, "prefill", 1)
+    pw.publish("ok", [10, 11])
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+    assert wait_for(lambda: not p.client.status().transfers and not d.client.status().transfers)
+
+
+def test_layout_mismatch_between_workers(daemon_pair) -> None:
+    p, d = daemon_pair
+    src = make_kv("kvpushd-test-src", regions=4, block_len=4096)
+    dst = make_kv("kvpushd-test-dst", regions=4, block_len=2048, fill="poison")
+    try:
+        pw, dw = attach_pair(p, d, src, dst)
+        dw.expect("lm", [1], p.peer_address, "prefill", 1)
+        pw.publish("lm", [2])
+        cd, cp = dw.next_completion(20), pw.next_completion(20)
+        assert cp.kind is CompletionKind.FAILED and "block_len" in cp.reason
+        assert cd.kind is CompletionKind.FAILED and "block_len" in cd.reason
+        assert (dst.arr == 0xA5).all()
+    finally:
+        src.close()
+        dst.close()

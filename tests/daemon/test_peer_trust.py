@@ -1,0 +1,199 @@
+"""Peers cannot act for each other: agents belong to the daemon that introduced them, NIXL metadata
+must name the agent it is registered as, failure notices only count from the daemon a registration
+was sent to, and attaches are bounded before any memory is registered."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+import pytest
+from kvpushd_client import CompletionKind, KVPushError, Region, Role
+from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
+from support import attach_pair, wait_for
+
+from kvpushd import PROTOCOL_VERSION
+from kvpushd.core import notif
+from kvpushd.runtime.identity import agent_prefix, metadata_agent_name
+
+
+def test_metadata_agent_name() -> None:
+    nixl_api = pytest.importorskip("nixl._api")
+    a = nixl_api.nixl_agent("kvpushd.n.12345678.e.tp0.pp0.w1",
+                            nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    md = bytes(a.get_agent_metadata())
+    assert metadata_agent_name(md) == "kvpushd.n.12345678.e.tp0.pp0.w1"
+    for bad in (b"", b"garbage", md[:20], b"nixlSerDes|Agent" + (10**9).to_bytes(8, "little") + b"x",
+                b"nixlSerDes|Agent" + (2).to_bytes(8, "little") + b"\xff\xfe"):
+        assert metadata_agent_name(bad) is None
+    assert agent_prefix("node-a", "0123456789abcdef") == "kvpushd.node-a.01234567."
+
+
+def handshake(address: str, node_id: str, instance: str, own_address: str = "127.0.0.1:1",
+              token: str = "") -> tuple[peer_pb2_grpc.PeerServiceStub, tuple[tuple[str, str], ...]]:
+    """A handshake as ``instance``; returns the stub and the session metadata later calls carry."""
+    stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(address))
+    resp = stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                                    node_id=node_id, peer_address=own_address, instance_id=instance),
+                          timeout=10, metadata=(("kvpushd-session", token),) if token else None)
+    return stub, (("kvpushd-session", resp.session_token),)
+
+
+def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    real_agent = next(w.agent_name for w in d.client.status().workers)
+    evil = uuid.uuid4().hex
+    stub, session = handshake(p.peer_address, "evil", evil)
+
+    def register(name: str, md: bytes) -> grpc.RpcError:
+        req = peer_pb2.RegisterRequest(
+            caller_instance_id=evil, transfer_id="forged", registration_id=1, producer_engine_id="prefill",
+            producer_tp_size=1, consumer_engine_id="x", consumer_tp_rank=0, consumer_tp_size=1,
+            consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind="DRAM",
+                                              regions=[peer_pb2.RemoteRegion(base_addr=4096, num_blocks=8,
+                                                                             block_len=64, block_stride=64)]),
+            block_ids=[0])
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Register(req, timeout=10, metadata=session)
+        return ei.value
+
+    # another daemon's agent (name of the real decode worker), with or without metadata
+    e = register(real_agent, b"")
+    assert e.code() is grpc.StatusCode.PERMISSION_DENIED and "not one of the calling daemon's" in e.details()
+    # our own prefix, but metadata that names another agent (loading it would replace that agent)
+    nixl_api = pytest.importorskip("nixl._api")
+    other = nixl_api.nixl_agent(real_agent + "-twin",
+                                nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    e = register(agent_prefix("evil", evil) + "a", bytes(other.get_agent_metadata()))
+    assert e.code() is grpc.StatusCode.PERMISSION_DENIED and "metadata names agent" in e.details(), e.details()
+    # the real pair still moves exact bytes
+    dw.expect("after-forgery", [1, 2], p.peer_address, "prefill", 1)
+    pw.publish("after-forgery", [5, 6])
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+    assert (dst.arr[:, [1, 2]] == src.arr[:, [5, 6]]).all()
+
+
+class FakePrefill(peer_pb2_grpc.PeerServiceServicer):
+    """A prefill daemon that accepts registrations and never writes."""
+
+    def __init__(self) -> None:
+        self.instance = uuid.uuid4().hex
+        self.registrations: list[peer_pb2.RegisterRequest] = []
+        self.got = threading.Event()
+
+    def Handshake(self, request, context):  # type: ignore[no-untyped-def]
+        return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                          node_id="fakep", instance_id=self.instance)
+
+    def Register(self, request, context):  # type: ignore[no-untyped-def]
+        self.registrations.append(request)
+        self.got.set()
+        return peer_pb2.RegisterResponse()
+
+    def RegisterBatch(self, request, context):  # type: ignore[no-untyped-def]
+        self.registrations.extend(request.registrations)
+        self.got.set()
+        return peer_pb2.RegisterBatchResponse(results=[peer_pb2.RegisterResult(code="OK")
+                                                       for _ in request.registrations])
+
+    def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+        return peer_pb2.HeartbeatResponse(instance_id=self.instance, knows_caller=True)
+
+    def Withdraw(self, request, context):  # type: ignore[no-untyped-def]
+        return peer_pb2.FailAck()
+
+
+def test_failure_notice_only_from_the_producer(daemon_pair, kv_pair) -> None:
+    p, d = daemon_pair
+    src, dst = kv_pair
+    _, dw = attach_pair(p, d, src, dst)
+    fake = FakePrefill()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        dw.expect("t-notice", [3, 4], f"127.0.0.1:{port}", "fakep", 1)
+        assert fake.got.wait(20)
+        rid = fake.registrations[0].registration_id
+
+        def notice(stub, md, instance: str, tid: str, rid: int = rid):  # type: ignore[no-untyped-def]
+            return stub.Fail(peer_pb2.FailNotice(caller_instance_id=instance, transfer_id=tid, registration_id=rid,
+                                                 reason="forged"), timeout=10, metadata=md)
+
+        # a third daemon that knows the registration id may not fail it
+        evil = uuid.uuid4().hex
+        stub, md = handshake(d.peer_address, "evil", evil)
+        with pytest.raises(grpc.RpcError) as ei:
+            notice(stub, md, evil, "t-notice")
+        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED, ei.value.details()
+        # nor may the right daemon under another transfer id, or with a guessed registration id
+        stub, md = handshake(d.peer_address, "fakep", fake.instance, f"127.0.0.1:{port}")
+        with pytest.raises(grpc.RpcError) as ei:
+            notice(stub, md, fake.instance, "t-other")
+        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        notice(stub, md, fake.instance, "t-notice", rid ^ 1)  # no such registration: ignored
+        # a third party naming the right daemon's instance id, without its session token
+        with pytest.raises(grpc.RpcError) as ei:
+            notice(stub, (("kvpushd-session", "guess"),), fake.instance, "t-notice")
+        assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        # or claiming that instance id in a handshake of its own while it has transfers pending: d
+        # holds none for fakep here, so the claim starts a new session and the old token is void
+        assert dw.completions() == []
+        # the daemon it was sent to may
+        notice(stub, md, fake.instance, "t-notice")
+        c = dw.next_completion(20)
+        assert c is not None and c.kind is CompletionKind.FAILED and "forged" in c.reason
+        assert sorted(c.block_ids) == [3, 4]
+        assert wait_for(lambda: not d.client.status().transfers)
+    finally:
+        server.stop(None)
+
+
+def test_attach_descriptor_bound(daemon_pair, kv_pair) -> None:
+    p, _ = daemon_pair
+    src, _ = kv_pair
+    # 4096 regions of 65,536 one-byte blocks: 2^28 descriptors, far past the default bound
+    regions = [Region(0, 0, 65536, 1)] * 4096
+    with pytest.raises(KVPushError) as ei:
+        p.client.attach("huge", Role.PRODUCER, 0, 1, [src.buf.memory], regions)
+    assert ei.value.code == "INVALID_ARGUMENT" and "max_attach_descriptors" in ei.value.message
+    with pytest.raises(KVPushError) as ei:
+        p.client.attach("wordy", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, description="x" * 5000)
+    assert ei.value.code == "INVALID_ARGUMENT" and "description" in ei.value.message
+    assert list(p.client.status().workers) == []
+
+
+def test_instance_id_is_not_a_credential(daemon_pair, kv_pair) -> None:
+    """An instance id is public (every handshake answer tells it): knowing the decode daemon's, a third
+    party can neither call as it nor take over its session while it has registrations pending."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    # learn d's instance id the way anyone can: handshake with d
+    _, _ = handshake(d.peer_address, "nosy", uuid.uuid4().hex)
+    d_instance = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address)).Handshake(
+        peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(), node_id="nosy2",
+                                  peer_address="127.0.0.1:2", instance_id=uuid.uuid4().hex), timeout=10).instance_id
+    dw.expect("pending", [1, 2], p.peer_address, "prefill", 1)  # d now has a session at p, with a registration
+    assert wait_for(lambda: any(t.transfer_id == "pending" for t in p.client.status().transfers))
+    stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(p.peer_address))
+    forged = peer_pb2.FailNotice(caller_instance_id=d_instance, transfer_id="pending", registration_id=1)
+    for md in (None, (("kvpushd-session", "0" * 32),)):
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Withdraw(forged, timeout=10, metadata=md)
+        assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as ei:  # claiming d's instance id in a handshake
+        stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
+                                                 node_id="dnode", peer_address="127.0.0.1:3", instance_id=d_instance),
+                       timeout=10)
+    assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    pw.publish("pending", [7, 8])  # d's session is intact: the transfer lands exactly
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+    assert (dst.arr[:, [1, 2]] == src.arr[:, [7, 8]]).all()

@@ -1,0 +1,163 @@
+"""WorkerService.Stream: one stream per worker session carrying batches of commands up and their
+results plus the worker's completions down. Real daemons, real NIXL; every byte checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+from kvpushd_client import CompletionKind, KVPushError, Role
+from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
+from support import wait_for
+
+
+def _stream_pair(p, d, src, dst):  # type: ignore[no-untyped-def]
+    pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    return pw, dw
+
+
+def test_batched_steps_move_exact_bytes(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Eight requests per engine step, one message per step on each side."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = _stream_pair(p, d, src, dst)
+    for i in range(8):
+        dw.expect_nowait(f"r{i}", [2 * i, 2 * i + 1], p.peer_address, "prefill", 1)
+    assert dw.step() == 8
+    assert dw.flush(20)
+    assert wait_for(lambda: sum(t.side == "send" for t in p.client.status().transfers) == 8)
+    for i in range(8):
+        pw.publish_nowait(f"r{i}", [40 + 2 * i, 41 + 2 * i])
+    assert pw.step() == 8
+    got_d: list = []
+    got_p: list = []
+    while len(got_d) < 8:
+        c = dw.next_completion(30)
+        assert c is not None
+        got_d.append(c)
+    while len(got_p) < 8:
+        c = pw.next_completion(30)
+        assert c is not None
+        got_p.append(c)
+    assert {c.kind for c in got_d} == {CompletionKind.FINISHED_RECEIVING}
+    assert {c.kind for c in got_p} == {CompletionKind.FINISHED_SENDING}
+    for i in range(8):
+        assert (dst.arr[:, [2 * i, 2 * i + 1]] == src.arr[:, [40 + 2 * i, 41 + 2 * i]]).all()
+    pw.detach()
+    dw.detach()
+    assert wait_for(lambda: not p.client.status().workers and not d.client.status().workers)
+
+
+def test_ordering_within_a_batch_and_one_bad_item_fails_alone(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = _stream_pair(p, d, src, dst)
+    # in order: expect then abort of the same transfer in one batch (the abort finds it); a bad
+    # expect (block out of range) between two good ones fails alone
+    dw.expect_nowait("a", [1], p.peer_address, "prefill", 1)
+    dw.abort_nowait("a")
+    dw.expect_nowait("bad", [10_000], p.peer_address, "prefill", 1)
+    dw.expect_nowait("good", [2], p.peer_address, "prefill", 1)
+    dw.step()
+    assert dw.flush(20)
+    seen = {}
+    while len(seen) < 2:
+        c = dw.next_completion(20)
+        assert c is not None
+        seen[c.transfer_id] = c
+    assert seen["a"].kind is CompletionKind.FAILED and seen["a"].code == "ABORTED", seen["a"]
+    assert seen["bad"].kind is CompletionKind.FAILED and seen["bad"].code == "REFUSED", seen["bad"]
+    assert "INVALID_ARGUMENT" in seen["bad"].reason and seen["bad"].block_ids == (10_000,)
+    pw.publish_nowait("good", [9])
+    pw.step()
+    c = dw.next_completion(20)
+    assert c is not None and (c.transfer_id, c.kind) == ("good", CompletionKind.FINISHED_RECEIVING), c
+    assert (dst.arr[:, 2] == src.arr[:, 9]).all()
+    # the blocking forms raise the typed error
+    with pytest.raises(KVPushError) as ei:
+        dw.expect("bad2", [10_000], p.peer_address, "prefill", 1)
+    assert ei.value.kind == "InvalidArgument" and ei.value.code == "INVALID_ARGUMENT"
+    assert dw.abort("nothing-here") is False
+
+
+def test_first_batch_must_name_an_attached_worker(daemon_pair) -> None:  # type: ignore[no-untyped-def]
+    p, _ = daemon_pair
+    stub = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(f"unix:{p.sock}"))
+    call = stub.Stream(iter([worker_pb2.CommandBatch(worker_id="nobody")]), timeout=10)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(call)
+    assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+    assert p.client.status().node_id == "pnode"
+
+
+_DYING = """
+import json, os, signal, sys
+from kvpushd_client import KVPushClient, Region, Role, ShmMemory
+a = json.loads(sys.argv[1])
+c = KVPushClient(a["sock"])
+w = c.attach_stream("decode", Role.CONSUMER, 0, 1, [ShmMemory(a["shm"], a["size"])],
+                    [Region(0, i * a["nb"] * a["bl"], a["nb"], a["bl"]) for i in range(a["regions"])])
+for i in range(16):
+    w.expect_nowait(f"d{i}", [i], a["peer"], "prefill", 1)
+w.step()
+w.flush(20)
+os.kill(os.getpid(), signal.SIGKILL)  # mid-batch for the daemon: registrations pending, no goodbye
+"""
+
+
+def test_a_worker_that_dies_mid_batch_is_released(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst = kv_pair
+    p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    args = {"sock": d.sock, "shm": dst.buf.name, "size": dst.buf.size, "nb": dst.num_blocks, "bl": dst.block_len,
+            "regions": dst.regions, "peer": p.peer_address}
+    proc = subprocess.run([sys.executable, "-c", _DYING, json.dumps(args)], timeout=60)
+    assert proc.returncode == -9
+    # the decode daemon detaches it and withdraws its 16 registrations; the prefill daemon lets go
+    assert wait_for(lambda: not [w for w in d.client.status().workers if w.engine_id == "decode"], 30)
+    assert wait_for(lambda: not d.client.status().transfers and not p.client.status().transfers, 30)
+
+
+def test_register_batch_one_bad_item_fails_alone(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """A peer's RegisterBatch: good registrations are accepted, a bad one (blocks out of range, or
+    naming another caller) is answered with its own status, the rest go on; the session is checked
+    once for the batch."""
+    import uuid
+
+    from kvpushd_client.proto.v1 import peer_pb2
+    from test_closed import _rogue_agent
+    from test_peer_trust import handshake
+
+    p, _ = daemon_pair
+    src, _ = kv_pair
+    p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    me = uuid.uuid4().hex
+    stub, session = handshake(p.peer_address, "rogue", me)
+    name, md = _rogue_agent(me)
+
+    def reg(tid: str, rid: int, blocks: list[int], caller: str = me, with_md: bool = False) -> peer_pb2.RegisterRequest:
+        return peer_pb2.RegisterRequest(
+            caller_instance_id=caller, transfer_id=tid, registration_id=rid, producer_engine_id="prefill",
+            producer_tp_size=1, consumer_engine_id="x", consumer_tp_rank=0, consumer_tp_size=1,
+            consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md if with_md else b"",
+                                              memory_kind="DRAM", regions=[peer_pb2.RemoteRegion(
+                                                  base_addr=1 << 20, num_blocks=64, block_len=4096,
+                                                  block_stride=4096)] * 4),
+            block_ids=blocks)
+
+    batch = peer_pb2.RegisterBatchRequest(caller_instance_id=me, registrations=[
+        reg("b1", 1, [1], with_md=True), reg("b2", 2, [99]), reg("b3", 3, [3], caller="someone-else"),
+        reg("b4", 4, [4])])
+    resp = stub.RegisterBatch(batch, timeout=10, metadata=session)
+    assert [r.code for r in resp.results] == ["OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "OK"], resp
+    assert not resp.results[0].need_metadata and not resp.results[3].need_metadata
+    assert resp.results[1].kind == "InvalidArgument" and "out of range" in resp.results[1].message
+    assert sorted(t.transfer_id for t in p.client.status().transfers) == ["b1", "b4"]
+    # without the session token the whole batch is refused
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.RegisterBatch(batch, timeout=10)
+    assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION

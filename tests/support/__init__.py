@@ -1,0 +1,85 @@
+"""Helpers every test directory shares (import as ``support``: pyproject puts tests/ on the path).
+
+Daemons come from the lab's one launcher (``kvpushd_lab.launch``): real ``kvpushd serve`` processes on
+unix sockets in a temporary directory and loopback TCP. ``DaemonFactory`` (support/daemons.py) starts
+them for a test and stops them afterwards; the top conftest.py wraps it as the ``daemon_factory`` fixture.
+``DaemonProc``, ``DaemonFactory`` and ``start_daemon`` load on first use: the vLLM venv, which runs
+tests/vllm/ with this conftest, has the client but not the lab.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+from kvpushd_client import Region, Role, SharedBuffer
+
+if TYPE_CHECKING:
+    from .daemons import DaemonProc
+
+POISON = 0xA5
+_DAEMONS = ("DaemonFactory", "DaemonProc", "start_daemon")
+
+
+def __getattr__(name: str) -> object:
+    if name in _DAEMONS:
+        from . import daemons
+
+        return getattr(daemons, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+@dataclass
+class KV:
+    """A worker's KV memory: ``regions`` regions of ``num_blocks`` blocks in one shm object."""
+
+    buf: SharedBuffer
+    regions: int
+    num_blocks: int
+    block_len: int
+    arr: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.arr = np.frombuffer(self.buf.mmap, dtype=np.uint8).reshape(self.regions, self.num_blocks, self.block_len)
+
+    @property
+    def region_list(self) -> list[Region]:
+        return [Region(0, i * self.num_blocks * self.block_len, self.num_blocks, self.block_len)
+                for i in range(self.regions)]
+
+    def close(self) -> None:
+        del self.arr
+        self.buf.close(unlink=True)
+
+
+def make_kv(prefix: str, regions: int = 4, num_blocks: int = 64, block_len: int = 4096, fill: str = "random",
+            seed: int = 0) -> KV:
+    buf = SharedBuffer.create(prefix, regions * num_blocks * block_len)
+    kv = KV(buf, regions, num_blocks, block_len)
+    if fill == "random":
+        kv.arr[:] = np.random.default_rng(seed).integers(0, 256, kv.arr.shape, dtype=np.uint8)
+    else:
+        kv.arr[:] = POISON
+    return kv
+
+
+def attach_pair(p: DaemonProc, d: DaemonProc, src: KV, dst: KV) -> tuple[object, object]:
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    return pw, dw
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 20.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
