@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from .config import MetricsConfig, split_host_port
 from .events import Event, EventKind
 from .runtime.view import View
-from .transfer.thread import WriteResult
+from .transfer.records import WriteResult
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

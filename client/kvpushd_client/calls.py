@@ -17,13 +17,21 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from . import _convert
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
-if TYPE_CHECKING:
-    from .client import Worker
+
+class Worker(Protocol):
+    """What a queue needs of an attachment (``client.Worker`` is one): the blocking calls."""
+
+    def expect(self, transfer_id: str, block_ids: Any, producer_address: str, producer_engine_id: str,
+               producer_tp_size: int, skip_tokens: int = 0, transfer_mode: str = "push") -> None: ...
+
+    def publish(self, transfer_id: str, block_ids: Any) -> None: ...
+
+    def abort(self, transfer_id: str) -> bool: ...
 
 # Call outcomes that do not say whether the daemon acted on the call.
 UNSURE = frozenset({"DEADLINE_EXCEEDED", "UNKNOWN", "INTERNAL"})

@@ -18,7 +18,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 
@@ -26,8 +26,12 @@ from . import _convert, errors
 from .proto.v1 import worker_pb2
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
-if TYPE_CHECKING:
-    from .client import KVPushClient
+
+class _Client(Protocol):
+    """What a stream worker needs of its client (``client.KVPushClient`` is one)."""
+
+    stub: Any
+    timeout_s: float
 
 _END = None
 _Queued = tuple[int, str, str, list[int], tuple[object, ...]]
@@ -49,7 +53,7 @@ def _command(q: _Queued) -> worker_pb2.Command:
 class StreamWorker:
     """An attached worker whose session is a WorkerService.Stream."""
 
-    def __init__(self, client: KVPushClient, worker_id: str, node_id: str, peer_address: str) -> None:
+    def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str) -> None:
         self.client = client
         self.worker_id = worker_id
         self.node_id = node_id

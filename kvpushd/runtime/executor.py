@@ -35,7 +35,8 @@ from ..core.rendezvous import (
 )
 from ..core.types import Completion, CompletionKind, FailureCode
 from ..events import EventHub, EventKind
-from ..transfer.thread import ReadResult, TransferThread, WriteResult
+from ..transfer.records import ReadResult, WriteResult
+from ..transfer.thread import TransferThread
 from .inbound import Inbound, Origin
 from .observe import NullObserver, Observer
 from .outbound import Outbound, PeerClient

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..transfer.thread import WriteResult
+from ..transfer.records import WriteResult
 
 
 class Observer(Protocol):

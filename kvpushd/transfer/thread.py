@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,69 +45,10 @@ from .descs import (
     region_bases,
 )
 from .faults import Faults
+from .records import Inflight, Local, ReadResult, WriteResult, transfer_id_of
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class WriteResult:
-    leg: LegKey
-    ok: bool
-    reason: str
-    nbytes: int
-    post_s: float      # time from the request reaching the thread to the WRITE being posted
-    xfer_s: float      # time from post to completion seen
-    descs_requested: int
-    descs_posted: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadResult:
-    """Pull mode: how one READ (prefill blocks -> this node's decode blocks) ended."""
-
-    key: Any           # the core's ReadKey
-    ok: bool
-    reason: str
-    nbytes: int
-    post_s: float
-    xfer_s: float
-    descs_requested: int
-    descs_posted: int
-
-
-
-@dataclass(slots=True)
-class _Local:
-    worker_id: str
-    agent: Any
-    mem_type: str
-    regions: tuple[RegionSpec, ...]
-    reg_descs: Any
-    dlist: Any
-    bases: IntArray
-    receives: bool
-    # (remote agent, slice) -> (prepared list, region bases, regions)
-    remotes: dict[tuple[str, Part], tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
-    slices: dict[Part, Any] = field(default_factory=dict)  # local lists of block slices (hetero TP)
-    loaded: set[str] = field(default_factory=set)  # remote agents whose metadata is loaded
-    inflight: int = 0
-
-
-@dataclass(slots=True)
-class _Inflight:
-    """One WRITE or READ posted and not yet seen complete (the same record for both)."""
-
-    handle: Any
-    local: _Local
-    result: WriteResult | ReadResult  # as it will be reported; ok/reason/xfer_s filled in at the end
-    t_post: float
-    remote: str = ""
-    fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
-
-    @property
-    def what(self) -> str:
-        return "WRITE" if isinstance(self.result, WriteResult) else "READ"
 
 
 class TransferThread:
@@ -142,8 +82,8 @@ class TransferThread:
         self._poll_max_s = max(poll_max_interval_s, poll_interval_s)
         self._nixl_threads = nixl_threads
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._locals: dict[str, _Local] = {}
-        self._inflight: list[_Inflight] = []
+        self._locals: dict[str, Local] = {}
+        self._inflight: list[Inflight] = []
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
@@ -370,12 +310,12 @@ class TransferThread:
         except Exception:
             agent.deregister_memory(reg_descs)
             raise
-        self._locals[worker_id] = _Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
+        self._locals[worker_id] = Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
                                          region_bases(regions), receives)
         self.agent_backends[worker_id] = tuple(used)
         return bytes(agent.get_agent_metadata())
 
-    def _remote_view(self, loc: _Local, remote: RemoteAgent,
+    def _remote_view(self, loc: Local, remote: RemoteAgent,
                      part: Part) -> tuple[Any, IntArray, tuple[RegionSpec, ...]]:
         """The consumer's descriptor list in this producer agent, prepared once per slice."""
         view = loc.remotes.get((remote.name, part))
@@ -385,7 +325,7 @@ class TransferThread:
             view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions), remote.regions)
         return view
 
-    def _local_list(self, loc: _Local, part: Part) -> Any:
+    def _local_list(self, loc: Local, part: Part) -> Any:
         if part == WHOLE:
             return loc.dlist
         dlist = loc.slices.get(part)
@@ -442,7 +382,7 @@ class TransferThread:
                                                       merged_count(loc.regions, rregions, src, dst, src_part,
                                                                    dst_part)))
 
-    def _launch_write(self, leg: LegKey, loc: _Local, remote_name: str, notif: bytes,
+    def _launch_write(self, leg: LegKey, loc: Local, remote_name: str, notif: bytes,
                       fail: Callable[[str], None], make_handle: Callable[[bytes], Any],
                       result: Callable[[float], WriteResult]) -> None:
         """Post one WRITE (either path) and track it; KVPUSHD_FAULTS applies here."""
@@ -462,12 +402,12 @@ class TransferThread:
             handle.release()
             return fail("NIXL returned ERR when posting the WRITE")
         loc.inflight += 1
-        self._inflight.append(_Inflight(handle, loc, result(t_post), t_post, remote_name, fault))
+        self._inflight.append(Inflight(handle, loc, result(t_post), t_post, remote_name, fault))
         if state == "DONE":
             self._poll_inflight()
         return None
 
-    def _load_remote(self, loc: _Local, remote: RemoteAgent) -> None:
+    def _load_remote(self, loc: Local, remote: RemoteAgent) -> None:
         """Load a remote agent's metadata into this local agent, once."""
         if remote.name not in loc.loaded:
             loc.agent.add_remote_agent(remote.metadata)
@@ -544,7 +484,7 @@ class TransferThread:
             handle.release()
             return fail("NIXL returned ERR when posting the READ")
         loc.inflight += 1
-        self._inflight.append(_Inflight(handle, loc, res, t_post, remote.name))
+        self._inflight.append(Inflight(handle, loc, res, t_post, remote.name))
         if state == "DONE":
             self._poll_inflight()
 
@@ -559,14 +499,14 @@ class TransferThread:
     def _poll_inflight(self) -> bool:
         """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled.
         True when any of them ended."""
-        done: list[_Inflight] = []
-        keep: list[_Inflight] = []
+        done: list[Inflight] = []
+        keep: list[Inflight] = []
         now = time.perf_counter()
         for f in self._inflight:
             try:
                 state = f.local.agent.check_xfer_state(f.handle)
             except Exception as e:  # e.g. the remote agent was invalidated mid-transfer: it failed
-                log.warning(f"checking a {f.what} failed", transfer_id=_tid(f), error=str(e))
+                log.warning(f"checking a {f.what} failed", transfer_id=transfer_id_of(f), error=str(e))
                 state = "ERR"
             hold = self.faults.write_hold_s
             if state == "DONE" and hold and f.what == "WRITE" and now - f.t_post < hold:
@@ -587,7 +527,7 @@ class TransferThread:
             self._report(done)
         return bool(done)
 
-    def _finish(self, f: _Inflight, ok: bool, reason: str, now: float) -> None:
+    def _finish(self, f: Inflight, ok: bool, reason: str, now: float) -> None:
         f.local.inflight -= 1
         try:
             f.handle.release()
@@ -597,10 +537,11 @@ class TransferThread:
         f.result = dataclasses.replace(r, ok=ok, reason="" if ok else reason, nbytes=r.nbytes if ok else 0,
                                        xfer_s=now - f.t_post)
 
-    def _cancel(self, f: _Inflight, why: str) -> None:
+    def _cancel(self, f: Inflight, why: str) -> None:
         """Give up on a transfer in flight: NIXL cancels it when its handle is released; if it cannot,
         the stalled remote agent is disconnected (invalidated) first, so nothing more can land."""
-        log.warning(f"cancelling a {f.what} in flight", transfer_id=_tid(f), remote_agent=f.remote[:128], why=why)
+        log.warning(f"cancelling a {f.what} in flight", transfer_id=transfer_id_of(f), remote_agent=f.remote[:128],
+                    why=why)
         f.local.inflight -= 1
         try:
             f.handle.release()
@@ -628,7 +569,7 @@ class TransferThread:
         """From the loop: end every transfer in flight now (each is reported failed)."""
         self._q.put(lambda: self._cancel_inflight(why))
 
-    def _report(self, done: list[_Inflight]) -> None:
+    def _report(self, done: list[Inflight]) -> None:
         writes = [f.result for f in done if isinstance(f.result, WriteResult)]
         reads = [f.result for f in done if isinstance(f.result, ReadResult)]
         if writes:
@@ -693,7 +634,7 @@ class TransferThread:
         loc.agent.deregister_memory(loc.reg_descs)
         del loc.agent
 
-    def _poll_notifs_of(self, loc: _Local) -> None:
+    def _poll_notifs_of(self, loc: Local) -> None:
         notifs = loc.agent.get_new_notifs()
         got = [p for msgs in notifs.values() for m in msgs if (p := decode_notif(m)) is not None]
         if got:
@@ -708,8 +649,3 @@ HOT_S = 0.02  # after any command, completion or notification, poll at the short
 
 def _wake() -> None:
     """A command that does nothing: it ends an idle wait so polling starts at once."""
-
-
-def _tid(f: _Inflight) -> str:
-    r = f.result
-    return r.leg.transfer_id if isinstance(r, WriteResult) else str(getattr(r.key, "transfer_id", ""))

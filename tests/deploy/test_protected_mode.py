@@ -21,15 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpushd_client import CompletionKind
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
+from support import POISON, attach_pair, start_daemon
 
 from kvpushd.config import Config, PeerApiConfig, default_advertise_host, from_dict
 from kvpushd.core.errors import InvalidArgument
 from kvpushd.peer_security import AllowList, access_mode, peer_interceptors
-
-try:  # the test helpers' package (tests/support), else the older tests/conftest.py
-    from support import POISON, attach_pair, start_daemon
-except ImportError:
-    from conftest import POISON, attach_pair, start_daemon
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import make_kv, start_daemon
 from kvpushd_client import CompletionKind, Role
+from support import make_kv, start_daemon
 
 CFG = "[transfer]\nexpect_timeout_s = 60.0\npublish_timeout_s = 60.0\n"
 

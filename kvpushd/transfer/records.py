@@ -1,0 +1,74 @@
+"""What the NIXL thread keeps per agent and per transfer in flight, and what it reports back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.rendezvous import LegKey
+from .descs import IntArray, Part, RegionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    leg: LegKey
+    ok: bool
+    reason: str
+    nbytes: int
+    post_s: float      # time from the request reaching the thread to the WRITE being posted
+    xfer_s: float      # time from post to completion seen
+    descs_requested: int
+    descs_posted: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """Pull mode: how one READ (prefill blocks -> this node's decode blocks) ended."""
+
+    key: Any           # the core's ReadKey
+    ok: bool
+    reason: str
+    nbytes: int
+    post_s: float
+    xfer_s: float
+    descs_requested: int
+    descs_posted: int
+
+
+
+@dataclass(slots=True)
+class Local:
+    worker_id: str
+    agent: Any
+    mem_type: str
+    regions: tuple[RegionSpec, ...]
+    reg_descs: Any
+    dlist: Any
+    bases: IntArray
+    receives: bool
+    # (remote agent, slice) -> (prepared list, region bases, regions)
+    remotes: dict[tuple[str, Part], tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
+    slices: dict[Part, Any] = field(default_factory=dict)  # local lists of block slices (hetero TP)
+    loaded: set[str] = field(default_factory=set)  # remote agents whose metadata is loaded
+    inflight: int = 0
+
+
+@dataclass(slots=True)
+class Inflight:
+    """One WRITE or READ posted and not yet seen complete (the same record for both)."""
+
+    handle: Any
+    local: Local
+    result: WriteResult | ReadResult  # as it will be reported; ok/reason/xfer_s filled in at the end
+    t_post: float
+    remote: str = ""
+    fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
+
+    @property
+    def what(self) -> str:
+        return "WRITE" if isinstance(self.result, WriteResult) else "READ"
+
+
+def transfer_id_of(f: Inflight) -> str:
+    r = f.result
+    return r.leg.transfer_id if isinstance(r, WriteResult) else str(getattr(r.key, "transfer_id", ""))
