@@ -129,7 +129,8 @@ class _EngineDemo:
             spec = {**specs[role], "layers": a.layers, "block_size": bs if role == "prefill" else dbs,
                     "verify_tokens": moved_tokens, "seed": a.seed, "parent_pid": os.getpid(),
                     "pull": int(getattr(a, "transfer_mode", "push") == "pull"),
-                    "netns": self.lab.names[0 if role == "prefill" else 1] if self.lab is not None else ""}
+                    "netns": self.lab.names[0 if role == "prefill" else 1] if self.lab is not None else "",
+                    "log": os.path.join(str(self.workdir), f"{role}-engine.log")}
             mine, theirs = ctx.Pipe()
             pr = ctx.Process(target=_engine_main, args=(role, socks[role], spec, theirs), daemon=True,
                              name=f"kvpushd-demo-{role}-engine")
@@ -254,13 +255,18 @@ class _EngineDemo:
             elif kind == "out":
                 finish(r, bool(msg[2]), msg[3], msg[4])
 
+        closed: set[str] = set()  # engines that sent their final stats and then closed their pipe
+
         def pump(timeout: float) -> None:
-            for c in wait(list(self.conns.values()), timeout):
+            for c in wait([c for r, c in self.conns.items() if r not in closed], timeout):
                 role = "prefill" if c is self.conns["prefill"] else "decode"
                 try:
                     msg = self._recv(role)
                 except EOFError:
-                    raise RuntimeError(f"{role} engine exited; see {self.workdir}") from None
+                    if role in end_stats:  # drained: its stats came, then it exited as asked
+                        closed.add(role)
+                        continue
+                    raise RuntimeError(f"{role} engine exited; see {role}-engine.log in {self.workdir}") from None
                 handle(role, msg)
             for role, pr in self.procs.items():
                 if not pr.is_alive() and role not in end_stats and not self.conns[role].poll(0):

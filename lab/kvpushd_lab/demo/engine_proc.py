@@ -102,6 +102,11 @@ def _poison_allocator(caches: Any, num_blocks: int) -> Any:
 
 def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -> None:
     def body() -> None:
+        if spec.get("log"):  # its output goes to the demo's log folder, beside the daemons' logs
+            log = os.open(str(spec["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(log)
         if spec.get("netns"):  # --hosts netns: this engine runs on its node's "host"
             from ..netns import enter
 
