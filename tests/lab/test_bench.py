@@ -175,8 +175,9 @@ def test_soak_smoke() -> None:
     """200 requests with faults at a high rate: every request ends, nothing held (the invariants the
     full-size run reports; counts, not times)."""
     out = bench("soak", "--requests", "200", "--concurrency", "8", "--fault-rate", "0.2", "--write-fault-rate",
-                "0.05", "--timeout-s", "2", "--churn-every-s", "0.3", timeout=600)
+                "0.05", "--timeout-s", "2", "--churn-every-s", "0.3", "--attack-every-s", "0.1", timeout=600)
     assert out["never_ended"] == 0, out["never_ended_examples"]
+    assert out["takeovers_accepted"] == 0, out["attacks"]  # the rogue peer never replaced a registration
     assert out["blocks_held_at_end"] == {"prefill": 0, "decode": 0}, out["held_at_end"]
     assert out["duplicate_completions"] == 0 and out["unexpected_completions"] == 0
     assert out["finished"] + out["failed"] == 200

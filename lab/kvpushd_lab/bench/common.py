@@ -121,8 +121,12 @@ def _ready(d: DaemonProc) -> DaemonProc:
         raise BenchError(str(e)) from None
 
 
-def _spawn_daemon(workdir: Path, name: str, log_level: str = "info", extra_config: str = "") -> DaemonProc:
-    return launch.spawn(workdir, name, settings=_settings(log_level), extra_config=extra_config)
+def _spawn_daemon(workdir: Path, name: str, log_level: str = "info", extra_config: str = "",
+                  peer_api: dict[str, object] | None = None) -> DaemonProc:
+    settings = _settings(log_level)
+    if peer_api:
+        settings["peer_api"] = dict(peer_api)
+    return launch.spawn(workdir, name, settings=settings, extra_config=extra_config)
 
 
 def start_daemon(workdir: Path, name: str, log_level: str = "info", extra_config: str = "") -> DaemonProc:

@@ -44,6 +44,8 @@ from .common import (
 )
 
 FAULTS = ("abort_prefill", "abort_decode", "no_registration", "no_publish")
+REGISTERS_PER_S = 300.0  # the prefill daemon's per-peer limit here: above the real decode daemon's rate
+FLOOD = 2000  # Registers a flood sends, 200 in flight at a time
 CHURN_BATCH = 8
 
 
@@ -59,6 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn-every-s", type=float, default=0.5,
                    help="seconds between worker detach/reattach cycles (0: no churn; default 0.5)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault draws (default 1)")
+    p.add_argument("--attack-every-s", type=float, default=0.5,
+                   help="seconds between peer attacks on the prefill daemon (0: none; default 0.5): a rogue peer "
+                        "registering for transfers in flight, a Register flood, a handshake flood")
 
 
 def rss_kib(pid: int) -> int:
@@ -126,6 +131,8 @@ class Soak:
         self.t_warm = 0.0
         self.done_at_warm = 0
         self.bound_s = 4 * args.timeout_s + 30  # far beyond any deadline: a request this late never ends
+        self.attacks: collections.Counter[str] = collections.Counter()
+        self.inflight_tids: set[str] = set()  # main-lane transfers a rogue peer may try to take
 
     def _next_id(self) -> tuple[int, str] | None:
         if self.issued >= self.args.requests:
@@ -138,6 +145,14 @@ class Soak:
 
     async def one(self, pw: AsyncWorker, dw: AsyncWorker, pr: _Router, dr: _Router, engine: str, block: int,
                   tid: str, scenario: str, detached: dict[str, bool] | None = None) -> None:
+        self.inflight_tids.add(tid)
+        try:
+            await self._one(pw, dw, pr, dr, engine, block, tid, scenario, detached)
+        finally:
+            self.inflight_tids.discard(tid)
+
+    async def _one(self, pw: AsyncWorker, dw: AsyncWorker, pr: _Router, dr: _Router, engine: str, block: int,
+                   tid: str, scenario: str, detached: dict[str, bool] | None = None) -> None:
         """Run one request to its end on both sides."""
         sides: dict[str, asyncio.Future[Completion]] = {}
         calls: list[tuple[str, Any]] = []
@@ -236,6 +251,83 @@ class Soak:
                     await w.detach()
                     r.stop()
 
+    async def attack_lane(self) -> None:
+        """A rogue peer of the prefill daemon: it registers its own (real) NIXL agent for transfers the
+        real decode daemon registered (must be PERMISSION_DENIED), floods Registers (the rate limit
+        refuses most), and floods handshakes from made-up addresses (status must stay bounded)."""
+        import uuid
+
+        import grpc
+        from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
+
+        from kvpushd import PROTOCOL_VERSION
+        from kvpushd.core import notif
+        from kvpushd.runtime.identity import agent_prefix
+
+        from ..refengine.inengine import _new_agent
+        chan = grpc.aio.insecure_channel(self.p.peer_address)
+        stub = peer_pb2_grpc.PeerServiceStub(chan)
+
+        async def handshake(node: str, instance: str, address: str) -> tuple[tuple[str, str], ...]:
+            r = await stub.Handshake(peer_pb2.HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(), node_id=node,
+                peer_address=address, instance_id=instance), timeout=10)
+            return (("kvpushd-session", r.session_token),)
+
+        rogue = uuid.uuid4().hex
+        session = await handshake("rogue", rogue, "127.0.0.1:1")
+        name = agent_prefix("rogue", rogue) + "thief"
+        agent = _new_agent(name)  # a real NIXL agent, so its metadata passes every name check
+        info = peer_pb2.AgentInfo(agent_name=name, agent_metadata=bytes(agent.get_agent_metadata()),
+                                  memory_kind="DRAM", regions=[peer_pb2.RemoteRegion(
+                                      base_addr=1 << 20, num_blocks=self.lay.num_blocks, block_len=self.lay.block_len,
+                                      block_stride=self.lay.block_len)])
+        rid = 1
+
+        async def register(tid: str) -> grpc.StatusCode:
+            nonlocal rid
+            rid += 1
+            req = peer_pb2.RegisterRequest(
+                caller_instance_id=rogue, transfer_id=tid, registration_id=rid, producer_engine_id="soak-prefill",
+                producer_tp_size=1, consumer_engine_id="rogue", consumer_tp_rank=0, consumer_tp_size=1,
+                consumer_agent=info, block_ids=[0])
+            try:
+                await stub.Register(req, timeout=10, metadata=session)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+        gate = asyncio.Semaphore(200)  # a flood's Registers in flight at once
+
+        async def gated(sem: asyncio.Semaphore, tid: str) -> grpc.StatusCode:
+            async with sem:
+                return await register(tid)
+
+        try:
+            while self.issued < self.args.requests:
+                await asyncio.sleep(self.args.attack_every_s)
+                kind = self.rng.choice(["takeover", "register_flood", "handshake_flood"])
+                self.attacks[kind] += 1
+                if kind == "takeover":  # transfers the real decode daemon has registered, not yet written
+                    st = await AsyncKVPushClient(self.p.sock).status()
+                    held = [t.transfer_id for t in st.transfers if t.side == "send"
+                            and t.waiting_for == "prefill publish" and t.transfer_id.startswith("soak-")][:4]
+                    for tid in held:
+                        code = await register(tid)
+                        self.attacks[f"takeover:{code.name}"] += 1
+                elif kind == "register_flood":  # all at once: faster than the per-peer rate limit
+                    codes = await asyncio.gather(*(gated(gate, f"rogue-flood-{self.tag}-{k}-{rid}")
+                                                   for k in range(FLOOD)))
+                    for code in codes:
+                        self.attacks[f"flood:{code.name}"] += 1
+                else:
+                    for k in range(100):
+                        await handshake(f"flood-{k}", uuid.uuid4().hex, f"127.1.{k % 250}.{self.rng.randrange(250)}:7")
+                    st = await AsyncKVPushClient(self.p.sock).status()
+                    self.attacks["status_bytes_max"] = max(self.attacks["status_bytes_max"], st.ByteSize())
+        finally:
+            await chan.close()
+
     async def run(self) -> dict[str, Any]:
         pc, dc = AsyncKVPushClient(self.p.sock), AsyncKVPushClient(self.d.sock)
         region = [Region(0, 0, self.lay.num_blocks, self.lay.block_len)]
@@ -248,6 +340,8 @@ class Soak:
         lanes = [self.main_lane(pw, dw, pr, dr, k) for k in range(self.args.concurrency)]
         if self.args.churn_every_s > 0:
             lanes.append(self.churn_lane(pc, dc))
+        if getattr(self.args, "attack_every_s", 0) > 0:
+            lanes.append(self.attack_lane())
         await asyncio.gather(*lanes)
         t1 = time.monotonic()
         # Whatever a daemon still holds now is a leak: every request has ended on both sides.
@@ -296,7 +390,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     old = os.environ.get("KVPUSHD_FAULTS")
     os.environ["KVPUSHD_FAULTS"] = faults
     try:
-        ps = _spawn_daemon(workdir, "soak-pnode", "warning", section)
+        # the rogue's Register flood meets the rate limit; the real decode daemon (~500/s here) does not
+        ps = _spawn_daemon(workdir, "soak-pnode", "warning", section,
+                           peer_api={"max_registers_per_s": REGISTERS_PER_S})
     finally:
         if old is None:
             os.environ.pop("KVPUSHD_FAULTS")
@@ -338,13 +434,16 @@ def _result(args: argparse.Namespace, s: Soak, out: dict[str, Any]) -> Result:
         "held_at_end": held, "blocks_held_at_end": held_blocks,
         "rss_kib_warm": s.rss_warm, "rss_kib_end": out["rss_end"], "rss_growth_kib": growth,
         "seconds": round(out["seconds"], 2), "requests_per_s": round(rate, 1), "daemon_counters": out["counters"],
+        "attacks": dict(sorted(s.attacks.items())),
+        "takeovers_accepted": sum(v for k, v in s.attacks.items() if k in ("takeover:OK",)),
     }
     rows = [{"daemon": k, "rss_warm": s.rss_warm.get(k, 0) / 1024, "rss_end": out["rss_end"][k] / 1024,
              "growth": growth[k] / 1024, "transfers": held[k]["transfers"], "blocks": held_blocks[k]}
             for k in ("prefill", "decode")]
     cols = [("daemon", "daemon", "<"), ("rss_warm", "RSS warm MiB", ".1f"), ("rss_end", "RSS end MiB", ".1f"),
             ("growth", "growth MiB", "+.1f"), ("transfers", "pending at end", "d"), ("blocks", "blocks held", "d")]
-    ok = not s.never_ended and not any(held_blocks.values()) and not s.stats["duplicate_completions"]
+    ok = not s.never_ended and not any(held_blocks.values()) and not s.stats["duplicate_completions"] \
+        and not s.attacks.get("takeover:OK")
     lines = [
         f"requests: {args.requests} in {out['seconds']:.1f} s ({rate:,.0f}/s after warm-up): {s.requests_ok} "
         f"finished, {s.requests_failed} failed or faulted, {len(s.never_ended)} never ended (must be 0)",
@@ -352,6 +451,8 @@ def _result(args: argparse.Namespace, s: Soak, out: dict[str, Any]) -> Result:
         f"duplicate completions {s.stats['duplicate_completions']} (must be 0); churn cycles "
         f"{s.stats['churn_cycles']}",
         "outcomes by side: " + ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items())),
+        "peer attacks: " + (", ".join(f"{k} {v}" for k, v in sorted(s.attacks.items())) or "none")
+        + " (takeover:OK must be 0)",
         "invariants: " + ("held" if ok else "BROKEN"),
     ]
     method = [
