@@ -9,7 +9,8 @@ registration whose publish never comes (the decode daemon expires it). The prefi
 with ``KVPUSHD_FAULTS`` (test-only, see kvpushd/transfer/faults.py) so that a share
 ``--write-fault-rate`` of WRITEs fail (half refused at post, half completed in error without
 their notification). Beside them a "churn" pair of workers runs batches of requests and has one
-side (or both) detached mid-flight, then attaches afresh.
+side (or both) detached mid-flight, then attaches afresh, and a rogue peer of the prefill daemon
+tries to take registrations of the real decode daemon over, floods Registers and floods handshakes.
 
 What must hold, and is reported: every side of every request ends with exactly one completion
 (requests that never ended: 0; a detached worker's own requests end with its detach), and at the
