@@ -5,9 +5,12 @@ Host KV must live in named POSIX shared memory the daemon can open; CUDA KV goes
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import os
 import re
+import secrets
 from typing import Any
 
 import torch
@@ -17,6 +20,9 @@ from ..types import Memory, Region, ShmMemory
 from .utils import logger
 
 MAX_REGIONS = 4096  # the daemon's limit per worker
+# Shared memory this connector made: the daemon removes such a name once no process holds its lock.
+OWNED_SHM_PREFIX = "kvpushd-kv-"
+_owned: dict[str, int] = {}  # name -> the open fd whose shared flock says "this process still uses it"
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -62,11 +68,43 @@ def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[ShmMemory,
         loc = _shm_location(storage.data_ptr())
         if loc is None or not loc[0].startswith("/dev/shm/") or loc[0].endswith(" (deleted)"):
             raise RuntimeError(f"kvpushd: {what} is not in a named /dev/shm object even after sharing it")
+        loc = (_take_ownership(loc[0]), *loc[1:])
     assert loc is not None
     path, offset, mapped, size = loc
     if mapped < storage.nbytes():
         raise RuntimeError(f"kvpushd: {what} spans more than one mapping of {path}")
     return ShmMemory(path[len("/dev/shm/"):], size), offset
+
+
+def _take_ownership(path: str) -> str:
+    """Rename torch's /dev/shm/torch_<pid>_* file to kvpushd-kv-<pid>-<hex> and hold a shared flock on it.
+
+    Nobody unlinks torch's file when the worker is SIGKILLed (vLLM's default shutdown), and its
+    torch_shm_manager may die with it: the whole KV cache would stay in /dev/shm. The lock lives as
+    long as this process (any process, in any pid namespace, that shares the open file): the daemon
+    removes a kvpushd-kv-* name on detach, or at its start, once it can take the lock exclusively, so
+    the name outlives a daemon restart (a live worker re-attaches by it) but not the worker.
+    Renaming keeps the inode, so every mapping and view stays valid.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # before the name exists: a sweep never sees it unlocked
+        name = f"{OWNED_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        os.rename(path, f"/dev/shm/{name}")
+    except BaseException:
+        os.close(fd)
+        raise
+    _owned[name] = fd
+    return f"/dev/shm/{name}"
+
+
+def release_owned_shm() -> None:
+    """Unlink the shared memory this process made (clean shutdown; the mappings stay valid)."""
+    for name, fd in list(_owned.items()):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+        os.close(fd)
+        del _owned[name]
 
 
 def _block_regions(t: torch.Tensor, num_blocks: int, what: str) -> list[tuple[int, int, int, int]]:

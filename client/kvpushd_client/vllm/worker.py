@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..calls import Call
 from ..reconnect import ReconnectingWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role
-from .layout import describe_kv_caches
+from .layout import describe_kv_caches, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .utils import Settings, logger
 
@@ -218,7 +218,8 @@ class KVPushdConnectorWorker:
 
     def shutdown(self) -> None:
         if self._link is not None:
-            self._link.close()
+            self._link.close()  # detached first: the daemon no longer needs the names
+        release_owned_shm()
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
