@@ -9,6 +9,7 @@ and the daemon venv have it); no vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import vllm_support as vs
 
 pytest.importorskip("torch")
@@ -68,9 +68,19 @@ def start_worker(sock: str, engine: str) -> tuple[subprocess.Popen[str], str]:
     return p, names[0]
 
 
+def shm_managers(pid: int) -> list[int]:
+    """torch's shm manager processes of a worker (its children, in a session of their own)."""
+    return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid), "-f", "torch_shm_manager"],
+                                           capture_output=True, text=True).stdout.split()]
+
+
 def sigkill_group(p: subprocess.Popen[str]) -> None:
-    """The worker and torch's shm manager (its child, in its process group)."""
+    """The worker and torch's shm manager."""
+    managers = shm_managers(p.pid)
     os.killpg(p.pid, signal.SIGKILL)
+    for pid in managers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     p.wait(30)
 
 
@@ -90,11 +100,10 @@ def test_sigkilled_worker_leaves_no_shm(workdir: Path) -> None:
         w, name = start_worker(d.sock, "engine-kill")
         procs.append(w)
         assert name in owned() and attached(d, "engine-kill")
-        managers = subprocess.run(["pgrep", "-g", str(w.pid), "-f", "torch_shm_manager"], capture_output=True,
-                                  text=True).stdout.split()
+        managers = shm_managers(w.pid)
         sigkill_group(w)
-        for pid in managers:
-            assert not os.path.exists(f"/proc/{pid}/cmdline") or not open(f"/proc/{pid}/cmdline").read()
+        assert managers, "torch started no shm manager (file_system sharing)"
+        assert vs.wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in managers), 30)
         assert vs.wait_for(lambda: name not in owned(), 30), f"{name} still in /dev/shm:\n{d.logs()[-3000:]}"
         assert vs.wait_for(lambda: not attached(d, "engine-kill"), 30)
     finally:
