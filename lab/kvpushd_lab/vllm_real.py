@@ -264,6 +264,13 @@ def http_post(url: str, body: dict[str, Any], headers: dict[str, str] | None = N
         raise RuntimeError(f"POST {url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
+def _post_result(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    try:
+        return {"status": "ok", "response": http_post(url, body, headers, timeout_s=200)}
+    except Exception as e:  # the point of a failure probe
+        return {"status": f"error: {str(e)[:300]}"}
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -307,10 +314,18 @@ class PushSender:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(16))
 
     def send(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        body = completion_body(prompt, max_tokens)
         if self.proxy_port:
-            return http_post(f"http://127.0.0.1:{self.proxy_port}/v1/completions", body)
-        # Exactly what disagg_proxy_pushconnector_demo.py sends (its _push_completion).
+            return http_post(f"http://127.0.0.1:{self.proxy_port}/v1/completions", completion_body(prompt, max_tokens))
+        pre, dec, headers = self.legs(prompt, max_tokens)
+        fp = self.pool.submit(http_post, f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
+        out = http_post(f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
+        fp.result()
+        return out
+
+    def legs(self, prompt: str, max_tokens: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+        """Exactly what disagg_proxy_pushconnector_demo.py sends (its _push_completion): the prefill
+        leg, the decode leg and their headers."""
+        body = completion_body(prompt, max_tokens)
         request_id = str(uuid.uuid4())
         transfer_id = f"xfer-{uuid.uuid4()}"
         host, _, port = self.prefill_daemon.rpartition(":")
@@ -321,11 +336,46 @@ class PushSender:
             "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": P_ENGINE,
             "remote_host": host, "remote_port": int(port), "tp_size": 1, "pp_size": 1,
             "remote_request_id": request_id, "transfer_id": transfer_id})
-        headers = {"X-Request-Id": request_id}
-        fp = self.pool.submit(http_post, f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
-        out = http_post(f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
-        fp.result()
-        return out
+        return pre, dec, {"X-Request-Id": request_id}
+
+    def decode_failure_probe(self, pd: Daemon, fail: Any, prompt: str, watch_s: float,
+                             register_first: bool = True) -> dict[str, Any]:
+        """The decode leg alone until the prefill daemon holds its registration, then ``fail()`` (the
+        decode side dies), then the prefill leg: how long the prefill daemon keeps that transfer.
+        ``register_first=False``: the decode side fails before the request reaches it."""
+        pre, dec, headers = self.legs(prompt, 4)
+        tid = dec["kv_transfer_params"]["transfer_id"]
+        if not register_first:
+            fail()
+        fd = self.pool.submit(_post_result, f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
+        registered = True
+        try:
+            wait_until(lambda: any(t.get("transfer_id") == tid for t in pd.status().get("transfers", [])),
+                       30 if register_first else 3, "the decode registration to reach the prefill daemon")
+        except RuntimeError:
+            registered = False
+        if register_first:
+            fail()
+        pre_out = _post_result(f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
+        t_pub = time.monotonic()
+
+        def held() -> bool:
+            return any(t.get("transfer_id") == tid for t in pd.status().get("transfers", []))
+        freed_after = None
+        deadline = t_pub + watch_s
+        while time.monotonic() < deadline:
+            if not held():
+                freed_after = round(time.monotonic() - t_pub, 2)
+                break
+            time.sleep(0.25)
+        st = pd.status()
+        why = [f.get("reason", "") for f in st.get("recent_failures", []) if f.get("transfer_id") == tid]
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            dec_out = fd.result(timeout=30)
+        return {"registered_before_failure": registered, "prefill_leg": pre_out.get("status"),
+                "decode_leg": dec_out.get("status") if fd.done() else "still waiting",
+                "prefill_freed_after_s": freed_after if freed_after is not None else f"still held after {watch_s:g}s",
+                "prefill_failure_reason": why}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -531,15 +581,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  "shm_kept_while_worker_lives": bool(names_alive),
                                                  "reattached": True, "tokens_match": again == expected[0]}
 
+            # decode-side failures while prefill still has to publish: how long prefill holds the blocks
+            if args.probe_decode_failures:
+                def restart_decode_daemon() -> None:
+                    dd.kill()
+                    dd.start()
+                out["probe_decode_daemon_restart"] = sender.decode_failure_probe(
+                    pd, restart_decode_daemon, prompts[-1], args.probe_watch_s)
+                wait_until(lambda: dd.status().get("workers"), 60, "the decode worker to re-attach", dd.proc)
+                # the decode daemon is down when the request comes (both legs at once, as the proxy does)
+                out["probe_decode_daemon_down"] = sender.decode_failure_probe(
+                    pd, dd.kill, prompts[-1], args.probe_watch_s, register_first=False)
+                dd.start()
+                wait_until(lambda: dd.status().get("workers"), 60, "the decode worker to re-attach", dd.proc)
+
             # 6. SIGKILL the decode worker (and torch's shm manager in its group)
             if args.kill_decode_worker:
                 dw = worker_pid(dd)
                 mine = pids_mapping(OWNED_SHM_PREFIX).get(dw, set())
                 vllm_shm |= shm_mapped_by_groups({pserver.proc.pid, dserver.proc.pid})
                 managers = torch_shm_managers(dw)
-                for pid in [dw, *managers]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                def kill_worker() -> None:
+                    for pid in [dw, *managers]:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                if args.probe_decode_failures:
+                    out["probe_decode_worker_sigkill"] = sender.decode_failure_probe(
+                        pd, kill_worker, prompts[-1], args.probe_watch_s)
+                else:
+                    kill_worker()
                 with contextlib.suppress(RuntimeError):
                     wait_until(lambda: not (mine & owned_shm()), 30, "the decode worker's shm to go",
                                interval_s=0.2)
@@ -603,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-timeout-s", type=float, default=120.0)
     ap.add_argument("--restart-prefill-daemon", action="store_true")
     ap.add_argument("--kill-decode-worker", action="store_true")
+    ap.add_argument("--probe-decode-failures", action="store_true",
+                    help="measure how long the prefill daemon holds a transfer whose decode daemon restarted "
+                         "(and, with --kill-decode-worker, whose decode worker died) before prefill published")
+    ap.add_argument("--probe-watch-s", type=float, default=30.0, help="how long a probe watches")
     ap.add_argument("--keep-logs", default="", help="copy every process's log into this directory")
     ap.add_argument("--json", action="store_true", help="one JSON object (default: indented)")
     args = ap.parse_args(argv)
