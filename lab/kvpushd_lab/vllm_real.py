@@ -618,6 +618,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 "shm_of_worker_before": sorted(mine), "shm_left_after": left,
                                                 "ok": bool(mine) and not left}
         finally:
+            vllm_shm |= shm_mapped_by_groups({p.proc.pid for p in procs if p.alive()})
             for p in reversed(procs):
                 p.stop()
             # Engines gone: the daemons remove what the connectors moved into shared memory.
