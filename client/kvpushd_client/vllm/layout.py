@@ -5,9 +5,14 @@ Host KV must live in named POSIX shared memory the daemon can open; CUDA KV goes
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import itertools
 import os
 import re
+import secrets
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,6 +22,9 @@ from ..types import Memory, Region, ShmMemory
 from .utils import logger
 
 MAX_REGIONS = 4096  # the daemon's limit per worker
+# Shared memory this connector made: the daemon removes such a name once no process holds its lock.
+OWNED_SHM_PREFIX = "kvpushd-kv-"
+_owned: dict[str, int] = {}  # name -> the open fd whose shared flock says "this process still uses it"
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -43,10 +51,10 @@ def _shm_location(ptr: int) -> tuple[str, int, int, int] | None:
 def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[ShmMemory, int]:
     """The named /dev/shm object a host storage lives in, and the storage's offset in it.
 
-    torch's ``share_memory_()`` (file_descriptor strategy, Linux default) maps an already unlinked
-    /dev/shm file the daemon cannot open by name; ``_share_filename_cpu_()`` moves the storage into a
-    named one (file_system strategy: /dev/shm/torch_<pid>_..., data after a 64-byte refcount header),
-    keeping every view valid. Private memory is moved only when the operator asked for it.
+    A storage already in a named /dev/shm file (made by the engine) is taken as it is. Otherwise
+    (private memory, or torch's ``share_memory_()``, which maps an already unlinked file the daemon
+    cannot open by name) it is moved into one this connector makes (``_move_to_owned_shm``); private
+    memory only when the operator asked for it.
     """
     loc = _shm_location(storage.data_ptr())
     named = loc is not None and loc[0].startswith("/dev/shm/") and not loc[0].endswith(" (deleted)")
@@ -58,15 +66,64 @@ def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[ShmMemory,
                 '"kvpushd_host_kv_to_shm": true in kv_connector_extra_config to move it there at start.')
         if not storage.is_shared():
             logger.warning("kvpushd: moving %s (%d bytes) into POSIX shared memory", what, storage.nbytes())
-        storage._share_filename_cpu_()
+        _move_to_owned_shm(storage)
         loc = _shm_location(storage.data_ptr())
         if loc is None or not loc[0].startswith("/dev/shm/") or loc[0].endswith(" (deleted)"):
-            raise RuntimeError(f"kvpushd: {what} is not in a named /dev/shm object even after sharing it")
+            raise RuntimeError(f"kvpushd: {what} is not in a named /dev/shm object even after moving it")
     assert loc is not None
     path, offset, mapped, size = loc
     if mapped < storage.nbytes():
         raise RuntimeError(f"kvpushd: {what} spans more than one mapping of {path}")
     return ShmMemory(path[len("/dev/shm/"):], size), offset
+
+
+def _move_to_owned_shm(storage: Any) -> str:
+    """Move a host storage, in place, into /dev/shm/kvpushd-kv-<pid>-<hex>, held by a shared flock.
+
+    One copy; the storage swaps its data pointer, so every tensor and view of it stays valid. Not
+    torch's ``_share_filename_cpu_``: nobody unlinks its /dev/shm/torch_* file when the worker is
+    SIGKILLed (vLLM's default shutdown) and its torch_shm_manager dies with it, so the whole KV cache
+    would stay behind. The lock lives exactly as long as some process holds this open file (the
+    worker; in any pid namespace): the daemon removes a kvpushd-kv-* name on detach, or at its start,
+    once it can take the lock exclusively, so the name outlives a daemon restart (a live worker
+    re-attaches by it) but not the worker. A clean exit removes it here (``release_owned_shm``).
+    """
+    import torch
+
+    n = storage.nbytes()
+    for _ in range(8):
+        name = f"{OWNED_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        path = f"/dev/shm/{name}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o660)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # A daemon's sweep may have taken the name between open and lock: then make another.
+            if os.fstat(fd).st_nlink == 0 or os.stat(path).st_ino != os.fstat(fd).st_ino:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, n)
+            shared = torch.UntypedStorage.from_file(path, True, n)
+            shared.copy_(storage)
+            storage._swap_data_ptr_(shared)  # `shared` now holds the private memory, freed with it
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        if not _owned:
+            atexit.register(release_owned_shm)
+        _owned[name] = fd
+        return path
+    raise RuntimeError("kvpushd: could not create a shared memory object for the KV cache")
+
+
+def release_owned_shm(names: Iterable[str] | None = None) -> None:
+    """Unlink shared memory this process made (these names; None: all of them, at exit). Mappings stay valid."""
+    for name in list(_owned) if names is None else [n for n in names if n in _owned]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+        os.close(_owned.pop(name))
 
 
 def _block_regions(t: torch.Tensor, num_blocks: int, what: str) -> list[tuple[int, int, int, int]]:

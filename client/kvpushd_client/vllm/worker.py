@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from ..calls import Call
 from ..reconnect import ReconnectingWorker
-from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role
-from .layout import describe_kv_caches
+from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
+from .layout import describe_kv_caches, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .utils import Settings, logger
 
@@ -59,9 +59,11 @@ class KVPushdConnectorWorker:
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._meta_done: KVConnectorMetadata | None = None
+        self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm)
+        self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
         link = ReconnectingWorker(self.settings.socket, {
@@ -218,7 +220,8 @@ class KVPushdConnectorWorker:
 
     def shutdown(self) -> None:
         if self._link is not None:
-            self._link.close()
+            self._link.close()  # detached first: the daemon no longer needs the names
+        release_owned_shm(self._shm_names)
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:

