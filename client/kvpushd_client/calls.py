@@ -54,15 +54,17 @@ class Call:
     expect_args: dict[str, Any] = field(default_factory=dict)  # Expect: producer_address, ...
     only_epoch: int | None = None
     tag: Any = None
+    traceparent: str = ""  # Expect, Publish: the engine request's W3C trace context ("" none)
     state: CallState = CallState.QUEUED
     epoch: int | None = None
 
     def make(self, w: Worker) -> None:
         """The blocking call on one attachment."""
+        tp: dict[str, str] = {"traceparent": self.traceparent} if self.traceparent else {}
         if self.method == "Expect":
-            w.expect(self.transfer_id, self.block_ids, **self.expect_args)
+            w.expect(self.transfer_id, self.block_ids, **self.expect_args, **tp)
         elif self.method == "Publish":
-            w.publish(self.transfer_id, self.block_ids)
+            w.publish(self.transfer_id, self.block_ids, **tp)
         else:
             w.abort(self.transfer_id)
 
