@@ -60,7 +60,7 @@ class Call:
 
     def make(self, w: Worker) -> None:
         """The blocking call on one attachment."""
-        tp: dict[str, str] = {"traceparent": self.traceparent} if self.traceparent else {}
+        tp: dict[str, Any] = {"traceparent": self.traceparent} if self.traceparent else {}  # old fakes lack it
         if self.method == "Expect":
             w.expect(self.transfer_id, self.block_ids, **self.expect_args, **tp)
         elif self.method == "Publish":
