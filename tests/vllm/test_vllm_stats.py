@@ -1,13 +1,17 @@
 """KVPushdConnector's transfer stats through vLLM 0.33.0's own stats path: worker connectors'
 get_kv_connector_stats -> KVOutputAggregator -> Scheduler.update_from_output (SchedulerStats) ->
 PrometheusStatLogger (/metrics) and LoggingStatLogger's KV transfer line, with real daemons and a
-real transfer. The numbers are the daemons' (Completion.figures).
+real transfer. The numbers are the daemons' (Completion.figures). And the request's trace context
+(vLLM's trace_headers) reaching both daemons' spans through the connector, received by a real
+OTLP/gRPC receiver in this process (when the vLLM venv has opentelemetry; scripts/vllm_venv.sh adds it).
 
 Runs with the vLLM venv, like test_vllm_connector.py (``make test`` does)."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import sys
 import tempfile
 import uuid
 import zlib
@@ -35,6 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
+
+try:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+    from otlp_receiver import Receiver
+except ImportError:  # no opentelemetry-proto in this venv: the trace test skips
+    Receiver = None  # type: ignore[assignment,misc]
 
 P_ENGINE = "stats-prefill-001"
 D_ENGINE = "stats-decode-001"
@@ -65,7 +75,7 @@ class Engine:
         self.expects: list[Any] = []
         self.publishes: list[Any] = []
 
-    def step(self, running: list[Any] | None = None) -> Any:
+    def step(self, running: list[Any] | None = None, eos: bool = False) -> Any:
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         self.expects += meta.expects
@@ -80,7 +90,7 @@ class Engine:
                                invalid_block_ids=c.get_block_ids_with_load_errors(),
                                kv_connector_stats=c.get_kv_connector_stats())
         c.clear_connector_metadata()
-        out = self.aggregator.aggregate([vs.model_output(reqs, kv)])
+        out = self.aggregator.aggregate([vs.model_output(reqs, kv, eos)])
         self.last_kv = out.kv_connector_output
         outs = self.sched.update_from_output(so, out)
         for eco in outs.values():
@@ -93,13 +103,25 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def setup() -> Iterator[tuple[vs.Daemon, vs.Daemon, Engine, Engine]]:
-    with tempfile.TemporaryDirectory(prefix="kvpushd-vllm-stats-") as tmp:
+def receiver() -> Iterator[Any]:
+    if Receiver is None:
+        yield None
+        return
+    r = Receiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(receiver: Any) -> Iterator[tuple[vs.Daemon, vs.Daemon, Engine, Engine]]:
+    with tempfile.TemporaryDirectory(prefix="kvpushd-vllm-stats-") as tmp, \
+            mock.patch.dict(os.environ, {"OTEL_BSP_SCHEDULE_DELAY": "100"}):
         workdir = Path(tmp)
         (workdir / "m").mkdir()
         model_dir = vs.write_tiny_llama(workdir / "m")
-        p = vs.spawn_daemon(workdir, "pnode", CONFIG)
-        d = vs.spawn_daemon(workdir, "dnode", CONFIG)
+        cfg = CONFIG + (f'[tracing]\notlp_endpoint = "{receiver.endpoint}"\n' if receiver is not None else "")
+        p = vs.spawn_daemon(workdir, "pnode", cfg)
+        d = vs.spawn_daemon(workdir, "dnode", cfg)
         try:
             p.wait_ready()
             d.wait_ready()
@@ -135,13 +157,15 @@ def _value(fams: dict[str, Any], family: str, sample: str) -> float:
     return float(got[0])
 
 
-def test_stats_of_a_real_transfer(setup: tuple[vs.Daemon, vs.Daemon, Engine, Engine]) -> None:
-    p, _d, pe, de = setup
+def run_request(p: vs.Daemon, pe: Engine, de: Engine, traceparent: str = "") -> tuple[Any, Any]:
+    """One request through both engines (the proxy sends both at once); returns (decode, prefill) requests."""
     x = str(uuid.uuid4())
     prompt = [(i % 100) + 3 for i in range(100)]  # 4 blocks of 32
     d_req = vs.create_request(f"cmpl-{x}-0-aaaaaaaa", len(prompt), 2,
                               vs.decode_params(P_ENGINE, p.peer_address, x), 32, prompt)
     p_req = vs.create_request(f"cmpl-{x}-0-bbbbbbbb", len(prompt), 1, vs.prefill_params(), 32, prompt)
+    if traceparent:  # what vLLM's frontend puts there from the HTTP headers with tracing on
+        d_req.trace_headers = p_req.trace_headers = {"traceparent": traceparent}
     de.sched.add_request(d_req)
     pe.sched.add_request(p_req)
     de.step()
@@ -160,6 +184,16 @@ def test_stats_of_a_real_transfer(setup: tuple[vs.Daemon, vs.Daemon, Engine, Eng
         return sent and received
 
     assert vs.wait_for(progress, 60, 0.01)
+    de.step([d_req])  # decode runs the request to its end, so the next one starts from a clean scheduler
+    de.step([d_req], eos=True)
+    de.step()
+    assert d_req.is_finished()
+    return d_req, p_req
+
+
+def test_stats_of_a_real_transfer(setup: tuple[vs.Daemon, vs.Daemon, Engine, Engine]) -> None:
+    p, _d, pe, de = setup
+    run_request(p, pe, de)
     (e,) = de.expects
     layers = len(pe.kv)
     page = next(iter(pe.kv.values()))[0].numel() * 4  # one block of one layer, float32
@@ -206,3 +240,29 @@ def test_expired_publish_is_counted_on_prefill(setup: tuple[vs.Daemon, vs.Daemon
     assert _value(fams, "vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_transfers_total") == 0
     assert _value(fams, "vllm:nixl_xfer_time_seconds", "vllm:nixl_xfer_time_seconds_count") == 0
     assert len(lines) == 1 and "Num KV expired reqs=1" in lines[0]
+
+
+def test_trace_of_a_real_transfer(setup: tuple[vs.Daemon, vs.Daemon, Engine, Engine], receiver: Any) -> None:
+    """The request's traceparent goes scheduler -> metadata -> worker -> both daemons: their spans are
+    children of the request's context, the prefill daemon's under the decode daemon's."""
+    if receiver is None:
+        pytest.skip("opentelemetry-proto is not installed in this venv")
+    p, _d, pe, de = setup
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    tp = f"00-{trace_id}-{parent}-01"
+    d_req, p_req = run_request(p, pe, de, traceparent=tp)
+    assert [e.traceparent for e in de.expects if e.req_id == d_req.request_id] == [tp]
+    assert [x.traceparent for x in pe.publishes if x.req_id == p_req.request_id] == [tp]
+
+    def mine() -> dict[str, Any]:
+        return {s.name: s for s in receiver.snapshot() if s.trace_id == trace_id}
+
+    want = {"kvpushd.recv", "kvpushd.register", "kvpushd.wait_notifications", "kvpushd.send",
+            "kvpushd.rendezvous_wait", "kvpushd.nixl_write"}
+    assert vs.wait_for(lambda: want <= set(mine()), 30, 0.1), sorted(mine())
+    got = mine()
+    assert got["kvpushd.recv"].parent_span_id == parent  # the engine request's context, continued
+    assert got["kvpushd.send"].parent_span_id == got["kvpushd.recv"].span_id
+    assert got["kvpushd.nixl_write"].parent_span_id == got["kvpushd.send"].span_id
+    assert got["kvpushd.wait_notifications"].parent_span_id == got["kvpushd.recv"].span_id
+    assert got["kvpushd.send"].attributes["kvpushd.transfer_id"] == d_req.request_id.rsplit("-", 1)[0]
