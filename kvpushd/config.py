@@ -124,6 +124,9 @@ class TracingConfig:
     # OTLP/gRPC collector, e.g. "http://127.0.0.1:4317" (http: plaintext, https: TLS); "" = tracing off
     otlp_endpoint: str = ""
     service_name: str = "kvpushd"
+    # transfers without a sampled parent context traced at this ratio; a traceparent's own sampled
+    # flag is followed (parent-based), so a traced vLLM request is traced through the daemons
+    sample_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,8 @@ def validate(cfg: Config) -> None:
     ep = cfg.tracing.otlp_endpoint
     if ep and not (ep.startswith(("http://", "https://")) and len(ep.split("://", 1)[1]) > 0):
         raise InvalidArgument(f"config: tracing.otlp_endpoint {ep!r} must be http://host:port or https://host:port")
+    if not 0.0 <= cfg.tracing.sample_ratio <= 1.0:
+        raise InvalidArgument(f"config: tracing.sample_ratio {cfg.tracing.sample_ratio} must be within 0..1")
     t = cfg.transfer
     if not t.backends:
         raise InvalidArgument("config: transfer.backends must name at least one NIXL backend")

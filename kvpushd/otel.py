@@ -18,6 +18,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -59,8 +60,10 @@ class OtelTracing(Tracing):
     enabled = True
 
     def __init__(self, cfg: TracingConfig, node_id: str) -> None:
-        self._provider = TracerProvider(resource=Resource.create(
-            {"service.name": cfg.service_name, "service.instance.id": node_id, "kvpushd.node_id": node_id}))
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": cfg.service_name, "service.instance.id": node_id,
+                                      "kvpushd.node_id": node_id}),
+            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
         exporter = OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=cfg.otlp_endpoint.startswith("http://"))
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("kvpushd")

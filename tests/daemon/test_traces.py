@@ -29,10 +29,11 @@ def receiver() -> Iterator[Receiver]:
     r.stop()
 
 
-def _pair(workdir: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def _pair(workdir: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+          tracing: str = ""):
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the daemons' batch processor: export soon
     cfg = (f'[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n'
-           f'[tracing]\notlp_endpoint = "{receiver.endpoint}"\n')
+           f'[tracing]\notlp_endpoint = "{receiver.endpoint}"\n' + tracing)
     p = start_daemon(workdir, "pnode", cfg)
     try:
         d = start_daemon(workdir, "dnode", cfg)
@@ -120,6 +121,34 @@ def test_one_transfer_one_trace(workdir, kv_pair, receiver, monkeypatch, mode) -
         assert rd.parent_span_id == recv.span_id and rd.attributes["kvpushd.bytes"] == moved
         assert not _by_name(spans, "kvpushd.nixl_write")
     assert all(s.status_code != 2 for s in spans)  # no STATUS_CODE_ERROR
+
+
+def test_sampling_follows_the_context(workdir, kv_pair, receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """sample_ratio 0: a transfer without context is not traced, nor one whose traceparent says
+    "not sampled"; one whose traceparent is sampled is traced on both daemons."""
+    import secrets
+
+    p, d = _pair(workdir, receiver, monkeypatch, "sample_ratio = 0.0\n")
+    traced = secrets.token_hex(16)
+    try:
+        src, dst = kv_pair
+        pw, dw = attach_pair(p, d, src, dst)
+        for i, tp in enumerate(["", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00",
+                                f"00-{traced}-{secrets.token_hex(8)}-01"]):
+            dw.expect(f"s{i}", [10 + i], p.peer_address, "prefill", 1, traceparent=tp)
+            pw.publish(f"s{i}", [1 + i], traceparent=tp)
+            assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+            assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+        pw.detach()
+        dw.detach()
+    finally:
+        for x in (p, d):
+            x.client.close()
+            assert x.stop() == 0, x.logs()[-3000:]
+    spans = receiver.snapshot()
+    assert {s.trace_id for s in spans} == {traced}
+    assert {s.resource["kvpushd.node_id"] for s in spans} == {"pnode", "dnode"}
+    assert {s.attributes["kvpushd.transfer_id"] for s in spans} == {"s2"}
 
 
 def test_tracing_off_imports_no_opentelemetry() -> None:
