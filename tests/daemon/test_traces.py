@@ -123,6 +123,38 @@ def test_one_transfer_one_trace(workdir, kv_pair, receiver, monkeypatch, mode) -
     assert all(s.status_code != 2 for s in spans)  # no STATUS_CODE_ERROR
 
 
+def test_stream_commands_carry_the_context(workdir, kv_pair, receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Workers on WorkerService.Stream (commands batched per step) pass the traceparent the same way."""
+    import secrets
+
+    from kvpushd_client import Role
+
+    p, d = _pair(workdir, receiver, monkeypatch)
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    tp = f"00-{trace_id}-{parent}-01"
+    try:
+        src, dst = kv_pair
+        pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        dw.expect_nowait("st", [3, 4], p.peer_address, "prefill", 1, traceparent=tp)
+        dw.step()
+        pw.publish_nowait("st", [5, 6], traceparent=tp)
+        pw.step()
+        assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+        assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+        pw.detach()
+        dw.detach()
+    finally:
+        for x in (p, d):
+            x.client.close()
+            assert x.stop() == 0, x.logs()[-3000:]
+    got = {s.name: s for s in receiver.snapshot()}
+    assert {s.trace_id for s in got.values()} == {trace_id}
+    assert got["kvpushd.recv"].parent_span_id == parent
+    assert got["kvpushd.send"].parent_span_id == got["kvpushd.recv"].span_id
+    assert got["kvpushd.send"].links == ((trace_id, parent),)  # the prefill engine's own context
+
+
 def test_sampling_follows_the_context(workdir, kv_pair, receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """sample_ratio 0: a transfer without context is not traced, nor one whose traceparent says
     "not sampled"; one whose traceparent is sampled is traced on both daemons."""
