@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import attach_pair
 from kvpushd_client import CompletionKind
+from support import attach_pair
 
 
 def test_push_figures(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import attach_pair, start_daemon, wait_for
 from kvpushd_client import CompletionKind
+from support import attach_pair, start_daemon, wait_for
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra: pip install kvpushd[tracing]")
 from opentelemetry import trace
