@@ -31,6 +31,7 @@ from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
 from .runtime.node import Node
 from .systemd import SdNotifier
+from .tracing import make_tracing
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +42,8 @@ class Daemon:
         self.node = Node(cfg)
         self.metrics = Metrics(self.node.view)
         self.node.executor.observer = self.metrics
+        self.tracing = make_tracing(cfg.tracing, cfg.node_id)  # a no-op (and no import) unless configured
+        self.node.executor.tracing = self.tracing
         self.notifier = SdNotifier.from_env()
         self.local_server: grpc.aio.Server | None = None
         self.peer_server: grpc.aio.Server | None = None
@@ -163,6 +166,8 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, self.metrics.stop)
         if self.local_server is not None:
             await self.local_server.stop(grace=1.0)
+        # the exporter's last batch (bounded by its own export timeout)
+        await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
         with contextlib.suppress(FileNotFoundError):
             Path(self.cfg.socket_path).unlink()
         self.notifier.close()

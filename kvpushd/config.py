@@ -120,6 +120,16 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    # OTLP/gRPC collector, e.g. "http://127.0.0.1:4317" (http: plaintext, https: TLS); "" = tracing off
+    otlp_endpoint: str = ""
+    service_name: str = "kvpushd"
+    # transfers without a sampled parent context traced at this ratio; a traceparent's own sampled
+    # flag is followed (parent-based), so a traced vLLM request is traced through the daemons
+    sample_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     worker_api: WorkerApiConfig = field(default_factory=WorkerApiConfig)
@@ -127,6 +137,7 @@ class Config:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     @property
     def node_id(self) -> str:
@@ -162,6 +173,7 @@ def split_host_port(addr: str) -> tuple[str, int]:
 _SECTIONS: dict[str, type[Any]] = {
     "node": NodeConfig, "worker_api": WorkerApiConfig, "peer_api": PeerApiConfig,
     "transfer": TransferConfig, "log": LogConfig, "metrics": MetricsConfig,
+    "tracing": TracingConfig,
 }
 
 
@@ -252,6 +264,11 @@ def backend_init_params(t: TransferConfig, backend: str, device: str = "") -> di
 def validate(cfg: Config) -> None:
     split_host_port(cfg.peer_api.listen)
     split_host_port(cfg.metrics.listen)
+    ep = cfg.tracing.otlp_endpoint
+    if ep and not (ep.startswith(("http://", "https://")) and len(ep.split("://", 1)[1]) > 0):
+        raise InvalidArgument(f"config: tracing.otlp_endpoint {ep!r} must be http://host:port or https://host:port")
+    if not 0.0 <= cfg.tracing.sample_ratio <= 1.0:
+        raise InvalidArgument(f"config: tracing.sample_ratio {cfg.tracing.sample_ratio} must be within 0..1")
     t = cfg.transfer
     if not t.backends:
         raise InvalidArgument("config: transfer.backends must name at least one NIXL backend")

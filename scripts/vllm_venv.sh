@@ -39,5 +39,7 @@ else
     has_vllm || { echo "vllm_venv: vllm $VLLM_VERSION did not install into $VENV" >&2; exit 1; }
 fi
 
-"$VENV/bin/python" -m pip install -q grpcio protobuf pytest pytest-timeout -e "$ROOT/client"
+# opentelemetry: tests/vllm/test_vllm_stats.py's OTLP receiver and engine side (the connector needs none)
+"$VENV/bin/python" -m pip install -q grpcio protobuf pytest pytest-timeout opentelemetry-sdk \
+    opentelemetry-exporter-otlp-proto-grpc opentelemetry-proto -e "$ROOT/client"
 "$VENV/bin/python" -c "import kvpushd_client, pytest_timeout" && echo "vllm_venv: $VENV ready"

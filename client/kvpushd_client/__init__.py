@@ -15,10 +15,11 @@ from .types import (
     Region,
     Role,
     ShmMemory,
+    TransferFigures,
 )
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
     "KVLayout", "KVPushClient", "KVPushError", "ReconnectingWorker", "Region", "Role", "SharedBuffer", "ShmMemory",
-    "StreamWorker", "Worker",
+    "StreamWorker", "TransferFigures", "Worker",
 ]

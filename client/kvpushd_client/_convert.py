@@ -13,6 +13,7 @@ from .types import (
     Region,
     Role,
     ShmMemory,
+    TransferFigures,
 )
 
 _MODES = {"push": common_pb2.TRANSFER_MODE_PUSH, "pull": common_pb2.TRANSFER_MODE_PULL}
@@ -70,4 +71,6 @@ REFUSED = failure_code_name(common_pb2.FAILURE_REFUSED)
 
 def completion(c: worker_pb2.Completion) -> Completion:
     code = failure_code_name(c.code)
-    return Completion(CompletionKind(c.kind), c.transfer_id, code, c.reason, tuple(c.block_ids))
+    figures = TransferFigures(c.bytes, c.nixl_transfers, c.descriptors, c.post_seconds, c.transfer_seconds,
+                              c.rendezvous_wait_seconds, c.elapsed_seconds)
+    return Completion(CompletionKind(c.kind), c.transfer_id, code, c.reason, tuple(c.block_ids), figures)

@@ -91,16 +91,16 @@ class AsyncWorker:
 
     async def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                     transfer_mode: str = "push") -> None:
+                     transfer_mode: str = "push", traceparent: str = "") -> None:
         await self._unary("Expect", worker_pb2.ExpectRequest(
             worker_id=self.worker_id, transfer_id=transfer_id, block_ids=list(block_ids),
             producer_address=producer_address, producer_engine_id=producer_engine_id,
             producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
-            transfer_mode=_convert.transfer_mode(transfer_mode)))
+            transfer_mode=_convert.transfer_mode(transfer_mode), traceparent=traceparent))
 
-    async def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
+    async def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
         await self._unary("Publish", worker_pb2.PublishRequest(worker_id=self.worker_id, transfer_id=transfer_id,
-                                                               block_ids=list(block_ids)))
+                                                               block_ids=list(block_ids), traceparent=traceparent))
 
     async def abort(self, transfer_id: str) -> bool:
         resp = await self._unary("Abort", worker_pb2.AbortRequest(worker_id=self.worker_id, transfer_id=transfer_id))

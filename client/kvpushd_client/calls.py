@@ -27,9 +27,10 @@ class Worker(Protocol):
     """What a queue needs of an attachment (``client.Worker`` is one): the blocking calls."""
 
     def expect(self, transfer_id: str, block_ids: Any, producer_address: str, producer_engine_id: str,
-               producer_tp_size: int, skip_tokens: int = 0, transfer_mode: str = "push") -> None: ...
+               producer_tp_size: int, skip_tokens: int = 0, transfer_mode: str = "push",
+               traceparent: str = "") -> None: ...
 
-    def publish(self, transfer_id: str, block_ids: Any) -> None: ...
+    def publish(self, transfer_id: str, block_ids: Any, traceparent: str = "") -> None: ...
 
     def abort(self, transfer_id: str) -> bool: ...
 
@@ -54,15 +55,17 @@ class Call:
     expect_args: dict[str, Any] = field(default_factory=dict)  # Expect: producer_address, ...
     only_epoch: int | None = None
     tag: Any = None
+    traceparent: str = ""  # Expect, Publish: the engine request's W3C trace context ("" none)
     state: CallState = CallState.QUEUED
     epoch: int | None = None
 
     def make(self, w: Worker) -> None:
         """The blocking call on one attachment."""
+        tp: dict[str, Any] = {"traceparent": self.traceparent} if self.traceparent else {}  # old fakes lack it
         if self.method == "Expect":
-            w.expect(self.transfer_id, self.block_ids, **self.expect_args)
+            w.expect(self.transfer_id, self.block_ids, **self.expect_args, **tp)
         elif self.method == "Publish":
-            w.publish(self.transfer_id, self.block_ids)
+            w.publish(self.transfer_id, self.block_ids, **tp)
         else:
             w.abort(self.transfer_id)
 

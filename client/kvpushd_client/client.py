@@ -130,23 +130,24 @@ class Worker:
 
     def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-               transfer_mode: str = "push") -> None:
+               transfer_mode: str = "push", traceparent: str = "") -> None:
         """Decode side: destination blocks, as soon as they are allocated.
 
         ``skip_tokens``: the prompt's first tokens this worker already holds (a prefix-cache hit,
         a whole number of its blocks); ``block_ids`` then hold the prompt from that token on.
         ``transfer_mode``: "push" (the prefill node's daemon WRITEs) or "pull" (this node's daemon
-        READs once the prefill side has published), vLLM's kv_transfer_params["transfer_mode"]."""
+        READs once the prefill side has published), vLLM's kv_transfer_params["transfer_mode"].
+        ``traceparent``: the engine request's W3C trace context; a daemon with tracing on continues it."""
         self._unary("Expect", worker_pb2.ExpectRequest(
             worker_id=self.worker_id, transfer_id=transfer_id, block_ids=list(block_ids),
             producer_address=producer_address, producer_engine_id=producer_engine_id,
             producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
-            transfer_mode=_convert.transfer_mode(transfer_mode)))
+            transfer_mode=_convert.transfer_mode(transfer_mode), traceparent=traceparent))
 
-    def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
+    def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
         """Prefill side: the source blocks are complete."""
         self._unary("Publish", worker_pb2.PublishRequest(worker_id=self.worker_id, transfer_id=transfer_id,
-                                                         block_ids=list(block_ids)))
+                                                         block_ids=list(block_ids), traceparent=traceparent))
 
     def abort(self, transfer_id: str) -> bool:
         resp = self._unary("Abort", worker_pb2.AbortRequest(worker_id=self.worker_id, transfer_id=transfer_id))
@@ -161,15 +162,16 @@ class Worker:
     # status and message in ``reason`` and the request's block ids, so an engine frees the blocks
     # on the same path as any other failed transfer.
 
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int]) -> None:
-        self._calls.submit(Call("Publish", transfer_id, tuple(block_ids)))
+    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
+        self._calls.submit(Call("Publish", transfer_id, tuple(block_ids), traceparent=traceparent))
 
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push") -> None:
+                      transfer_mode: str = "push", traceparent: str = "") -> None:
         self._calls.submit(Call("Expect", transfer_id, tuple(block_ids), expect_args=dict(
             producer_address=producer_address, producer_engine_id=producer_engine_id,
-            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens, transfer_mode=transfer_mode)))
+            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens, transfer_mode=transfer_mode),
+            traceparent=traceparent))
 
     def abort_nowait(self, transfer_id: str) -> None:
         """Queued after any earlier *_nowait call of this worker; an unknown transfer is no error."""

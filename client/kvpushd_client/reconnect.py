@@ -121,13 +121,15 @@ class ReconnectingWorker:
     # engine thread -----------------------------------------------------------------------------
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push", tag: Any = None) -> Call:
+                      transfer_mode: str = "push", tag: Any = None, traceparent: str = "") -> Call:
         return self._calls.submit(Call("Expect", transfer_id, tuple(block_ids), expect_args=dict(
             producer_address=producer_address, producer_engine_id=producer_engine_id,
-            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens, transfer_mode=transfer_mode), tag=tag))
+            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens, transfer_mode=transfer_mode), tag=tag,
+            traceparent=traceparent))
 
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None) -> Call:
-        return self._calls.submit(Call("Publish", transfer_id, tuple(block_ids), tag=tag))
+    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None,
+                       traceparent: str = "") -> Call:
+        return self._calls.submit(Call("Publish", transfer_id, tuple(block_ids), tag=tag, traceparent=traceparent))
 
     def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:
         """Queued after every earlier call. With ``only_epoch``, made only on that attachment (the one

@@ -40,13 +40,14 @@ _Queued = tuple[int, str, str, list[int], tuple[object, ...]]
 def _command(q: _Queued) -> worker_pb2.Command:
     seq, op, tid, blocks, args = q
     if op == "expect":
-        address, engine, tp, skip, mode = args
+        address, engine, tp, skip, mode, tp_ctx = args
         return worker_pb2.Command(seq=seq, expect=worker_pb2.ExpectRequest(
             transfer_id=tid, block_ids=blocks, producer_address=str(address), producer_engine_id=str(engine),
             producer_tp_size=int(tp), skip_tokens=int(skip),  # type: ignore[call-overload]
-            transfer_mode=_convert.transfer_mode(str(mode))))
+            transfer_mode=_convert.transfer_mode(str(mode)), traceparent=str(tp_ctx)))
     if op == "publish":
-        return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(transfer_id=tid, block_ids=blocks))
+        return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
+            transfer_id=tid, block_ids=blocks, traceparent=str(args[0]) if args else ""))
     return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=tid))
 
 
@@ -84,12 +85,13 @@ class StreamWorker:
 
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push") -> int:
+                      transfer_mode: str = "push", traceparent: str = "") -> int:
         return self._add("expect", transfer_id, list(block_ids),
-                         (producer_address, producer_engine_id, producer_tp_size, skip_tokens, transfer_mode))
+                         (producer_address, producer_engine_id, producer_tp_size, skip_tokens, transfer_mode,
+                          traceparent))
 
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int]) -> int:
-        return self._add("publish", transfer_id, list(block_ids), ())
+    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> int:
+        return self._add("publish", transfer_id, list(block_ids), (traceparent,) if traceparent else ())
 
     def abort_nowait(self, transfer_id: str) -> int:
         return self._add("abort", transfer_id, [], ())
@@ -120,8 +122,8 @@ class StreamWorker:
     def expect(self, *args: object, **kwargs: object) -> None:
         self._blocking(self.expect_nowait(*args, **kwargs))  # type: ignore[arg-type]
 
-    def publish(self, transfer_id: str, block_ids: Iterable[int]) -> None:
-        self._blocking(self.publish_nowait(transfer_id, block_ids))
+    def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
+        self._blocking(self.publish_nowait(transfer_id, block_ids, traceparent))
 
     def abort(self, transfer_id: str) -> bool:
         seq = self.abort_nowait(transfer_id)

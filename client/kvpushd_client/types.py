@@ -72,12 +72,28 @@ class Region:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferFigures:
+    """What the daemon measured of the transfer (0: not known on this side). The daemon that posted
+    the NIXL transfers (prefill in push mode, decode in pull mode) knows ``nixl_transfers``,
+    ``descriptors``, ``post_s`` and ``transfer_s``; the prefill daemon ``rendezvous_wait_s``."""
+
+    nbytes: int = 0
+    nixl_transfers: int = 0   # WRITEs or READs that daemon posted for this worker (one per TP pair)
+    descriptors: int = 0      # posted (after merging adjacent blocks), summed
+    post_s: float = 0.0       # queued -> posted, summed over its NIXL transfers
+    transfer_s: float = 0.0   # posted -> done, the longest of them
+    rendezvous_wait_s: float = 0.0  # prefill: first of publish/registration -> the second
+    elapsed_s: float = 0.0    # this worker's Publish/Expect -> this completion, in the daemon
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     kind: CompletionKind
     transfer_id: str
     code: str = ""        # FailureCode name without prefix, e.g. "TIMEOUT", for FAILED
     reason: str = ""
     block_ids: tuple[int, ...] = ()
+    figures: TransferFigures | None = None  # from the daemon (None: a completion the client made up)
 
     @property
     def ok(self) -> bool:

@@ -86,6 +86,19 @@ class CompletionKind(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Figures:
+    """What the daemon measured of one worker's transfer (0: not known on this side)."""
+
+    nbytes: int = 0
+    nixl_transfers: int = 0   # WRITEs or READs this daemon posted for it
+    descriptors: int = 0      # posted, after merging
+    post_s: float = 0.0       # summed over its NIXL transfers
+    transfer_s: float = 0.0   # the longest of its NIXL transfers, posted -> done
+    rendezvous_wait_s: float = 0.0  # prefill side: first of publish/registration -> the second
+    elapsed_s: float = 0.0    # Publish/Expect -> completion
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """What a worker learns about one of its transfers: exactly one per Expect or Publish."""
 
@@ -94,3 +107,4 @@ class Completion:
     code: FailureCode = FailureCode.UNSPECIFIED
     reason: str = ""
     block_ids: tuple[int, ...] = ()
+    figures: Figures | None = None  # filled in by the runtime when it delivers (the core leaves it None)

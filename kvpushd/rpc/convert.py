@@ -48,9 +48,15 @@ def region(r: common_pb2.Region) -> RegionArg:
 
 
 def completion(c: Completion) -> worker_pb2.Completion:
-    return worker_pb2.Completion(kind=worker_pb2.Completion.Kind.ValueType(int(c.kind)), transfer_id=c.transfer_id,
-                                 code=common_pb2.FailureCode.ValueType(int(c.code)), reason=c.reason,
-                                 block_ids=c.block_ids)
+    m = worker_pb2.Completion(kind=worker_pb2.Completion.Kind.ValueType(int(c.kind)), transfer_id=c.transfer_id,
+                              code=common_pb2.FailureCode.ValueType(int(c.code)), reason=c.reason,
+                              block_ids=c.block_ids)
+    f = c.figures
+    if f is not None:
+        m.bytes, m.nixl_transfers, m.descriptors = f.nbytes, f.nixl_transfers, f.descriptors
+        m.post_seconds, m.transfer_seconds = f.post_s, f.transfer_s
+        m.rendezvous_wait_seconds, m.elapsed_seconds = f.rendezvous_wait_s, f.elapsed_s
+    return m
 
 
 def remote_agent(a: peer_pb2.AgentInfo) -> RemoteAgent:

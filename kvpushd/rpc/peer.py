@@ -58,7 +58,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                                   request.producer_engine_id, request.producer_tp_size,
                                   request.consumer_engine_id, request.consumer_tp_rank, request.consumer_tp_size,
                                   convert.remote_agent(request.consumer_agent), request.block_ids,
-                                  convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens)
+                                  convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens,
+                                  traceparent=request.traceparent)
 
     @unary
     async def Fail(self, request: peer_pb2.FailNotice, context: Ctx) -> peer_pb2.FailAck:

@@ -43,12 +43,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Expect(self, request: worker_pb2.ExpectRequest, context: Ctx) -> worker_pb2.ExpectResponse:
         self.node.expect(request.worker_id, request.transfer_id, request.block_ids, request.producer_address,
                          request.producer_engine_id, request.producer_tp_size,
-                         convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens)
+                         convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens,
+                         traceparent=request.traceparent[:128])
         return worker_pb2.ExpectResponse()
 
     @unary
     async def Publish(self, request: worker_pb2.PublishRequest, context: Ctx) -> worker_pb2.PublishResponse:
-        self.node.publish(request.worker_id, request.transfer_id, request.block_ids)
+        self.node.publish(request.worker_id, request.transfer_id, request.block_ids,
+                          traceparent=request.traceparent[:128])
         return worker_pb2.PublishResponse()
 
     @unary
@@ -120,9 +122,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if op == "expect":
                 r = c.expect
                 n.expect(worker_id, r.transfer_id, r.block_ids, r.producer_address, r.producer_engine_id,
-                         r.producer_tp_size, convert.transfer_mode(r.transfer_mode), skip_tokens=r.skip_tokens)
+                         r.producer_tp_size, convert.transfer_mode(r.transfer_mode), skip_tokens=r.skip_tokens,
+                         traceparent=r.traceparent[:128])
             elif op == "publish":
-                n.publish(worker_id, c.publish.transfer_id, c.publish.block_ids)
+                n.publish(worker_id, c.publish.transfer_id, c.publish.block_ids,
+                          traceparent=c.publish.traceparent[:128])
             elif op == "abort":
                 return worker_pb2.CommandResult(seq=c.seq, code="OK", found=n.abort(worker_id, c.abort.transfer_id))
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ from ..core.rendezvous import (
 )
 from ..core.types import Completion, CompletionKind, FailureCode
 from ..events import EventHub, EventKind
+from ..tracing import Tracing
 from ..transfer.records import ReadResult, WriteResult
 from ..transfer.thread import TransferThread
+from .figures import FigureBook
 from .inbound import Inbound, Origin
 from .observe import NullObserver, Observer
 from .outbound import Outbound, PeerClient
@@ -73,6 +76,8 @@ class Executor:
         self.events = events
         self.peerbook = peerbook
         self.observer: Observer = NullObserver()
+        self.tracing = Tracing()  # no-op; app.py sets the OTLP one when [tracing] is on
+        self.figures = FigureBook()  # per-transfer figures the completions carry
         t = cfg.transfer
         self.send = SendSide(t.publish_timeout_s, t.expect_timeout_s)
         # Registration ids are random (63 bits): they do not collide with stale notifications addressed
@@ -83,6 +88,7 @@ class Executor:
         self.xfer: TransferThread | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self._legs: dict[object, tuple[str, str]] = {}  # WRITE in flight -> (peer address, producer worker)
+        self._reads: dict[object, str] = {}  # pull: READ in flight -> decode worker
         self._withdrawing = 0  # Withdraw RPCs not answered yet (the decode agent keeps progressing)
         self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,6 +186,9 @@ class Executor:
                         code=c.code.name, reason=c.reason)
         else:
             self.counters.transfers_finished += 1
+        c = dataclasses.replace(c, figures=self.figures.settle(worker_id, c, ev.nbytes, ev.duration_s))
+        if self.tracing.enabled:
+            self.tracing.delivered(worker_id, ev.side, c)
         self.workers.deliver(worker_id, c)
 
     def _start_write(self, a: StartWrite) -> None:
@@ -190,6 +199,9 @@ class Executor:
         self._legs[a.leg] = (peer, a.producer_worker)
         self.events.annotate(a.producer_worker, a.leg.transfer_id, peer=peer)
         self.observer.rendezvous_waited(a.waited_s)
+        self.figures.waited(a.producer_worker, a.leg.transfer_id, a.waited_s)
+        if self.tracing.enabled:
+            self.tracing.rendezvous(a.producer_worker, a.leg.transfer_id, a.waited_s, peer)
         agent = self.inbound.consumers.get(reg.consumer_agent)
         if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
             self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
@@ -204,6 +216,7 @@ class Executor:
         if agent is None:
             self._on_reads([ReadResult(a.key, False, "producer agent unknown", 0, 0, 0, 0, 0)])
             return
+        self._reads[a.key] = a.worker_id
         self.xfer.post_read(a.key, a.worker_id, a.dst_blocks, agent, a.src_blocks, a.notif, a.src_part, a.dst_part)
 
     # -- NIXL callbacks (on the loop) -----------------------------------------------------------
@@ -219,9 +232,13 @@ class Executor:
                 self.counters.descriptors_posted += r.descs_posted
                 self.peerbook.sent(peer, r.nbytes)
                 self.events.annotate(worker_id, r.leg.transfer_id, add_bytes=r.nbytes)
+                self.figures.moved(worker_id, r.leg.transfer_id, r.nbytes, r.descs_posted, r.post_s, r.xfer_s)
             else:
                 self.peerbook.failed(peer, f"WRITE for transfer {r.leg.transfer_id!r} failed: {r.reason}")
             self.observer.write_done(r, peer)
+            if self.tracing.enabled:
+                self.tracing.nixl_done(worker_id, r.leg.transfer_id, False, r.ok, r.reason, r.nbytes, r.descs_posted,
+                                       r.post_s, r.xfer_s)
             log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
                       post_us=round(r.post_s * 1e6),
                       xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
@@ -250,11 +267,16 @@ class Executor:
         """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
         actions: list[Action] = []
         for r in results:
+            worker_id = self._reads.pop(r.key, "")
             if r.ok:
                 self.counters.reads_posted += 1
                 self.counters.bytes_read += r.nbytes
                 self.counters.descriptors_requested += r.descs_requested
                 self.counters.descriptors_posted += r.descs_posted
+                self.figures.moved(worker_id, r.key.transfer_id, r.nbytes, r.descs_posted, r.post_s, r.xfer_s)
+            if self.tracing.enabled:
+                self.tracing.nixl_done(worker_id, r.key.transfer_id, True, r.ok, r.reason, r.nbytes, r.descs_posted,
+                                       r.post_s, r.xfer_s)
             log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
                       post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
             actions += self.recv.read_done(r.key, r.ok, r.reason)
@@ -279,18 +301,26 @@ class Executor:
         if not items:
             return
         peer = self.outbound.peer(address)
+        tracing = self.tracing.enabled
+        started_ns = time.time_ns() if tracing else 0
+        contexts = [self.tracing.register_context(a.worker_id, a.transfer_id) for a, _ in items] if tracing else None
         try:
-            results = await peer.register_batch(items)
+            results = await peer.register_batch(items, contexts)
         except PeerRejected as e:
             self.peerbook.failed(address, str(e))
             results = [e] * len(items)
         except PeerUnreachable as e:
+            if tracing:
+                for a, _ in items:
+                    self.tracing.registered(a.worker_id, a.transfer_id, started_ns, str(e))
             self.peerbook.failed(address, str(e), unreachable=True)
             self.run([x for a, _ in items
                       for x in self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e))])
             return
         actions: list[Action] = []
         for (a, _), err in zip(items, results, strict=True):
+            if tracing:
+                self.tracing.registered(a.worker_id, a.transfer_id, started_ns, "" if err is None else str(err))
             if err is None:
                 actions += self.recv.registered(a.registration_id)
             else:

@@ -127,7 +127,7 @@ class Node:
 
     def expect(self, worker_id: str, transfer_id: str, block_ids: Sequence[int],
                producer_address: str, producer_engine_id: str, producer_tp_size: int,
-               transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0) -> None:
+               transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0, traceparent: str = "") -> None:
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_receive:
@@ -145,9 +145,11 @@ class Node:
         self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
                          worker_id=w.worker_id, side="recv", peer=producer_address, num_blocks=len(block_ids),
                          nbytes=len(block_ids) * w.block_bytes)
+        if self.executor.tracing.enabled:
+            self.executor.tracing.expect(w.worker_id, transfer_id, traceparent, w.engine_id, producer_address)
         self.executor.run(actions)
 
-    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "") -> None:
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
@@ -159,6 +161,8 @@ class Node:
                                              transfer_id, block_ids, layouts=w.regions)
         self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
                          worker_id=w.worker_id, side="send", num_blocks=len(block_ids))
+        if self.executor.tracing.enabled:
+            self.executor.tracing.publish(w.worker_id, transfer_id, traceparent, w.engine_id)
         self.executor.run(actions)
 
     def abort(self, worker_id: str, transfer_id: str) -> bool:
@@ -192,6 +196,9 @@ class Node:
             return
         ex = self.executor
         ex.run(ex.send.worker_gone(worker_id) + ex.recv.worker_gone(worker_id))
+        ex.figures.forget_worker(worker_id)
+        if ex.tracing.enabled:
+            ex.tracing.forget_worker(worker_id)
         await self.workers.release(w, why)  # waits for this worker's in-flight WRITEs
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
@@ -213,7 +220,7 @@ class Node:
     def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
                  producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
                  consumer_tp_size: int, agent: RemoteAgent, block_ids: Sequence[int],
-                 transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0) -> bool:
+                 transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0, traceparent: str = "") -> bool:
         """A decode daemon's registration. Returns False when we need the agent's metadata."""
         self._not_draining()
         origin = self.inbound.caller(origin_id)
@@ -242,6 +249,8 @@ class Node:
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
                         transfer_id=transfer_id[:256], consumer_rank=consumer_rank, reason=str(e))
             raise
+        if traceparent and self.executor.tracing.enabled:
+            self.executor.tracing.registration(transfer_id, traceparent[:128])
         self.executor.run(actions)
         return True
 

@@ -168,14 +168,16 @@ class PeerClient:
                 raise self._error(e) from None
         raise AssertionError("unreachable")
 
-    async def register(self, a: SendRegister, w: Worker) -> None:
+    async def register(self, a: SendRegister, w: Worker, traceparent: str = "") -> None:
         """One registration (RegisterBatch is what the daemon uses; this stays for tools and tests)."""
-        (err,) = await self.register_batch([(a, w)])
+        (err,) = await self.register_batch([(a, w)], [traceparent])
         if err is not None:
             raise err
 
-    async def register_batch(self, items: list[tuple[SendRegister, Worker]]) -> list[KvpushdError | None]:
+    async def register_batch(self, items: list[tuple[SendRegister, Worker]],
+                             traceparents: list[str] | None = None) -> list[KvpushdError | None]:
         """Many registrations in one RegisterBatch call: per item None (accepted) or why it was not.
+        ``traceparents``: per item, the decode span's W3C context (tracing on), else None.
 
         Raises PeerUnreachable (nothing is known of any item) or PeerRejected (the call as a whole)."""
         out: list[KvpushdError | None] = [None] * len(items)
@@ -187,7 +189,7 @@ class PeerClient:
                 a, w = items[i]
                 md = w.agent_name not in self.sent_agents and w.agent_name not in with_md
                 with_md.add(w.agent_name)
-                regs.append(self._register_request(a, w, md))
+                regs.append(self._register_request(a, w, md, traceparents[i] if traceparents else ""))
             req = peer_pb2.RegisterBatchRequest(caller_instance_id=self.ident.instance_id, registrations=regs)
             resp = await self._call("RegisterBatch", req)
             assert isinstance(resp, peer_pb2.RegisterBatchResponse)
@@ -211,13 +213,15 @@ class PeerClient:
             out[i] = PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata", peer=self.address)
         return out
 
-    def _register_request(self, a: SendRegister, w: Worker, with_metadata: bool) -> peer_pb2.RegisterRequest:
+    def _register_request(self, a: SendRegister, w: Worker, with_metadata: bool,
+                          traceparent: str = "") -> peer_pb2.RegisterRequest:
         return peer_pb2.RegisterRequest(
             caller_instance_id=self.ident.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
             producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
             consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank, consumer_tp_size=a.consumer_tp_size,
             consumer_agent=agent_info(w, with_metadata=with_metadata), block_ids=a.block_ids,
-            transfer_mode=common_pb2.TransferMode.ValueType(int(a.mode)), skip_tokens=a.skip_tokens)
+            transfer_mode=common_pb2.TransferMode.ValueType(int(a.mode)), skip_tokens=a.skip_tokens,
+            traceparent=traceparent)
 
     async def offer(self, a: SendOffer, w: Worker, still_wanted: Callable[[], bool]) -> bool:
         """Pull mode (we are the prefill side): offer a leg's source blocks to the decode daemon.

@@ -45,12 +45,19 @@ from .metadata import (
     transfer_id_for,
 )
 from .scheduler import KVPushdConnectorScheduler
+from .stats import KVPushdKVConnectorStats, KVPushdPromMetrics
 from .utils import Settings, check_vllm_version
 from .worker import KVPushdConnectorWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -155,6 +162,23 @@ class KVPushdConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # stats: the daemons' figures of each finished transfer, in vLLM's /metrics and log line ----------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return KVPushdKVConnectorStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPushdKVConnectorStats(data=data) if data is not None else KVPushdKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return KVPushdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 __all__ = [

@@ -130,6 +130,7 @@ class ExpectReq:
     producer_engine_id: str
     producer_tp_size: int
     transfer_mode: str = "push"
+    traceparent: str = ""  # the request's W3C trace context (vLLM's trace_headers), "" without one
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class PublishReq:
     req_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class KVPushdConnectorScheduler:
         self._expects.append(ExpectReq(
             request.request_id, tid, block_ids, producer_address(params),
             daemon_engine_id(str(params["remote_engine_id"])), int(params.get("tp_size") or 1),
-            transfer_mode_of(params)))
+            transfer_mode_of(params), traceparent_of(request)))
         self._recving[request.request_id] = tid
 
     # both sides ----------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ class KVPushdConnectorScheduler:
         blocks = tuple(block_ids)
         if blocks:
             tid = transfer_id_for(rid, params)
-            self._publishes.append(PublishReq(rid, tid, blocks))
+            self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request)))
             self._sending[rid] = tid
         host, port = self._advertised_address()
         return bool(blocks), {
@@ -149,3 +149,10 @@ class KVPushdConnectorScheduler:
         """Keep the engine stepping while blocks wait to be pushed (their free comes from a worker)."""
         return bool(self._sending or self._expects or self._publishes or self._aborts)
 
+
+def traceparent_of(request: Request) -> str:
+    """The W3C trace context vLLM took from the request's headers (``--otlp-traces-endpoint`` on;
+    vLLM's own ``llm_request`` span is its child): the daemons' spans for the transfer join that trace."""
+    headers = getattr(request, "trace_headers", None) or {}
+    tp = headers.get("traceparent", "")
+    return tp if isinstance(tp, str) and len(tp) <= 128 else ""

@@ -17,6 +17,7 @@ from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, 
 from .layout import describe_kv_caches, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .utils import Settings, logger
+from .xfer_stats import Data, is_empty, new_data, record, record_lost
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,7 @@ class KVPushdConnectorWorker:
         self._load_errors: set[int] = set()
         self._meta_done: KVConnectorMetadata | None = None
         self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
+        self._stats: Data = new_data()  # this interval's figures (vLLM takes them every step)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm)
@@ -128,9 +130,9 @@ class KVPushdConnectorWorker:
         if isinstance(req, ExpectReq):
             pend.op = self.link.expect_nowait(req.transfer_id, req.block_ids, req.producer_address,
                                               req.producer_engine_id, req.producer_tp_size,
-                                              transfer_mode=req.transfer_mode, tag=pend)
+                                              transfer_mode=req.transfer_mode, tag=pend, traceparent=req.traceparent)
         else:
-            pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend)
+            pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent)
 
     # results -------------------------------------------------------------------------------------
     def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True) -> None:
@@ -165,6 +167,8 @@ class KVPushdConnectorWorker:
             cands = [r, s]
         for pend in cands:
             if pend is not None and pend.op is not None and pend.op.epoch == epoch:
+                if not pend.done:
+                    record(self._stats, c, sending=not pend.recv)
                 if c.ok:
                     self._finish(pend, ok=True)
                 elif c.code == "ABORTED" and not pend.recv:
@@ -179,6 +183,7 @@ class KVPushdConnectorWorker:
                    if p.op is not None and p.op.epoch is not None and p.op.epoch <= epoch]
         logger.error("kvpushd: lost the daemon at %s (%s); failing %d transfer(s) in flight and re-attaching",
                      self.settings.socket, reason, len(victims))
+        record_lost(self._stats, sum(1 for p in victims if not p.aborted and not p.done))
         for p in victims:
             self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})")
 
@@ -200,6 +205,8 @@ class KVPushdConnectorWorker:
                 pend = call.tag
                 assert isinstance(pend, _Pending)
                 if pend.op is call or call.method == "Abort":
+                    if not pend.done and not pend.aborted:
+                        record(self._stats, ev.completion, sending=not pend.recv)
                     why = ev.error if ev.error is not None else ev.completion.reason
                     self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}")
 
@@ -213,6 +220,13 @@ class KVPushdConnectorWorker:
         sending, recving = self._done_sending, self._done_recving
         self._done_sending, self._done_recving = set(), set()
         return sending or None, recving or None
+
+    def take_stats(self) -> Data | None:
+        """This interval's transfer figures (reset); None when there were none."""
+        if is_empty(self._stats):
+            return None
+        out, self._stats = self._stats, new_data()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

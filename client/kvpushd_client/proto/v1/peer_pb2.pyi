@@ -224,6 +224,7 @@ class RegisterRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TRANSFER_MODE_FIELD_NUMBER: _builtins.int
     SKIP_TOKENS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     caller_instance_id: _builtins.str
     """from the handshake"""
     transfer_id: _builtins.str
@@ -239,6 +240,10 @@ class RegisterRequest(_message.Message):
     skip_tokens: _builtins.int
     """The consumer already holds the prompt's first skip_tokens tokens (prefix-cache hit, a whole
     number of its blocks): block_ids start at that token, and the producer skips those tokens.
+    """
+    traceparent: _builtins.str
+    """W3C trace context of the decode daemon's span for this transfer (tracing on): the prefill
+    daemon's spans join that trace. Empty when the decode daemon does not trace.
     """
     @_builtins.property
     def consumer_agent(self) -> Global___AgentInfo:
@@ -261,10 +266,11 @@ class RegisterRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         transfer_mode: _common_pb2.TransferMode.ValueType = ...,
         skip_tokens: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consumer_agent", b"consumer_agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "skip_tokens", b"skip_tokens", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "skip_tokens", b"skip_tokens", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -263,10 +263,36 @@ class Completion(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    NIXL_TRANSFERS_FIELD_NUMBER: _builtins.int
+    DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    POST_SECONDS_FIELD_NUMBER: _builtins.int
+    TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
     kind: Global___Completion.Kind.ValueType
     transfer_id: _builtins.str
     code: _common_pb2.FailureCode.ValueType
     reason: _builtins.str
+    bytes: _builtins.int
+    """Figures of this transfer as this daemon knows them (0 where it does not). The daemon that
+    posted the NIXL transfers (prefill in push mode: its WRITEs; decode in pull mode: its READs)
+    knows nixl_transfers, descriptors, post and transfer seconds; the other side only bytes and
+    elapsed_seconds. FINISHED_SENDING/FINISHED_RECEIVING carry them; FAILED what was known.
+    KV bytes moved for this worker (recv side: its blocks' bytes)
+    """
+    nixl_transfers: _builtins.int
+    """NIXL WRITEs/READs this daemon posted for it (one per TP pair)"""
+    descriptors: _builtins.int
+    """descriptors posted (after merging adjacent blocks), summed"""
+    post_seconds: _builtins.float
+    """request reached the NIXL thread -> posted, summed over transfers"""
+    transfer_seconds: _builtins.float
+    """posted -> completion seen, the longest of its transfers"""
+    rendezvous_wait_seconds: _builtins.float
+    """prefill side: first of publish/registration -> the second"""
+    elapsed_seconds: _builtins.float
+    """this worker's Publish or Expect -> this completion"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """for FAILED: the blocks of this worker the transfer covered"""
@@ -279,10 +305,17 @@ class Completion(_message.Message):
         code: _common_pb2.FailureCode.ValueType = ...,
         reason: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        bytes: _builtins.int = ...,
+        nixl_transfers: _builtins.int = ...,
+        descriptors: _builtins.int = ...,
+        post_seconds: _builtins.float = ...,
+        transfer_seconds: _builtins.float = ...,
+        rendezvous_wait_seconds: _builtins.float = ...,
+        elapsed_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "code", b"code", "kind", b"kind", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "bytes", b"bytes", "code", b"code", "descriptors", b"descriptors", "elapsed_seconds", b"elapsed_seconds", "kind", b"kind", "nixl_transfers", b"nixl_transfers", "post_seconds", b"post_seconds", "reason", b"reason", "rendezvous_wait_seconds", b"rendezvous_wait_seconds", "transfer_id", b"transfer_id", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -300,6 +333,7 @@ class ExpectRequest(_message.Message):
     PRODUCER_TP_SIZE_FIELD_NUMBER: _builtins.int
     TRANSFER_MODE_FIELD_NUMBER: _builtins.int
     SKIP_TOKENS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     transfer_id: _builtins.str
     producer_address: _builtins.str
@@ -311,6 +345,10 @@ class ExpectRequest(_message.Message):
     skip_tokens: _builtins.int
     """Tokens at the start of the prompt this worker already holds (a prefix-cache hit; a whole
     number of its blocks): block_ids hold the prompt from that token on. 0: from the start.
+    """
+    traceparent: _builtins.str
+    """Optional W3C trace context ("00-<trace id>-<span id>-<flags>") of the engine request: with
+    tracing on, the daemon's spans for this transfer continue it. Empty: a trace of its own.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -327,10 +365,11 @@ class ExpectRequest(_message.Message):
         producer_tp_size: _builtins.int = ...,
         transfer_mode: _common_pb2.TransferMode.ValueType = ...,
         skip_tokens: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "skip_tokens", b"skip_tokens", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "skip_tokens", b"skip_tokens", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -358,8 +397,11 @@ class PublishRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     transfer_id: _builtins.str
+    traceparent: _builtins.str
+    """optional W3C trace context, as in ExpectRequest"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """source blocks, in token order"""
@@ -370,10 +412,11 @@ class PublishRequest(_message.Message):
         worker_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "transfer_id", b"transfer_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
