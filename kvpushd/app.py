@@ -31,7 +31,7 @@ from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
 from .runtime.node import Node
 from .systemd import SdNotifier
-from .tracing import make_tracing
+from .telemetry import make_tracing
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """OpenTelemetry spans per transfer, exported over OTLP/gRPC: the only module importing opentelemetry.
 
-Loaded by ``tracing.make_tracing`` when ``[tracing] otlp_endpoint`` is set (``pip install
+Loaded by ``telemetry.make_tracing`` when ``[tracing] otlp_endpoint`` is set (``pip install
 kvpushd[tracing]``). The span tree is described in ``kvpushd.tracing``. Top-level spans are open
 while their transfer is; the short child spans are recorded when their step ends, with the start
 time it had (NIXL reports post and transfer seconds), so nothing here runs on the NIXL thread.

@@ -2,7 +2,7 @@
 
 Off (no ``[tracing] otlp_endpoint``) the runtime holds a ``Tracing`` whose ``enabled`` is False and
 checks that flag before each hook, so a transfer pays one attribute read per hook and opentelemetry
-is never imported. On, ``make_tracing`` loads ``kvpushd.otel`` (the only module that imports
+is never imported. On, ``telemetry.make_tracing`` loads ``kvpushd.otel`` (the only module that imports
 opentelemetry), which exports spans over OTLP/gRPC.
 
 Spans per transfer (all in the trace of the engine request's W3C ``traceparent`` when one came):
@@ -18,7 +18,6 @@ Spans per transfer (all in the trace of the engine request's W3C ``traceparent``
 
 from __future__ import annotations
 
-from .config import TracingConfig
 from .core.types import Completion
 
 
@@ -61,12 +60,3 @@ class Tracing:
 
     def shutdown(self) -> None:
         """Flush and stop the exporter (safe to call twice)."""
-
-
-def make_tracing(cfg: TracingConfig, node_id: str) -> Tracing:
-    """No-op unless an OTLP endpoint is configured (opentelemetry is imported only then)."""
-    if not cfg.otlp_endpoint:
-        return Tracing()
-    from .otel import OtelTracing  # deferred: tracing off costs no import
-
-    return OtelTracing(cfg, node_id)

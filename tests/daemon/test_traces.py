@@ -185,7 +185,7 @@ def test_sampling_follows_the_context(workdir, kv_pair, receiver, monkeypatch) -
 
 def test_tracing_off_imports_no_opentelemetry() -> None:
     """Without [tracing] the daemon's whole composition root loads and opentelemetry is never imported."""
-    code = ("import sys, kvpushd.app, kvpushd.config as c; from kvpushd.tracing import make_tracing; "
+    code = ("import sys, kvpushd.app, kvpushd.config as c; from kvpushd.telemetry import make_tracing; "
             "t = make_tracing(c.load(None).tracing, 'n'); "
             "print(t.enabled, sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
