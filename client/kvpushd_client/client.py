@@ -12,7 +12,6 @@ no RPC at all; the stream's end is how the daemon learns that this worker is gon
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -21,6 +20,7 @@ import grpc
 
 from . import _convert, errors
 from .calls import Call, CallQueue, DirectTarget
+from .inbox import Inbox
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 from .stream import StreamWorker
 from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
@@ -85,7 +85,7 @@ class KVPushClient:
         self.close()
 
 
-class Worker:
+class Worker(Inbox):
     """An attached worker: per-request calls and its completions."""
 
     def __init__(self, client: KVPushClient, worker_id: str, node_id: str, peer_address: str) -> None:
@@ -93,9 +93,7 @@ class Worker:
         self.worker_id = worker_id
         self.node_id = node_id
         self.peer_address = peer_address  # what decode engines use as remote_host:remote_port
-        self._queue: collections.deque[Completion] = collections.deque()
-        self._cond = threading.Condition()
-        self.session_error: KVPushError | None = None
+        super().__init__()
         self._closed = False
         self._stream = client.stub.Session(worker_pb2.SessionRequest(worker_id=worker_id))
         self._reader = threading.Thread(target=self._read, name=f"kvpushd-session-{worker_id}", daemon=True)
@@ -185,23 +183,6 @@ class Worker:
         with self._cond:
             self._queue.append(c)
             self._cond.notify_all()
-
-    def completions(self) -> list[Completion]:
-        """Everything delivered so far, without waiting (no RPC)."""
-        with self._cond:
-            out = list(self._queue)
-            self._queue.clear()
-        return out
-
-    def next_completion(self, timeout_s: float | None = None) -> Completion | None:
-        """Wait for one completion (for tools and tests; engines use completions())."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
-                return None
-            if self._queue:
-                return self._queue.popleft()
-            assert self.session_error is not None
-            raise self.session_error
 
     def detach(self) -> None:
         """Fail what is pending for this worker, release its memory in the daemon. Idempotent."""

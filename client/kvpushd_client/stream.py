@@ -13,7 +13,6 @@ for ``Worker.*_nowait``. One gRPC message per step instead of one unary call per
 
 from __future__ import annotations
 
-import collections
 import itertools
 import queue
 import threading
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 import grpc
 
 from . import _convert, errors
+from .inbox import Inbox
 from .proto.v1 import worker_pb2
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
@@ -51,7 +51,7 @@ def _command(q: _Queued) -> worker_pb2.Command:
     return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=tid))
 
 
-class StreamWorker:
+class StreamWorker(Inbox):
     """An attached worker whose session is a WorkerService.Stream."""
 
     def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str) -> None:
@@ -59,18 +59,16 @@ class StreamWorker:
         self.worker_id = worker_id
         self.node_id = node_id
         self.peer_address = peer_address
-        self.session_error: KVPushError | None = None
+        super().__init__()
         self._seq = itertools.count(1)
         # the engine thread's own (no lock): (seq, op, transfer id, blocks, expect arguments); the
         # protobuf messages are built by the stream's sender thread, off the engine thread
         self._batch: list[tuple[int, str, str, list[int], tuple[object, ...]]] = []
         self._sent: dict[int, tuple[str, tuple[int, ...], str]] = {}  # seq -> (transfer, blocks, op), unanswered
         self._out: queue.SimpleQueue[worker_pb2.CommandBatch | list[_Queued] | None] = queue.SimpleQueue()
-        self._queue: collections.deque[Completion] = collections.deque()
         self._aborts: dict[int, bool] = {}  # seq -> found, for abort()
         self._waited: set[int] = set()  # commands of the blocking forms: a refusal is raised, not queued
         self._refusals: dict[int, KVPushError] = {}
-        self._cond = threading.Condition()
         self._closed = False
         self._out.put(worker_pb2.CommandBatch(worker_id=worker_id))
         self._call = client.stub.Stream(self._requests())
@@ -143,21 +141,6 @@ class StreamWorker:
                 raise self._refusals.pop(seq)
             if self.session_error is not None:
                 raise self.session_error
-
-    def completions(self) -> list[Completion]:
-        with self._cond:
-            out = list(self._queue)
-            self._queue.clear()
-        return out
-
-    def next_completion(self, timeout_s: float | None = None) -> Completion | None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
-                return None
-            if self._queue:
-                return self._queue.popleft()
-            assert self.session_error is not None
-            raise self.session_error
 
     def detach(self) -> None:
         """Answer what was sent, then end the stream (the daemon detaches the worker). Idempotent."""
