@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,27 +188,16 @@ class Workers:
     async def session(self, worker_id: str,
                       on_end: Callable[[str, str], Awaitable[None]]) -> AsyncIterator[Completion]:
         """Yield the worker's completions until it goes away; the caller's end means detach (``on_end``)."""
-        w = self.get(worker_id)
-        if w.session_open:
-            raise AlreadyExists(f"worker {worker_id} already has a session")
-        w.session_open = True
-        try:
-            while not w.gone:
-                while w.completions:
-                    yield w.completions.popleft()
-                w.wakeup.clear()
-                if w.completions:
-                    continue
-                await w.wakeup.wait()
-        finally:
-            if not w.gone:
-                log.info("worker session ended; detaching", worker_id=worker_id)
-                await on_end(worker_id, "session ended")
+        async with contextlib.aclosing(self.session_batches(worker_id, on_end)) as batches:
+            async for batch in batches:
+                for c in batch:
+                    yield c
 
     async def session_batches(self, worker_id: str, on_end: Callable[[str, str], Awaitable[None]]
-                              ) -> AsyncIterator[list[Completion]]:
-        """As ``session``, in batches: every completion queued when it wakes. Woken with none (the
-        caller set ``wakeup`` for something of its own to send) it yields an empty batch."""
+                              ) -> AsyncGenerator[list[Completion], None]:
+        """The worker's completions in batches, every one queued when it wakes, until the worker goes
+        away; the caller's end means detach (``on_end``). Woken with none (the Stream RPC set
+        ``wakeup`` for answers of its own to send) it yields an empty batch."""
         w = self.get(worker_id)
         if w.session_open:
             raise AlreadyExists(f"worker {worker_id} already has a session")
@@ -222,7 +212,7 @@ class Workers:
                     await w.wakeup.wait()
         finally:
             if not w.gone:
-                log.info("worker stream ended; detaching", worker_id=worker_id)
+                log.info("worker session ended; detaching", worker_id=worker_id)
                 await on_end(worker_id, "session ended")
 
     def mark_gone(self, worker_id: str) -> Worker | None:
