@@ -154,6 +154,12 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvpushd_watchers", "Watch streams open", value=v.events.subscribers)
         yield CounterMetricFamily("kvpushd_notifications", "WRITE notifications received",
                                   value=v.counters.notifications_received)
+        declines = CounterMetricFamily("kvpushd_declines", "Transfers declined (a decode worker's Expect never "
+                                       "reached its daemon): sent to prefill daemons, received from decode "
+                                       "daemons", labels=["direction"])
+        declines.add_metric(["sent"], v.counters.declines_sent)
+        declines.add_metric(["received"], v.counters.declines_received)
+        yield declines
         yield CounterMetricFamily("kvpushd_stray_notifications", "Notifications for no pending registration",
                                   value=v.stray_notifications)
         yield CounterMetricFamily("kvpushd_events_dropped", "Events dropped for Watch subscribers that fell "

@@ -34,6 +34,13 @@ class Worker(Protocol):
 
     def abort(self, transfer_id: str) -> bool: ...
 
+    def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str,
+                reason: str = "") -> None: ...
+
+
+
+# Calls whose refusal is no failure of a request (nothing to free): dropped, not reported.
+BEST_EFFORT = frozenset({"Abort", "Decline"})
 # Call outcomes that do not say whether the daemon acted on the call.
 UNSURE = frozenset({"DEADLINE_EXCEEDED", "UNKNOWN", "INTERNAL"})
 
@@ -49,10 +56,10 @@ class Call:
     """One queued call. ``epoch``: the attachment it ran on (None until it ran); ``only_epoch``: an
     Abort runs only on that attachment (the one its Expect ran on); ``tag``: the caller's own."""
 
-    method: str  # "Expect" | "Publish" | "Abort"
+    method: str  # "Expect" | "Publish" | "Abort" | "Decline"
     transfer_id: str
     block_ids: tuple[int, ...] = ()
-    expect_args: dict[str, Any] = field(default_factory=dict)  # Expect: producer_address, ...
+    expect_args: dict[str, Any] = field(default_factory=dict)  # Expect, Decline: producer_address, ...
     only_epoch: int | None = None
     tag: Any = None
     traceparent: str = ""  # Expect, Publish: the engine request's W3C trace context ("" none)
@@ -66,6 +73,8 @@ class Call:
             w.expect(self.transfer_id, self.block_ids, **self.expect_args, **tp)
         elif self.method == "Publish":
             w.publish(self.transfer_id, self.block_ids, **tp)
+        elif self.method == "Decline":
+            w.decline(self.transfer_id, **self.expect_args)
         else:
             w.abort(self.transfer_id)
 
@@ -172,7 +181,7 @@ class CallQueue:
 
     def _make(self, call: Call, got: tuple[Worker, int] | None) -> None:
         if got is None:
-            if call.method != "Abort":
+            if call.method != "Abort":  # a Decline's target may keep it for the next attachment
                 err = DaemonUnavailable("UNAVAILABLE", "not attached to the daemon")
                 self._target.refused(call, refused(call, f"{call.method} not made: {err}"), err)
             return
@@ -182,7 +191,7 @@ class CallQueue:
         except KVPushError as e:
             self._target.refused(call, refused(call, f"{call.method} refused by the daemon: {e.code}: {e.message}"),
                                  e)
-            if call.method != "Abort" and e.code in UNSURE:
+            if call.method not in BEST_EFFORT and e.code in UNSURE:
                 with contextlib.suppress(Exception):
                     w.abort(call.transfer_id)
         except Exception as e:  # the engine must hear of it, not lose the request
@@ -201,7 +210,7 @@ class DirectTarget:
         return self._worker, 1
 
     def refused(self, call: Call, completion: Completion, error: KVPushError | None) -> None:
-        if call.method != "Abort":
+        if call.method not in BEST_EFFORT:
             self._deliver(completion)
 
     def tick(self) -> None:

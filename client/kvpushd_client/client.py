@@ -147,6 +147,13 @@ class Worker(Inbox):
         self._unary("Publish", worker_pb2.PublishRequest(worker_id=self.worker_id, transfer_id=transfer_id,
                                                          block_ids=list(block_ids), traceparent=traceparent))
 
+    def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
+        """Decode side: this transfer will never be expected here (its Expect failed before it
+        reached the daemon); the prefill daemon frees the transfer's source blocks at once."""
+        self._unary("Decline", worker_pb2.DeclineRequest(
+            worker_id=self.worker_id, transfer_id=transfer_id, producer_address=producer_address,
+            producer_engine_id=producer_engine_id, reason=reason))
+
     def abort(self, transfer_id: str) -> bool:
         resp = self._unary("Abort", worker_pb2.AbortRequest(worker_id=self.worker_id, transfer_id=transfer_id))
         assert isinstance(resp, worker_pb2.AbortResponse)
@@ -174,6 +181,12 @@ class Worker(Inbox):
     def abort_nowait(self, transfer_id: str) -> None:
         """Queued after any earlier *_nowait call of this worker; an unknown transfer is no error."""
         self._calls.submit(Call("Abort", transfer_id))
+
+    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
+                       reason: str = "") -> None:
+        """Queued like ``abort_nowait``; best effort (a refusal is dropped, logged by the daemon)."""
+        self._calls.submit(Call("Decline", transfer_id, expect_args=dict(
+            producer_address=producer_address, producer_engine_id=producer_engine_id, reason=reason)))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued call has been made; False on timeout."""

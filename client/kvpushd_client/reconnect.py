@@ -25,9 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .calls import Call, CallQueue
+from .calls import Call, CallQueue, CallState
 from .client import KVPushClient, Worker
 from .types import Completion, DaemonUnavailable, KVPushError
+
+MAX_DECLINES = 4096  # declines kept while the daemon is away
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,8 @@ class ReconnectingWorker:
         self._next_attempt = 0.0
         self._failed_attempts = 0
         self._stopped = False
+        # Declines not yet made (no attachment): made once one is (re)made, the oldest dropped past the cap
+        self._declines: collections.deque[Call] = collections.deque(maxlen=MAX_DECLINES)
         self._calls = CallQueue(self, name="kvpushd-connector", idle_s=reconnect_interval_s)
 
     @property
@@ -136,6 +140,14 @@ class ReconnectingWorker:
         the transfer's Expect ran on); dropped otherwise, as when not attached."""
         return self._calls.submit(Call("Abort", transfer_id, only_epoch=only_epoch, tag=tag))
 
+    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
+                       reason: str = "", tag: Any = None) -> Call:
+        """This transfer will never be expected here (its Expect was refused, or died with an
+        attachment): the daemon tells the prefill daemon, which frees the source blocks at once
+        instead of at its publish_timeout_s. Kept while not attached; made once re-attached."""
+        return self._calls.submit(Call("Decline", transfer_id, expect_args=dict(
+            producer_address=producer_address, producer_engine_id=producer_engine_id, reason=reason[:1000]), tag=tag))
+
     def cancel(self, call: Call) -> bool:
         """Withdraw a queued call; False once the thread has started it."""
         return self._calls.cancel(call)
@@ -183,6 +195,12 @@ class ReconnectingWorker:
                 self._mark_lost_locked(w, str(w.session_error or "session ended"))
         if not self.connected and time.monotonic() >= self._next_attempt:
             self._reconnect()
+        if self._declines and self.connected:
+            with self._lock:
+                again, self._declines = list(self._declines), collections.deque(maxlen=MAX_DECLINES)
+            for call in again:
+                call.state, call.epoch = CallState.QUEUED, None
+                self._calls.submit(call)
 
     def attachment(self, call: Call) -> tuple[Worker, int] | None:
         with self._lock:
@@ -195,9 +213,15 @@ class ReconnectingWorker:
 
     def refused(self, call: Call, completion: Completion, error: KVPushError | None) -> None:
         with self._lock:
-            self._events.append(LinkEvent("refused", call.epoch, completion, call, error))
-            w = self.worker
             lost = isinstance(error, DaemonUnavailable) or (error is not None and error.code == "NOT_FOUND")
+            if call.method == "Decline":  # best effort; not attached, or the daemon went away: again once attached
+                if lost:
+                    self._declines.append(call)
+                else:
+                    self.log.warning("kvpushd: declining transfer %s failed: %s", call.transfer_id, error)
+            else:
+                self._events.append(LinkEvent("refused", call.epoch, completion, call, error))
+            w = self.worker
             if lost and w is not None and call.epoch == self.epoch:  # daemon gone or it forgot us
                 self._mark_lost_locked(w, str(error))
 

@@ -48,6 +48,10 @@ def _command(q: _Queued) -> worker_pb2.Command:
     if op == "publish":
         return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
             transfer_id=tid, block_ids=blocks, traceparent=str(args[0]) if args else ""))
+    if op == "decline":
+        address, engine, reason = args
+        return worker_pb2.Command(seq=seq, decline=worker_pb2.DeclineRequest(
+            transfer_id=tid, producer_address=str(address), producer_engine_id=str(engine), reason=str(reason)))
     return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=tid))
 
 
@@ -94,6 +98,11 @@ class StreamWorker(Inbox):
     def abort_nowait(self, transfer_id: str) -> int:
         return self._add("abort", transfer_id, [], ())
 
+    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
+                       reason: str = "") -> int:
+        """Decode side: this transfer will never be expected here; best effort, like abort."""
+        return self._add("decline", transfer_id, [], (producer_address, producer_engine_id, reason))
+
     def _add(self, op: str, transfer_id: str, blocks: list[int], args: tuple[object, ...]) -> int:
         seq = next(self._seq)
         self._batch.append((seq, op, transfer_id, blocks, args))
@@ -122,6 +131,9 @@ class StreamWorker(Inbox):
 
     def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
         self._blocking(self.publish_nowait(transfer_id, block_ids, traceparent))
+
+    def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
+        self._blocking(self.decline_nowait(transfer_id, producer_address, producer_engine_id, reason))
 
     def abort(self, transfer_id: str) -> bool:
         seq = self.abort_nowait(transfer_id)
@@ -172,7 +184,7 @@ class StreamWorker(Inbox):
                             continue
                         if r.seq in self._waited:
                             self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind, tid)
-                        elif op != "abort":
+                        elif op not in ("abort", "decline"):
                             got.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                                   f"{r.code}: {r.message}", blocks))
                     got += [_convert.completion(c) for c in ev.completions]
@@ -186,7 +198,7 @@ class StreamWorker(Inbox):
                 self.session_error = err
                 # commands that got no answer end as refused: the engine frees their blocks
                 for _, (tid, blocks, op) in sorted(self._sent.items()):
-                    if op != "abort":
+                    if op not in ("abort", "decline"):
                         self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                                       f"{err.code}: stream ended before an answer", blocks))
                 self._sent.clear()

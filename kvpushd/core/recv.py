@@ -130,6 +130,11 @@ class RecvSide:
         r = self._by_reg.get(registration_id)
         return None if r is None else (r.transfer_id, r.producer_address)
 
+    def pending(self, worker_id: str, transfer_id: str) -> bool:
+        """The worker's Expect of this transfer is pending (or still ending) here."""
+        key = (worker_id, transfer_id)
+        return key in self._by_key or key in self._ending_keys
+
     def producer_addresses(self) -> set[str]:
         """Prefill daemons that pending receives wait on (we send them heartbeats)."""
         return {r.producer_address for r in self._by_reg.values()}

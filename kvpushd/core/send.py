@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
@@ -24,6 +25,8 @@ from .layout import Shape, needs_plan, sizes_differ
 from .table import Move, step
 from .topology import block_parts, check_tp_pair, consumer_targets, skips_replicated, writer_sources, writer_targets
 from .types import Completion, CompletionKind, FailureCode, TransferMode
+
+MAX_DECLINED = 65536  # transfers remembered as declined (the oldest are forgotten first)
 
 
 class LegState(enum.Enum):
@@ -107,6 +110,8 @@ class SendSide:
         # per decode daemon: destination blocks and registrations it holds here (its quota)
         self._held: dict[str, int] = {}
         self._regs: dict[str, int] = {}
+        # transfers a decode daemon declined: key -> (until, why); a publish of one fails at once
+        self._declined: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -202,6 +207,10 @@ class SendSide:
         key = (engine_id, transfer_id)
         t = self._transfers.get(key)
         if t is None:
+            why = self._was_declined(now, key)
+            if why:
+                return [Deliver(worker_id, Completion(CompletionKind.FAILED, transfer_id, FailureCode.ABORTED,
+                                                      why, blocks))]
             t = self._transfers[key] = _SendTransfer(engine_id, transfer_id, now)
         old = t.publishes.get(rank)
         if old is not None:
@@ -314,6 +323,43 @@ class SendSide:
         # SUPERSEDED: the decode worker re-registers (new blocks); its publishes must not fail.
         fail = None if code is FailureCode.SUPERSEDED else (code, f"decode side: {reason}")
         return self._drop_registration(t, reg, None, fail_publishes=fail) + self._settle(t)
+
+    def decline(self, now: float, origin: str, engine_id: str, transfer_id: str, reason: str) -> list[Action]:
+        """The decode daemon ``origin`` says it will never register this transfer (its worker's Expect
+        failed before reaching it). Its publishes fail now (ABORTED: the consumer gave up), and one
+        published later fails at once, for publish_timeout_s. Only ranks ``origin`` registered (or
+        none) may be declined by it: another decode daemon's registration is not its to end."""
+        if not transfer_id:
+            raise InvalidArgument("transfer_id must not be empty")
+        key = (engine_id, transfer_id)
+        t = self._transfers.get(key)
+        if t is not None and any(o != origin for o in t.rank_origin.values()):
+            raise PermissionDenied(f"transfer {transfer_id[:256]!r} is registered by another decode daemon; "
+                                   "only that daemon may end it", transfer_id=transfer_id)
+        self._now = max(self._now, now)
+        msg = f"the decode side declined transfer {transfer_id[:256]!r}: {reason[:1000]}"
+        self._declined.pop(key, None)
+        self._declined[key] = (now + self.publish_timeout_s, msg)
+        while len(self._declined) > MAX_DECLINED:
+            self._declined.popitem(last=False)
+        if t is None:
+            return []
+        actions: list[Action] = []
+        for reg in list(t.registrations.values()):
+            actions += self._drop_registration(t, reg, (FailureCode.ABORTED, msg))
+        for pub in t.publishes.values():
+            self._fail_publish(t, pub, FailureCode.ABORTED, msg)
+        return actions + self._settle(t)
+
+    def _was_declined(self, now: float, key: tuple[str, str]) -> str:
+        """Why this transfer was declined, while that is remembered ("" if it was not)."""
+        while self._declined:  # forget what expired (oldest first: insertion order is expiry order)
+            first = next(iter(self._declined))
+            if self._declined[first][0] > now:
+                break
+            del self._declined[first]
+        got = self._declined.get(key)
+        return got[1] if got is not None else ""
 
     def abort(self, worker_id: str, engine_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
         """The prefill engine cancelled the request."""

@@ -76,6 +76,13 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.FailAck()
 
     @unary
+    async def Decline(self, request: peer_pb2.DeclineNotice, context: Ctx) -> peer_pb2.FailAck:
+        self._known(request.caller_instance_id, context)
+        self.node.declined(request.caller_instance_id, request.transfer_id, request.producer_engine_id,
+                           request.consumer_engine_id, request.reason)
+        return peer_pb2.FailAck()
+
+    @unary
     async def Offer(self, request: peer_pb2.OfferRequest, context: Ctx) -> peer_pb2.OfferResponse:
         self._known(request.caller_instance_id, context)
         ok = self.node.offer(request.caller_instance_id, request.transfer_id, request.registration_id,

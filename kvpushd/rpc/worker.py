@@ -64,6 +64,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.AbortResponse(found=self.node.abort(request.worker_id, request.transfer_id))
 
     @unary
+    async def Decline(self, request: worker_pb2.DeclineRequest, context: Ctx) -> worker_pb2.DeclineResponse:
+        self.node.decline(request.worker_id, request.transfer_id, request.producer_address,
+                          request.producer_engine_id, request.reason)
+        return worker_pb2.DeclineResponse()
+
+    @unary
     async def Detach(self, request: worker_pb2.DetachRequest, context: Ctx) -> worker_pb2.DetachResponse:
         self.node.worker(request.worker_id)
         await self.node.detach(request.worker_id, "detached by the worker")
@@ -129,8 +135,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                           traceparent=c.publish.traceparent[:128])
             elif op == "abort":
                 return worker_pb2.CommandResult(seq=c.seq, code="OK", found=n.abort(worker_id, c.abort.transfer_id))
+            elif op == "decline":
+                d = c.decline
+                n.decline(worker_id, d.transfer_id, d.producer_address, d.producer_engine_id, d.reason)
             else:
-                raise InvalidArgument("command has no operation (expect, publish or abort)")
+                raise InvalidArgument("command has no operation (expect, publish, abort or decline)")
         except KvpushdError as e:
             code = code_for(e)
             if code is None:

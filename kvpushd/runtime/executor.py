@@ -62,6 +62,8 @@ class Counters:
     bytes_read: int = 0
     late_events: int = 0   # events the core dropped on purpose (late or repeated)
     peer_calls_refused: int = 0  # peer calls refused by a limit or a registration held by another daemon
+    declines_sent: int = 0  # decode side: transfers declined to their prefill daemon (acknowledged)
+    declines_received: int = 0  # prefill side: transfers a decode daemon declined
 
 
 class Executor:
@@ -362,6 +364,22 @@ class Executor:
             self._withdrawing -= 1
             # answered: no WRITE into these blocks is in flight any more (or the daemon is gone)
             self.run(self.recv.withdraw_answered(a.registration_id))
+
+    def decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
+                reason: str) -> None:
+        """Decode side: tell the prefill daemon at ``address`` this transfer will never be registered."""
+        self.spawn(self._send_decline(address, transfer_id, producer_engine_id, consumer_engine_id, reason))
+
+    async def _send_decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
+                            reason: str) -> None:
+        try:
+            await self.outbound.peer(address).decline(transfer_id, producer_engine_id, consumer_engine_id, reason)
+        except KvpushdError as e:  # its publish then ends at publish_timeout_s, as before
+            self.peerbook.failed(address, str(e), unreachable=isinstance(e, PeerUnreachable))
+            log.warning("could not decline transfer", transfer_id=transfer_id[:256], peer=address, error=str(e))
+        else:
+            self.counters.declines_sent += 1
+            self.peerbook.contact(address)
 
     async def _send_offer(self, a: SendOffer) -> None:
         reg = a.registration

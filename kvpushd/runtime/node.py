@@ -173,6 +173,22 @@ class Node:
         ex.run(acts_r + acts_s)
         return found_r or found_s
 
+    def decline(self, worker_id: str, transfer_id: str, producer_address: str, producer_engine_id: str,
+                reason: str) -> None:
+        """Decode side: the worker will never Expect this transfer (its Expect failed before it got
+        here); the prefill daemon hears so and frees the transfer's source blocks at once."""
+        w = self.workers.get(worker_id)
+        if not w.role.can_receive:
+            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot decline")
+        check_transfer_id(transfer_id)
+        if not producer_engine_id or not producer_address:
+            raise InvalidArgument("producer_address and producer_engine_id must not be empty")
+        if self.executor.recv.pending(w.worker_id, transfer_id):
+            raise FailedPrecondition(f"transfer {transfer_id[:256]!r} is pending on this worker: abort it instead")
+        log.info("transfer declined", transfer_id=transfer_id[:256], worker_id=w.worker_id, peer=producer_address)
+        self.executor.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id,
+                              reason[:2000])
+
     def poll(self, worker_id: str, max_n: int) -> list[Completion]:
         return self.workers.poll(worker_id, max_n)
 
@@ -282,6 +298,27 @@ class Node:
         ex.run(ex.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
         if key is not None:
             await ex.wait_unwritten(key, registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
+
+    def declined(self, origin_id: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
+                 reason: str) -> None:
+        """A decode daemon will never register this transfer: fail its publishes now and later."""
+        origin = self.inbound.caller(origin_id)
+        check_transfer_id(transfer_id)
+        if not origin.take(self.cfg.peer_api.max_registers_per_s):  # the Register budget covers declines too
+            origin.refused += 1
+            self.executor.counters.peer_calls_refused += 1
+            raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: more than "
+                                    f"{self.cfg.peer_api.max_registers_per_s:g} Registers and Declines per second "
+                                    "(peer_api.max_registers_per_s)", peer=origin.address)
+        if self.workers.producer(producer_engine_id) is None:
+            raise NotFound(f"no prefill engine {producer_engine_id[:256]!r} is attached to node {self.ident.node_id}")
+        ex = self.executor
+        why = f"decode engine {consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {reason[:1000]}"
+        actions = ex.send.decline(time.monotonic(), origin_id, producer_engine_id, transfer_id, why)
+        ex.counters.declines_received += 1
+        log.info("transfer declined by the decode side", transfer_id=transfer_id[:256], peer_node=origin.node_id,
+                 reason=reason[:200])
+        ex.run(actions)
 
     def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
                     reason: str) -> None:

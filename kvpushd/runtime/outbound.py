@@ -275,6 +275,12 @@ class PeerClient:
     async def withdraw(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
         await self._call("Withdraw", self._notice(transfer_id, registration_id, code, reason))
 
+    async def decline(self, transfer_id: str, producer_engine_id: str, consumer_engine_id: str, reason: str) -> None:
+        """Tell the prefill daemon a transfer will never be registered from here."""
+        await self._call("Decline", peer_pb2.DeclineNotice(
+            caller_instance_id=self.ident.instance_id, transfer_id=transfer_id, producer_engine_id=producer_engine_id,
+            consumer_engine_id=consumer_engine_id, reason=reason[:2000]))
+
     def _notice(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> peer_pb2.FailNotice:
         return peer_pb2.FailNotice(caller_instance_id=self.ident.instance_id, transfer_id=transfer_id,
                                    registration_id=registration_id,

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -533,6 +534,56 @@ def test_decode_daemon_restart(engines: tuple[Engine, Engine], daemons: tuple[vs
     assert link.epoch == epoch + 1
     run_pd_request(pe, de, p_daemon, random_prompt(80))
     assert all_poison(de)
+
+
+def test_decode_daemon_down_when_the_request_came(model_dir: Path, workdir: Path) -> None:
+    """The decode daemon is down when the decode request arrives: its Expect cannot be made, so the
+    connector declines the transfer once re-attached, and the prefill daemon frees the request's
+    blocks then, not at publish_timeout_s (120 s here)."""
+    cfg = "[transfer]\npublish_timeout_s = 120.0\nexpect_timeout_s = 60.0\ndrain_timeout_s = 3.0\n"
+    p, d = vs.spawn_daemon(workdir, "pnode-dl", cfg), vs.spawn_daemon(workdir, "dnode-dl", cfg)
+    p.wait_ready()
+    d.wait_ready()
+    pe = Engine(model_dir, "kv_producer", "prefill-dl", p.sock, num_blocks=40, fill="random")
+    de = Engine(model_dir, "kv_consumer", "decode-dl", d.sock, num_blocks=40, fill="poison")
+    try:
+        x, prompt = x_request_id(), random_prompt(64)
+        p_req = vs.create_request(engine_request_id(x), 64, 1, vs.prefill_params(), 32, prompt)
+        p_start, d_start = vs.num_free_blocks(pe.sched), vs.num_free_blocks(de.sched)
+        pe.sched.add_request(p_req)
+        pe.step([p_req])  # prefill done first: published (next step), its blocks held for the decode side
+        tid = f"cmpl-{x}-0"
+        assert vs.wait_for(lambda: pe.step() is not None and tid in p.transfer_ids())
+
+        link = de.conn.worker_side.link
+        d.kill()
+        assert vs.wait_for(lambda: not link.connected, 30)
+        d_req = vs.create_request(engine_request_id(x), 64, 2,
+                                  vs.decode_params("prefill-dl", p.peer_address, x), 32, prompt)
+        de.sched.add_request(d_req)
+        # The Expect is refused (no daemon): the load fails and vLLM's policy ("fail") ends the request.
+        assert vs.wait_for(lambda: de.step() is not None and d_req.is_finished(), 30)
+        de.step()
+        vs.assert_scheduler_empty(de.sched)
+        assert vs.num_free_blocks(de.sched) == d_start
+        time.sleep(1.0)
+        assert tid in p.transfer_ids() and p_req.request_id in pe.sched.requests  # nobody could tell prefill
+
+        d.start()
+        d.wait_ready()
+        back = time.monotonic()
+        assert vs.wait_for(lambda: pe.step() is not None and p_req.request_id not in pe.sched.requests, 20)
+        print(f"prefill blocks freed {time.monotonic() - back:.2f}s after the decode daemon answered")
+        vs.assert_scheduler_empty(pe.sched)
+        assert vs.num_free_blocks(pe.sched) == p_start
+        assert tid not in p.transfer_ids()
+        assert vs.wait_for(lambda: link.connected, 30)
+        run_pd_request(pe, de, p, random_prompt(80), p_engine="prefill-dl")  # and it serves again
+    finally:
+        pe.close()
+        de.close()
+        for x_ in (p, d):
+            x_.stop()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -185,6 +185,8 @@ class KVPushdConnectorWorker:
                      self.settings.socket, reason, len(victims))
         record_lost(self._stats, sum(1 for p in victims if not p.aborted and not p.done))
         for p in victims:
+            if p.recv and not p.aborted and not p.done:
+                self._decline(p, f"the decode daemon went away ({reason})")
             self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})")
 
     def _poll(self) -> None:
@@ -208,7 +210,16 @@ class KVPushdConnectorWorker:
                     if not pend.done and not pend.aborted:
                         record(self._stats, ev.completion, sending=not pend.recv)
                     why = ev.error if ev.error is not None else ev.completion.reason
+                    if pend.recv and pend.op is call and not pend.aborted and not pend.done:
+                        self._decline(pend, f"its Expect did not reach the decode daemon: {why}")
                     self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}")
+
+    def _decline(self, pend: _Pending, why: str) -> None:
+        """The daemon never took this Expect: once (re-)attached it tells the prefill daemon, which
+        frees the request's source blocks then instead of at its publish_timeout_s."""
+        req = pend.req
+        assert isinstance(req, ExpectReq)
+        self.link.decline_nowait(req.transfer_id, req.producer_address, req.producer_engine_id, reason=why)
 
     def _link_abort(self, pend: _Pending, epoch: int) -> None:
         self.link.abort_nowait(pend.req.transfer_id, only_epoch=epoch, tag=pend)

@@ -420,6 +420,37 @@ class FailAck(_message.Message):
 Global___FailAck: _TypeAlias = FailAck  # noqa: Y015
 
 @_typing.final
+class DeclineNotice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    PRODUCER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    caller_instance_id: _builtins.str
+    transfer_id: _builtins.str
+    producer_engine_id: _builtins.str
+    consumer_engine_id: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        caller_instance_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        producer_engine_id: _builtins.str = ...,
+        consumer_engine_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "consumer_engine_id", b"consumer_engine_id", "producer_engine_id", b"producer_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineNotice: _TypeAlias = DeclineNotice  # noqa: Y015
+
+@_typing.final
 class OfferRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

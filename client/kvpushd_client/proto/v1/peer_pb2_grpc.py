@@ -59,6 +59,11 @@ class PeerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.FailNotice.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
                 _registered_method=True)
+        self.Decline = channel.unary_unary(
+                '/kvpushd.v1.PeerService/Decline',
+                request_serializer=kvpushd_dot_v1_dot_peer__pb2.DeclineNotice.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvpushd.v1.PeerService/Heartbeat',
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
@@ -117,6 +122,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decline(self, request, context):
+        """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
+        worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
+        publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
+        (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Liveness, both ways while transfers are pending between two daemons: a peer that stops
         answering (killed, stopped, cut off) has everything pending with it failed within
@@ -169,6 +184,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
             'Withdraw': grpc.unary_unary_rpc_method_handler(
                     servicer.Withdraw,
                     request_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailNotice.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.SerializeToString,
+            ),
+            'Decline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decline,
+                    request_deserializer=kvpushd_dot_v1_dot_peer__pb2.DeclineNotice.FromString,
                     response_serializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
@@ -321,6 +341,33 @@ class PeerService:
             target,
             '/kvpushd.v1.PeerService/Withdraw',
             kvpushd_dot_v1_dot_peer__pb2.FailNotice.SerializeToString,
+            kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpushd.v1.PeerService/Decline',
+            kvpushd_dot_v1_dot_peer__pb2.DeclineNotice.SerializeToString,
             kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
             options,
             channel_credentials,

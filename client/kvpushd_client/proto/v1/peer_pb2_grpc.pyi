@@ -47,6 +47,12 @@ class PeerServiceStub:
     """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
     replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
     """
+    Decline: _grpc.UnaryUnaryMultiCallable[_peer_pb2.DeclineNotice, _peer_pb2.FailAck]
+    """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
+    worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
+    publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
+    (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
+    """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
     """Liveness, both ways while transfers are pending between two daemons: a peer that stops
     answering (killed, stopped, cut off) has everything pending with it failed within
@@ -80,6 +86,12 @@ class PeerServiceAsyncStub(PeerServiceStub):
     Withdraw: _aio.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
     """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
     replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
+    """
+    Decline: _aio.UnaryUnaryMultiCallable[_peer_pb2.DeclineNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
+    """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
+    worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
+    publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
+    (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Liveness, both ways while transfers are pending between two daemons: a peer that stops
@@ -141,6 +153,18 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
         """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
         replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
+        """
+
+    @_abc_1.abstractmethod
+    def Decline(
+        self,
+        request: _peer_pb2.DeclineNotice,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
+        """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
+        worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
+        publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
+        (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
         """
 
     @_abc_1.abstractmethod

@@ -30,6 +30,7 @@ class Command(_message.Message):
     EXPECT_FIELD_NUMBER: _builtins.int
     PUBLISH_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
+    DECLINE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """the worker's own number for the command, echoed in its result"""
     @_builtins.property
@@ -38,6 +39,8 @@ class Command(_message.Message):
     def publish(self) -> Global___PublishRequest: ...
     @_builtins.property
     def abort(self) -> Global___AbortRequest: ...
+    @_builtins.property
+    def decline(self) -> Global___DeclineRequest: ...
     def __init__(
         self,
         *,
@@ -45,12 +48,13 @@ class Command(_message.Message):
         expect: Global___ExpectRequest | None = ...,
         publish: Global___PublishRequest | None = ...,
         abort: Global___AbortRequest | None = ...,
+        decline: Global___DeclineRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "expect", b"expect", "op", b"op", "publish", b"publish"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "decline", b"decline", "expect", b"expect", "op", b"op", "publish", b"publish"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "expect", b"expect", "op", b"op", "publish", b"publish", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "decline", b"decline", "expect", b"expect", "op", b"op", "publish", b"publish", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["expect", "publish", "abort"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["expect", "publish", "abort", "decline"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -520,6 +524,54 @@ class AbortResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
+
+@_typing.final
+class DeclineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    PRODUCER_ADDRESS_FIELD_NUMBER: _builtins.int
+    PRODUCER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    transfer_id: _builtins.str
+    producer_address: _builtins.str
+    """the prefill node's daemon, host:port (as in the Expect)"""
+    producer_engine_id: _builtins.str
+    reason: _builtins.str
+    """why (shown in the prefill side's failure)"""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        producer_address: _builtins.str = ...,
+        producer_engine_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "reason", b"reason", "transfer_id", b"transfer_id", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineRequest: _TypeAlias = DeclineRequest  # noqa: Y015
+
+@_typing.final
+class DeclineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineResponse: _TypeAlias = DeclineResponse  # noqa: Y015
 
 @_typing.final
 class DetachRequest(_message.Message):

@@ -69,6 +69,11 @@ class WorkerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_worker__pb2.DetachRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_worker__pb2.DetachResponse.FromString,
                 _registered_method=True)
+        self.Decline = channel.unary_unary(
+                '/kvpushd.v1.WorkerService/Decline',
+                request_serializer=kvpushd_dot_v1_dot_worker__pb2.DeclineRequest.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.DeclineResponse.FromString,
+                _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/kvpushd.v1.WorkerService/Stream',
                 request_serializer=kvpushd_dot_v1_dot_worker__pb2.CommandBatch.SerializeToString,
@@ -129,6 +134,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decline(self, request, context):
+        """Decode side: this transfer will never be expected here (its Expect failed before it reached
+        the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
+        fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stream(self, request_iterator, context):
         """The session as one stream both ways (instead of Session plus a unary call per request): the
         worker sends batches of commands (one batch per engine step), the daemon answers each command
@@ -176,6 +190,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Detach,
                     request_deserializer=kvpushd_dot_v1_dot_worker__pb2.DetachRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_worker__pb2.DetachResponse.SerializeToString,
+            ),
+            'Decline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decline,
+                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.DeclineRequest.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.DeclineResponse.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
@@ -372,6 +391,33 @@ class WorkerService:
             '/kvpushd.v1.WorkerService/Detach',
             kvpushd_dot_v1_dot_worker__pb2.DetachRequest.SerializeToString,
             kvpushd_dot_v1_dot_worker__pb2.DetachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpushd.v1.WorkerService/Decline',
+            kvpushd_dot_v1_dot_worker__pb2.DeclineRequest.SerializeToString,
+            kvpushd_dot_v1_dot_worker__pb2.DeclineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,11 @@ class WorkerServiceStub:
     """The engine gave up on a request: release everything for it, on both nodes."""
     Detach: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DetachRequest, _worker_pb2.DetachResponse]
     """Orderly goodbye: fails what is pending and releases the worker's memory."""
+    Decline: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DeclineRequest, _worker_pb2.DeclineResponse]
+    """Decode side: this transfer will never be expected here (its Expect failed before it reached
+    the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
+    fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
+    """
     Stream: _grpc.StreamStreamMultiCallable[_worker_pb2.CommandBatch, _worker_pb2.EventBatch]
     """The session as one stream both ways (instead of Session plus a unary call per request): the
     worker sends batches of commands (one batch per engine step), the daemon answers each command
@@ -75,6 +80,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """The engine gave up on a request: release everything for it, on both nodes."""
     Detach: _aio.UnaryUnaryMultiCallable[_worker_pb2.DetachRequest, _worker_pb2.DetachResponse]  # type: ignore[assignment]
     """Orderly goodbye: fails what is pending and releases the worker's memory."""
+    Decline: _aio.UnaryUnaryMultiCallable[_worker_pb2.DeclineRequest, _worker_pb2.DeclineResponse]  # type: ignore[assignment]
+    """Decode side: this transfer will never be expected here (its Expect failed before it reached
+    the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
+    fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
+    """
     Stream: _aio.StreamStreamMultiCallable[_worker_pb2.CommandBatch, _worker_pb2.EventBatch]  # type: ignore[assignment]
     """The session as one stream both ways (instead of Session plus a unary call per request): the
     worker sends batches of commands (one batch per engine step), the daemon answers each command
@@ -140,6 +150,17 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.DetachResponse, _abc.Awaitable[_worker_pb2.DetachResponse]]:
         """Orderly goodbye: fails what is pending and releases the worker's memory."""
+
+    @_abc_1.abstractmethod
+    def Decline(
+        self,
+        request: _worker_pb2.DeclineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.DeclineResponse, _abc.Awaitable[_worker_pb2.DeclineResponse]]:
+        """Decode side: this transfer will never be expected here (its Expect failed before it reached
+        the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
+        fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
+        """
 
     @_abc_1.abstractmethod
     def Stream(
