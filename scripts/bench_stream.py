@@ -6,14 +6,21 @@ completions are back. Prints one JSON object per mode with rendezvous/s, the eng
 per step (what queueing the step's calls costs the caller: appends plus step() for the stream;
 B *_nowait calls for the queued unary client) and daemon CPU per rendezvous.
 
-    python scripts/bench_stream.py [--batch 8] [--rounds 200]
+    python scripts/bench_stream.py [--batch 8] [--rounds 200] [--profile DIR]
+
+``--profile DIR``: py-spy samples both daemons during the timed rounds (collapsed stacks in
+DIR/<mode>-<side>.txt) and the JSON gets each daemon's top functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +42,27 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run(mode: str, batch: int, rounds: int) -> dict[str, object]:
+def spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return subprocess.Popen([exe, "record", "--format", "raw", "--rate", "250", "--threads", "--nonblocking",
+                             "-o", str(out), "--pid", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def top_self(path: Path, n: int = 15) -> list[tuple[str, float]]:
+    """Own time by function (the leaf frame of each collapsed stack), as shares of all samples."""
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        k = int(count)
+        total += k
+        own[stack.split(";")[-1].strip()] += k
+    return [(f, round(100 * c / max(total, 1), 1)) for f, c in own.most_common(n)]
+
+
+def run(mode: str, batch: int, rounds: int, profile: Path | None = None) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as d:
         cfg = "[transfer]\nexpect_timeout_s = 60.0\npublish_timeout_s = 60.0\n"
         p = start_daemon(Path(d), "pnode", cfg)
@@ -70,6 +97,10 @@ def run(mode: str, batch: int, rounds: int) -> dict[str, object]:
         for r in range(10):  # warm-up
             one_round(-1 - r)
         step_us.clear()
+        spies = [(side, spy(x.proc.pid, profile / f"{mode}-{side}.txt")) for side, x in (("prefill", p), ("decode", dn))
+                 ] if profile is not None else []
+        if spies:
+            time.sleep(1.0)  # py-spy attaches
         c0 = (cpu_s(p.proc.pid), cpu_s(dn.proc.pid))
         t0 = time.monotonic()
         for r in range(rounds):
@@ -82,6 +113,11 @@ def run(mode: str, batch: int, rounds: int) -> dict[str, object]:
                "daemon_cpu_us_per_rendezvous": {"prefill": round((c1[0] - c0[0]) / n * 1e6, 1),
                                                 "decode": round((c1[1] - c0[1]) / n * 1e6, 1)},
                "loadavg": os.getloadavg()[0]}
+        for side, sp in spies:
+            sp.send_signal(signal.SIGINT)
+            sp.wait(30)
+            assert profile is not None
+            out[f"profile_{side}_self_pct"] = top_self(profile / f"{mode}-{side}.txt")
         for w in (pw, dw):
             w.detach()
         for x in (p, dn):
@@ -97,9 +133,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--modes", default="unary,stream,unary,stream")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy both daemons into this directory")
     a = ap.parse_args()
+    if a.profile is not None:
+        a.profile.mkdir(parents=True, exist_ok=True)
     for mode in a.modes.split(","):
-        print(json.dumps(run(mode, a.batch, a.rounds)), flush=True)
+        print(json.dumps(run(mode, a.batch, a.rounds, a.profile)), flush=True)
 
 
 if __name__ == "__main__":
