@@ -90,6 +90,70 @@ def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src:
 
 
 
+@dataclass(frozen=True, slots=True)
+class PairPlan:
+    """What moving blocks between two agents' regions needs that does not change per request
+    (checked once per pair and slice; per request only the block ids are looked at)."""
+
+    regions: int
+    dense: int              # regions whose adjacent blocks merge into one descriptor
+    block_bytes: int        # bytes moved per block, all regions (this slice)
+    src_blocks: int         # blocks in the smallest source region
+    dst_blocks: int
+    src_bases: tuple[int, ...]  # descriptor index of each region's block 0
+    dst_bases: tuple[int, ...]
+
+
+def pair_plan(src_regions: Sequence[RegionSpec], dst_regions: Sequence[RegionSpec], src_part: Part, dst_part: Part,
+              src_bases: IntArray, dst_bases: IntArray) -> PairPlan:
+    """Check two region tables against each other (as ``check_layouts`` does) once."""
+    check_layouts(src_regions, dst_regions, np.empty(0, np.int64), np.empty(0, np.int64), src_part, dst_part)
+    whole = src_part == WHOLE and dst_part == WHOLE
+    dense = sum(1 for a, b in zip(src_regions, dst_regions, strict=True)
+                if whole and a.block_stride == a.block_len and b.block_stride == b.block_len)
+    return PairPlan(len(src_regions), dense, int(sum(r.block_len // src_part[0] for r in src_regions)),
+                    min(r.num_blocks for r in src_regions), min(r.num_blocks for r in dst_regions),
+                    tuple(int(b) for b in src_bases), tuple(int(b) for b in dst_bases))
+
+
+SMALL_LEG = 128  # descriptors up to which a leg's index lists are built in plain Python (cheaper there)
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """One request's descriptor indices on both sides, and its figures."""
+
+    src_idx: list[int] | npt.NDArray[np.int32]
+    dst_idx: list[int] | npt.NDArray[np.int32]
+    nbytes: int
+    requested: int
+    merged: int
+
+
+def plan_leg(plan: PairPlan, src: Sequence[int], dst: Sequence[int]) -> Leg:
+    """Index lists of one request (region-major, as ``leg_indices``), its bytes and descriptor counts
+    (``merged_count``); the block ids checked against the regions. Plain Python for the usual small
+    request: several times cheaper than numpy there."""
+    n = len(src)
+    if n != len(dst):
+        raise InvalidArgument(f"block lists of unequal length: {n} source, {len(dst)} destination")
+    if n and (min(src) < 0 or max(src) >= plan.src_blocks):
+        raise InvalidArgument("source block id out of range")
+    if n and (min(dst) < 0 or max(dst) >= plan.dst_blocks):
+        raise InvalidArgument("destination block id out of range")
+    if n * plan.regions <= SMALL_LEG:
+        si: list[int] | npt.NDArray[np.int32] = [b + x for b in plan.src_bases for x in src]
+        di: list[int] | npt.NDArray[np.int32] = [b + x for b in plan.dst_bases for x in dst]
+        joins = sum(1 for i in range(1, n) if src[i] == src[i - 1] + 1 and dst[i] == dst[i - 1] + 1)
+    else:
+        sa, da = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        si = leg_indices(np.asarray(plan.src_bases, dtype=np.int64), sa)
+        di = leg_indices(np.asarray(plan.dst_bases, dtype=np.int64), da)
+        joins = int(np.count_nonzero((np.diff(sa) == 1) & (np.diff(da) == 1)))
+    runs = n - joins if n else 0
+    return Leg(si, di, plan.block_bytes * n, n * plan.regions, plan.dense * runs + (plan.regions - plan.dense) * n)
+
+
 def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
                   dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
     """Layouts must match region for region (slice for slice across TP sizes); ids in range."""

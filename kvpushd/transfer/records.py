@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.rendezvous import LegKey
-from .descs import IntArray, Part, RegionSpec
+from .descs import IntArray, PairPlan, Part, RegionSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,8 @@ class Local:
     remotes: dict[tuple[str, Part], tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
     slices: dict[Part, Any] = field(default_factory=dict)  # local lists of block slices (hetero TP)
     loaded: set[str] = field(default_factory=set)  # remote agents whose metadata is loaded
+    # (remote agent, source slice, destination slice, "w" or "r") -> the pair's checked plan
+    pairs: dict[tuple[str, Part, Part, str], PairPlan] = field(default_factory=dict)
     inflight: int = 0
 
 

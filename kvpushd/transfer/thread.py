@@ -35,13 +35,13 @@ from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, me
 from .descs import (
     WHOLE,
     IntArray,
+    PairPlan,
     Part,
     RegionSpec,
     RemoteAgent,
     block_descs,
-    check_layouts,
-    leg_indices,
-    merged_count,
+    pair_plan,
+    plan_leg,
     region_bases,
 )
 from .faults import Faults
@@ -345,6 +345,8 @@ class TransferThread:
                 try:
                     for key in [k for k in loc.remotes if k[0] == name]:
                         loc.remotes.pop(key)[0].release()
+                    for pk in [k for k in loc.pairs if k[0] == name]:
+                        del loc.pairs[pk]
                     if name in loc.loaded:
                         loc.loaded.discard(name)
                         loc.agent.remove_remote_agent(name)
@@ -352,11 +354,21 @@ class TransferThread:
                     log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
         self._q.put(run)
 
-    def _post(self, leg: LegKey, worker_id: str, src_l: Sequence[int], remote: RemoteAgent,
-              dst_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
-        src = np.asarray(src_l, dtype=np.int64)
-        dst = np.asarray(dst_l, dtype=np.int64)
+    def _pair(self, loc: Local, remote: RemoteAgent, src_part: Part, dst_part: Part, write: bool,
+              rbases: IntArray) -> PairPlan:
+        """The checked plan of this local/remote pair and slices, made once."""
+        key = (remote.name, src_part, dst_part, "w" if write else "r")
+        plan = loc.pairs.get(key)
+        if plan is None:
+            if write:
+                plan = pair_plan(loc.regions, remote.regions, src_part, dst_part, loc.bases, rbases)
+            else:
+                plan = pair_plan(remote.regions, loc.regions, src_part, dst_part, rbases, loc.bases)
+            loc.pairs[key] = plan
+        return plan
 
+    def _post(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
+              dst: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
         def fail(reason: str) -> None:
             self._deliver_results([WriteResult(leg, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
 
@@ -364,23 +376,19 @@ class TransferThread:
         if loc is None:
             return fail("producer worker detached")
         try:
-            check_layouts(loc.regions, remote.regions, src, dst, src_part, dst_part)
-            dlist, rbases, rregions = self._remote_view(loc, remote, dst_part)
+            dlist, rbases, _ = self._remote_view(loc, remote, dst_part)
             ldlist = self._local_list(loc, src_part)
+            p = plan_leg(self._pair(loc, remote, src_part, dst_part, True, rbases), src, dst)
         except InvalidArgument as e:
             return fail(str(e))
         except Exception as e:
             log.warning("preparing remote descriptors failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id,
                         exc_info=True)
             return fail(f"cannot prepare remote descriptors: {e}")
-        lidx = leg_indices(loc.bases, src)
-        ridx = leg_indices(rbases, dst)
-        nbytes = int(sum(r.block_len // src_part[0] for r in loc.regions)) * len(src)
         self._launch_write(leg, loc, remote.name, notif, fail,
-                           lambda n: loc.agent.make_prepped_xfer("WRITE", ldlist, lidx, dlist, ridx, n),
-                           lambda t_post: WriteResult(leg, True, "", nbytes, t_post - t0, 0.0, len(lidx),
-                                                      merged_count(loc.regions, rregions, src, dst, src_part,
-                                                                   dst_part)))
+                           lambda n: loc.agent.make_prepped_xfer("WRITE", ldlist, p.src_idx, dlist, p.dst_idx, n),
+                           lambda t_post: WriteResult(leg, True, "", p.nbytes, t_post - t0, 0.0, p.requested,
+                                                      p.merged))
 
     def _launch_write(self, leg: LegKey, loc: Local, remote_name: str, notif: bytes,
                       fail: Callable[[str], None], make_handle: Callable[[bytes], Any],
@@ -445,13 +453,10 @@ class TransferThread:
                            lambda t_post: WriteResult(leg, True, "", plan.nbytes, t_post - t0, 0.0, plan.requested,
                                                       len(plan.src)))
 
-    def _post_read(self, key: Any, worker_id: str, dst_l: Sequence[int], remote: RemoteAgent,
-                   src_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
+    def _post_read(self, key: Any, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
+                   src: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
         """Pull mode: like _post with the roles swapped: the local agent is the decode worker's
         (destination), the remote one the prefill worker's (source); same slicing for hetero TP."""
-        src = np.asarray(src_l, dtype=np.int64)
-        dst = np.asarray(dst_l, dtype=np.int64)
-
         def fail(reason: str) -> None:
             self._deliver_reads([ReadResult(key, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
 
@@ -459,27 +464,23 @@ class TransferThread:
         if loc is None:
             return fail("decode worker detached")
         try:
-            check_layouts(remote.regions, loc.regions, src, dst, src_part, dst_part)
-            rdlist, rbases, rregions = self._remote_view(loc, remote, src_part)
+            rdlist, rbases, _ = self._remote_view(loc, remote, src_part)
             ldlist = self._local_list(loc, dst_part)
+            p = plan_leg(self._pair(loc, remote, src_part, dst_part, False, rbases), src, dst)
         except InvalidArgument as e:
             return fail(str(e))
         except Exception as e:
             log.warning("preparing remote descriptors failed", transfer_id=getattr(key, "transfer_id", ""),
                         exc_info=True)
             return fail(f"cannot prepare remote descriptors: {e}")
-        lidx = leg_indices(loc.bases, dst)
-        ridx = leg_indices(rbases, src)
-        nbytes = int(sum(r.block_len // dst_part[0] for r in loc.regions)) * len(dst)
         try:
-            handle = loc.agent.make_prepped_xfer("READ", ldlist, lidx, rdlist, ridx, notif)
+            handle = loc.agent.make_prepped_xfer("READ", ldlist, p.dst_idx, rdlist, p.src_idx, notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
             log.warning("posting READ failed", transfer_id=getattr(key, "transfer_id", ""), exc_info=True)
             return fail(f"NIXL could not post the READ: {e}")
         t_post = time.perf_counter()
-        res = ReadResult(key, True, "", nbytes, t_post - t0, 0.0, len(lidx),
-                         merged_count(rregions, loc.regions, src, dst, src_part, dst_part))
+        res = ReadResult(key, True, "", p.nbytes, t_post - t0, 0.0, p.requested, p.merged)
         if state == "ERR":
             handle.release()
             return fail("NIXL returned ERR when posting the READ")
