@@ -152,6 +152,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                     await room.wait()
 
         reader = loop.create_task(read())
+        reader.add_done_callback(lambda _: wake.set())
         try:
             while True:
                 await wake.wait()

@@ -141,6 +141,9 @@ class PeerClient:
                 for f in late:
                     f.cancel()
                 again = []
+                if late:  # as a unary call's DEADLINE_EXCEEDED: the next call handshakes first
+                    self.state = "unreachable"
+                    self.last_error = f"DEADLINE_EXCEEDED: no answer on the stream within {timeout:g}s"
                 for i, f in zip(todo, futs, strict=True):
                     if f.cancelled():
                         out[i] = PeerUnreachable(f"prefill daemon {self.address}: no answer within {timeout:g}s",
@@ -187,7 +190,8 @@ class PeerClient:
                 # Calls queued behind a handshake that just failed fail at once, not one
                 # connect timeout after another.
                 raise PeerUnreachable(f"prefill daemon {self.address}: {self.last_error}")
-            self.state = "handshaking"
+            if self.state != "unreachable":  # one that was unreachable stays so until it answers
+                self.state = "handshaking"
             n = self.ident
             req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                             node_id=n.node_id, peer_address=n.peer_address,
