@@ -186,8 +186,10 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         res = out.result
         try:
             kind = it.WhichOneof("item")
-            msg = getattr(it, kind) if kind is not None else None
-            if msg is not None and not self._same(instance, msg.caller_instance_id):
+            if kind == "result" or kind is None:
+                raise InvalidArgument("a result item sent to the callee (results only come back)" if kind else
+                                      "item has no kind (register, withdraw, fail, offer, read_failed, heartbeat)")
+            if not self._same(instance, getattr(it, kind).caller_instance_id):
                 raise PermissionDenied(f"a {kind} item names another caller instance than the stream's")
             if kind == "register":
                 r = peer_pb2.RegisterRequest()
@@ -208,10 +210,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             elif kind == "heartbeat":
                 res.heartbeat.instance_id = n.ident.instance_id
                 res.heartbeat.knows_caller = n.heard_from(instance, token)
-            elif kind == "result":
-                raise InvalidArgument("a result item sent to the callee (results only come back)")
-            else:
-                raise InvalidArgument("item has no kind (register, withdraw, fail, offer, read_failed, heartbeat)")
         except Exception as e:
             out.result.CopyFrom(failed(e))
             return out

@@ -596,7 +596,7 @@ class Fuzz:
     # -- targets -------------------------------------------------------------------------------
 
     def peer_raw(self) -> None:
-        methods = [m.name for m in PEER_SVC.methods]
+        methods = [m.name for m in PEER_SVC.methods] + ["Channel"] * 2  # the stream daemons use: weighted up
 
         @FUZZ_SETTINGS
         @given(daemon=st.sampled_from(["p", "d"]), data=st.data())
@@ -613,6 +613,8 @@ class Fuzz:
     def channel_case(self, daemon: str, instance: str, batch: peer_pb2.PeerBatch) -> None:
         """A Channel stream of one PeerBatch: refused unless ``instance`` has a session; else every item
         answered once, by seq, none INTERNAL (a bad item fails alone, in its result)."""
+        if not (instance.isascii() and instance.isprintable()):
+            instance = "fz-not-printable"  # metadata values are printable ASCII: grpc's client refuses others
         want = None
         if instance not in self.known_origins[daemon]:
             want = ("a refusal of a stream without a session", lambda c: c is not grpc.StatusCode.OK)
@@ -684,7 +686,7 @@ class Fuzz:
 
     def peer_msg(self) -> None:
         self.peer_seeds()
-        methods = [m.name for m in PEER_SVC.methods]
+        methods = [m.name for m in PEER_SVC.methods] + ["Channel"] * 2  # the stream daemons use: weighted up
         agents = messages(peer_pb2.AgentInfo.DESCRIPTOR, {
             "agent_name": mostly("fz-agent", st.one_of(st.sampled_from(["fz-agent-2", "fz-agent-3", ""]), TEXT), 6),
             "agent_metadata": st.one_of(st.just(b""), st.binary(min_size=1, max_size=300)),
