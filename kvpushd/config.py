@@ -68,6 +68,9 @@ class PeerApiConfig:
     max_registers_per_s: float = 20000.0
     max_registrations_per_peer: int = 65536
     max_blocks_per_peer: int = 1 << 24
+    # items queued to one peer's Channel stream or unanswered by it: a peer that stops reading fills
+    # it, then new items fail at once with PEER_UNREACHABLE (memory stays bounded)
+    max_stream_items: int = 8192
     # mutual TLS (grpcio's own credentials): all three paths or none
     tls_cert: str = ""  # PEM certificate chain this daemon presents, as server and as client
     tls_key: str = ""  # PEM private key of tls_cert
@@ -290,6 +293,7 @@ def validate(cfg: Config) -> None:
     for where, v in (("peer_api.max_registers_per_s", cfg.peer_api.max_registers_per_s),
                      ("peer_api.max_registrations_per_peer", cfg.peer_api.max_registrations_per_peer),
                      ("peer_api.max_blocks_per_peer", cfg.peer_api.max_blocks_per_peer),
+                     ("peer_api.max_stream_items", cfg.peer_api.max_stream_items),
                      ("peer_api.max_message_bytes", cfg.peer_api.max_message_bytes),
                      ("worker_api.max_message_bytes", cfg.worker_api.max_message_bytes)):
         if v <= 0:

@@ -185,7 +185,18 @@ class AllowList(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(guarded_s, handler.request_deserializer,
                                                         handler.response_serializer)
-        return handler  # the peer API has no client-streaming methods
+        if handler.stream_stream is not None:  # Channel: gated when it opens, before any item is read
+            inner_b: Any = handler.stream_stream
+
+            async def guarded_b(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                await self._gate(method, context)
+                async for item in inner_b(requests, context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(guarded_b, handler.request_deserializer,
+                                                         handler.response_serializer)
+        # the peer API has no client-streaming methods: refused rather than served unguarded
+        raise RuntimeError(f"peer API method {method} of a kind the allowlist does not guard")
 
     async def _gate(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         auth = {k: list(v) for k, v in context.auth_context().items()}

@@ -287,7 +287,8 @@ class Executor:
     # -- peer calls the core asked for ------------------------------------------------------------
 
     def _queue_register(self, a: SendRegister) -> None:
-        """Registers to one prefill daemon made in one turn of the loop go out as one RegisterBatch."""
+        """Registers to one prefill daemon made in one turn of the loop go out together: one PeerBatch on
+        its stream, with whatever else this turn sends that peer."""
         batch = self._registers.setdefault(a.producer_address, [])
         batch.append(a)
         if len(batch) == 1:
@@ -326,11 +327,12 @@ class Executor:
             if err is None:
                 actions += self.recv.registered(a.registration_id)
             else:
-                actions += self.recv.failed(a.registration_id, FailureCode.PEER_REJECTED, str(err))
+                code = FailureCode.PEER_UNREACHABLE if isinstance(err, PeerUnreachable) else FailureCode.PEER_REJECTED
+                actions += self.recv.failed(a.registration_id, code, str(err))
         if any(err is None for err in results):
             self.peerbook.contact(address, node_id=peer.remote_node_id)
-        if any(err is not None for err in results):
-            self.peerbook.failed(address, str(next(err for err in results if err is not None)))
+        if (first := next((err for err in results if err is not None), None)) is not None:
+            self.peerbook.failed(address, str(first), unreachable=isinstance(first, PeerUnreachable))
         self.run(actions)
 
     async def _send_fail(self, a: SendFailNotice) -> None:

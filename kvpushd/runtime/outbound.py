@@ -15,15 +15,17 @@ from collections.abc import Callable
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from .. import PROTOCOL_VERSION
 from ..config import PeerApiConfig
 from ..core import notif
-from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
+from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable, SessionUnknown
 from ..core.rendezvous import ReadKey, SendOffer, SendRegister
 from ..core.types import FailureCode
 from ..peer_security import channel_credentials, channel_options, tls_enabled
+from .channel import PeerChannel
 from .identity import Identity
 from .workers import Worker
 
@@ -83,9 +85,101 @@ class PeerClient:
         self.failed_at = 0.0  # loop time of the last failed handshake
         self.created = asyncio.get_running_loop().time()
         self.calls = 0  # calls under way: a peer in use is never idle
+        self.stream: PeerChannel | None = None  # the Channel stream of this session (opened on first use)
+        self.streams_opened = 0
 
     async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
         await self.channel.close(grace=None)
+
+    # -- the Channel stream ---------------------------------------------------------------------
+
+    def _channel(self) -> PeerChannel:
+        """The open stream of the current session, opened now if there is none."""
+        ch = self.stream
+        if ch is None or ch.closed is not None:
+            md = (*self.session, ("kvpushd-instance", self.ident.instance_id))
+            ch = self.stream = PeerChannel(self.address, self.stub.Channel(metadata=md), self.cfg.max_stream_items,
+                                           self.cfg.rpc_timeout_s, self._stream_broken)
+            self.streams_opened += 1
+        return ch
+
+    def _stream_broken(self, why: BaseException | str) -> KvpushdError:
+        """What the items of a stream that ended fail with; a broken stream counts as a failing peer
+        (heartbeats decide, as for a failed heartbeat) and the next call handshakes first."""
+        if isinstance(why, grpc.aio.AioRpcError) and error_kind(why) == "SessionUnknown":
+            return SessionUnknown(f"prefill daemon {self.address}: {why.details()}", peer=self.address)
+        if why == "closed":
+            return PeerUnreachable(f"prefill daemon {self.address}: stream closed", peer=self.address)
+        if self.state == "connected":
+            self.state = "unreachable"
+        if self.failing_since == 0.0:
+            self.failing_since = asyncio.get_running_loop().time()
+        if isinstance(why, grpc.aio.AioRpcError):
+            self._broken(why)
+            return self._error(why)
+        self.last_error = str(why)
+        return PeerUnreachable(f"prefill daemon {self.address}: {why}", peer=self.address)
+
+    async def _items(self, kind: str, msgs: list[Message],
+                     timeout_s: float | None = None) -> list[peer_pb2.PeerResult | KvpushdError]:
+        """Items of one kind on the stream (in the batch of this loop turn); per item its result
+        (code "OK") or why it failed. Bounded: no result within ``timeout_s`` (rpc_timeout_s) is
+        PeerUnreachable. A session the peer forgot is handshaken again and those items sent once more."""
+        self.calls += 1
+        try:
+            out: list[peer_pb2.PeerResult | KvpushdError] = [
+                PeerUnreachable(f"prefill daemon {self.address}: not sent", peer=self.address)] * len(msgs)
+            todo = list(range(len(msgs)))
+            for attempt in (0, 1):
+                await self._handshake(force=attempt > 0)
+                ch = self._channel()
+                futs = [ch.submit(kind, msgs[i]) for i in todo]
+                timeout = self.cfg.rpc_timeout_s if timeout_s is None else timeout_s
+                _, late = await asyncio.wait(futs, timeout=timeout)
+                for f in late:
+                    f.cancel()
+                again = []
+                if late:  # as a unary call's DEADLINE_EXCEEDED: the next call handshakes first
+                    self.state = "unreachable"
+                    self.last_error = f"DEADLINE_EXCEEDED: no answer on the stream within {timeout:g}s"
+                for i, f in zip(todo, futs, strict=True):
+                    if f.cancelled():
+                        out[i] = PeerUnreachable(f"prefill daemon {self.address}: no answer within {timeout:g}s",
+                                                 peer=self.address)
+                        continue
+                    exc = f.exception()
+                    if isinstance(exc, KvpushdError):
+                        out[i] = exc
+                    elif exc is not None:
+                        raise exc
+                    else:
+                        out[i] = f.result()
+                    if isinstance(exc, SessionUnknown) or (exc is None and f.result().kind == "SessionUnknown"):
+                        again.append(i)
+                if not again or attempt:
+                    break
+                todo = again
+            if any(isinstance(r, peer_pb2.PeerResult) and r.code == "OK" for r in out):
+                self.last_ok = asyncio.get_running_loop().time()
+            return out
+        finally:
+            self.calls -= 1
+
+    def _rejected(self, r: peer_pb2.PeerResult) -> PeerRejected:
+        return PeerRejected(f"prefill daemon {self.address}: {r.code}: {r.message}", peer=self.address)
+
+    async def _one(self, kind: str, msg: Message, timeout_s: float | None = None) -> peer_pb2.PeerResult:
+        """One item on the stream; raises what it failed with (PeerRejected when the peer refused it)."""
+        (r,) = await self._items(kind, [msg], timeout_s)
+        if isinstance(r, KvpushdError):
+            raise r
+        if r.code != "OK":
+            raise self._rejected(r)
+        return r
+
+    # -- handshake and unary calls --------------------------------------------------------------
 
     async def _handshake(self, force: bool = False) -> None:
         async with self._hs_lock:
@@ -96,7 +190,8 @@ class PeerClient:
                 # Calls queued behind a handshake that just failed fail at once, not one
                 # connect timeout after another.
                 raise PeerUnreachable(f"prefill daemon {self.address}: {self.last_error}")
-            self.state = "handshaking"
+            if self.state != "unreachable":  # one that was unreachable stays so until it answers
+                self.state = "handshaking"
             n = self.ident
             req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                             node_id=n.node_id, peer_address=n.peer_address,
@@ -120,6 +215,9 @@ class PeerClient:
                     self._broken(err)
                     self.failed_at = loop.time()
                     raise self._error(err) from None
+            session = (("kvpushd-session", resp.session_token),)
+            if self.stream is not None and (session != self.session or resp.instance_id != self.remote_instance):
+                self.stream.close("closed")  # a stream of the old session: the next item opens one anew
             if resp.instance_id != self.remote_instance:
                 if self.remote_instance:
                     log.warning("peer restarted", peer=self.address, node=resp.node_id)
@@ -127,7 +225,7 @@ class PeerClient:
                 self.sent_agents.clear()
             self.remote_instance = resp.instance_id
             self.remote_node_id = resp.node_id
-            self.session = (("kvpushd-session", resp.session_token),)
+            self.session = session
             self.state = "connected"
             self.since = self.last_ok = asyncio.get_running_loop().time()
             self.failing_since = 0.0
@@ -145,67 +243,39 @@ class PeerClient:
             return PeerUnreachable(msg, peer=self.address)
         return PeerRejected(msg, peer=self.address)
 
-    async def _call(self, method: str, req: object) -> object:
-        """Call after a handshake; re-handshake once if the remote forgot us (restart)."""
-        self.calls += 1
-        try:
-            return await self._call_once(method, req)
-        finally:
-            self.calls -= 1
-
-    async def _call_once(self, method: str, req: object) -> object:
-        await self._handshake()
-        timeout = self.cfg.rpc_timeout_s
-        for attempt in (0, 1):
-            try:
-                return await getattr(self.stub, method)(req, timeout=timeout, metadata=self.session)
-            except grpc.aio.AioRpcError as e:
-                forgot_us = error_kind(e) == "SessionUnknown"  # it restarted, or dropped our session
-                if forgot_us and attempt == 0:
-                    await self._handshake(force=True)
-                    continue
-                self._broken(e)
-                raise self._error(e) from None
-        raise AssertionError("unreachable")
-
     async def register(self, a: SendRegister, w: Worker, traceparent: str = "") -> None:
-        """One registration (RegisterBatch is what the daemon uses; this stays for tools and tests)."""
+        """One registration (the daemon sends a turn's registrations with register_batch)."""
         (err,) = await self.register_batch([(a, w)], [traceparent])
         if err is not None:
             raise err
 
     async def register_batch(self, items: list[tuple[SendRegister, Worker]],
                              traceparents: list[str] | None = None) -> list[KvpushdError | None]:
-        """Many registrations in one RegisterBatch call: per item None (accepted) or why it was not.
-        ``traceparents``: per item, the decode span's W3C context (tracing on), else None.
-
-        Raises PeerUnreachable (nothing is known of any item) or PeerRejected (the call as a whole)."""
+        """Many registrations, on the stream in this loop turn's batch: per item None (accepted) or why
+        not (PeerUnreachable: not sent or not answered in time; PeerRejected: the peer refused it).
+        ``traceparents``: per item, the decode span's W3C context (tracing on), else None."""
         out: list[KvpushdError | None] = [None] * len(items)
         todo = list(range(len(items)))
         for _ in range(2):
             with_md: set[str] = set()
-            regs = []
+            regs: list[Message] = []
             for i in todo:
                 a, w = items[i]
                 md = w.agent_name not in self.sent_agents and w.agent_name not in with_md
                 with_md.add(w.agent_name)
                 regs.append(self._register_request(a, w, md, traceparents[i] if traceparents else ""))
-            req = peer_pb2.RegisterBatchRequest(caller_instance_id=self.ident.instance_id, registrations=regs)
-            resp = await self._call("RegisterBatch", req)
-            assert isinstance(resp, peer_pb2.RegisterBatchResponse)
-            if len(resp.results) != len(todo):
-                raise PeerRejected(f"prefill daemon {self.address} answered {len(resp.results)} of {len(todo)} "
-                                   "registrations", peer=self.address)
             again = []
-            for i, r in zip(todo, resp.results, strict=True):
+            for i, r in zip(todo, await self._items("register", regs), strict=True):
                 w = items[i][1]
-                if r.code == "OK" and r.need_metadata:
+                if isinstance(r, KvpushdError):
+                    out[i] = r
+                elif r.code == "OK" and r.need_metadata:
                     self.sent_agents.discard(w.agent_name)
                     again.append(i)
                 elif r.code == "OK":
                     self.sent_agents.add(w.agent_name)
                 else:
-                    out[i] = PeerRejected(f"prefill daemon {self.address}: {r.code}: {r.message}", peer=self.address)
+                    out[i] = self._rejected(r)
             todo = again
             if not todo:
                 return out
@@ -216,7 +286,7 @@ class PeerClient:
     def _register_request(self, a: SendRegister, w: Worker, with_metadata: bool,
                           traceparent: str = "") -> peer_pb2.RegisterRequest:
         return peer_pb2.RegisterRequest(
-            caller_instance_id=self.ident.instance_id, transfer_id=a.transfer_id, registration_id=a.registration_id,
+            transfer_id=a.transfer_id, registration_id=a.registration_id,
             producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
             consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank, consumer_tp_size=a.consumer_tp_size,
             consumer_agent=agent_info(w, with_metadata=with_metadata), block_ids=a.block_ids,
@@ -229,18 +299,16 @@ class PeerClient:
         Returns False, sending nothing, when the leg was settled meanwhile (e.g. the decode daemon
         was declared lost while we waited for the handshake): a late offer would READ blocks the
         prefill worker was already told are free."""
-        n = self.ident
         await self._handshake()
         for _ in range(2):
             if not still_wanted():
                 return False
             agent = agent_info(w, with_metadata=w.agent_name not in self.sent_agents)
             req = peer_pb2.OfferRequest(
-                caller_instance_id=n.instance_id, transfer_id=a.leg.transfer_id,
+                transfer_id=a.leg.transfer_id,
                 registration_id=a.registration.registration_id, producer_rank=a.producer_rank,
                 producer_tp_size=a.producer_tp_size, producer_agent=agent, block_ids=a.src_blocks)
-            resp = await self._call("Offer", req)
-            assert isinstance(resp, peer_pb2.OfferResponse)
+            resp = await self._one("offer", req)
             if not resp.need_metadata:
                 self.sent_agents.add(w.agent_name)
                 return True
@@ -249,41 +317,39 @@ class PeerClient:
 
     async def read_failed(self, key: ReadKey, reason: str) -> None:
         """Pull mode (we are the decode side): the READ of an accepted offer failed."""
-        await self._call("ReadFailed", peer_pb2.ReadFailedNotice(
-            caller_instance_id=self.ident.instance_id, transfer_id=key.transfer_id,
+        await self._one("read_failed", peer_pb2.ReadFailedNotice(
+            transfer_id=key.transfer_id,
             registration_id=key.registration_id, producer_rank=key.producer_rank, reason=reason[:2000]))
 
     async def heartbeat(self, timeout_s: float) -> None:
-        """One liveness probe. Raises PeerUnreachable; a restart is handled like in the handshake."""
+        """One liveness probe on the stream. Raises PeerUnreachable; a restart is handled like in the
+        handshake."""
         loop = asyncio.get_running_loop()
-        req = peer_pb2.HeartbeatRequest(caller_instance_id=self.ident.instance_id)
         try:
-            resp = await self.stub.Heartbeat(req, timeout=timeout_s, metadata=self.session)
-        except grpc.aio.AioRpcError as e:
-            self._broken(e)
+            resp = (await self._one("heartbeat", peer_pb2.HeartbeatRequest(), timeout_s)).heartbeat
+        except KvpushdError:
             if self.failing_since == 0.0:
                 self.failing_since = loop.time()
-            raise self._error(e) from None
+            raise
         self.failing_since = 0.0
         self.last_ok = loop.time()
         if resp.instance_id != self.remote_instance or not resp.knows_caller:
             await self._handshake(force=True)  # a restarted peer: fails what was pending with it
 
     async def fail(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        await self._call("Fail", self._notice(transfer_id, registration_id, code, reason))
+        await self._one("fail", self._notice(transfer_id, registration_id, code, reason))
 
     async def withdraw(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        await self._call("Withdraw", self._notice(transfer_id, registration_id, code, reason))
+        await self._one("withdraw", self._notice(transfer_id, registration_id, code, reason))
 
     async def decline(self, transfer_id: str, producer_engine_id: str, consumer_engine_id: str, reason: str) -> None:
         """Tell the prefill daemon a transfer will never be registered from here."""
-        await self._call("Decline", peer_pb2.DeclineNotice(
-            caller_instance_id=self.ident.instance_id, transfer_id=transfer_id, producer_engine_id=producer_engine_id,
-            consumer_engine_id=consumer_engine_id, reason=reason[:2000]))
+        await self._one("decline", peer_pb2.DeclineNotice(
+            transfer_id=transfer_id, producer_engine_id=producer_engine_id, consumer_engine_id=consumer_engine_id,
+            reason=reason[:2000]))
 
     def _notice(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> peer_pb2.FailNotice:
-        return peer_pb2.FailNotice(caller_instance_id=self.ident.instance_id, transfer_id=transfer_id,
-                                   registration_id=registration_id,
+        return peer_pb2.FailNotice(transfer_id=transfer_id, registration_id=registration_id,
                                    code=common_pb2.FailureCode.ValueType(int(code)), reason=reason[:2000])
 
 

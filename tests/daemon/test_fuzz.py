@@ -19,6 +19,12 @@ NIXL must refuse every descriptor outside that buffer, nothing around it may cha
 real table must land the exact bytes, and the daemon must survive it; and replays of the real decode
 daemon's captured agent by a fake origin, which must be refused with PERMISSION_DENIED).
 
+The peer API's Channel stream is fuzzed as well: raw bytes on a stream with a live session (peer_raw),
+and PeerBatches of items of every kind drawn like their unary requests (peer_msg), with the stream's
+instance in metadata known or not, items naming the stream's caller, none or another, duplicate seqs
+and batches over the item limit: a stream without a session must be refused, and every item of one
+with a session answered once by seq, none INTERNAL.
+
 Every fuzzed call must come back within 10 s with a status that is not INTERNAL or UNKNOWN. A request
 that grpc itself cannot parse comes back UNKNOWN ("Unexpected <class ...DecodeError>", logged by grpc
 as "Unexpected [DecodeError] raised by servicer method") before any daemon code runs: that one is
@@ -278,7 +284,25 @@ class FakePeer(grpc.GenericRpcHandler):
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         name = details.method.rsplit("/", 1)[-1]
+        if name == "Channel":  # what a daemon uses: every item answered OK at once
+            return grpc.stream_stream_rpc_method_handler(self.channel)
         return grpc.unary_unary_rpc_method_handler(lambda req, ctx: self.answer(name, req))
+
+    def channel(self, requests: Any, ctx: Any) -> Any:
+        self.calls["Channel"] += 1
+        for raw in requests:
+            out = peer_pb2.PeerBatch()
+            for it in peer_pb2.PeerBatch.FromString(raw).items:
+                kind = it.WhichOneof("item")
+                self.calls[f"Channel.{kind}"] += 1
+                if kind == "register" and it.register.consumer_agent.agent_metadata and self.captured is None:
+                    self.captured = it.register.consumer_agent
+                r = out.items.add(seq=it.seq).result
+                r.code = "OK"
+                if kind == "heartbeat":
+                    r.heartbeat.instance_id = self.instance
+                    r.heartbeat.knows_caller = True
+            yield out.SerializeToString()
 
     def answer(self, name: str, req: bytes) -> bytes:
         self.calls[name] += 1
@@ -485,7 +509,7 @@ class Fuzz:
 
     def call(self, target: str, daemon: str, api: str, service: Any, method: str, req: Message | bytes, *,
              want: tuple[str, Callable[[grpc.StatusCode], bool]] | None = None, timeout: float = CALL_TIMEOUT,
-             allow_deadline: bool = False) -> tuple[grpc.StatusCode, str, bytes | None]:
+             allow_deadline: bool = False, instance: str | None = None) -> tuple[grpc.StatusCode, str, bytes | None]:
         """One fuzzed call; anything but a clean, prompt status is recorded as an anomaly."""
         raw = isinstance(req, bytes)
         payload = req if isinstance(req, bytes) else req.SerializeToString()
@@ -494,11 +518,17 @@ class Fuzz:
         chan = self.chans[(daemon, api)]
         data: bytes | None = None
         # peer calls carry the session token of the instance they name (from its handshake)
+        # (a Channel names it in metadata: ``instance``, with the session of that instance if we have it)
         inst = getattr(req, "caller_instance_id", "") if not raw and api == "peer" else ""
-        md = (("kvpushd-session", self.tokens[(daemon, inst)]),) if (daemon, inst) in self.tokens else None
+        inst = inst if instance is None else instance
+        md: Any = (("kvpushd-session", self.tokens[(daemon, inst)]),) if (daemon, inst) in self.tokens else None
+        if instance is not None:
+            md = (*(md or ()), ("kvpushd-instance", instance))
         t0 = time.monotonic()
         try:
-            if streaming:
+            if service.methods_by_name[method].client_streaming:  # one batch, then half-close: all answers
+                data = b"".join(chan.stream_stream(path)(iter([payload]), timeout=timeout, metadata=md))
+            elif streaming:
                 it = chan.unary_stream(path)(payload, timeout=timeout, metadata=md)
                 try:
                     data = next(it, b"")
@@ -566,7 +596,7 @@ class Fuzz:
     # -- targets -------------------------------------------------------------------------------
 
     def peer_raw(self) -> None:
-        methods = [m.name for m in PEER_SVC.methods]
+        methods = [m.name for m in PEER_SVC.methods] + ["Channel"] * 2  # the stream daemons use: weighted up
 
         @FUZZ_SETTINGS
         @given(daemon=st.sampled_from(["p", "d"]), data=st.data())
@@ -575,9 +605,50 @@ class Fuzz:
             payload = data.draw(raw_payloads(PEER_SVC.methods_by_name[method].input_type))
             if self.out_of_time("peer_raw"):
                 return
-            self.call("peer_raw", daemon, "peer", PEER_SVC, method, payload)
+            inst = data.draw(pool(self.origins[daemon])) if method == "Channel" else None
+            self.call("peer_raw", daemon, "peer", PEER_SVC, method, payload, instance=inst)
 
         run()
+
+    def channel_case(self, daemon: str, instance: str, batch: peer_pb2.PeerBatch) -> None:
+        """A Channel stream of one PeerBatch: refused unless ``instance`` has a session; else every item
+        answered once, by seq, none INTERNAL (a bad item fails alone, in its result)."""
+        if not (instance.isascii() and instance.isprintable()):
+            instance = "fz-not-printable"  # metadata values are printable ASCII: grpc's client refuses others
+        want = None
+        if instance not in self.known_origins[daemon]:
+            want = ("a refusal of a stream without a session", lambda c: c is not grpc.StatusCode.OK)
+        code, details, data = self.call("peer_msg", daemon, "peer", PEER_SVC, "Channel", batch, want=want,
+                                        instance=instance)
+        if code is not grpc.StatusCode.OK or not batch.items:
+            return
+        out = peer_pb2.PeerBatch()
+        try:  # the answers were joined: parse them back as one batch (repeated fields concatenate)
+            out.ParseFromString(data or b"")
+        except Exception as e:
+            out.items.add().result.code = f"unparsable answer: {e}"
+        want_seqs = collections.Counter(it.seq for it in batch.items)
+        got_seqs = collections.Counter(it.seq for it in out.items)
+        problem = ""
+        if got_seqs != want_seqs:
+            problem = f"answered seqs {sorted(got_seqs.elements())[:8]} for {sorted(want_seqs.elements())[:8]}"
+        bad = [it.result for it in out.items if it.result.code in ("INTERNAL", "UNKNOWN", "")]
+        if bad:
+            problem = problem or f"item result {bad[0].code or 'without code'}: {bad[0].message[:200]}"
+        for it in out.items:
+            why = re.sub(r"[0-9]+", "#", it.result.message)[:60]
+            self.reasons["peer_msg"][f"Channel item: {it.result.code}: {why}"] += 1
+        for it in batch.items:
+            if it.WhichOneof("item") == "register" and instance in self.known_origins[daemon]:
+                self.registrations.append(Registration(daemon, instance, it.register.transfer_id,
+                                                       it.register.registration_id))
+        if problem:
+            key = ("peer_msg", "Channel", problem[:80])
+            if key in self.anomalies:
+                self.anomalies[key].count += 1
+            else:
+                self.anomalies[key] = Anomaly("peer_msg", f"{daemon}:Channel", problem, code.name, details[:600],
+                                              describe(batch), 0.0)
 
     def peer_case(self, daemon: str, method: str, req: Message) -> None:
         want = None
@@ -615,7 +686,7 @@ class Fuzz:
 
     def peer_msg(self) -> None:
         self.peer_seeds()
-        methods = [m.name for m in PEER_SVC.methods]
+        methods = [m.name for m in PEER_SVC.methods] + ["Channel"] * 2  # the stream daemons use: weighted up
         agents = messages(peer_pb2.AgentInfo.DESCRIPTOR, {
             "agent_name": mostly("fz-agent", st.one_of(st.sampled_from(["fz-agent-2", "fz-agent-3", ""]), TEXT), 6),
             "agent_metadata": st.one_of(st.just(b""), st.binary(min_size=1, max_size=300)),
@@ -623,12 +694,34 @@ class Fuzz:
             "regions": region_tables(),
         })
 
+        kinds = [f for f in peer_pb2.PeerItem.DESCRIPTOR.oneofs_by_name["item"].fields]
+
         @FUZZ_SETTINGS
         @given(daemon=st.sampled_from(["p", "p", "d"]), data=st.data())
         def run(daemon: str, data: st.DataObject) -> None:
             method = data.draw(st.sampled_from(methods))
+            if method == "Channel":  # a batch of items of every kind, each drawn like its unary request
+                instance = data.draw(st.one_of(pool(self.origins[daemon]), pool(self.origins[daemon]), TEXT))
+                batch = peer_pb2.PeerBatch()
+                for _ in range(data.draw(st.sampled_from([0, 1, 1, 2, 3, 6]))):
+                    it = batch.items.add(seq=data.draw(st.one_of(st.integers(1, 8), U64)))
+                    f = data.draw(st.one_of(st.sampled_from(kinds), st.none()))
+                    if f is not None:
+                        getattr(it, f.name).CopyFrom(data.draw(messages(f.message_type, fields(daemon, instance))))
+                if data.draw(st.integers(0, 9)) == 0:  # over the limit of items in one batch
+                    batch.items.extend([peer_pb2.PeerItem(seq=1)] * 4097)
+                if self.out_of_time("peer_msg"):
+                    return
+                self.channel_case(daemon, instance, batch)
+                return
             desc = PEER_SVC.methods_by_name[method].input_type
-            req = data.draw(messages(desc, {
+            req = data.draw(messages(desc, fields(daemon, None)))
+            if self.out_of_time("peer_msg"):
+                return
+            self.peer_case(daemon, method, req)
+
+        def fields(daemon: str, instance: str | None) -> dict[str, st.SearchStrategy[Any]]:
+            return {
                 "caller_instance_id": st.one_of(pool(self.origins[daemon]), pool(self.origins[daemon]), TEXT),
                 "instance_id": st.one_of(st.builds(lambda: f"fz-{uuid.uuid4().hex}"), TEXT),
                 "protocol_version": mostly(PROTOCOL_VERSION, U32),
@@ -643,10 +736,10 @@ class Fuzz:
                 "consumer_agent": agents,
                 "block_ids": block_lists(),
                 "reason": st.one_of(TEXT, st.just("r" * 100_000)),
-            }))
-            if self.out_of_time("peer_msg"):
-                return
-            self.peer_case(daemon, method, req)
+            } | ({} if instance is None else {
+                # in a Channel item: empty (the stream's), the stream's own, or another one
+                "caller_instance_id": st.one_of(st.just(""), st.just(""), st.just(instance),
+                                                pool(self.origins[daemon]), TEXT)})
 
         run()
 

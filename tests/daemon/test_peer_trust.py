@@ -104,6 +104,22 @@ class FakePrefill(peer_pb2_grpc.PeerServiceServicer):
     def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
         return peer_pb2.HeartbeatResponse(instance_id=self.instance, knows_caller=True)
 
+    def Channel(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        """What a daemon uses (protocol 4): items on one stream, each answered OK."""
+        for batch in request_iterator:
+            out = peer_pb2.PeerBatch()
+            for it in batch.items:
+                kind = it.WhichOneof("item")
+                if kind == "register":
+                    self.registrations.append(it.register)
+                    self.got.set()
+                r = out.items.add(seq=it.seq).result
+                r.code = "OK"
+                if kind == "heartbeat":
+                    r.heartbeat.instance_id = self.instance
+                    r.heartbeat.knows_caller = True
+            yield out
+
     def Withdraw(self, request, context):  # type: ignore[no-untyped-def]
         return peer_pb2.FailAck()
 

@@ -20,6 +20,119 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PeerBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerItem]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___PeerItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerBatch: _TypeAlias = PeerBatch  # noqa: Y015
+
+@_typing.final
+class PeerItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    REGISTER_FIELD_NUMBER: _builtins.int
+    WITHDRAW_FIELD_NUMBER: _builtins.int
+    FAIL_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    READ_FAILED_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    DECLINE_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """chosen by the sender of the request item; its result carries the same"""
+    @_builtins.property
+    def register(self) -> Global___RegisterRequest: ...
+    @_builtins.property
+    def withdraw(self) -> Global___FailNotice: ...
+    @_builtins.property
+    def fail(self) -> Global___FailNotice: ...
+    @_builtins.property
+    def offer(self) -> Global___OfferRequest: ...
+    @_builtins.property
+    def read_failed(self) -> Global___ReadFailedNotice: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatRequest: ...
+    @_builtins.property
+    def result(self) -> Global___PeerResult:
+        """callee -> caller: the answer to the item with this seq"""
+
+    @_builtins.property
+    def decline(self) -> Global___DeclineNotice: ...
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        register: Global___RegisterRequest | None = ...,
+        withdraw: Global___FailNotice | None = ...,
+        fail: Global___FailNotice | None = ...,
+        offer: Global___OfferRequest | None = ...,
+        read_failed: Global___ReadFailedNotice | None = ...,
+        heartbeat: Global___HeartbeatRequest | None = ...,
+        result: Global___PeerResult | None = ...,
+        decline: Global___DeclineNotice | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "fail", b"fail", "heartbeat", b"heartbeat", "item", b"item", "offer", b"offer", "read_failed", b"read_failed", "register", b"register", "result", b"result", "withdraw", b"withdraw"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "fail", b"fail", "heartbeat", b"heartbeat", "item", b"item", "offer", b"offer", "read_failed", b"read_failed", "register", b"register", "result", b"result", "seq", b"seq", "withdraw", b"withdraw"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["register", "withdraw", "fail", "offer", "read_failed", "heartbeat", "result", "decline"]  # noqa: Y015
+    _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
+
+Global___PeerItem: _TypeAlias = PeerItem  # noqa: Y015
+
+@_typing.final
+class PeerResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    NEED_METADATA_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """"OK", or the status code name the unary call would have failed with"""
+    message: _builtins.str
+    kind: _builtins.str
+    """the error's kind (as in the kvpushd-error metadata)"""
+    need_metadata: _builtins.bool
+    """Register and Offer: as RegisterResponse / OfferResponse"""
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatResponse:
+        """Heartbeat: the answer"""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        need_metadata: _builtins.bool = ...,
+        heartbeat: Global___HeartbeatResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "heartbeat", b"heartbeat", "kind", b"kind", "message", b"message", "need_metadata", b"need_metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerResult: _TypeAlias = PeerResult  # noqa: Y015
+
+@_typing.final
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -79,6 +79,11 @@ class PeerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_peer__pb2.ReadFailedNotice.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
                 _registered_method=True)
+        self.Channel = channel.stream_stream(
+                '/kvpushd.v1.PeerService/Channel',
+                request_serializer=kvpushd_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
+                response_deserializer=kvpushd_dot_v1_dot_peer__pb2.PeerBatch.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -158,6 +163,21 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Channel(self, request_iterator, context):
+        """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+        after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
+        (the caller's instance id), checked once when the stream opens: a stream without a live
+        session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
+        of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
+        ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
+        result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
+        answered once no WRITE into it is in flight, so results may come back out of order). The
+        unary calls above stay served for tools and older daemons.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -205,6 +225,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.ReadFailed,
                     request_deserializer=kvpushd_dot_v1_dot_peer__pb2.ReadFailedNotice.FromString,
                     response_serializer=kvpushd_dot_v1_dot_peer__pb2.FailAck.SerializeToString,
+            ),
+            'Channel': grpc.stream_stream_rpc_method_handler(
+                    servicer.Channel,
+                    request_deserializer=kvpushd_dot_v1_dot_peer__pb2.PeerBatch.FromString,
+                    response_serializer=kvpushd_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -450,6 +475,33 @@ class PeerService:
             '/kvpushd.v1.PeerService/ReadFailed',
             kvpushd_dot_v1_dot_peer__pb2.ReadFailedNotice.SerializeToString,
             kvpushd_dot_v1_dot_peer__pb2.FailAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Channel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpushd.v1.PeerService/Channel',
+            kvpushd_dot_v1_dot_peer__pb2.PeerBatch.SerializeToString,
+            kvpushd_dot_v1_dot_peer__pb2.PeerBatch.FromString,
             options,
             channel_credentials,
             insecure,

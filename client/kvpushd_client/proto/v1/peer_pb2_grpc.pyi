@@ -67,6 +67,17 @@ class PeerServiceStub:
     """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
     posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
     """
+    Channel: _grpc.StreamStreamMultiCallable[_peer_pb2.PeerBatch, _peer_pb2.PeerBatch]
+    """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+    after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
+    (the caller's instance id), checked once when the stream opens: a stream without a live
+    session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
+    of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
+    ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
+    result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
+    answered once no WRITE into it is in flight, so results may come back out of order). The
+    unary calls above stay served for tools and older daemons.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -106,6 +117,17 @@ class PeerServiceAsyncStub(PeerServiceStub):
     ReadFailed: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReadFailedNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
     """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
     posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
+    """
+    Channel: _aio.StreamStreamMultiCallable[_peer_pb2.PeerBatch, _peer_pb2.PeerBatch]  # type: ignore[assignment]
+    """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+    after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
+    (the caller's instance id), checked once when the stream opens: a stream without a live
+    session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
+    of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
+    ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
+    result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
+    answered once no WRITE into it is in flight, so results may come back out of order). The
+    unary calls above stay served for tools and older daemons.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -197,6 +219,23 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
         """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
         posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
+        """
+
+    @_abc_1.abstractmethod
+    def Channel(
+        self,
+        request_iterator: _MaybeAsyncIterator[_peer_pb2.PeerBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_peer_pb2.PeerBatch], _abc.AsyncIterator[_peer_pb2.PeerBatch]]:
+        """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+        after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
+        (the caller's instance id), checked once when the stream opens: a stream without a live
+        session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
+        of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
+        ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
+        result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
+        answered once no WRITE into it is in flight, so results may come back out of order). The
+        unary calls above stay served for tools and older daemons.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
