@@ -175,3 +175,15 @@ def test_ratios_and_table() -> None:
     table = res.table()
     assert "nixl-pull: timed out" in table and "kvpushd-push" in table
     assert json.loads(res.to_json())["suite"] == "vllm"
+
+
+def test_plots(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    from kvpushd_lab.bench.plots import plot
+
+    configs = {"kvpushd-push": _cfg(50.0, 1.0), "nixl-push": _cfg(100.0, 90.0)}
+    data = {"configs": configs, "ratios": ratios(configs), "schedule_digest": "x",
+            "grid": {"prompt_lens": [256], "qps": [1.0]}, "load": {"before": {"loadavg_1m": 1.0}}}
+    paths = plot(_result(data, [load.Cell(1.0, 256)]), tmp_path / "plots")
+    assert [p.name for p in paths] == ["vllm-bench-ttft.png", "vllm-bench-idle-cpu.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)

@@ -430,14 +430,35 @@ def plot_vllm(r: Result, outdir: Path) -> list[Path]:
                 line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} p50")
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", color=line.get_color(),
                         label=f"{name} p99")
+        ax.set_yscale("log")
         ax.set_title(f"prompt {plen} tokens")
         ax.set_xlabel("QPS (Poisson)")
         ax.set_ylabel("TTFT ms (client, through the proxy)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"kvpushd bench vllm: real vLLM engines on CPU ({r.data.get('uptime_start', '')[-40:]})",
-                 fontsize=9)
+    ld = r.data.get("load", {})
+    fig.suptitle("kvpushd bench vllm: real vLLM engines on 2 CPU cores, one configuration at a time (1-min load "
+                 f"{ld.get('before', {}).get('loadavg_1m', '?')} before, {ld.get('after', {}).get('loadavg_1m', '?')} "
+                 "after)", fontsize=9)
     fig.tight_layout()
-    paths = [outdir / "vllm-bench-ttft.png"]
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = [outdir / "vllm-bench-ttft.png", outdir / "vllm-bench-idle-cpu.png"]
     fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    names = list(r.data["configs"])
+    trees = ("prefill", "decode", "daemons")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, t in enumerate(trees):
+        vals = []
+        for n in names:
+            per = r.data["configs"][n].get("idle_cpu_pct", {}).get("per_tree", {})
+            daemons = sum(v for k, v in per.items() if k.startswith("daemon-"))
+            vals.append(daemons if t == "daemons" else per.get(t, 0.0))
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(names))], vals, 0.27, label=f"{t} (all its processes)")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("idle CPU, % of one core")
+    ax.set_title("engines up, no requests", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths

@@ -60,9 +60,12 @@ def make_app(prefill: str, decode: str, extra: dict[str, Any]) -> web.Applicatio
             out = web.StreamResponse(status=r.status, headers={"Content-Type": r.headers.get(
                 "Content-Type", "application/json")})
             await out.prepare(req)
-            async for chunk in r.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:  # the client left (e.g. right after "data: [DONE]")
+                pass
             return out
 
     async def health(req: web.Request) -> web.Response:
