@@ -1,8 +1,11 @@
 """``rate``: rendezvous per second through one pair of daemons, with small requests.
 
-One region of 4 KiB blocks; each request moves one block. ``--concurrency`` asyncio tasks (the
+One region of 4 KiB blocks; each request moves one block, ``--concurrency`` requests in flight.
+``--calls stream`` (the default, what engines use): one worker Stream per side, driven like an engine
+loop: every step queues an Expect and a Publish for each free slot and sends them as one message per
+side, then takes the completions that came. ``--calls unary``: ``--concurrency`` asyncio tasks (the
 ``AsyncKVPushClient``) each loop: Expect on the decode worker and Publish on the prefill worker at
-the same time, then wait for FINISHED_RECEIVING and FINISHED_SENDING. Completed requests are
+the same time (one unary call each), then wait for FINISHED_RECEIVING and FINISHED_SENDING. Completed requests are
 counted over ``--seconds`` after a short warm-up; latency is from issuing Expect and Publish to the
 later of the two completions. CPU time of each process over the window shows where the time goes.
 """
@@ -12,10 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from kvpushd_client import AsyncKVPushClient, AsyncWorker, Completion, CompletionKind, Region, Role
+from kvpushd_client import AsyncKVPushClient, AsyncWorker, Completion, CompletionKind, KVPushClient, Region, Role
 
 from ..launch import cpu_seconds
 from .common import POISON, BenchError, KVMemory, Layout, Result, daemon_pair, dist, met, progress
@@ -28,6 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measured duration (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before counting starts (default 1)")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight (default 64)")
+    p.add_argument("--calls", choices=("stream", "unary"), default="stream",
+                   help="stream: one worker Stream per side, a batch per step (default); unary: a call per request")
 
 
 class _Router:
@@ -63,9 +69,11 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
              f"{args.warmup:g} s warm-up + {args.seconds:g} s")
     try:
         with daemon_pair(workdir) as (p, d):
-            out = asyncio.run(_drive(args, p.sock, d.sock, p.peer_address, src, dst, lay,
-                                     {"prefill daemon": p.proc.pid, "decode daemon": d.proc.pid,
-                                      "bench client": os.getpid()}))
+            pids = {"prefill daemon": p.proc.pid, "decode daemon": d.proc.pid, "bench client": os.getpid()}
+            if getattr(args, "calls", "stream") == "stream":
+                out = _drive_stream(args, p.sock, d.sock, p.peer_address, src, dst, lay, pids)
+            else:
+                out = asyncio.run(_drive(args, p.sock, d.sock, p.peer_address, src, dst, lay, pids))
     finally:
         src.close()
         dst.close()
@@ -128,6 +136,68 @@ async def _drive(args: argparse.Namespace, psock: str, dsock: str, paddr: str, s
     return {"ends": ends, "latency_ms": lat_ms, "failed": failed, "cpu_cores": cpu}
 
 
+def _drive_stream(args: argparse.Namespace, psock: str, dsock: str, paddr: str, src: KVMemory, dst: KVMemory,
+                  lay: Layout, pids: dict[str, int]) -> dict[str, Any]:
+    """An engine-like loop on one worker Stream per side: refill free slots, one step per side, completions."""
+    pc, dc = KVPushClient(psock), KVPushClient(dsock)
+    region = [Region(0, 0, lay.num_blocks, lay.block_len)]
+    pw = pc.attach_stream("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], region,
+                          description="kvpushd bench rate")
+    dw = dc.attach_stream("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], region,
+                          description="kvpushd bench rate")
+    tag = os.urandom(3).hex()
+    free = list(range(args.concurrency))
+    slots: dict[str, tuple[int, float, int]] = {}  # transfer id -> (slot, issued, sides done)
+    ends: list[float] = []
+    lat_ms: list[float] = []
+    failed: list[str] = []
+    t_start = time.monotonic() + args.warmup
+    t_end = t_start + args.seconds
+    cpu0: dict[str, float] = {}
+    i = 0
+    while (now := time.monotonic()) < t_end or slots:
+        if not cpu0 and now >= t_start:
+            cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        while free and now < t_end:
+            k = free.pop()
+            tid = f"rate-{tag}-{i}"
+            i += 1
+            slots[tid] = (k, now, 0)
+            dw.expect_nowait(tid, [k], paddr, "bench-prefill", 1)
+            pw.publish_nowait(tid, [k])
+        dw.step()
+        pw.step()
+        got = dw.completions() + pw.completions()
+        if not got:
+            c = dw.next_completion(0.002)
+            got = ([c] if c is not None else []) + pw.completions()
+        for c in got:
+            entry = slots.get(c.transfer_id)
+            if entry is None:
+                continue
+            k, t0, n = entry
+            if c.kind is CompletionKind.FAILED:
+                failed.append(f"{c.transfer_id}: {c.code}: {c.reason}")
+            if n == 0:
+                slots[c.transfer_id] = (k, t0, 1)
+                continue
+            del slots[c.transfer_id]
+            free.append(k)
+            t1 = time.monotonic()
+            if t_start <= t1 < t_end:
+                ends.append(t1 - t_start)
+                lat_ms.append((t1 - t0) * 1e3)
+        if time.monotonic() > t_end + 60:
+            failed.extend(f"{tid}: no completion 60 s after the window" for tid in slots)
+            break
+    cpu = {name: round((cpu_seconds(pid) - cpu0.get(name, 0.0)) / args.seconds, 2) for name, pid in pids.items()}
+    pw.detach()
+    dw.detach()
+    pc.close()
+    dc.close()
+    return {"ends": ends, "latency_ms": lat_ms, "failed": failed, "cpu_cores": cpu}
+
+
 def _result(args: argparse.Namespace, out: dict[str, Any]) -> Result:
     ends: list[float] = out["ends"]
     n = len(ends)
@@ -150,9 +220,14 @@ def _result(args: argparse.Namespace, out: dict[str, Any]) -> Result:
              f"failed)  target >= {TARGET_PER_S:,.0f}: {met(rate, TARGET_PER_S, True)}",
              f"latency Expect+Publish -> both completions: p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms "
              f"(concurrency {args.concurrency})"]
+    calls = getattr(args, "calls", "stream")
+    data["calls"] = calls
+    how = (f"one worker Stream per side, an engine-like loop keeping {args.concurrency} requests in flight (every "
+           "step queues an Expect and a Publish per free slot and sends one message per side)" if calls == "stream"
+           else f"{args.concurrency} asyncio tasks on AsyncKVPushClient, each issuing Expect and Publish together "
+           "(one unary call each)")
     method = [
-        f"{args.concurrency} asyncio tasks on AsyncKVPushClient (one process for both workers), each issuing "
-        "Expect and Publish together for a 1-block, 1-region (4 KiB) request and waiting for both completions; "
+        f"{how}, for a 1-block, 1-region (4 KiB) request, waiting for both completions; "
         f"requests completed in the {args.seconds:g} s after a {args.warmup:g} s warm-up are counted.",
         "CPU cores busy: user+system CPU time of each process over the window / its length (from /proc).",
     ]
