@@ -79,10 +79,12 @@ def result(args: argparse.Namespace, modes: list[str], status: dict[str, dict[st
     }
     rows = [{"mode": c["mode"], "prompt_len": c["prompt_len"], "qps": c["qps"],
              "ttft_p50": c["ttft_ms"]["p50"], "ttft_p99": c["ttft_ms"]["p99"], "tpot_p50": c["tpot_ms"]["p50"],
+             "pre_p50": c["to_prefilled_ms"]["p50"], "hand_p50": c["handover_ms"]["p50"],
              "tpot_p99": c["tpot_ms"]["p99"], "failed": c["failed"], "match": "yes" if c["tokens_match"] else "NO",
              "achieved_qps": c["achieved_qps"], "load": c["loadavg_1m"]} for c in cells]
     cols = [("mode", "mode", "<"), ("prompt_len", "prompt", "d"), ("qps", "QPS", "g"),
             ("achieved_qps", "got QPS", ".2f"), ("ttft_p50", "TTFT p50 ms", ".1f"), ("ttft_p99", "TTFT p99 ms", ".1f"),
+            ("pre_p50", "prefilled p50", ".1f"), ("hand_p50", "hand-over p50", ".1f"),
             ("tpot_p50", "TPOT p50 ms", ".2f"), ("tpot_p99", "TPOT p99 ms", ".2f"), ("failed", "failed", "d"),
             ("match", "tokens", "<"), ("load", "load", ".1f")]
     method = [
@@ -104,7 +106,12 @@ def result(args: argparse.Namespace, modes: list[str], status: dict[str, dict[st
         "with Poisson arrivals (the same prompts and arrival times for every mode, the modes' order rotating "
         "from cell to cell).",
         "TTFT: arrival -> end of the decode engine step that first emits tokens for the request; TPOT: (last token "
-        "- first emitted) / (tokens - 2), all CLOCK_MONOTONIC across processes. Percentiles nearest-rank.",
+        "- first emitted) / (tokens - 2), all CLOCK_MONOTONIC across processes. Percentiles nearest-rank. TTFT "
+        "in two: prefilled = arrival -> end of the prefill engine's step that prefilled the request (queueing, "
+        "the forward pass, and what the hooks do in that step: kvpushd appends a publish and sends the step's "
+        "batch; in-engine push posts its WRITE, which on this UCX transport copies on the engine thread); "
+        "hand-over = that -> the first token (the transfer, the notices, the router's relay in pull modes, the "
+        "decode engine's first step).",
         "tokens: every request against a monolithic run of the same model (computed after the timed runs).",
     ]
     return Result("sweep", data, cols, rows, lines, method, {"cells": cells, "top_qps": top, "shape": shape["name"]})
