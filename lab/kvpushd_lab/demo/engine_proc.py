@@ -56,6 +56,9 @@ class _ObservedHooks:
         self.blocks[req_id] = list(block_ids)
         self.conn.send(("registered", req_id))
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+
     def poll(self) -> Any:
         ev = self.inner.poll()
         for rid in ev.finished_recving:

@@ -4,7 +4,8 @@ One ``Engine`` owns a model, its paged KV cache (one ``PagedKV`` per TP rank), a
 and a scheduler with a waiting queue and a running batch. ``step()`` does one scheduler iteration:
 
 * it first polls the KV connector hooks (``KVHooks.poll``), as vLLM's scheduler reads
-  ``KVConnectorOutput.finished_sending / finished_recving`` after each model step;
+  ``KVConnectorOutput.finished_sending / finished_recving`` after each model step, and once the
+  step is scheduled calls the hooks' ``end_step()`` if they have one (the step's batch goes out);
 * role ``prefill``: each waiting request gets blocks for its prompt, is prefilled, and returns at once
   with its first token and the ``kv_params`` decode needs (vLLM's prefill answers with
   ``max_tokens=1`` and ``kv_transfer_params``). Its blocks are *held* -- ``on_prefill_done`` tells
@@ -75,6 +76,11 @@ class KVHooks(Protocol):
     def poll(self) -> KVEvents:
         """Non-blocking: transfers finished or failed since the last poll, by request id."""
         ...
+
+
+# Optional on hooks: ``end_step()``, called once per engine step after scheduling (the step's
+# publishes, expects and aborts are all known then) and before the model's decode pass: a connector
+# that batches its calls sends the step's batch there (``KVPushdHooks``: one CommandBatch per step).
 
 
 class BlockAllocator:
@@ -222,6 +228,9 @@ class Engine:
             self._schedule_remote()
         else:
             outputs += self._schedule_local()
+        end_step = getattr(self.hooks, "end_step", None)
+        if end_step is not None:
+            end_step()
         outputs += self._admit()
         outputs += self._decode()
         return outputs

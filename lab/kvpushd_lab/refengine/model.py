@@ -9,6 +9,9 @@ block_size, head_dim]`` -- vLLM's HND layout, so within a block a rank's KV head
 slice and a heterogeneous-TP transfer moves contiguous byte ranges. The tensors are views over
 caller-provided memory (a POSIX shared memory map), laid out region after region: layer 0 K,
 layer 0 V, layer 1 K, ... ``PagedKV.regions()`` describes exactly these bytes as kvpushd regions.
+``extra_regions`` adds regions of the same block length after the model's, which the model never
+reads: KV that is moved like the model's (``kvpushd bench sweep --kv-shape``: the bytes and
+descriptor counts of a big model's rank around the tiny model's compute).
 
 Exactness: every disaggregated request must produce the same tokens as a monolithic run, bit for
 bit, not merely within a tolerance. Three choices make that hold by construction:
@@ -102,7 +105,7 @@ class PagedKV:
     """
 
     def __init__(self, cfg: TinyConfig, num_blocks: int, memory: Any = None, offset: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, extra_regions: int = 0) -> None:
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.tp_rank = tp_rank
@@ -110,15 +113,19 @@ class PagedKV:
         self.heads = cfg.kv_slice(tp_rank, tp_size)
         self.num_heads = self.heads.stop - self.heads.start
         self.offset = offset
+        self.extra_regions = extra_regions
         self.shm: SharedBuffer | None = None
-        n = self.nbytes_for(cfg, num_blocks, tp_size) // cfg.dtype_bytes
+        n = self.nbytes_for(cfg, num_blocks, tp_size) // cfg.dtype_bytes  # the model's regions only
         if memory is None:
+            if extra_regions:
+                raise ValueError("extra_regions need caller-provided memory (PagedKV.shared)")
             flat = torch.zeros(n, dtype=cfg.dtype)
         else:
             if offset % cfg.dtype_bytes:
                 raise ValueError(f"offset {offset} is not aligned to {cfg.dtype_bytes} bytes")
             flat = torch.frombuffer(memory, dtype=cfg.dtype, count=n, offset=offset)
         self._flat = flat
+        self._memory = memory
         per = n // (2 * cfg.num_layers)
         shape = (num_blocks, self.num_heads, cfg.block_size, cfg.head_dim)
         views = [flat[i * per:(i + 1) * per].view(shape) for i in range(2 * cfg.num_layers)]
@@ -126,16 +133,17 @@ class PagedKV:
         self.v: list[torch.Tensor] = views[1::2]
 
     @classmethod
-    def shared(cls, cfg: TinyConfig, num_blocks: int, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> PagedKV:
+    def shared(cls, cfg: TinyConfig, num_blocks: int, prefix: str, tp_rank: int = 0, tp_size: int = 1,
+               extra_regions: int = 0) -> PagedKV:
         """A cache over a new ``SharedBuffer`` (``/dev/shm``) that ``close()`` unlinks."""
-        shm = SharedBuffer.create(prefix, cls.nbytes_for(cfg, num_blocks, tp_size))
-        kv = cls(cfg, num_blocks, shm.mmap, 0, tp_rank, tp_size)
+        shm = SharedBuffer.create(prefix, cls.nbytes_for(cfg, num_blocks, tp_size, extra_regions))
+        kv = cls(cfg, num_blocks, shm.mmap, 0, tp_rank, tp_size, extra_regions)
         kv.shm = shm
         return kv
 
     @staticmethod
-    def nbytes_for(cfg: TinyConfig, num_blocks: int, tp_size: int = 1) -> int:
-        return 2 * cfg.num_layers * num_blocks * PagedKV.block_len_for(cfg, tp_size)
+    def nbytes_for(cfg: TinyConfig, num_blocks: int, tp_size: int = 1, extra_regions: int = 0) -> int:
+        return (2 * cfg.num_layers + extra_regions) * num_blocks * PagedKV.block_len_for(cfg, tp_size)
 
     @staticmethod
     def block_len_for(cfg: TinyConfig, tp_size: int = 1) -> int:
@@ -147,13 +155,24 @@ class PagedKV:
 
     @property
     def nbytes(self) -> int:
-        return self.nbytes_for(self.cfg, self.num_blocks, self.tp_size)
+        return self.nbytes_for(self.cfg, self.num_blocks, self.tp_size, self.extra_regions)
 
     def region_layout(self) -> list[tuple[int, int, int, int]]:
-        """(offset, num_blocks, block_len, block_stride) per region: layer 0 K, layer 0 V, layer 1 K, ..."""
+        """(offset, num_blocks, block_len, block_stride) per region: layer 0 K, layer 0 V, layer 1 K, ...,
+        then the ``extra_regions``."""
         size = self.num_blocks * self.block_len
         return [(self.offset + i * size, self.num_blocks, self.block_len, self.block_len)
-                for i in range(2 * self.cfg.num_layers)]
+                for i in range(2 * self.cfg.num_layers + self.extra_regions)]
+
+    def extra_words(self) -> Any:
+        """The extra regions as a numpy uint32 array [extra_regions, num_blocks, block_len / 4] (a view)."""
+        import numpy as np
+
+        if self._memory is None or not self.extra_regions:
+            return np.zeros((0, self.num_blocks, self.block_len // 4), dtype=np.uint32)
+        start = self.offset + 2 * self.cfg.num_layers * self.num_blocks * self.block_len
+        return np.frombuffer(self._memory, dtype=np.uint32, count=self.extra_regions * self.num_blocks
+                             * self.block_len // 4, offset=start).reshape(self.extra_regions, self.num_blocks, -1)
 
     def regions(self, memory_index: int = 0) -> list[Region]:
         """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``.
@@ -167,9 +186,12 @@ class PagedKV:
         self._flat.fill_(value)
 
     def close(self) -> None:
-        """Drop the views and, for ``shared()`` caches, unmap and unlink the shared memory."""
+        """Drop the views and, for ``shared()`` caches, unmap and unlink the shared memory.
+
+        (Views from ``extra_words()`` must be dropped first: they pin the map.)"""
         self.k = []
         self.v = []
+        self._memory = None
         self._flat = torch.empty(0, dtype=self.cfg.dtype)  # drops the last view of the map
         if self.shm is not None:
             self.shm.close(unlink=True)

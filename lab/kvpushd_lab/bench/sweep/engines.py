@@ -1,0 +1,204 @@
+"""The sweep's engine processes: one prefill and one decode reference engine per mode, each a child
+process with its KV cache in shared memory, driven over a pipe by the sweep (``cells``)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ..common import BenchError
+from .shape import extra_regions, model_config
+
+
+def config(spec: dict[str, Any]) -> Any:
+    """The tiny model's config for the sweep's spec (its KV shape, layers and heads)."""
+    return model_config(str(spec.get("kv_shape", "tiny")), int(spec["layers"]), int(spec["heads"]),
+                        int(spec["max_positions"]))
+
+
+def _engine_main(role: str, mode: str, spec: dict[str, Any], conn: Connection) -> None:
+    from ...demo.engine_proc import run_engine_child
+
+    run_engine_child(f"{mode} {role} engine", lambda: _engine_loop(role, mode, spec, conn), conn)
+
+
+def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -> None:
+    """One engine: messages in ("add", rid, prompt, max_new, kv_params), ("first_token", rid, tok),
+    ("finish",); out ("ready", static kv_params), ("first", rid, t_ns), ("out", rid, ok, tokens,
+    error, kv_params, t_ns), ("stats", {...}), ("error", text)."""
+    import torch
+
+    from ...refengine import Engine, KVPushdHooks, PagedKV, TinyModel
+
+    torch.set_num_threads(1)
+    cfg = config(spec)
+    model = TinyModel(cfg, int(spec["seed"]))
+    extra = extra_regions(str(spec.get("kv_shape", "tiny")), cfg)
+    kv = PagedKV.shared(cfg, int(spec["num_blocks"]), f"kvpushd-sweep-{mode}-{role}", extra_regions=extra)
+    client = None
+    hooks: Any = None
+    inner: Any = None
+    try:
+        if mode.startswith("kvpushd"):
+            from kvpushd_client import KVPushClient, Role
+
+            client = KVPushClient(spec["sock"])
+            client.wait_ready(120)
+            hooks = KVPushdHooks.attach(client, f"sweep-{mode}-{role}",
+                                        Role.PRODUCER if role == "prefill" else Role.CONSUMER,
+                                        kv, description=f"kvpushd bench sweep {role} pid {os.getpid()}",
+                                        transfer_mode="pull" if mode == "kvpushd-pull" else "push")
+            host, _, port = hooks.peer_address.rpartition(":")
+            static = {"remote_engine_id": hooks.engine_id, "remote_host": host, "remote_port": int(port),
+                      "tp_size": 1}
+        else:
+            from ...refengine.inengine import InEnginePullHooks, InEnginePushHooks
+
+            cls = InEnginePullHooks if mode == "inengine-pull" else InEnginePushHooks
+            hooks = cls(kv, f"sweep-{mode}-{role}")
+            static = hooks.kv_params
+        inner = hooks
+        if extra:  # the published shape: stamp (prefill) and check (decode) the regions the model does not use
+            from .shape import StampedHooks
+
+            hooks = StampedHooks(inner, kv)
+        engine = Engine(model, kv, role, hooks, max_num_seqs=int(spec["max_num_seqs"]), max_prefills_per_step=1)
+        conn.send(("ready", static if role == "prefill" else {}))
+        first_seen: set[str] = set()
+        steps_busy = 0
+        while True:
+            # Nothing unfinished: only a message can bring work, and poll() returns at once for one.
+            # Requests waiting on KV: step every millisecond to read the connector's events.
+            wait_s = 0.0 if engine.running or engine.waiting else 0.001 if engine.has_unfinished() else 0.05
+            finishing = False
+            while conn.poll(wait_s):
+                wait_s = 0.0
+                msg = conn.recv()
+                try:
+                    if msg[0] == "add":
+                        engine.add_request(msg[1], msg[2], msg[3], msg[4])
+                    elif msg[0] == "first_token":
+                        engine.set_first_token(msg[1], msg[2])
+                    elif msg[0] == "finish":
+                        finishing = True
+                except Exception as e:  # the sweep counts the request as failed
+                    conn.send(("out", msg[1], False, [], f"{msg[0]}: {e}", {}, time.monotonic_ns()))
+            if finishing:
+                break
+            outs = engine.step()
+            t = time.monotonic_ns()
+            if engine.running or outs:
+                steps_busy += 1
+            if role == "decode":
+                for r in engine.running:
+                    if r.req_id not in first_seen and len(r.output) >= 2:
+                        first_seen.add(r.req_id)
+                        conn.send(("first", r.req_id, t))
+            for o in outs:
+                if role == "decode" and o.req_id not in first_seen:
+                    conn.send(("first", o.req_id, t))
+                first_seen.discard(o.req_id)
+                conn.send(("out", o.req_id, o.ok, o.tokens, o.error, o.kv_params, t))
+        conn.send(("stats", {"steps": engine.steps, "busy_steps": steps_busy, "unknown_events": engine.unknown_events,
+                             "send_failures": len(engine.send_failures),
+                             "handshakes": int(getattr(inner, "handshakes", 0)),
+                             **({"kv_check": hooks.stats} if extra else {})}))
+    finally:
+        if hooks is not None:
+            with contextlib.suppress(Exception):
+                hooks.close()
+        kv.close()
+        if client is not None:
+            client.close()
+
+
+class Engines:
+    """The prefill and decode engine processes of one mode; a writer thread per engine."""
+
+    def __init__(self, mode: str, spec: dict[str, Any], socks: dict[str, str]) -> None:
+        ctx = mp.get_context("spawn")
+        self.mode = mode
+        self.procs: dict[str, Any] = {}
+        self.conns: dict[str, Connection] = {}
+        self.outboxes: dict[str, queue.SimpleQueue[tuple[Any, ...] | None]] = {}
+        self.stats: dict[str, dict[str, Any]] = {}
+        for role in ("prefill", "decode"):
+            mine, theirs = ctx.Pipe()
+            s = {**spec, "sock": socks.get(role, ""), "num_blocks": spec[f"{role}_blocks"]}
+            pr = ctx.Process(target=_engine_main, args=(role, mode, s, theirs), daemon=True,
+                             name=f"kvpushd-sweep-{role}")
+            pr.start()
+            theirs.close()
+            self.procs[role], self.conns[role] = pr, mine
+            q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+            self.outboxes[role] = q
+            threading.Thread(target=self._writer, args=(mine, q), daemon=True).start()
+
+    @staticmethod
+    def _writer(conn: Connection, q: queue.SimpleQueue[tuple[Any, ...] | None]) -> None:
+        while (m := q.get()) is not None:
+            try:
+                conn.send(m)
+            except OSError:
+                return
+
+    def send(self, role: str, msg: tuple[Any, ...]) -> None:
+        self.outboxes[role].put(msg)
+
+    def recv(self, timeout_s: float) -> Iterator[tuple[str, tuple[Any, ...]]]:
+        for ready in wait(list(self.conns.values()), max(0.0, timeout_s)):
+            role = "prefill" if ready is self.conns["prefill"] else "decode"
+            try:
+                msg = tuple(self.conns[role].recv())
+            except EOFError:
+                raise BenchError(f"{self.mode}: the {role} engine exited (code {self.procs[role].exitcode})") from None
+            if msg[0] == "error":
+                raise BenchError(str(msg[1]))
+            if msg[0] == "stats":
+                self.stats[role] = msg[1]
+                continue
+            yield role, msg
+
+    def ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        static: dict[str, Any] = {}
+        pending = {"prefill", "decode"}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.mode}: engines {sorted(pending)} not ready after {timeout_s:g} s")
+            for role, msg in self.recv(0.5):
+                if msg[0] == "ready":
+                    pending.discard(role)
+                    if role == "prefill":
+                        static = dict(msg[1])
+            for role in pending:
+                if not self.procs[role].is_alive() and not self.conns[role].poll(0):
+                    raise BenchError(f"{self.mode}: the {role} engine exited while starting")
+        return static
+
+    def stop(self) -> None:
+        for role in self.conns:
+            self.send(role, ("finish",))
+        deadline = time.monotonic() + 30
+        while len(self.stats) < 2 and time.monotonic() < deadline:
+            with contextlib.suppress(BenchError):
+                for _ in self.recv(0.2):
+                    pass
+            if not any(p.is_alive() for p in self.procs.values()):
+                break
+        for q in self.outboxes.values():
+            q.put(None)
+        for pr in self.procs.values():
+            pr.join(10)
+            if pr.is_alive():
+                pr.terminate()
+                pr.join(10)
+
+
