@@ -173,6 +173,18 @@ class Node:
         ex.run(acts_r + acts_s)
         return found_r or found_s
 
+    def called(self, worker_id: str, batch: int = -1) -> None:
+        """Count a worker's calls for status: a unary Expect/Publish/Abort, or a Stream batch of ``batch``
+        commands."""
+        w = self.workers.live(worker_id)
+        if w is None:
+            return
+        if batch < 0:
+            w.unary_calls += 1
+        else:
+            w.command_batches += 1
+            w.stream_commands += batch
+
     def poll(self, worker_id: str, max_n: int) -> list[Completion]:
         return self.workers.poll(worker_id, max_n)
 

@@ -1,18 +1,22 @@
 """Worker side (one per TP rank): hands the daemon this worker's KV memory once, then per request only
-block ids; reports finished sends and receives to vLLM. Daemon calls run on a background thread: the
-engine thread only queues them and reads completions the session stream already delivered, so a step
-never waits on a gRPC call, let alone on a transfer.
+block ids; reports finished sends and receives to vLLM. The engine thread only appends this step's
+commands and reads completions already delivered, so a step never waits on a gRPC call, let alone on
+a transfer. On the worker stream (the default) the step's commands go out as ONE CommandBatch from
+``get_finished``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
+decoding defers it, ``wait_for_save``) has handed over the step's metadata; with
+``kvpushd_stream: false`` (daemons without the stream) a background thread makes one unary call each.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..calls import Call
-from ..reconnect import ReconnectingWorker
+from ..reconnect import ReconnectingStreamWorker, ReconnectingWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
 from .layout import describe_kv_caches, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
@@ -24,6 +28,19 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+MAX_TO_DECLINE = 4096  # Expects lost with the daemon, kept for Decline after re-attaching (oldest dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class ToDecline:
+    """An Expect that failed while the daemon was unreachable: the prefill daemon may still wait for
+    its registration, so once re-attached the worker tells it (Decline) that none will come."""
+
+    transfer_id: str
+    producer_address: str
+    producer_engine_id: str
 
 
 @dataclass(eq=False)
@@ -51,7 +68,7 @@ class KVPushdConnectorWorker:
         self.role = role
         self.num_blocks = kv_cache_config.num_blocks
         self.tp_rank, self.tp_size = _tp_rank_and_size(vllm_config)
-        self._link: ReconnectingWorker | None = None
+        self._link: ReconnectingStreamWorker | ReconnectingWorker | None = None
         self._recv: dict[str, _Pending] = {}          # req id -> pending receive
         self._send: dict[str, _Pending] = {}          # req id -> pending send
         self._recv_by_tid: dict[str, _Pending] = {}
@@ -62,13 +79,15 @@ class KVPushdConnectorWorker:
         self._meta_done: KVConnectorMetadata | None = None
         self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
         self._stats: Data = new_data()  # this interval's figures (vLLM takes them every step)
+        self.to_decline: collections.deque[ToDecline] = collections.deque(maxlen=MAX_TO_DECLINE)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm)
         self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
-        link = ReconnectingWorker(self.settings.socket, {
+        kind = ReconnectingStreamWorker if self.settings.stream else ReconnectingWorker
+        link = kind(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}"},
             rpc_timeout_s=self.settings.rpc_timeout_s, reconnect_interval_s=self.settings.reconnect_interval_s,
@@ -86,7 +105,7 @@ class KVPushdConnectorWorker:
         self._link = link
 
     @property
-    def link(self) -> ReconnectingWorker:
+    def link(self) -> ReconnectingStreamWorker | ReconnectingWorker:
         if self._link is None:
             raise RuntimeError("kvpushd: register_kv_caches() has not run on this worker")
         return self._link
@@ -135,11 +154,14 @@ class KVPushdConnectorWorker:
             pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent)
 
     # results -------------------------------------------------------------------------------------
-    def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True) -> None:
+    def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True,
+                unreachable: bool = False) -> None:
         if pend.done:
             return
         pend.done = True
         req = pend.req
+        if unreachable and isinstance(req, ExpectReq):
+            self.to_decline.append(ToDecline(req.transfer_id, req.producer_address, req.producer_engine_id))
         if tracked:
             (self._recv if pend.recv else self._send).pop(req.req_id, None)
             (self._recv_by_tid if pend.recv else self._send_by_tid).pop(req.transfer_id, None)
@@ -174,8 +196,9 @@ class KVPushdConnectorWorker:
                 elif c.code == "ABORTED" and not pend.recv:
                     logger.warning("kvpushd: push of request %s cancelled: %s", pend.req.req_id, c.reason)
                     self._finish(pend, ok=True)
-                else:
-                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}")
+                else:  # a stream command the stream's end left unanswered: the daemon was unreachable
+                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}",
+                                 unreachable=c.code == "REFUSED" and c.reason.startswith("UNAVAILABLE"))
                 return
 
     def _on_lost(self, epoch: int, reason: str) -> None:
@@ -185,7 +208,7 @@ class KVPushdConnectorWorker:
                      self.settings.socket, reason, len(victims))
         record_lost(self._stats, sum(1 for p in victims if not p.aborted and not p.done))
         for p in victims:
-            self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})")
+            self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})", unreachable=True)
 
     def _poll(self) -> None:
         if self._link is None:
@@ -208,7 +231,8 @@ class KVPushdConnectorWorker:
                     if not pend.done and not pend.aborted:
                         record(self._stats, ev.completion, sending=not pend.recv)
                     why = ev.error if ev.error is not None else ev.completion.reason
-                    self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}")
+                    self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}",
+                                 unreachable=isinstance(ev.error, DaemonUnavailable))
 
     def _link_abort(self, pend: _Pending, epoch: int) -> None:
         self.link.abort_nowait(pend.req.transfer_id, only_epoch=epoch, tag=pend)
@@ -216,10 +240,23 @@ class KVPushdConnectorWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Sends exist only for requests vLLM already finished (request_finished published them), so
         # every id reported here is one vLLM handed in finished_req_ids.
+        if self._link is not None:
+            self._link.step()  # this step's commands: one CommandBatch on the stream
         self._poll()
+        self._decline()
         sending, recving = self._done_sending, self._done_recving
         self._done_sending, self._done_recving = set(), set()
         return sending or None, recving or None
+
+    def _decline(self) -> None:
+        """Tell the daemon of Expects lost while it was unreachable (once attached again), so that it
+        lets their prefill daemons know no registration will come. Needs a client with Decline."""
+        link = self._link
+        if not self.to_decline or link is None or not hasattr(link, "decline_nowait") or not link.connected:
+            return
+        while self.to_decline:
+            d = self.to_decline.popleft()
+            link.decline_nowait(d.transfer_id, d.producer_address, d.producer_engine_id)
 
     def take_stats(self) -> Data | None:
         """This interval's transfer figures (reset); None when there were none."""
