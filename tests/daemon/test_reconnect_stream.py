@@ -93,3 +93,27 @@ def test_unary_calls_are_counted(daemon_pair, kv_pair) -> None:
     dw.expect("u-1", [1], p.peer_address, "prefill", 1)
     dw.abort("u-1")
     assert counts(d, "decode") == (0, 0, 2)
+
+
+def test_commands_stepped_after_the_stream_died_are_refused(daemon_pair, kv_pair, workdir) -> None:
+    """StreamWorker: a step after the daemon went away still ends every command (REFUSED, with its
+    blocks), none is left waiting for an answer that cannot come."""
+    p, d = daemon_pair
+    _, dst = kv_pair
+    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    dw.expect_nowait("before", [1], p.peer_address, "prefill", 1)
+    assert dw.flush(20)
+    d.proc.kill()
+    d.proc.wait()
+    assert wait_for(lambda: not dw.alive, 30)
+    dw.expect_nowait("after-1", [2, 3], p.peer_address, "prefill", 1)
+    dw.abort_nowait("after-1")  # an abort ends nothing of its own
+    dw.expect_nowait("after-2", [4], p.peer_address, "prefill", 1)
+    assert dw.step() == 3 and dw.flush(5)
+    got = dw.completions()
+    assert [(c.transfer_id, c.kind, c.code, c.block_ids) for c in got] == [
+        ("after-1", CompletionKind.FAILED, "REFUSED", (2, 3)), ("after-2", CompletionKind.FAILED, "REFUSED", (4,))]
+    dw.detach()
+    d.client.close()
+    d2 = start_daemon(workdir, "dnode")
+    d.proc, d.client = d2.proc, d2.client  # the fixture stops this one
