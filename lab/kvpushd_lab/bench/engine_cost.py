@@ -143,6 +143,12 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     return _result(args, modes, lay, n, s, counts)
 
 
+def _thread_cpu(*ws: StreamWorker | None) -> tuple[int, int]:
+    """CPU ns so far of the stream workers' sender and reader threads (0 for a client without them)."""
+    return (sum(getattr(w, "sender_cpu_ns", 0) for w in ws if w is not None),
+            sum(getattr(w, "reader_cpu_ns", 0) for w in ws if w is not None))
+
+
 def _p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else 0.0
 
@@ -161,7 +167,7 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worke
     warm_steps = 5 if warm else 0
     issued = 0
     cpu0 = time.process_time_ns() - time.thread_time_ns()  # every thread of this process but this one
-    threads0 = (sp.sender_cpu_ns + sd.sender_cpu_ns, sp.reader_cpu_ns + sd.reader_cpu_ns) if sp and sd else (0, 0)
+    threads0 = _thread_cpu(sp, sd)
     t_next = time.perf_counter_ns()
     for step in range(warm_steps + steps + 1):
         _sleep_until(t_next)
@@ -220,8 +226,9 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worke
     n_steps = warm_steps + steps + 1
     s[k + "client_threads_cpu_us"].append((time.process_time_ns() - time.thread_time_ns() - cpu0) / 1e3 / n_steps)
     if sp is not None and sd is not None:
-        s[k + "sender_cpu_us"].append((sp.sender_cpu_ns + sd.sender_cpu_ns - threads0[0]) / 1e3 / n_steps)
-        s[k + "reader_cpu_us"].append((sp.reader_cpu_ns + sd.reader_cpu_ns - threads0[1]) / 1e3 / n_steps)
+        threads1 = _thread_cpu(sp, sd)
+        s[k + "sender_cpu_us"].append((threads1[0] - threads0[0]) / 1e3 / n_steps)
+        s[k + "reader_cpu_us"].append((threads1[1] - threads0[1]) / 1e3 / n_steps)
     deadline = time.monotonic() + 120
     while sum(tally.done.values()) < 2 * issued and time.monotonic() < deadline:
         time.sleep(0.01)
