@@ -2,7 +2,7 @@
 
 from .aio import AsyncKVPushClient, AsyncWorker
 from .client import KVPushClient, Worker
-from .reconnect import ReconnectingWorker
+from .reconnect import ReconnectingStreamWorker, ReconnectingWorker
 from .shm import SharedBuffer
 from .stream import StreamWorker
 from .types import (
@@ -20,6 +20,6 @@ from .types import (
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingWorker", "Region", "Role", "SharedBuffer", "ShmMemory",
-    "StreamWorker", "TransferFigures", "Worker",
+    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "ReconnectingWorker", "Region", "Role",
+    "SharedBuffer", "ShmMemory", "StreamWorker", "TransferFigures", "Worker",
 ]

@@ -75,6 +75,17 @@ class KVPushClient:
             raise errors.from_rpc_error(e) from None
         return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address)
 
+    def decline(self, worker_id: str, transfer_id: str, producer_address: str, producer_engine_id: str,
+                reason: str = "") -> None:
+        """Decode side, for worker ``worker_id``: this transfer will never be expected there (one
+        unary call, usable beside either kind of worker; see ``Worker.decline``)."""
+        try:
+            self.stub.Decline(worker_pb2.DeclineRequest(
+                worker_id=worker_id, transfer_id=transfer_id, producer_address=producer_address,
+                producer_engine_id=producer_engine_id, reason=reason), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+
     def close(self) -> None:
         self.channel.close()
 
@@ -150,9 +161,7 @@ class Worker(Inbox):
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
         """Decode side: this transfer will never be expected here (its Expect failed before it
         reached the daemon); the prefill daemon frees the transfer's source blocks at once."""
-        self._unary("Decline", worker_pb2.DeclineRequest(
-            worker_id=self.worker_id, transfer_id=transfer_id, producer_address=producer_address,
-            producer_engine_id=producer_engine_id, reason=reason))
+        self.client.decline(self.worker_id, transfer_id, producer_address, producer_engine_id, reason)
 
     def abort(self, transfer_id: str) -> bool:
         resp = self._unary("Abort", worker_pb2.AbortRequest(worker_id=self.worker_id, transfer_id=transfer_id))

@@ -17,7 +17,10 @@ class Inbox:
         self.session_error: KVPushError | None = None
 
     def completions(self) -> list[Completion]:
-        """Everything delivered so far, without waiting (no RPC)."""
+        """Everything delivered so far, without waiting (no RPC). Nothing delivered: no lock taken (the
+        reader thread holds it while it takes a batch; the engine thread need not wait for that)."""
+        if not self._queue:
+            return []
         with self._cond:
             out = list(self._queue)
             self._queue.clear()

@@ -13,9 +13,9 @@ for ``Worker.*_nowait``. One gRPC message per step instead of one unary call per
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
@@ -34,25 +34,32 @@ class _Client(Protocol):
     timeout_s: float
 
 _END = None
-_Queued = tuple[int, str, str, list[int], tuple[object, ...]]
+# One command as the engine thread appends it (one tuple, nothing else built on that thread):
+# ("expect", transfer id, blocks, address, engine, tp size, skip, mode, traceparent),
+# ("publish", transfer id, blocks, traceparent), ("abort", transfer id, ()) or
+# ("decline", transfer id, (), address, engine, reason).
+_Queued = tuple[Any, ...]
+_Step = tuple[int, list[_Queued]]  # the seq before the step's first command, its commands
 
 
-def _command(q: _Queued) -> worker_pb2.Command:
-    seq, op, tid, blocks, args = q
+def _command(seq: int, q: _Queued) -> worker_pb2.Command:
+    op, tid, blocks = q[0], q[1], q[2]
     if op == "expect":
-        address, engine, tp, skip, mode, tp_ctx = args
+        _, _, _, address, engine, tp, skip, mode, tp_ctx = q
         return worker_pb2.Command(seq=seq, expect=worker_pb2.ExpectRequest(
             transfer_id=tid, block_ids=blocks, producer_address=str(address), producer_engine_id=str(engine),
-            producer_tp_size=int(tp), skip_tokens=int(skip),  # type: ignore[call-overload]
+            producer_tp_size=int(tp), skip_tokens=int(skip),
             transfer_mode=_convert.transfer_mode(str(mode)), traceparent=str(tp_ctx)))
     if op == "publish":
         return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
-            transfer_id=tid, block_ids=blocks, traceparent=str(args[0]) if args else ""))
+            transfer_id=tid, block_ids=blocks, traceparent=str(q[3])))
     if op == "decline":
-        address, engine, reason = args
         return worker_pb2.Command(seq=seq, decline=worker_pb2.DeclineRequest(
-            transfer_id=tid, producer_address=str(address), producer_engine_id=str(engine), reason=str(reason)))
+            transfer_id=tid, producer_address=str(q[3]), producer_engine_id=str(q[4]), reason=str(q[5])))
     return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=tid))
+
+# Commands whose refusal fails no request (nothing to free): no REFUSED completion for them.
+_BEST_EFFORT = ("abort", "decline")
 
 
 class StreamWorker(Inbox):
@@ -64,16 +71,23 @@ class StreamWorker(Inbox):
         self.node_id = node_id
         self.peer_address = peer_address
         super().__init__()
-        self._seq = itertools.count(1)
-        # the engine thread's own (no lock): (seq, op, transfer id, blocks, expect arguments); the
-        # protobuf messages are built by the stream's sender thread, off the engine thread
-        self._batch: list[tuple[int, str, str, list[int], tuple[object, ...]]] = []
+        # the engine thread's own (no lock): this step's commands, and the seq before them (a
+        # command's seq is its place in the worker's stream). What was sent is recorded, and the
+        # protobuf messages built, by the stream's sender thread, off the engine thread.
+        self._batch: list[_Queued] = []
+        self._base = 0
+        self._recorded = 0  # the sender thread has recorded every command up to this seq in _sent
         self._sent: dict[int, tuple[str, tuple[int, ...], str]] = {}  # seq -> (transfer, blocks, op), unanswered
-        self._out: queue.SimpleQueue[worker_pb2.CommandBatch | list[_Queued] | None] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[worker_pb2.CommandBatch | _Step | None] = queue.SimpleQueue()
         self._aborts: dict[int, bool] = {}  # seq -> found, for abort()
         self._waited: set[int] = set()  # commands of the blocking forms: a refusal is raised, not queued
         self._refusals: dict[int, KVPushError] = {}
         self._closed = False
+        # CPU time (time.thread_time_ns) the stream's own Python threads spent so far: the sender
+        # building and sending batches, the reader taking answers and completions (what they cost the
+        # engine's process, the GIL included, beside the engine thread's own appends and step())
+        self.sender_cpu_ns = 0
+        self.reader_cpu_ns = 0
         self._out.put(worker_pb2.CommandBatch(worker_id=worker_id))
         self._call = client.stub.Stream(self._requests())
         self._reader = threading.Thread(target=self._read, name=f"kvpushd-stream-{worker_id}", daemon=True)
@@ -88,42 +102,50 @@ class StreamWorker(Inbox):
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                       transfer_mode: str = "push", traceparent: str = "") -> int:
-        return self._add("expect", transfer_id, list(block_ids),
-                         (producer_address, producer_engine_id, producer_tp_size, skip_tokens, transfer_mode,
-                          traceparent))
+        b = self._batch
+        b.append(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
+                  skip_tokens, transfer_mode, traceparent))
+        return self._base + len(b)
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> int:
-        return self._add("publish", transfer_id, list(block_ids), (traceparent,) if traceparent else ())
+        b = self._batch
+        b.append(("publish", transfer_id, tuple(block_ids), traceparent))
+        return self._base + len(b)
 
     def abort_nowait(self, transfer_id: str) -> int:
-        return self._add("abort", transfer_id, [], ())
+        b = self._batch
+        b.append(("abort", transfer_id, ()))
+        return self._base + len(b)
 
     def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
                        reason: str = "") -> int:
         """Decode side: this transfer will never be expected here; best effort, like abort."""
-        return self._add("decline", transfer_id, [], (producer_address, producer_engine_id, reason))
-
-    def _add(self, op: str, transfer_id: str, blocks: list[int], args: tuple[object, ...]) -> int:
-        seq = next(self._seq)
-        self._batch.append((seq, op, transfer_id, blocks, args))
-        return seq
+        b = self._batch
+        b.append(("decline", transfer_id, (), producer_address, producer_engine_id, reason))
+        return self._base + len(b)
 
     def step(self) -> int:
-        """Send this step's commands as one message (nothing when there are none); returns how many."""
-        n = len(self._batch)
+        """Send this step's commands as one message (nothing when there are none); returns how many.
+        No lock: the batch goes to the sender thread as it is (a queue put)."""
+        batch = self._batch
+        n = len(batch)
         if n:
-            batch, self._batch = self._batch, []
-            with self._cond:  # one lock per step, held for the appends only
-                for seq, op, tid, blocks, _ in batch:
-                    self._sent[seq] = (tid, tuple(blocks), op)
-            self._out.put(batch)
+            self._batch = []
+            base = self._base
+            self._base = base + n
+            self._out.put((base, batch))
+            if self.session_error is not None:  # the stream is gone: nobody will send it
+                with self._cond:
+                    self._drain_locked(self.session_error)
         return n
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Send the step and wait until the daemon answered every command sent; False on timeout."""
         self.step()
+        last = self._base
         with self._cond:
-            return self._cond.wait_for(lambda: not self._sent or self.session_error is not None, timeout_s)
+            return self._cond.wait_for(
+                lambda: (self._recorded >= last and not self._sent) or self.session_error is not None, timeout_s)
 
     # blocking forms, for tools: one command, its answer
     def expect(self, *args: object, **kwargs: object) -> None:
@@ -146,8 +168,8 @@ class StreamWorker(Inbox):
             self._waited.add(seq)
         self.step()
         with self._cond:
-            self._cond.wait_for(lambda: seq not in self._sent or self.session_error is not None,
-                                self.client.timeout_s)
+            self._cond.wait_for(lambda: (self._recorded >= seq and seq not in self._sent)
+                                or self.session_error is not None, self.client.timeout_s)
             self._waited.discard(seq)
             if seq in self._refusals:
                 raise self._refusals.pop(seq)
@@ -167,14 +189,56 @@ class StreamWorker(Inbox):
     # -- the stream's threads -------------------------------------------------------------------
 
     def _requests(self) -> Iterator[worker_pb2.CommandBatch]:
-        while (batch := self._out.get()) is not _END:
-            yield batch if isinstance(batch, worker_pb2.CommandBatch) else worker_pb2.CommandBatch(
-                commands=[_command(q) for q in batch])
+        # gRPC's sender thread runs this generator: from one resume to the next it records and builds
+        # a batch and serializes and sends the one before (waiting in get() takes no CPU)
+        t = time.thread_time_ns()
+        while (item := self._out.get()) is not _END:
+            if isinstance(item, worker_pb2.CommandBatch):
+                yield item
+            elif (msg := self._record(*item)) is not None:
+                yield msg
+            now = time.thread_time_ns()
+            self.sender_cpu_ns += now - t
+            t = now
+
+    def _record(self, base: int, batch: list[_Queued]) -> worker_pb2.CommandBatch | None:
+        """What a step sends, in ``_sent`` until answered; None when the stream is already gone (then
+        refused at once)."""
+        with self._cond:
+            if self.session_error is not None:
+                self._refuse_locked(base, batch, self.session_error)
+                return None
+            for i, q in enumerate(batch, base + 1):
+                self._sent[i] = (q[1], q[2], q[0])
+            self._recorded = base + len(batch)
+            self._cond.notify_all()
+        return worker_pb2.CommandBatch(commands=[_command(i, q) for i, q in enumerate(batch, base + 1)])
+
+    def _refuse_locked(self, base: int, batch: list[_Queued], err: KVPushError) -> None:
+        for i, q in enumerate(batch, base + 1):
+            if q[0] not in _BEST_EFFORT and i not in self._waited:  # a blocking form raises the stream's error
+                self._queue.append(Completion(CompletionKind.FAILED, q[1], _convert.REFUSED,
+                                              f"{err.code}: stream ended before the command was sent", q[2]))
+        self._recorded = max(self._recorded, base + len(batch))
+
+    def _drain_locked(self, err: KVPushError) -> None:
+        """Refuse the steps still queued for a sender that will send nothing more."""
+        while True:
+            try:
+                item = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if item is _END:  # detach's: the sender thread still needs it
+                self._out.put(_END)
+                return
+            if not isinstance(item, worker_pb2.CommandBatch):
+                self._refuse_locked(*item, err)
 
     def _read(self) -> None:
+        t = time.thread_time_ns()
         try:
             for ev in self._call:
-                got: list[Completion] = []
+                got = [_convert.completion(c) for c in ev.completions]  # built before taking the lock
                 with self._cond:
                     for r in ev.results:
                         tid, blocks, op = self._sent.pop(r.seq, ("", (), ""))
@@ -184,12 +248,14 @@ class StreamWorker(Inbox):
                             continue
                         if r.seq in self._waited:
                             self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind, tid)
-                        elif op not in ("abort", "decline"):
-                            got.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
-                                                  f"{r.code}: {r.message}", blocks))
-                    got += [_convert.completion(c) for c in ev.completions]
+                        elif op not in _BEST_EFFORT:
+                            self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
+                                                          f"{r.code}: {r.message}", blocks))
                     self._queue.extend(got)
                     self._cond.notify_all()
+                now = time.thread_time_ns()
+                self.reader_cpu_ns += now - t  # receiving, parsing and taking this batch
+                t = now
             err: KVPushError = DaemonUnavailable("UNAVAILABLE", "stream ended by the daemon")
         except grpc.RpcError as e:
             err = errors.from_rpc_error(e)
@@ -198,8 +264,9 @@ class StreamWorker(Inbox):
                 self.session_error = err
                 # commands that got no answer end as refused: the engine frees their blocks
                 for _, (tid, blocks, op) in sorted(self._sent.items()):
-                    if op not in ("abort", "decline"):
+                    if op not in _BEST_EFFORT:
                         self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                                       f"{err.code}: stream ended before an answer", blocks))
                 self._sent.clear()
+                self._drain_locked(err)  # and so do those not sent yet
             self._cond.notify_all()

@@ -41,6 +41,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @unary
     async def Expect(self, request: worker_pb2.ExpectRequest, context: Ctx) -> worker_pb2.ExpectResponse:
+        self.node.called(request.worker_id)
         self.node.expect(request.worker_id, request.transfer_id, request.block_ids, request.producer_address,
                          request.producer_engine_id, request.producer_tp_size,
                          convert.transfer_mode(request.transfer_mode), skip_tokens=request.skip_tokens,
@@ -49,6 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @unary
     async def Publish(self, request: worker_pb2.PublishRequest, context: Ctx) -> worker_pb2.PublishResponse:
+        self.node.called(request.worker_id)
         self.node.publish(request.worker_id, request.transfer_id, request.block_ids,
                           traceparent=request.traceparent[:128])
         return worker_pb2.PublishResponse()
@@ -61,6 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @unary
     async def Abort(self, request: worker_pb2.AbortRequest, context: Ctx) -> worker_pb2.AbortResponse:
+        self.node.called(request.worker_id)
         return worker_pb2.AbortResponse(found=self.node.abort(request.worker_id, request.transfer_id))
 
     @unary
@@ -89,6 +92,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         results: list[worker_pb2.CommandResult] = []
 
         def run(batch: worker_pb2.CommandBatch) -> None:
+            if batch.commands:  # the first batch may only name the worker
+                self.node.called(worker_id, len(batch.commands))
             if len(batch.commands) > MAX_BATCH:
                 results.append(worker_pb2.CommandResult(
                     seq=batch.commands[0].seq, code="INVALID_ARGUMENT", kind="InvalidArgument",

@@ -189,6 +189,18 @@ class Node:
         self.executor.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id,
                               reason[:2000])
 
+    def called(self, worker_id: str, batch: int = -1) -> None:
+        """Count a worker's calls for status: a unary Expect/Publish/Abort, or a Stream batch of ``batch``
+        commands."""
+        w = self.workers.live(worker_id)
+        if w is None:
+            return
+        if batch < 0:
+            w.unary_calls += 1
+        else:
+            w.command_batches += 1
+            w.stream_commands += batch
+
     def poll(self, worker_id: str, max_n: int) -> list[Completion]:
         return self.workers.poll(worker_id, max_n)
 

@@ -79,6 +79,9 @@ class Worker:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     session_open: bool = False
     gone: bool = False
+    command_batches: int = 0  # Stream batches it sent, and the commands in them
+    stream_commands: int = 0
+    unary_calls: int = 0      # Expect, Publish, Abort as unary calls
 
     @property
     def registered_bytes(self) -> int:

@@ -258,8 +258,8 @@ class Engine:
     backend. Worker outputs reach the scheduler through vLLM's KVOutputAggregator, as with TP > 1."""
 
     def __init__(self, model_dir: Path, role: str, engine_id: str, sock: str, num_blocks: int, fill: str,
-                 tp: int = 1) -> None:
-        self.cfg = vs.make_vllm_config(model_dir, role, engine_id, sock, block_size=32)
+                 tp: int = 1, extra: dict[str, Any] | None = None) -> None:
+        self.cfg = vs.make_vllm_config(model_dir, role, engine_id, sock, block_size=32, extra=extra)
         self.kv_cache_config = vs.real_kv_cache_config(self.cfg, num_blocks)
         self.sched = vs.create_scheduler(self.cfg, self.kv_cache_config)
         self.ranks: list[tuple[KVPushdConnector, dict[str, torch.Tensor]]] = []
@@ -527,11 +527,14 @@ def test_decode_daemon_restart(engines: tuple[Engine, Engine], daemons: tuple[vs
     assert de.last_kv.invalid_block_ids == set(e.block_ids)
     assert d_req.status == RequestStatus.FINISHED_ERROR
     de.step()
+    assert not de.last_kv.finished_recving and not de.last_kv.invalid_block_ids  # failed once
     vs.assert_scheduler_empty(de.sched)
     assert vs.num_free_blocks(de.sched) == d_start
 
     assert vs.wait_for(lambda: link.connected, 30)  # re-attached with the same memory
     assert link.epoch == epoch + 1
+    # Declined once re-attached (the prefill daemon may wait for a registration that will never come).
+    assert vs.wait_for(lambda: "transfer declined" in d_daemon.logs() and link.declines_pending == 0, 30)
     run_pd_request(pe, de, p_daemon, random_prompt(80))
     assert all_poison(de)
 
@@ -584,6 +587,87 @@ def test_decode_daemon_down_when_the_request_came(model_dir: Path, workdir: Path
         de.close()
         for x_ in (p, d):
             x_.stop()
+
+
+def worker_calls(d: vs.Daemon, engine_id: str) -> tuple[int, int, int]:
+    """(command batches, stream commands, unary calls) of the engine's worker(s) on daemon ``d``."""
+    from kvpushd_client import KVPushClient
+
+    with KVPushClient(d.sock, timeout_s=5.0) as c:
+        ws = [w for w in c.status().workers if w.engine_id == engine_id]
+    assert ws, f"no worker of {engine_id} on {d.name}"
+    return (sum(w.command_batches for w in ws), sum(w.stream_commands for w in ws), sum(w.unary_calls for w in ws))
+
+
+def commands_in(metas: list[KVPushdConnectorMetadata]) -> list[int]:
+    return [len(m.expects) + len(m.publishes) + len(m.aborts) for m in metas]
+
+
+def test_connector_sends_one_command_batch_per_step(engines: tuple[Engine, Engine],
+                                                    daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    """On the worker stream (the default) a step's Expects, Publishes and Aborts reach the daemon as ONE
+    CommandBatch, sent once per step whichever hooks ran; no unary call at all."""
+    pe, de = engines
+    p_daemon, d_daemon = daemons
+    assert type(de.conn.worker_side.link).__name__ == "ReconnectingStreamWorker"
+    d0, p0 = worker_calls(d_daemon, D_ENGINE), worker_calls(p_daemon, P_ENGINE)
+    n_de, n_pe = len(de.metas), len(pe.metas)
+    run_pd_request(pe, de, p_daemon, random_prompt(48))
+
+    # Three decode requests scheduled in one step: one batch of three Expects, then one of three Aborts.
+    reqs = []
+    for _ in range(3):
+        x = x_request_id()
+        r = vs.create_request(engine_request_id(x), 40, 2, vs.decode_params(P_ENGINE, p_daemon.peer_address, x),
+                              32, random_prompt(40))
+        de.sched.add_request(r)
+        reqs.append(r)
+    before = worker_calls(d_daemon, D_ENGINE)
+    de.step()
+    assert len(de.metas[-1].expects) == 3
+    assert vs.wait_for(lambda: worker_calls(d_daemon, D_ENGINE) == (before[0] + 1, before[1] + 3, before[2]))
+    tids = {e.transfer_id for e in de.metas[-1].expects}
+    assert vs.wait_for(lambda: tids <= p_daemon.transfer_ids())
+    de.sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
+    de.step()
+    assert len(de.metas[-1].aborts) == 3
+    assert vs.wait_for(lambda: de.step() is not None and not any(r.request_id in de.sched.requests for r in reqs), 30)
+    vs.assert_scheduler_empty(de.sched)
+    assert vs.wait_for(lambda: not tids & p_daemon.transfer_ids())
+
+    want_de = sum(1 for n in commands_in(de.metas[n_de:]) if n)
+    want_pe = sum(1 for n in commands_in(pe.metas[n_pe:]) if n)
+    assert want_de >= 3 and want_pe >= 1
+    d1, p1 = worker_calls(d_daemon, D_ENGINE), worker_calls(p_daemon, P_ENGINE)
+    assert (d1[0] - d0[0], d1[1] - d0[1], d1[2] - d0[2]) == (want_de, sum(commands_in(de.metas[n_de:])), 0)
+    assert (p1[0] - p0[0], p1[1] - p0[1], p1[2] - p0[2]) == (want_pe, sum(commands_in(pe.metas[n_pe:])), 0)
+
+
+def test_unary_calls_when_the_stream_is_off(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    """``kvpushd_stream: false`` (daemons without the worker stream): one queued unary call per command."""
+    p, d = daemons
+    off = {"kvpushd_stream": False}
+    pe = Engine(model_dir, "kv_producer", "prefill-unary", p.sock, num_blocks=40, fill="random", extra=off)
+    de = Engine(model_dir, "kv_consumer", "decode-unary", d.sock, num_blocks=40, fill="poison", extra=off)
+    try:
+        assert type(de.conn.worker_side.link).__name__ == "ReconnectingWorker"
+        run_pd_request(pe, de, p, random_prompt(70), p_engine="prefill-unary")
+        assert vs.wait_for(lambda: worker_calls(d, "decode-unary") == (0, 0, 1))  # one Expect
+        assert vs.wait_for(lambda: worker_calls(p, "prefill-unary") == (0, 0, 1))  # one Publish
+        assert all_poison(de)
+    finally:
+        pe.close()
+        de.close()
+
+
+def test_stream_setting() -> None:
+    from kvpushd_client.vllm.utils import Settings
+
+    assert Settings.from_extra_config({}).stream is True
+    assert Settings.from_extra_config({"kvpushd_stream": False}).stream is False
+    assert Settings.from_extra_config({"kvpushd_stream": "false"}).stream is False
+    with pytest.raises(ValueError, match="kvpushd_stream"):
+        Settings.from_extra_config({"kvpushd_stream": "sometimes"})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Worker side (one per TP rank): hands the daemon this worker's KV memory once, then per request only
-block ids; reports finished sends and receives to vLLM. Daemon calls run on a background thread: the
-engine thread only queues them and reads completions the session stream already delivered, so a step
-never waits on a gRPC call, let alone on a transfer.
+block ids; reports finished sends and receives to vLLM. The engine thread only appends this step's
+commands and reads completions already delivered, so a step never waits on a gRPC call, let alone on
+a transfer. On the worker stream (the default) the step's commands go out as ONE CommandBatch from
+``get_finished``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
+decoding defers it, ``wait_for_save``) has handed over the step's metadata; with
+``kvpushd_stream: false`` (daemons without the stream) a background thread makes one unary call each.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..calls import Call
-from ..reconnect import ReconnectingWorker
+from ..reconnect import ReconnectingStreamWorker, ReconnectingWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
 from .layout import describe_kv_caches, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
@@ -51,7 +54,7 @@ class KVPushdConnectorWorker:
         self.role = role
         self.num_blocks = kv_cache_config.num_blocks
         self.tp_rank, self.tp_size = _tp_rank_and_size(vllm_config)
-        self._link: ReconnectingWorker | None = None
+        self._link: ReconnectingStreamWorker | ReconnectingWorker | None = None
         self._recv: dict[str, _Pending] = {}          # req id -> pending receive
         self._send: dict[str, _Pending] = {}          # req id -> pending send
         self._recv_by_tid: dict[str, _Pending] = {}
@@ -68,7 +71,8 @@ class KVPushdConnectorWorker:
         self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
-        link = ReconnectingWorker(self.settings.socket, {
+        kind = ReconnectingStreamWorker if self.settings.stream else ReconnectingWorker
+        link = kind(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}"},
             rpc_timeout_s=self.settings.rpc_timeout_s, reconnect_interval_s=self.settings.reconnect_interval_s,
@@ -86,7 +90,7 @@ class KVPushdConnectorWorker:
         self._link = link
 
     @property
-    def link(self) -> ReconnectingWorker:
+    def link(self) -> ReconnectingStreamWorker | ReconnectingWorker:
         if self._link is None:
             raise RuntimeError("kvpushd: register_kv_caches() has not run on this worker")
         return self._link
@@ -135,11 +139,17 @@ class KVPushdConnectorWorker:
             pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent)
 
     # results -------------------------------------------------------------------------------------
-    def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True) -> None:
+    def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True,
+                unreachable: bool = False) -> None:
         if pend.done:
             return
         pend.done = True
         req = pend.req
+        if unreachable and isinstance(req, ExpectReq) and not pend.aborted:
+            # The prefill daemon may wait for a registration that will never come: once re-attached,
+            # the link tells it so (Decline) and it frees the request's source blocks then.
+            self.link.decline_nowait(req.transfer_id, req.producer_address, req.producer_engine_id,
+                                     reason=f"the decode worker's Expect did not reach its daemon: {why}"[:1000])
         if tracked:
             (self._recv if pend.recv else self._send).pop(req.req_id, None)
             (self._recv_by_tid if pend.recv else self._send_by_tid).pop(req.transfer_id, None)
@@ -174,8 +184,9 @@ class KVPushdConnectorWorker:
                 elif c.code == "ABORTED" and not pend.recv:
                     logger.warning("kvpushd: push of request %s cancelled: %s", pend.req.req_id, c.reason)
                     self._finish(pend, ok=True)
-                else:
-                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}")
+                else:  # a stream command the stream's end left unanswered: the daemon was unreachable
+                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}",
+                                 unreachable=c.code == "REFUSED" and c.reason.startswith("UNAVAILABLE"))
                 return
 
     def _on_lost(self, epoch: int, reason: str) -> None:
@@ -185,9 +196,7 @@ class KVPushdConnectorWorker:
                      self.settings.socket, reason, len(victims))
         record_lost(self._stats, sum(1 for p in victims if not p.aborted and not p.done))
         for p in victims:
-            if p.recv and not p.aborted and not p.done:
-                self._decline(p, f"the decode daemon went away ({reason})")
-            self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})")
+            self._finish(p, ok=p.aborted, why=f"the kvpushd daemon went away ({reason})", unreachable=True)
 
     def _poll(self) -> None:
         if self._link is None:
@@ -210,16 +219,8 @@ class KVPushdConnectorWorker:
                     if not pend.done and not pend.aborted:
                         record(self._stats, ev.completion, sending=not pend.recv)
                     why = ev.error if ev.error is not None else ev.completion.reason
-                    if pend.recv and pend.op is call and not pend.aborted and not pend.done:
-                        self._decline(pend, f"its Expect did not reach the decode daemon: {why}")
-                    self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}")
-
-    def _decline(self, pend: _Pending, why: str) -> None:
-        """The daemon never took this Expect: once (re-)attached it tells the prefill daemon, which
-        frees the request's source blocks then instead of at its publish_timeout_s."""
-        req = pend.req
-        assert isinstance(req, ExpectReq)
-        self.link.decline_nowait(req.transfer_id, req.producer_address, req.producer_engine_id, reason=why)
+                    self._finish(pend, ok=pend.aborted, why=f"daemon call {call.method.lower()} failed: {why}",
+                                 unreachable=isinstance(ev.error, DaemonUnavailable))
 
     def _link_abort(self, pend: _Pending, epoch: int) -> None:
         self.link.abort_nowait(pend.req.transfer_id, only_epoch=epoch, tag=pend)
@@ -227,6 +228,8 @@ class KVPushdConnectorWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Sends exist only for requests vLLM already finished (request_finished published them), so
         # every id reported here is one vLLM handed in finished_req_ids.
+        if self._link is not None:
+            self._link.step()  # this step's commands: one CommandBatch on the stream
         self._poll()
         sending, recving = self._done_sending, self._done_recving
         self._done_sending, self._done_recving = set(), set()

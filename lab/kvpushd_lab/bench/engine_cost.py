@@ -3,7 +3,14 @@
 kvpushd: per step a decode engine sends one Expect per new request and reads completions, a
 prefill engine sends one Publish per finished request and reads completions (``completions()``:
 no RPC, what the session stream delivered). Both are timed in the calling thread with
-``time.perf_counter_ns`` around exactly those calls.
+``time.perf_counter_ns`` around exactly those calls. Clients (``--calls``, several in one run, rounds
+alternating): ``stream`` (``attach_stream``: ``*_nowait`` append, ``step()`` hands the step's batch to
+the stream's sender, one CommandBatch per step), ``queued`` (``Worker.*_nowait``: one unary call each
+on the client's call thread), ``blocking`` (one unary round trip each on the engine thread). Every 8th
+step times each call on its own and is left out of the step figures (the timers would add to them).
+The CPU the client's other threads take per step: the process's CPU time minus the engine thread's
+over the client's rounds (gRPC's threads included), and for the stream the sender's and reader's own
+``time.thread_time_ns``.
 
 In-engine baseline (what vLLM's NIXL connectors do): a NIXL agent in the engine process with
 prepared descriptor lists; per request the engine builds the index arrays, calls
@@ -24,12 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvpushd_client import Completion, CompletionKind, Role, Worker
+from kvpushd_client import Completion, CompletionKind, Role, StreamWorker, Worker
 
 from .common import POISON, BenchError, DaemonProc, KVMemory, Layout, Result, daemon_pair, dist, met, progress
 
 TARGET_P99_US = 50.0
 IN_FLIGHT_STEPS = 8  # a request's blocks are reused this many steps later
+SAMPLE_EVERY = 8  # every 8th step times each call alone (and is not in the step figures)
+CLIENTS = ("stream", "queued", "blocking")
+STEP_KEYS = ("prefill_step_us", "decode_step_us", "publish_us", "expect_us", "completions_us",
+             "prefill_cpu_us", "decode_cpu_us", "client_threads_cpu_us", "sender_cpu_us", "reader_cpu_us")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -41,9 +52,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the copies compete with the engine for this machine's CPUs, so keep them small)")
     p.add_argument("--rounds", type=int, default=4, help="alternations of kvpushd and baseline steps (default 4)")
     p.add_argument("--layers", type=int, default=64, help="layers (default 64: Qwen3-32B)")
-    p.add_argument("--calls", choices=("queued", "blocking"), default="queued",
-                   help="queued (default): Worker.expect_nowait/publish_nowait, the RPC made by the client's "
-                        "sender thread; blocking: Worker.expect/publish, one gRPC round trip on the engine thread")
+    p.add_argument("--calls", default="stream,queued",
+                   help="clients, comma-separated, alternating in each round (default stream,queued): stream "
+                        "(attach_stream: *_nowait append, step() once per step: one CommandBatch); queued "
+                        "(Worker.*_nowait: the client's call thread makes one unary RPC each); blocking "
+                        "(Worker.expect/publish: one gRPC round trip each on the engine thread)")
 
 
 class _Tally:
@@ -67,6 +80,9 @@ def _sleep_until(t_ns: int) -> None:
 def run(args: argparse.Namespace, workdir: Path) -> Result:
     if args.batch < 1 or args.steps < 1 or args.rounds < 1:
         raise BenchError("--batch, --steps and --rounds must be at least 1")
+    modes = [m.strip() for m in str(args.calls).split(",") if m.strip()]
+    if not modes or any(m not in CLIENTS for m in modes) or len(set(modes)) != len(modes):
+        raise BenchError(f"--calls: one or more of {', '.join(CLIENTS)}, each once; got {args.calls!r}")
     n = Layout().blocks_for(args.tokens)
     slots = args.batch * IN_FLIGHT_STEPS
     lay = Layout(layers=args.layers, num_blocks=n * slots)
@@ -82,33 +98,41 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     target: Target | None = None
     init: Initiator | None = None
     s: dict[str, list[float]] = {k: [] for k in (
-        "prefill_step_us", "decode_step_us", "publish_us", "expect_us", "completions_us",
-        "prefill_cpu_us", "decode_cpu_us", "inengine_cpu_us",
+        "inengine_cpu_us",
         "inengine_step_us", "inengine_prep_us", "inengine_post_us", "inengine_poll_us", "inengine_nopost_us")}
+    for m in modes:
+        s.update({f"{m}/{k}": [] for k in STEP_KEYS})
     counts = {"kvpushd_requests": 0, "kvpushd_failed": 0, "inengine_requests": 0}
     try:
         target = Target(dst, 0.0002)
         with daemon_pair(workdir) as (p, d):
             init = Initiator(src, target)  # the target process started meanwhile
-            pw = p.client.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
-                                 description="kvpushd bench engine-cost")
-            dw = d.client.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                                 description="kvpushd bench engine-cost")
+            pairs: dict[str, tuple[Worker | StreamWorker, Worker | StreamWorker]] = {}
+            for m in modes:  # one prefill and one decode worker per client, on the same memory
+                attach = p.client.attach_stream if m == "stream" else p.client.attach
+                pw = attach(f"bench-prefill-{m}", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
+                            description="kvpushd bench engine-cost")
+                attach = d.client.attach_stream if m == "stream" else d.client.attach
+                dw = attach(f"bench-decode-{m}", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
+                            description="kvpushd bench engine-cost")
+                pairs[m] = (pw, dw)
             per_round = max(1, args.steps // args.rounds)
             seq = 0
             for rnd in range(args.rounds):
                 steps = per_round if rnd < args.rounds - 1 else args.steps - per_round * (args.rounds - 1)
                 if steps <= 0:
                     continue
-                seq = _kvpushd_steps(args, p, pw, dw, n, slots, steps, seq, s, counts, warm=rnd == 0)
+                for m in modes:
+                    seq = _kvpushd_steps(args, m, p, *pairs[m], n, slots, steps, seq, s, counts, warm=rnd == 0)
                 target.busy(True)  # like a decode daemon while it expects WRITEs
                 _inengine_steps(args, init, n, slots, steps, s, counts, warm=rnd == 0)
                 target.busy(False)
-                progress(f"  round {rnd + 1}/{args.rounds}: kvpushd prefill step p99 "
-                         f"{np.percentile(s['prefill_step_us'], 99):.0f} us, in-engine step p99 "
-                         f"{np.percentile(s['inengine_step_us'], 99):.0f} us")
-            pw.detach()
-            dw.detach()
+                progress(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
+                    f"{m} step p99 {max(_p99(s[f'{m}/prefill_step_us']), _p99(s[f'{m}/decode_step_us'])):.0f} us"
+                    for m in modes) + f", in-engine step p99 {_p99(s['inengine_step_us']):.0f} us")
+            for pw, dw in pairs.values():
+                pw.detach()
+                dw.detach()
     finally:
         if init is not None:
             init.close()
@@ -116,18 +140,34 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             target.close()
         src.close()
         dst.close()
-    return _result(args, lay, n, s, counts)
+    return _result(args, modes, lay, n, s, counts)
 
 
-def _kvpushd_steps(args: argparse.Namespace, p: DaemonProc, pw: Worker, dw: Worker, n: int, slots: int,
-                   steps: int, seq: int, s: dict[str, list[float]], counts: dict[str, int], warm: bool) -> int:
+def _thread_cpu(*ws: StreamWorker | None) -> tuple[int, int]:
+    """CPU ns so far of the stream workers' sender and reader threads (0 for a client without them)."""
+    return (sum(getattr(w, "sender_cpu_ns", 0) for w in ws if w is not None),
+            sum(getattr(w, "reader_cpu_ns", 0) for w in ws if w is not None))
+
+
+def _p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) if values else 0.0
+
+
+def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worker | StreamWorker,
+                   dw: Worker | StreamWorker, n: int, slots: int, steps: int, seq: int, s: dict[str, list[float]],
+                   counts: dict[str, int], warm: bool) -> int:
     tally = _Tally()
     tag = os.urandom(3).hex()
-    queued = args.calls == "queued"
+    queued = mode != "blocking"
+    sp, sd = (pw, dw) if isinstance(pw, StreamWorker) and isinstance(dw, StreamWorker) else (None, None)
+    prod = f"bench-prefill-{mode}"
+    k = f"{mode}/"
     period = int(args.step_ms * 1e6)
     prev: list[tuple[str, list[int]]] = []
     warm_steps = 5 if warm else 0
     issued = 0
+    cpu0 = time.process_time_ns() - time.thread_time_ns()  # every thread of this process but this one
+    threads0 = _thread_cpu(sp, sd)
     t_next = time.perf_counter_ns()
     for step in range(warm_steps + steps + 1):
         _sleep_until(t_next)
@@ -138,29 +178,36 @@ def _kvpushd_steps(args: argparse.Namespace, p: DaemonProc, pw: Worker, dw: Work
                                  for i in range(args.batch)]
         seq += len(batch)
         timed = step >= warm_steps
+        sample = timed and step % SAMPLE_EVERY == SAMPLE_EVERY - 1  # time each call, not the step
         # The decode engine's step: an Expect per newly scheduled request, then read completions.
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         for tid, blocks in batch:
-            t = time.perf_counter_ns()
+            if sample:
+                t = time.perf_counter_ns()
             if queued:
-                dw.expect_nowait(tid, blocks, p.peer_address, "bench-prefill", 1)
+                dw.expect_nowait(tid, blocks, p.peer_address, prod, 1)
             else:
-                dw.expect(tid, blocks, p.peer_address, "bench-prefill", 1)
-            if timed:
-                s["expect_us"].append((time.perf_counter_ns() - t) / 1e3)
+                dw.expect(tid, blocks, p.peer_address, prod, 1)
+            if sample:
+                s[k + "expect_us"].append((time.perf_counter_ns() - t) / 1e3)
+        if sd is not None:
+            sd.step()
         dc = dw.completions()
         t1 = time.perf_counter_ns()
         c1 = time.thread_time_ns()
         # The prefill engine's step: a Publish per request whose prefill finished, then read completions.
         for tid, blocks in prev:
-            t = time.perf_counter_ns()
+            if sample:
+                t = time.perf_counter_ns()
             if queued:
                 pw.publish_nowait(tid, blocks)
             else:
                 pw.publish(tid, blocks)
-            if timed:
-                s["publish_us"].append((time.perf_counter_ns() - t) / 1e3)
+            if sample:
+                s[k + "publish_us"].append((time.perf_counter_ns() - t) / 1e3)
+        if sp is not None:
+            sp.step()
         t2 = time.perf_counter_ns()
         pc = pw.completions()
         t3 = time.perf_counter_ns()
@@ -168,14 +215,20 @@ def _kvpushd_steps(args: argparse.Namespace, p: DaemonProc, pw: Worker, dw: Work
         tally.add(dc)
         tally.add(pc)
         issued += len(prev)
-        if timed and batch:
-            s["decode_step_us"].append((t1 - t0) / 1e3)
-            s["decode_cpu_us"].append((c1 - c0) / 1e3)
-            s["completions_us"].append((t3 - t2) / 1e3)
-        if timed and prev:
-            s["prefill_step_us"].append((t3 - t1) / 1e3)
-            s["prefill_cpu_us"].append((c3 - c1) / 1e3)
+        if timed and batch and not sample:
+            s[k + "decode_step_us"].append((t1 - t0) / 1e3)
+            s[k + "decode_cpu_us"].append((c1 - c0) / 1e3)
+            s[k + "completions_us"].append((t3 - t2) / 1e3)
+        if timed and prev and not sample:
+            s[k + "prefill_step_us"].append((t3 - t1) / 1e3)
+            s[k + "prefill_cpu_us"].append((c3 - c1) / 1e3)
         prev = batch
+    n_steps = warm_steps + steps + 1
+    s[k + "client_threads_cpu_us"].append((time.process_time_ns() - time.thread_time_ns() - cpu0) / 1e3 / n_steps)
+    if sp is not None and sd is not None:
+        threads1 = _thread_cpu(sp, sd)
+        s[k + "sender_cpu_us"].append((threads1[0] - threads0[0]) / 1e3 / n_steps)
+        s[k + "reader_cpu_us"].append((threads1[1] - threads0[1]) / 1e3 / n_steps)
     deadline = time.monotonic() + 120
     while sum(tally.done.values()) < 2 * issued and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -253,32 +306,55 @@ def _inengine_steps(args: argparse.Namespace, init: Any, n: int, slots: int, ste
         inflight = keep
 
 
-def _result(args: argparse.Namespace, lay: Layout, n: int, s: dict[str, list[float]],
+def _client(s: dict[str, list[float]], m: str) -> dict[str, Any]:
+    k = f"{m}/"
+    return {"prefill_step_us": dist(s[k + "prefill_step_us"]), "decode_step_us": dist(s[k + "decode_step_us"]),
+            "prefill_step_cpu_us": dist(s[k + "prefill_cpu_us"]), "decode_step_cpu_us": dist(s[k + "decode_cpu_us"]),
+            "publish_call_us": dist(s[k + "publish_us"]), "expect_call_us": dist(s[k + "expect_us"]),
+            "completions_us": dist(s[k + "completions_us"], 2),
+            # per step (one prefill and one decode step), mean over each round
+            "client_threads_cpu_us_per_step": dist(s[k + "client_threads_cpu_us"]),
+            **({"stream_sender_cpu_us_per_step": dist(s[k + "sender_cpu_us"]),
+                "stream_reader_cpu_us_per_step": dist(s[k + "reader_cpu_us"])} if m == "stream" else {})}
+
+
+def _result(args: argparse.Namespace, modes: list[str], lay: Layout, n: int, s: dict[str, list[float]],
             counts: dict[str, int]) -> Result:
-    pre, dec = dist(s["prefill_step_us"]), dist(s["decode_step_us"])
+    clients = {m: _client(s, m) for m in modes}
     ie = dist(s["inengine_step_us"])
-    worst = max(pre["p99"], dec["p99"])
+    worst = {m: max(c["prefill_step_us"]["p99"], c["decode_step_us"]["p99"]) for m, c in clients.items()}
+    first = modes[0]
     data: dict[str, Any] = {
-        "kvpushd": {"prefill_step_us": pre, "decode_step_us": dec, "prefill_step_cpu_us": dist(s["prefill_cpu_us"]),
-                    "decode_step_cpu_us": dist(s["decode_cpu_us"]), "publish_call_us": dist(s["publish_us"]),
-                    "expect_call_us": dist(s["expect_us"]), "completions_us": dist(s["completions_us"], 2)},
+        "kvpushd": clients[first], "clients": clients,
         "in_engine": {"step_us": ie, "step_cpu_us": dist(s["inengine_cpu_us"]), "prep_us": dist(s["inengine_prep_us"]),
                       "transfer_us": dist(s["inengine_post_us"]), "poll_us": dist(s["inengine_poll_us"]),
                       "step_without_transfer_us": dist(s["inengine_nopost_us"])},
-        "calls": args.calls, "engine_step_us_p99": worst, "target_p99_us": TARGET_P99_US,
-        "target_met": worst <= TARGET_P99_US,
-        "batch": args.batch, "steps": len(s["prefill_step_us"]), "step_ms": args.step_ms,
+        "calls": ",".join(modes), "engine_step_us_p99": worst[first],
+        "engine_step_us_p99_by_client": worst, "target_p99_us": TARGET_P99_US,
+        "target_met": worst[first] <= TARGET_P99_US,
+        "batch": args.batch, "steps": clients[first]["prefill_step_us"]["n"],
+        "step_ms": args.step_ms, "sample_every": SAMPLE_EVERY,
         "blocks_per_request": n, "descriptors_per_request": n * lay.regions,
         "bytes_per_request": n * lay.regions * lay.block_len, **counts,
     }
-    rows = [
-        {"what": "kvpushd prefill engine: Publish x B + completions()", **pre},
-        {"what": "  its CPU time (thread_time)", **dist(s["prefill_cpu_us"])},
-        {"what": "kvpushd decode engine: Expect x B + completions()", **dec},
-        {"what": "  its CPU time (thread_time)", **dist(s["decode_cpu_us"])},
-        {"what": "  one Publish call", **dist(s["publish_us"])},
-        {"what": "  one Expect call", **dist(s["expect_us"])},
-        {"what": "  completions() read", **dist(s["completions_us"], 2)},
+    rows = []
+    for m, c in clients.items():
+        rows += [
+            {"what": f"kvpushd {m}: prefill engine: Publish x B{' + step()' if m == 'stream' else ''} "
+                     "+ completions()", **c["prefill_step_us"]},
+            {"what": "  its CPU time (thread_time)", **c["prefill_step_cpu_us"]},
+            {"what": f"kvpushd {m}: decode engine: Expect x B{' + step()' if m == 'stream' else ''} "
+                     "+ completions()", **c["decode_step_us"]},
+            {"what": "  its CPU time (thread_time)", **c["decode_step_cpu_us"]},
+            {"what": "  one Publish call", **c["publish_call_us"]},
+            {"what": "  one Expect call", **c["expect_call_us"]},
+            {"what": "  completions() read", **c["completions_us"]},
+            {"what": "  client's other threads, CPU per step (mean per round)", **c["client_threads_cpu_us_per_step"]},
+        ]
+        if m == "stream":
+            rows += [{"what": "    of which the stream's sender thread", **c["stream_sender_cpu_us_per_step"]},
+                     {"what": "    and its reader thread", **c["stream_reader_cpu_us_per_step"]}]
+    rows += [
         {"what": "NIXL in the engine: prep + transfer() + poll", **ie},
         {"what": "  its CPU time (thread_time)", **dist(s["inengine_cpu_us"])},
         {"what": "  index arrays + make_prepped_xfer, x B", **dist(s["inengine_prep_us"])},
@@ -288,25 +364,33 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, s: dict[str, list[flo
     ]
     cols = [("what", f"per step, batch of {args.batch} (us)", "<"), ("p50", "p50", ".1f"), ("p99", "p99", ".1f"),
             ("mean", "mean", ".1f"), ("max", "max", ".0f"), ("n", "n", "d")]
-    lines = [f"kvpushd engine-thread transfer work per step p99: prefill {pre['p99']:.0f} us, decode "
-             f"{dec['p99']:.0f} us  target <= {TARGET_P99_US:.0f} us: {met(worst, TARGET_P99_US, False)}",
-             f"in-engine NIXL per step p99: {ie['p99']:.0f} us (without transfer(): "
-             f"{dist(s['inengine_nopost_us'])['p99']:.0f} us)"]
+    lines = [f"kvpushd {m}: engine-thread transfer work per step p99: prefill {c['prefill_step_us']['p99']:.0f} us, "
+             f"decode {c['decode_step_us']['p99']:.0f} us  target <= {TARGET_P99_US:.0f} us: "
+             f"{met(worst[m], TARGET_P99_US, False)}; client threads {c['client_threads_cpu_us_per_step']['p50']:.0f} "
+             "us CPU per step" for m, c in clients.items()]
+    lines.append(f"in-engine NIXL per step p99: {ie['p99']:.0f} us (without transfer(): "
+                 f"{dist(s['inengine_nopost_us'])['p99']:.0f} us)")
     method = [
         f"batch of {args.batch} requests per step, one step every {args.step_ms:g} ms, {n} blocks x {lay.regions} "
         f"regions per request ({n * lay.regions} descriptors before merging, {n * lay.regions * lay.block_len} B).",
-        "kvpushd: perf_counter_ns around the engine thread's calls only: Expect per request + completions() "
-        "(decode), Publish per request + completions() (prefill); publishes are for the previous step's "
-        "requests, whose Expects have reached the daemons. Transfers run in the daemons meanwhile. "
-        + ("Calls queued (expect_nowait/publish_nowait): the client's sender thread makes the RPCs, off the "
-           "engine thread." if args.calls == "queued" else "Blocking calls: one gRPC round trip each on the "
-                                                             "engine thread."),
+        "kvpushd: perf_counter_ns around the engine thread's calls only: Expect per request (+ step() on the "
+        "stream) + completions() (decode), Publish per request (+ step()) + completions() (prefill); publishes "
+        "are for the previous step's requests, whose Expects have reached the daemons. Transfers run in the "
+        f"daemons meanwhile. Every {SAMPLE_EVERY}th step times each call alone instead and is left out of the "
+        "step figures. Clients: " + "; ".join({
+            "stream": "stream: attach_stream, *_nowait append to the step's batch, step() hands it to the "
+                      "stream's sender thread (one CommandBatch per step)",
+            "queued": "queued: Worker.*_nowait, the client's call thread makes one unary RPC each",
+            "blocking": "blocking: one gRPC round trip each on the engine thread"}[m] for m in modes) + ".",
+        "client's other threads: process CPU time minus the engine thread's over each client round, per step "
+        "(one prefill and one decode step), gRPC's own threads included; for the stream also the sender's and "
+        "reader's own thread_time.",
         "in-engine: a NIXL agent in this process with prepared lists (as vLLM's NixlConnector): index arrays + "
         "make_prepped_xfer + transfer() per request, check_xfer_state on every WRITE in flight per step; no NIXL "
         "progress thread (it would spin a core). On this machine's UCX transport transfer() copies the bytes "
         "before returning, so its time is the copy; with RDMA or NVLink it returns at once: compare kvpushd "
         "with 'step without transfer()' too.",
-        f"rounds of kvpushd steps and baseline steps alternate ({args.rounds} rounds) so load drift hits both.",
+        f"rounds of each client's steps and baseline steps alternate ({args.rounds} rounds) so load drift hits all.",
         "CPU time: time.thread_time_ns of the engine thread over the same calls; wall minus CPU is waiting: for "
         "the daemon's answer, or for a CPU on a loaded machine.",
     ]
