@@ -38,7 +38,6 @@ class Worker(Protocol):
                 reason: str = "") -> None: ...
 
 
-
 # Calls whose refusal is no failure of a request (nothing to free): dropped, not reported.
 BEST_EFFORT = frozenset({"Abort", "Decline"})
 # Call outcomes that do not say whether the daemon acted on the call.
@@ -181,7 +180,7 @@ class CallQueue:
 
     def _make(self, call: Call, got: tuple[Worker, int] | None) -> None:
         if got is None:
-            if call.method != "Abort":  # a Decline's target may keep it for the next attachment
+            if call.method not in BEST_EFFORT:
                 err = DaemonUnavailable("UNAVAILABLE", "not attached to the daemon")
                 self._target.refused(call, refused(call, f"{call.method} not made: {err}"), err)
             return

@@ -68,6 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @unary
     async def Decline(self, request: worker_pb2.DeclineRequest, context: Ctx) -> worker_pb2.DeclineResponse:
+        self.node.called(request.worker_id)
         self.node.decline(request.worker_id, request.transfer_id, request.producer_address,
                           request.producer_engine_id, request.reason)
         return worker_pb2.DeclineResponse()

@@ -282,17 +282,19 @@ class Node:
         self.executor.run(actions)
         return True
 
-    def _peer_limits(self, origin: Origin, n_blocks: int) -> None:
-        """What one decode daemon may ask of us: Registers per second, registrations and blocks held."""
+    def _peer_limits(self, origin: Origin, n_blocks: int | None) -> None:
+        """What one decode daemon may ask of us: Registers (and Declines) per second, registrations and
+        blocks held (``n_blocks`` None: a Decline, which holds nothing)."""
         pa = self.cfg.peer_api
         regs, blocks = self.executor.send.held_by(origin.instance_id)
         why = ""
         if not origin.take(pa.max_registers_per_s):
-            why = f"more than {pa.max_registers_per_s:g} Registers per second (peer_api.max_registers_per_s)"
-        elif regs + 1 > pa.max_registrations_per_peer:
+            why = (f"more than {pa.max_registers_per_s:g} Registers and Declines per second "
+                   "(peer_api.max_registers_per_s)")
+        elif n_blocks is not None and regs + 1 > pa.max_registrations_per_peer:
             why = (f"{regs} registrations pending from this daemon; at most {pa.max_registrations_per_peer} "
                    "(peer_api.max_registrations_per_peer)")
-        elif blocks + n_blocks > pa.max_blocks_per_peer:
+        elif n_blocks is not None and blocks + n_blocks > pa.max_blocks_per_peer:
             why = (f"{blocks} destination blocks held for this daemon, {n_blocks} more asked; at most "
                    f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
         if why:
@@ -316,12 +318,7 @@ class Node:
         """A decode daemon will never register this transfer: fail its publishes now and later."""
         origin = self.inbound.caller(origin_id)
         check_transfer_id(transfer_id)
-        if not origin.take(self.cfg.peer_api.max_registers_per_s):  # the Register budget covers declines too
-            origin.refused += 1
-            self.executor.counters.peer_calls_refused += 1
-            raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: more than "
-                                    f"{self.cfg.peer_api.max_registers_per_s:g} Registers and Declines per second "
-                                    "(peer_api.max_registers_per_s)", peer=origin.address)
+        self._peer_limits(origin, None)  # the Register budget covers declines too
         if self.workers.producer(producer_engine_id) is None:
             raise NotFound(f"no prefill engine {producer_engine_id[:256]!r} is attached to node {self.ident.node_id}")
         ex = self.executor

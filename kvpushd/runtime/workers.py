@@ -81,7 +81,7 @@ class Worker:
     gone: bool = False
     command_batches: int = 0  # Stream batches it sent, and the commands in them
     stream_commands: int = 0
-    unary_calls: int = 0      # Expect, Publish, Abort as unary calls
+    unary_calls: int = 0      # Expect, Publish, Abort, Decline as unary calls
 
     @property
     def registered_bytes(self) -> int:
@@ -277,7 +277,6 @@ def check_transfer_id(transfer_id: str) -> None:
 
 def check_blocks(w: Worker, block_ids: Sequence[int], cfg: Config) -> None:
     check_block_ids(block_ids, w.min_blocks, cfg.worker_api.max_blocks_per_request, f"worker {w.worker_id}'s regions")
-
 
 
 def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, whose: str) -> None:

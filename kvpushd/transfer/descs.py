@@ -1,8 +1,8 @@
-"""Descriptor building: pure numpy over region tables, no NIXL.
+"""Descriptor building over region tables, no NIXL.
 
 The transfer thread and the lab's raw-NIXL baselines both build their descriptor lists here: one
-descriptor per region and block (or per block slice across TP sizes), index arrays per request,
-and the count after merging blocks adjacent on both sides.
+descriptor per region and block (or per block slice across TP sizes), and per request its index
+lists and the count after merging blocks adjacent on both sides (``plan_leg``).
 """
 
 from __future__ import annotations
@@ -74,22 +74,6 @@ def leg_indices(bases: IntArray, blocks: IntArray) -> npt.NDArray[np.int32]:
     return (bases[:, None] + blocks[None, :]).reshape(-1).astype(np.int32)
 
 
-def merged_count(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
-                 dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> int:
-    """Descriptors after merging runs of blocks adjacent on both sides (per region)."""
-    if len(src) == 0:
-        return 0
-    cont = (np.diff(src) == 1) & (np.diff(dst) == 1)
-    runs = int(len(src) - np.count_nonzero(cont))
-    total = 0
-    for lr, rr in zip(local, remote, strict=True):
-        dense = (lr.block_stride == lr.block_len and rr.block_stride == rr.block_len
-                 and src_part == WHOLE and dst_part == WHOLE)
-        total += runs if dense else len(src)
-    return total
-
-
-
 @dataclass(frozen=True, slots=True)
 class PairPlan:
     """What moving blocks between two agents' regions needs that does not change per request
@@ -106,8 +90,8 @@ class PairPlan:
 
 def pair_plan(src_regions: Sequence[RegionSpec], dst_regions: Sequence[RegionSpec], src_part: Part, dst_part: Part,
               src_bases: IntArray, dst_bases: IntArray) -> PairPlan:
-    """Check two region tables against each other (as ``check_layouts`` does) once."""
-    check_layouts(src_regions, dst_regions, np.empty(0, np.int64), np.empty(0, np.int64), src_part, dst_part)
+    """Check two region tables against each other once (``check_regions``); what a leg needs of them."""
+    check_regions(src_regions, dst_regions, src_part, dst_part)
     whole = src_part == WHOLE and dst_part == WHOLE
     dense = sum(1 for a, b in zip(src_regions, dst_regions, strict=True)
                 if whole and a.block_stride == a.block_len and b.block_stride == b.block_len)
@@ -132,7 +116,8 @@ class Leg:
 
 def plan_leg(plan: PairPlan, src: Sequence[int], dst: Sequence[int]) -> Leg:
     """Index lists of one request (region-major, as ``leg_indices``), its bytes and descriptor counts
-    (``merged_count``); the block ids checked against the regions. Plain Python for the usual small
+    (merging runs of blocks adjacent on both sides, in dense regions); the block ids checked against
+    the regions. Plain Python for the usual small
     request: several times cheaper than numpy there."""
     n = len(src)
     if n != len(dst):
@@ -154,21 +139,15 @@ def plan_leg(plan: PairPlan, src: Sequence[int], dst: Sequence[int]) -> Leg:
     return Leg(si, di, plan.block_bytes * n, n * plan.regions, plan.dense * runs + (plan.regions - plan.dense) * n)
 
 
-def check_layouts(local: Sequence[RegionSpec], remote: Sequence[RegionSpec], src: IntArray,
-                  dst: IntArray, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
-    """Layouts must match region for region (slice for slice across TP sizes); ids in range."""
-    if len(local) != len(remote):
+def check_regions(src_regions: Sequence[RegionSpec], dst_regions: Sequence[RegionSpec], src_part: Part = WHOLE,
+                  dst_part: Part = WHOLE) -> None:
+    """Layouts must match region for region (slice for slice across TP sizes)."""
+    if len(src_regions) != len(dst_regions):
         raise InvalidArgument(
-            f"layout mismatch: producer has {len(local)} regions, consumer has {len(remote)}")
-    for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
+            f"layout mismatch: producer has {len(src_regions)} regions, consumer has {len(dst_regions)}")
+    for i, (lr, rr) in enumerate(zip(src_regions, dst_regions, strict=True)):
         if lr.block_len % src_part[0] or rr.block_len % dst_part[0] or \
                 lr.block_len // src_part[0] != rr.block_len // dst_part[0]:
             raise InvalidArgument(
                 f"layout mismatch in region {i}: producer block_len {lr.block_len} (1/{src_part[0]} per WRITE), "
                 f"consumer block_len {rr.block_len} (1/{dst_part[0]} per WRITE)")
-    if len(src) != len(dst):
-        raise InvalidArgument(f"block lists of unequal length: {len(src)} source, {len(dst)} destination")
-    if len(src) and (src.min() < 0 or src.max() >= min(r.num_blocks for r in local)):
-        raise InvalidArgument("source block id out of range")
-    if len(dst) and (dst.min() < 0 or dst.max() >= min(r.num_blocks for r in remote)):
-        raise InvalidArgument("destination block id out of range")

@@ -46,8 +46,8 @@ class Local:
     dlist: Any
     bases: IntArray
     receives: bool
-    # (remote agent, slice) -> (prepared list, region bases, regions)
-    remotes: dict[tuple[str, Part], tuple[Any, IntArray, tuple[RegionSpec, ...]]] = field(default_factory=dict)
+    # (remote agent, slice) -> (prepared list, region bases)
+    remotes: dict[tuple[str, Part], tuple[Any, IntArray]] = field(default_factory=dict)
     slices: dict[Part, Any] = field(default_factory=dict)  # local lists of block slices (hetero TP)
     loaded: set[str] = field(default_factory=set)  # remote agents whose metadata is loaded
     # (remote agent, source slice, destination slice, "w" or "r") -> the pair's checked plan

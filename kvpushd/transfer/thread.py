@@ -315,14 +315,13 @@ class TransferThread:
         self.agent_backends[worker_id] = tuple(used)
         return bytes(agent.get_agent_metadata())
 
-    def _remote_view(self, loc: Local, remote: RemoteAgent,
-                     part: Part) -> tuple[Any, IntArray, tuple[RegionSpec, ...]]:
-        """The consumer's descriptor list in this producer agent, prepared once per slice."""
+    def _remote_view(self, loc: Local, remote: RemoteAgent, part: Part) -> tuple[Any, IntArray]:
+        """The remote agent's descriptor list in this local agent and its region bases, prepared once per slice."""
         view = loc.remotes.get((remote.name, part))
         if view is None:
             self._load_remote(loc, remote)
             dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions, part), remote.mem_type)
-            view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions), remote.regions)
+            view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions))
         return view
 
     def _local_list(self, loc: Local, part: Part) -> Any:
@@ -376,7 +375,7 @@ class TransferThread:
         if loc is None:
             return fail("producer worker detached")
         try:
-            dlist, rbases, _ = self._remote_view(loc, remote, dst_part)
+            dlist, rbases = self._remote_view(loc, remote, dst_part)
             ldlist = self._local_list(loc, src_part)
             p = plan_leg(self._pair(loc, remote, src_part, dst_part, True, rbases), src, dst)
         except InvalidArgument as e:
@@ -464,7 +463,7 @@ class TransferThread:
         if loc is None:
             return fail("decode worker detached")
         try:
-            rdlist, rbases, _ = self._remote_view(loc, remote, src_part)
+            rdlist, rbases = self._remote_view(loc, remote, src_part)
             ldlist = self._local_list(loc, dst_part)
             p = plan_leg(self._pair(loc, remote, src_part, dst_part, False, rbases), src, dst)
         except InvalidArgument as e:
@@ -627,7 +626,7 @@ class TransferThread:
             return
         if loc.receives or self.pulling > 0:  # hand over notifications that raced the detach
             self._poll_notifs_of(loc)
-        for dlist, _, _ in loc.remotes.values():
+        for dlist, _ in loc.remotes.values():
             dlist.release()
         for dlist in loc.slices.values():
             dlist.release()

@@ -261,7 +261,7 @@ def region_tables(draw: st.DrawFn) -> list[peer_pb2.RemoteRegion]:
         return []
     if kind == "random":
         return draw(st.lists(messages(peer_pb2.RemoteRegion.DESCRIPTOR), max_size=5))
-    if kind == "layout":  # the fuzz producer's region count and block_len: gets past check_layouts
+    if kind == "layout":  # the fuzz producer's region count and block_len: gets past check_regions
         r = peer_pb2.RemoteRegion(base_addr=draw(U64), num_blocks=draw(st.one_of(st.just(F_BLOCKS), U32)),
                                   block_len=F_BLOCK_LEN, block_stride=draw(st.one_of(st.just(F_BLOCK_LEN), U64)),
                                   device_id=draw(st.one_of(st.just(0), U32)))
