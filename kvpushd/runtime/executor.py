@@ -242,7 +242,7 @@ class Executor:
                 self.tracing.nixl_done(worker_id, r.leg.transfer_id, False, r.ok, r.reason, r.nbytes, r.descs_posted,
                                        r.post_s, r.xfer_s)
             log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
-                      post_us=round(r.post_s * 1e6),
+                      post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
                       xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
             actions += self.send.write_done(r.leg, r.ok, r.reason)
         self.run(actions)

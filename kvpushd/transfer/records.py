@@ -19,6 +19,7 @@ class WriteResult:
     xfer_s: float      # time from post to completion seen
     descs_requested: int
     descs_posted: int
+    queue_s: float = 0.0  # of post_s: from the request being queued to the thread taking it up
 
 
 @dataclass(frozen=True, slots=True)

@@ -371,6 +371,7 @@ class TransferThread:
         def fail(reason: str) -> None:
             self._deliver_results([WriteResult(leg, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
 
+        t_taken = time.perf_counter()
         loc = self._locals.get(worker_id)
         if loc is None:
             return fail("producer worker detached")
@@ -387,7 +388,7 @@ class TransferThread:
         self._launch_write(leg, loc, remote.name, notif, fail,
                            lambda n: loc.agent.make_prepped_xfer("WRITE", ldlist, p.src_idx, dlist, p.dst_idx, n),
                            lambda t_post: WriteResult(leg, True, "", p.nbytes, t_post - t0, 0.0, p.requested,
-                                                      p.merged))
+                                                      p.merged, t_taken - t0))
 
     def _launch_write(self, leg: LegKey, loc: Local, remote_name: str, notif: bytes,
                       fail: Callable[[str], None], make_handle: Callable[[bytes], Any],

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from kvpushd_client import CompletionKind, Role, Worker
+from kvpushd_client.inbox import Inbox
 
 from .common import (
     POISON,
@@ -66,7 +67,7 @@ def _blocks(n: int, pool: int, fragmented: bool, rng: np.random.Generator) -> tu
     return (rng.permutation(pool)[:n].astype(np.int64), rng.permutation(pool)[:n].astype(np.int64))
 
 
-def _completion(w: Worker, tid: str, kind: CompletionKind, timeout_s: float = 300.0) -> None:
+def _completion(w: Inbox, tid: str, kind: CompletionKind, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         c = w.next_completion(max(0.0, deadline - time.monotonic()))

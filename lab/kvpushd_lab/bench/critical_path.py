@@ -13,6 +13,10 @@ which the source never holds as the poison value. So:
   "posted" by the time to move the first bytes, a few microseconds.
 * (b) = ``FINISHED_RECEIVING`` returned to the decode worker - every region's last byte changed.
 
+``--calls stream`` (the default): both workers on a WorkerService.Stream, as the vLLM connector and the
+reference engine run; the Publish is ``publish_nowait`` + ``step()``. ``--calls unary``: a blocking
+Publish call and a Session stream for completions (tools, old clients).
+
 Requests go one at a time, Expect first (in push mode decode registers long before prefill ends),
 so nothing queues. The prefill daemon runs at log level debug, and its per-WRITE ``post_us`` (WRITE
 request reaching its NIXL thread -> ``transfer()`` returned) is reported too.
@@ -58,6 +62,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=64, help="layers (default 64: Qwen3-32B)")
     p.add_argument("--watch-sleep-us", type=float, default=50.0,
                    help="the landing watcher sleeps this long between looks (default 50; 0 spins a CPU)")
+    p.add_argument("--calls", choices=("stream", "unary"), default="stream",
+                   help="stream (default, what engines use): each worker on one Stream, Publish as "
+                        "publish_nowait + step(); unary: a blocking Publish call and a Session stream")
+    p.add_argument("--poll-us", type=float, default=0.0,
+                   help="both daemons' transfer.poll_interval_s in us (default 0: the daemons' default)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -142,13 +151,18 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     rpc_us: list[float] = []
     wire_us: list[float] = []
     post_us: list[float] = []
+    queue_us: list[float] = []
     xfer_us: list[float] = []
     try:
-        with daemon_pair(workdir, prefill_log_level="debug") as (p, d):
-            pw = p.client.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
-                                 description="kvpushd bench critical-path")
-            dw = d.client.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                                 description="kvpushd bench critical-path")
+        poll = getattr(args, "poll_us", 0.0)
+        transfer = {"poll_interval_s": poll * 1e-6} if poll > 0 else None
+        with daemon_pair(workdir, prefill_log_level="debug", transfer=transfer) as (p, d):
+            stream = getattr(args, "calls", "stream") == "stream"
+            attach = (lambda c: c.attach_stream) if stream else (lambda c: c.attach)
+            pw = attach(p.client)("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
+                                  description="kvpushd bench critical-path")
+            dw = attach(d.client)("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
+                                  description="kvpushd bench critical-path")
             # (not the bench process: reading /proc is its own CPU time, inside the window)
             pids = {"prefill daemon": p.proc.pid, "decode daemon": d.proc.pid}
             run_us = dict.fromkeys(pids, 0.0)
@@ -164,7 +178,11 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                     raise BenchError("sentinel watcher failed")
                 s0 = {k: sched_ns(pid) for k, pid in pids.items()}
                 t_pub = time.monotonic_ns()
-                pw.publish(tid, blocks)
+                if stream:  # what an engine step does: append, then one flush (no wait for an answer)
+                    pw.publish_nowait(tid, blocks)
+                    pw.step()
+                else:
+                    pw.publish(tid, blocks)
                 t_rpc = time.monotonic_ns()
                 _completion(dw, tid, CompletionKind.FINISHED_RECEIVING, 30)
                 t_told = time.monotonic_ns()
@@ -194,6 +212,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             for rec in p.log_records("write done"):
                 if rec.get("transfer_id") in mine:
                     post_us.append(float(rec["post_us"]))
+                    queue_us.append(float(rec.get("queue_us", 0.0)))
                     xfer_us.append(float(rec["xfer_us"]))
     finally:
         with contextlib.suppress(OSError):
@@ -205,20 +224,21 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         dst.close()
     sched = {k: {"cpu_us": round(run_us[k] / max(1, len(a_us)), 1),
                  "runqueue_wait_us": round(wait_us[k] / max(1, len(a_us)), 1)} for k in run_us}
-    return _result(args, lay, n, a_us, b_us, rpc_us, wire_us, post_us, xfer_us, sched, realtime)
+    return _result(args, lay, n, a_us, b_us, rpc_us, wire_us, post_us, xfer_us, sched, realtime, queue_us)
 
 
 def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_us: list[float],
             rpc_us: list[float], wire_us: list[float], post_us: list[float], xfer_us: list[float],
-            sched: dict[str, dict[str, float]], realtime: bool) -> Result:
+            sched: dict[str, dict[str, float]], realtime: bool, queue_us: list[float] | None = None) -> Result:
     a, b = dist(a_us), dist(b_us)
     data: dict[str, Any] = {
         "prefill_done_to_posted_us": a, "landed_to_told_us": b,
         "publish_rpc_us": dist(rpc_us), "first_to_last_byte_us": dist(wire_us),
-        "daemon_post_us": dist(post_us), "daemon_xfer_us": dist(xfer_us),
+        "daemon_post_us": dist(post_us), "daemon_queue_us": dist(queue_us or []), "daemon_xfer_us": dist(xfer_us),
         "target_p99_us": TARGET_P99_US,
         "target_met": {"prefill_done_to_posted": a["p99"] <= TARGET_P99_US,
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
+        "calls": getattr(args, "calls", "stream"), "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
         "samples": len(a_us), "blocks_per_region": n, "regions": lay.regions,
         "bytes_per_request": n * lay.regions * lay.block_len, "layout": lay.describe(),
         "per_request_sched_us": sched, "watcher_realtime": realtime,
@@ -230,8 +250,10 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
          f"{met(a['p99'], TARGET_P99_US, False)}"},
         {"figure": "(b) last byte landed -> decode told", **b, "target": f"p99 <= {TARGET_P99_US:.0f}: "
          f"{met(b['p99'], TARGET_P99_US, False)}"},
-        {"figure": "Publish call (engine's view)", **dist(rpc_us), "target": ""},
+        {"figure": "Publish (engine's view: " + ("publish_nowait + step)" if data["calls"] == "stream"
+                                                 else "blocking call)"), **dist(rpc_us), "target": ""},
         {"figure": "daemon post_us (queued -> posted)", **dist(post_us), "target": ""},
+        {"figure": "  of which queue_us (queued -> NIXL thread took it)", **dist(queue_us or []), "target": ""},
         {"figure": "first -> last byte landed", **dist(wire_us), "target": ""},
     ]
     cols = [("figure", "figure (us)", "<"), ("p50", "p50", ".0f"), ("p99", "p99", ".0f"), ("mean", "mean", ".0f"),
@@ -251,7 +273,8 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "last block of every region; the source never holds the poison value there).",
         "(a) = first sentinel changed - just before Publish in the prefill worker: the WRITE is in flight. On "
         "this machine's UCX transport the copy runs inside transfer(), so 'posted' (transfer() returned) would "
-        "include the whole copy; (a) includes Publish RPC, the daemon's event loop, its NIXL thread queue, index "
+        "include the whole copy; (a) includes the Publish (a message on the worker's Stream, or a unary call "
+        "with --calls unary), the daemon's event loop, its NIXL thread queue (daemon queue_us), index "
         "arrays and make_prepped_xfer, plus the first bytes' wire time.",
         "(b) = FINISHED_RECEIVING returned to the decode worker (next_completion) - all last sentinels changed: "
         "notification delivery, the decode daemon's NIXL poll (every transfer.poll_interval_s = 200 us), its event "
