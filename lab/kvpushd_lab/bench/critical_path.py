@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Role, StreamWorker, Worker
 
 from .ceiling import _completion
 from .common import (
@@ -158,11 +158,20 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         transfer = {"poll_interval_s": poll * 1e-6} if poll > 0 else None
         with daemon_pair(workdir, prefill_log_level="debug", transfer=transfer) as (p, d):
             stream = getattr(args, "calls", "stream") == "stream"
-            attach = (lambda c: c.attach_stream) if stream else (lambda c: c.attach)
-            pw = attach(p.client)("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
-                                  description="kvpushd bench critical-path")
-            dw = attach(d.client)("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                                  description="kvpushd bench critical-path")
+            pc, dc = p.client, d.client
+            pw: Worker | StreamWorker
+            dw: Worker | StreamWorker
+            how = "kvpushd bench critical-path"
+            if stream:
+                pw = pc.attach_stream("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
+                                      description=how)
+                dw = dc.attach_stream("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
+                                      description=how)
+            else:
+                pw = pc.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
+                               description=how)
+                dw = dc.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
+                               description=how)
             # (not the bench process: reading /proc is its own CPU time, inside the window)
             pids = {"prefill daemon": p.proc.pid, "decode daemon": d.proc.pid}
             run_us = dict.fromkeys(pids, 0.0)
@@ -178,7 +187,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                     raise BenchError("sentinel watcher failed")
                 s0 = {k: sched_ns(pid) for k, pid in pids.items()}
                 t_pub = time.monotonic_ns()
-                if stream:  # what an engine step does: append, then one flush (no wait for an answer)
+                if isinstance(pw, StreamWorker):  # an engine step: append, then one flush (no wait)
                     pw.publish_nowait(tid, blocks)
                     pw.step()
                 else:
