@@ -54,6 +54,12 @@ def error_kind(e: grpc.aio.AioRpcError) -> str:
     return ""
 
 
+# A call or stream that ended with one of these was not answered by the peer's logic (it went away,
+# restarted, or its server cancelled the call): the items fail as PeerUnreachable, which lets the
+# decode side decline them later, not as PeerRejected (the peer refused them).
+UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
 class PeerClient:
     def __init__(self, address: str, ident: Identity, cfg: PeerApiConfig,
                  on_restart: Callable[[str, str], None]) -> None:
@@ -231,7 +237,7 @@ class PeerClient:
             self.failing_since = 0.0
 
     def _broken(self, e: grpc.aio.AioRpcError) -> None:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if e.code() in UNREACHABLE_CODES:
             self.state = "unreachable"
         self.last_error = f"{e.code().name}: {e.details()}"
 
@@ -239,7 +245,7 @@ class PeerClient:
         msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
         if "Socket closed" in (e.details() or "") and not tls_enabled(self.cfg):
             msg += " (if that daemon's peer API uses TLS, set peer_api.tls_cert, tls_key and tls_ca here too)"
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if e.code() in UNREACHABLE_CODES:
             return PeerUnreachable(msg, peer=self.address)
         return PeerRejected(msg, peer=self.address)
 
