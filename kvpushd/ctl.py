@@ -95,9 +95,20 @@ def _peers_table(st: status_pb2.NodeStatus) -> str:
     return _table([[p.address, p.node_id, p.direction, p.state, p.channel_state or "-",
                     _age(p.last_contact_age_s) + " ago" if p.last_contact_unix else "never",
                     _bytes(p.bytes_sent), _bytes(p.bytes_received), p.transfers_finished, p.transfers_failed,
-                    p.errors, p.last_error[:80]] for p in st.peers],
+                    p.errors, _stream(p), p.last_error[:80]] for p in st.peers],
                   ["ADDRESS", "NODE", "DIRECTION", "STATE", "CHANNEL", "LAST CONTACT", "SENT", "RECEIVED", "OK",
-                   "FAILED", "ERRORS", "LAST ERROR"])
+                   "FAILED", "ERRORS", "STREAM", "LAST ERROR"])
+
+
+def _stream(p: status_pb2.PeerStatus) -> str:
+    """The peer Channel in a few characters: out <opened>/<batches>[+<pending>], in <open>/<batches>."""
+    out = []
+    if p.streams_opened:
+        out.append(f"out {p.streams_opened}/{p.stream_batches_sent}"
+                   + (f"+{p.stream_items_pending}" if p.stream_items_pending else ""))
+    if p.inbound_streams or p.stream_batches_received:
+        out.append(f"in {p.inbound_streams}/{p.stream_batches_received}")
+    return " ".join(out) or "-"
 
 
 def _transfers_table(st: status_pb2.NodeStatus) -> str:

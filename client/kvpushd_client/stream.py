@@ -218,7 +218,8 @@ class StreamWorker(Inbox):
         for i, q in enumerate(batch, base + 1):
             if q[0] not in _BEST_EFFORT and i not in self._waited:  # a blocking form raises the stream's error
                 self._queue.append(Completion(CompletionKind.FAILED, q[1], _convert.REFUSED,
-                                              f"{err.code}: stream ended before the command was sent", q[2]))
+                                              f"{err.code}: stream ended before the command was sent", q[2],
+                                              unanswered=True))
         self._recorded = max(self._recorded, base + len(batch))
 
     def _drain_locked(self, err: KVPushError) -> None:
@@ -266,7 +267,8 @@ class StreamWorker(Inbox):
                 for _, (tid, blocks, op) in sorted(self._sent.items()):
                     if op not in _BEST_EFFORT:
                         self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
-                                                      f"{err.code}: stream ended before an answer", blocks))
+                                                      f"{err.code}: stream ended before an answer", blocks,
+                                                      unanswered=True))
                 self._sent.clear()
                 self._drain_locked(err)  # and so do those not sent yet
             self._cond.notify_all()

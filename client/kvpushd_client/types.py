@@ -94,6 +94,9 @@ class Completion:
     reason: str = ""
     block_ids: tuple[int, ...] = ()
     figures: TransferFigures | None = None  # from the daemon (None: a completion the client made up)
+    # REFUSED by the client, not the daemon: the session ended before the daemon answered the
+    # command (it may never have arrived), so the daemon was unreachable for it
+    unanswered: bool = False
 
     @property
     def ok(self) -> bool:

@@ -140,6 +140,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
         async def read() -> None:
             async for batch in requests:
+                self.node.channel_counts(instance, batches=1)
                 if len(batch.items) > MAX_BATCH:
                     raise InvalidArgument(f"{len(batch.items)} items in one PeerBatch; at most {MAX_BATCH}")
                 # The session is the one checked when the stream opened; one that ended since (the
@@ -160,6 +161,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
         reader = loop.create_task(read())
         reader.add_done_callback(lambda _: wake.set())
+        self.node.channel_counts(instance, streams=1)
         try:
             while True:
                 await wake.wait()
@@ -176,6 +178,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                         raise e
                     return
         finally:
+            self.node.channel_counts(instance, streams=-1)
             for t in (reader, *waiting):
                 t.cancel()
             for t in (reader, *waiting):

@@ -111,7 +111,10 @@ def peer_status(v: View, wall: float) -> list[status_pb2.PeerStatus]:
             address=pv.address, direction=pv.direction, node_id=pv.node_id, instance_id=pv.instance_id,
             state=pv.state, since_s=pv.since_s, channel_state=pv.channel_state, bytes_sent=pv.bytes_sent,
             bytes_received=pv.bytes_received, transfers_finished=pv.transfers_finished,
-            transfers_failed=pv.transfers_failed, errors=pv.errors, last_error=pv.last_error)
+            transfers_failed=pv.transfers_failed, errors=pv.errors, last_error=pv.last_error,
+            streams_opened=pv.streams_opened, stream_batches_sent=pv.stream_batches_sent,
+            stream_items_pending=pv.stream_items_pending, inbound_streams=pv.inbound_streams,
+            stream_batches_received=pv.stream_batches_received)
         if pv.last_contact_unix:
             p.last_contact_unix, p.last_contact_age_s = pv.last_contact_unix, max(wall - pv.last_contact_unix, 0.0)
         out.append(p)

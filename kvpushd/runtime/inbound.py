@@ -43,6 +43,8 @@ class Origin:
     tokens: float = -1.0  # Register rate limit: a token bucket (-1: full at the first call)
     refilled: float = field(default_factory=time.monotonic)
     refused: int = 0  # calls refused by a limit (rate, quota, replacement of another's registration)
+    streams: int = 0  # its Channel streams open to us now, and the PeerBatch messages it sent on them
+    stream_batches: int = 0
 
     def take(self, rate: float) -> bool:
         """One Register's token; a burst of one second's worth, refilled at ``rate`` per second."""

@@ -242,6 +242,13 @@ class Node:
     def session_ok(self, instance_id: str, token: str) -> bool:
         return self.inbound.session_ok(instance_id, token)
 
+    def channel_counts(self, instance_id: str, streams: int = 0, batches: int = 0) -> None:
+        """A peer's Channel stream opened or closed (``streams`` +1 / -1), or brought ``batches`` (for status)."""
+        o = self.inbound.origins.get(instance_id)
+        if o is not None:
+            o.streams = max(0, o.streams + streams)
+            o.stream_batches += batches
+
     def heard_from(self, origin_id: str, token: str) -> bool:
         return self.inbound.heard_from(origin_id, token)
 

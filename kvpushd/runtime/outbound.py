@@ -93,6 +93,7 @@ class PeerClient:
         self.calls = 0  # calls under way: a peer in use is never idle
         self.stream: PeerChannel | None = None  # the Channel stream of this session (opened on first use)
         self.streams_opened = 0
+        self.batches_before = 0  # PeerBatch messages written on the streams before the current one
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -105,11 +106,20 @@ class PeerClient:
         """The open stream of the current session, opened now if there is none."""
         ch = self.stream
         if ch is None or ch.closed is not None:
+            if ch is not None:
+                self.batches_before += ch.batches
             md = (*self.session, ("kvpushd-instance", self.ident.instance_id))
             ch = self.stream = PeerChannel(self.address, self.stub.Channel(metadata=md), self.cfg.max_stream_items,
                                            self.cfg.rpc_timeout_s, self._stream_broken)
             self.streams_opened += 1
         return ch
+
+    def stream_counts(self) -> tuple[int, int, int]:
+        """(streams opened, PeerBatch messages written on them, items queued or unanswered now)."""
+        ch = self.stream
+        live = ch is not None and ch.closed is None
+        return (self.streams_opened, self.batches_before + (ch.batches if ch is not None else 0),
+                len(ch) if live and ch is not None else 0)
 
     def _stream_broken(self, why: BaseException | str) -> KvpushdError:
         """What the items of a stream that ended fail with; a broken stream counts as a failing peer

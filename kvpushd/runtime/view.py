@@ -41,6 +41,11 @@ class PeerView:
     transfers_failed: int = 0
     errors: int = 0
     last_error: str = ""
+    streams_opened: int = 0  # the peer Channel (status.proto PeerStatus says which way)
+    stream_batches_sent: int = 0
+    stream_items_pending: int = 0
+    inbound_streams: int = 0
+    stream_batches_received: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +172,16 @@ class View:
                             transfers_finished=stats.transfers_finished, transfers_failed=stats.transfers_failed,
                             errors=stats.errors, last_error=stats.last_error)
             if origin is not None:
-                p = replace(p, node_id=p.node_id or origin.node_id, instance_id=origin.instance_id, state="connected")
+                p = replace(p, node_id=p.node_id or origin.node_id, instance_id=origin.instance_id, state="connected",
+                            inbound_streams=origin.streams, stream_batches_received=origin.stream_batches)
             if client is not None:
                 p = replace(p, node_id=client.remote_node_id or p.node_id,
                             instance_id=client.remote_instance or p.instance_id, state=client.state,
                             since_s=loop_now - client.since if client.since else 0.0,
                             last_error=client.last_error or p.last_error,
                             channel_state=client.channel.get_state(try_to_connect=False).name)
+                opened, sent, pending = client.stream_counts()
+                p = replace(p, streams_opened=opened, stream_batches_sent=sent, stream_items_pending=pending)
             elif origin is None:
                 p = replace(p, state="lost")
             out.append(p)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -138,6 +140,9 @@ def test_items_of_a_batch_are_handled_in_order_and_each_answered(daemon_pair, kv
                           session_md(instance, token))
     assert code is grpc.StatusCode.OK and [it.result.code for it in got] == ["OK", "OK"]
     assert wait_for(lambda: not p.client.status().transfers, 10)
+    # status counts that caller's Channel: two streams, one batch each, none open now
+    (peer,) = [x for x in p.client.status().peers if x.instance_id == instance]
+    assert (peer.inbound_streams, peer.stream_batches_received, peer.streams_opened) == (0, 2, 0), peer
     del agent
     chan.close()
 
@@ -296,6 +301,12 @@ def test_a_decode_daemon_writes_one_batch_per_turn_in_order_with_heartbeats_on_t
         assert sorted(c.transfer_id for c in got) == sorted(tids)
         assert {(c.kind, c.code) for c in got} == {(CompletionKind.FAILED, "ABORTED")}
         assert not fake.unary, fake.unary
+        # status (and kvpushctl peers) count the decode daemon's Channel: one stream, its batches
+        (peer,) = [x for x in d.client.status().peers if x.address == f"127.0.0.1:{port}"]
+        assert peer.streams_opened == 1 and peer.stream_batches_sent >= 3 and peer.inbound_streams == 0, peer
+        ctl = subprocess.run([sys.executable, "-m", "kvpushd.ctl", "--socket", d.sock, "peers"],
+                             capture_output=True, text=True, timeout=60)
+        assert ctl.returncode == 0 and "STREAM" in ctl.stdout and "out 1/" in ctl.stdout, ctl.stdout + ctl.stderr
         beats = len(fake.items("heartbeat"))
         with fake.lock:
             assert len(fake.batches) <= 2 + beats + 16, len(fake.batches)  # 16 registers went in one

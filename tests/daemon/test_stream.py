@@ -72,6 +72,7 @@ def test_ordering_within_a_batch_and_one_bad_item_fails_alone(daemon_pair, kv_pa
     assert seen["a"].kind is CompletionKind.FAILED and seen["a"].code == "ABORTED", seen["a"]
     assert seen["bad"].kind is CompletionKind.FAILED and seen["bad"].code == "REFUSED", seen["bad"]
     assert "INVALID_ARGUMENT" in seen["bad"].reason and seen["bad"].block_ids == (10_000,)
+    assert not seen["bad"].unanswered  # the daemon answered: it refused the command
     pw.publish_nowait("good", [9])
     pw.step()
     c = dw.next_completion(20)
@@ -161,3 +162,26 @@ def test_register_batch_one_bad_item_fails_alone(daemon_pair, kv_pair) -> None: 
     with pytest.raises(grpc.RpcError) as ei:
         stub.RegisterBatch(batch, timeout=10)
     assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_commands_a_dead_stream_never_answered_end_refused_and_unanswered(daemon_factory, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """The daemon is gone: what was sent and not answered, and what is sent after, ends REFUSED with
+    ``unanswered`` set (the vLLM connector declines those: the daemon may never have seen them)."""
+    _, dst = kv_pair
+    d = daemon_factory("dnode")
+    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    dw.expect_nowait("sent", [1], "127.0.0.1:1", "prefill", 1)
+    dw.step()
+    assert dw.flush(20)  # answered (OK): it waits for its WRITE
+    d.proc.kill()
+    d.proc.wait(30)
+    assert wait_for(lambda: dw.session_error is not None, 30)
+    dw.expect_nowait("after", [2], "127.0.0.1:1", "prefill", 1)
+    dw.step()
+    got = {}
+    while len(got) < 1:
+        c = dw.next_completion(10)
+        assert c is not None, got
+        got[c.transfer_id] = c
+    c = got["after"]
+    assert (c.kind, c.code, c.unanswered, c.block_ids) == (CompletionKind.FAILED, "REFUSED", True, (2,)), c

@@ -184,9 +184,8 @@ class KVPushdConnectorWorker:
                 elif c.code == "ABORTED" and not pend.recv:
                     logger.warning("kvpushd: push of request %s cancelled: %s", pend.req.req_id, c.reason)
                     self._finish(pend, ok=True)
-                else:  # a stream command the stream's end left unanswered: the daemon was unreachable
-                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}",
-                                 unreachable=c.code == "REFUSED" and c.reason.startswith("UNAVAILABLE"))
+                else:  # unanswered: a stream command the stream's end left without an answer
+                    self._finish(pend, ok=False, why=f"{c.code}: {c.reason}", unreachable=c.unanswered)
                 return
 
     def _on_lost(self, epoch: int, reason: str) -> None:

@@ -67,6 +67,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "publish_nowait + step(); unary: a blocking Publish call and a Session stream")
     p.add_argument("--poll-us", type=float, default=0.0,
                    help="both daemons' transfer.poll_interval_s in us (default 0: the daemons' default)")
+    p.add_argument("--poll-max-us", type=float, default=0.0,
+                   help="both daemons' transfer.poll_max_interval_s in us (default 0: the daemons' default)")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="wait this long between the registration reaching the prefill daemon and the Publish "
+                        "(push mode's usual case: decode registers while prefill computes; default 0)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -155,7 +160,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     xfer_us: list[float] = []
     try:
         poll = getattr(args, "poll_us", 0.0)
-        transfer = {"poll_interval_s": poll * 1e-6} if poll > 0 else None
+        transfer = {"poll_interval_s": poll * 1e-6} if poll > 0 else {}
+        if getattr(args, "poll_max_us", 0.0) > 0:
+            transfer["poll_max_interval_s"] = args.poll_max_us * 1e-6
         with daemon_pair(workdir, prefill_log_level="debug", transfer=transfer) as (p, d):
             stream = getattr(args, "calls", "stream") == "stream"
             pc, dc = p.client, d.client
@@ -182,6 +189,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                 tid = f"cp-{i}-{os.urandom(3).hex()}"
                 dw.expect(tid, blocks, p.peer_address, "bench-prefill", 1)
                 wait_registered(p, tid)
+                if getattr(args, "gap_ms", 0.0) > 0:
+                    time.sleep(args.gap_ms / 1e3)
                 conn.send("arm")
                 if conn.recv() != "armed":
                     raise BenchError("sentinel watcher failed")
@@ -248,6 +257,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "target_met": {"prefill_done_to_posted": a["p99"] <= TARGET_P99_US,
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
         "calls": getattr(args, "calls", "stream"), "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
+        "gap_ms": getattr(args, "gap_ms", 0.0), "poll_max_interval_us": getattr(args, "poll_max_us", 0.0) or 1000.0,
         "samples": len(a_us), "blocks_per_region": n, "regions": lay.regions,
         "bytes_per_request": n * lay.regions * lay.block_len, "layout": lay.describe(),
         "per_request_sched_us": sched, "watcher_realtime": realtime,

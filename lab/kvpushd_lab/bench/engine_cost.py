@@ -57,6 +57,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(attach_stream: *_nowait append, step() once per step: one CommandBatch); queued "
                         "(Worker.*_nowait: the client's call thread makes one unary RPC each); blocking "
                         "(Worker.expect/publish: one gRPC round trip each on the engine thread)")
+    p.add_argument("--pin", action="store_true",
+                   help="this process (the engine thread and the client's threads) on CPU 0, both daemons and "
+                        "the baseline's NIXL target process on the other CPUs: the engine with a core of its "
+                        "own, as on a GPU node, so the step times show the client's cost without the "
+                        "daemons' copies competing for the same core")
 
 
 class _Tally:
@@ -69,6 +74,12 @@ class _Tally:
             if c.kind is CompletionKind.FAILED:
                 self.failed.append(c)
             self.done[c.transfer_id] = self.done.get(c.transfer_id, 0) + 1
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
 
 
 def _sleep_until(t_ns: int) -> None:
@@ -107,6 +118,14 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         target = Target(dst, 0.0002)
         with daemon_pair(workdir) as (p, d):
             init = Initiator(src, target)  # the target process started meanwhile
+            if getattr(args, "pin", False):
+                cpus = sorted(os.sched_getaffinity(0))
+                if len(cpus) < 2:
+                    raise BenchError("--pin needs at least 2 CPUs")
+                for pid in (p.proc.pid, d.proc.pid, target.pid):
+                    _pin(pid, set(cpus[1:]))
+                _pin(os.getpid(), {cpus[0]})
+                progress(f"  pinned: this process to CPU {cpus[0]}, the daemons and the NIXL target to {cpus[1:]}")
             pairs: dict[str, tuple[Worker | StreamWorker, Worker | StreamWorker]] = {}
             for m in modes:  # one prefill and one decode worker per client, on the same memory
                 attach = p.client.attach_stream if m == "stream" else p.client.attach
@@ -332,7 +351,8 @@ def _result(args: argparse.Namespace, modes: list[str], lay: Layout, n: int, s: 
         "calls": ",".join(modes), "engine_step_us_p99": worst[first],
         "engine_step_us_p99_by_client": worst, "target_p99_us": TARGET_P99_US,
         "target_met": worst[first] <= TARGET_P99_US,
-        "batch": args.batch, "steps": clients[first]["prefill_step_us"]["n"],
+        "batch": args.batch, "pinned": bool(getattr(args, "pin", False)),
+        "steps": clients[first]["prefill_step_us"]["n"],
         "step_ms": args.step_ms, "sample_every": SAMPLE_EVERY,
         "blocks_per_request": n, "descriptors_per_request": n * lay.regions,
         "bytes_per_request": n * lay.regions * lay.block_len, **counts,

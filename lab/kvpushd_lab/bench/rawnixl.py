@@ -128,6 +128,10 @@ class Target:
             raise BenchError("the NIXL target process did not start") from None
         return self
 
+    @property
+    def pid(self) -> int:
+        return int(self._proc.pid or 0)
+
     def regions(self) -> list[RegionSpec]:
         lay = self.layout
         return [RegionSpec(self.addr + i * lay.region_bytes, lay.num_blocks, lay.block_len, lay.block_len, 0)

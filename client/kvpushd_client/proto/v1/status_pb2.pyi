@@ -416,6 +416,11 @@ class PeerStatus(_message.Message):
     TRANSFERS_FAILED_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
     CHANNEL_STATE_FIELD_NUMBER: _builtins.int
+    STREAMS_OPENED_FIELD_NUMBER: _builtins.int
+    STREAM_BATCHES_SENT_FIELD_NUMBER: _builtins.int
+    STREAM_ITEMS_PENDING_FIELD_NUMBER: _builtins.int
+    INBOUND_STREAMS_FIELD_NUMBER: _builtins.int
+    STREAM_BATCHES_RECEIVED_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     node_id: _builtins.str
     state: _builtins.str
@@ -438,6 +443,15 @@ class PeerStatus(_message.Message):
     """failed calls either way and failed WRITEs"""
     channel_state: _builtins.str
     """outbound gRPC channel: IDLE, CONNECTING, READY, TRANSIENT_FAILURE"""
+    streams_opened: _builtins.int
+    """The peer Channel stream (PeerService.Channel), outbound: streams this daemon opened to it, the
+    PeerBatch messages written on them, the items queued or unanswered on the open one now;
+    inbound: its Channel streams open to this daemon now and the PeerBatch messages it sent.
+    """
+    stream_batches_sent: _builtins.int
+    stream_items_pending: _builtins.int
+    inbound_streams: _builtins.int
+    stream_batches_received: _builtins.int
     def __init__(
         self,
         *,
@@ -456,10 +470,15 @@ class PeerStatus(_message.Message):
         transfers_failed: _builtins.int = ...,
         errors: _builtins.int = ...,
         channel_state: _builtins.str = ...,
+        streams_opened: _builtins.int = ...,
+        stream_batches_sent: _builtins.int = ...,
+        stream_items_pending: _builtins.int = ...,
+        inbound_streams: _builtins.int = ...,
+        stream_batches_received: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "channel_state", b"channel_state", "direction", b"direction", "errors", b"errors", "instance_id", b"instance_id", "last_contact_age_s", b"last_contact_age_s", "last_contact_unix", b"last_contact_unix", "last_error", b"last_error", "node_id", b"node_id", "since_s", b"since_s", "state", b"state", "transfers_failed", b"transfers_failed", "transfers_finished", b"transfers_finished"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "channel_state", b"channel_state", "direction", b"direction", "errors", b"errors", "inbound_streams", b"inbound_streams", "instance_id", b"instance_id", "last_contact_age_s", b"last_contact_age_s", "last_contact_unix", b"last_contact_unix", "last_error", b"last_error", "node_id", b"node_id", "since_s", b"since_s", "state", b"state", "stream_batches_received", b"stream_batches_received", "stream_batches_sent", b"stream_batches_sent", "stream_items_pending", b"stream_items_pending", "streams_opened", b"streams_opened", "transfers_failed", b"transfers_failed", "transfers_finished", b"transfers_finished"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
