@@ -61,16 +61,59 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
 
 
 def failure_code_name(v: int) -> str:
-    """FailureCode value -> the name completions carry ("TIMEOUT", "REFUSED"; "" for unspecified)."""
-    return common_pb2.FailureCode.Name(common_pb2.FailureCode.ValueType(v)).removeprefix("FAILURE_") if v else ""
+    """FailureCode value -> the name completions carry ("TIMEOUT", "REFUSED"; "" for unspecified; a
+    code this client does not know, from a newer daemon, is "UNKNOWN_<value>": its reason says more)."""
+    if not v:
+        return ""
+    if v not in common_pb2.FailureCode.values():
+        return f"UNKNOWN_{int(v)}"
+    return common_pb2.FailureCode.Name(common_pb2.FailureCode.ValueType(v)).removeprefix("FAILURE_")
 
 
 # A queued call the daemon refused (client side only, see Worker.*_nowait).
 REFUSED = failure_code_name(common_pb2.FAILURE_REFUSED)
 
 
+_KINDS = {int(k): k for k in CompletionKind}
+_CODES: dict[int, str] = {}
+# The stream's reader thread converts every completion while it holds the GIL, which the engine
+# thread may be waiting for (64 of them took 180 us here): the frozen dataclasses are filled through
+# their slots, not their __init__ (one object.__setattr__ call per field). Same objects, equal to
+# the ones __init__ makes (tests/core/test_client_errors.py).
+_C_SET = tuple(getattr(Completion, f).__set__ for f in Completion.__slots__)
+_F_SET = tuple(getattr(TransferFigures, f).__set__ for f in TransferFigures.__slots__)
+_new = object.__new__
+
+
+def _code_name(v: int) -> str:
+    name = _CODES.get(v)
+    if name is None:
+        name = _CODES[v] = failure_code_name(v)
+        if len(_CODES) > 256:  # only the enum's values are ever cached; a daemon cannot grow it
+            _CODES.clear()
+    return name
+
+
 def completion(c: worker_pb2.Completion) -> Completion:
-    code = failure_code_name(c.code)
-    figures = TransferFigures(c.bytes, c.nixl_transfers, c.descriptors, c.post_seconds, c.transfer_seconds,
-                              c.rendezvous_wait_seconds, c.elapsed_seconds)
-    return Completion(CompletionKind(c.kind), c.transfer_id, code, c.reason, tuple(c.block_ids), figures)
+    kind = _KINDS.get(c.kind)
+    if kind is None:
+        kind = CompletionKind(c.kind)  # raises ValueError, as before
+    f0, f1, f2, f3, f4, f5, f6 = _F_SET
+    f = _new(TransferFigures)
+    f0(f, c.bytes)
+    f1(f, c.nixl_transfers)
+    f2(f, c.descriptors)
+    f3(f, c.post_seconds)
+    f4(f, c.transfer_seconds)
+    f5(f, c.rendezvous_wait_seconds)
+    f6(f, c.elapsed_seconds)
+    s0, s1, s2, s3, s4, s5, s6 = _C_SET
+    out = _new(Completion)
+    s0(out, kind)
+    s1(out, c.transfer_id)
+    s2(out, _code_name(c.code) if c.code else "")
+    s3(out, c.reason)
+    s4(out, tuple(c.block_ids))
+    s5(out, f)
+    s6(out, False)
+    return out
