@@ -102,6 +102,9 @@ class TransferConfig:
     expect_timeout_s: float = 120.0
     poll_interval_s: float = 0.0002  # NIXL progress while transfers are active ...
     poll_max_interval_s: float = 0.001  # ... backing off to this while nothing happens (idle: no polling)
+    # a new receive (Expect, or a pull-mode offer) keeps the short interval this long: in push mode
+    # decode registers while prefill computes, so a prefill shorter than this lands on a hot poll
+    poll_hot_s: float = 2.0
     nixl_threads: int = 0
     max_pending: int = 100_000
     drain_timeout_s: float = 30.0
@@ -290,6 +293,8 @@ def validate(cfg: Config) -> None:
                  "heartbeat_interval_s", "peer_timeout_s", "write_timeout_s", "poll_max_interval_s"):
         if getattr(t, name) <= 0:
             raise InvalidArgument(f"config: transfer.{name} must be positive")
+    if not 0 <= t.poll_hot_s <= 3600:
+        raise InvalidArgument("config: transfer.poll_hot_s must be between 0 and 3600 seconds")
     for where, v in (("peer_api.max_registers_per_s", cfg.peer_api.max_registers_per_s),
                      ("peer_api.max_registrations_per_peer", cfg.peer_api.max_registrations_per_peer),
                      ("peer_api.max_blocks_per_peer", cfg.peer_api.max_blocks_per_peer),

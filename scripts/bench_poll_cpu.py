@@ -1,6 +1,8 @@
-"""CPU of two kvpushd daemons: idle, and with one Expect waiting (the decode daemon polling NIXL).
+"""CPU of two kvpushd daemons: idle, with one Expect waiting (the decode daemon polling NIXL) during
+its first ``transfer.poll_hot_s`` (the short period) and after it (backed off), and with a new Expect
+every 100 ms (a decode node in use: always hot).
 
-Run from the repository root: ``python scripts/bench_poll_cpu.py``; prints one JSON object.
+Run from the repository root: ``python scripts/bench_poll_cpu.py [POLL_HOT_S]``; prints one JSON object.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def percent(pids: list[int], seconds: float) -> list[float]:
 
 
 def main() -> None:
+    hot = float(sys.argv[1]) if len(sys.argv) > 1 else 2.0
     with tempfile.TemporaryDirectory() as d:
-        cfg = "[transfer]\nexpect_timeout_s = 300.0\npublish_timeout_s = 300.0\n"
+        cfg = f"[transfer]\nexpect_timeout_s = 300.0\npublish_timeout_s = 300.0\npoll_hot_s = {hot}\n"
         p = start_daemon(Path(d), "pnode", cfg)
         dn = start_daemon(Path(d), "dnode", cfg)
         src, dst = make_kv("poll-cpu-src"), make_kv("poll-cpu-dst", fill="poison")
@@ -43,10 +46,24 @@ def main() -> None:
             time.sleep(2)
             idle = percent([p.proc.pid, dn.proc.pid], 10)
             dw.expect("wait", [1], p.peer_address, "prefill", 1)  # the prefill never publishes it
+            hot_window = percent([p.proc.pid, dn.proc.pid], hot) if hot >= 0.5 else [0.0, 0.0]
             time.sleep(1)
             waiting = percent([p.proc.pid, dn.proc.pid], 10)
-            print(json.dumps({"idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
+            t_end = time.monotonic() + 10
+            i = 0
+            pids = [p.proc.pid, dn.proc.pid]
+            before = [cpu_s(x) for x in pids]
+            t0 = time.monotonic()
+            while time.monotonic() < t_end:  # a decode node in use: a new Expect every 100 ms
+                i += 1
+                dw.expect(f"more-{i}", [2 + i % 60], p.peer_address, "prefill", 1)
+                time.sleep(0.1)
+            dt = time.monotonic() - t0
+            busy = [round(100 * (cpu_s(x) - b) / dt, 2) for x, b in zip(pids, before, strict=True)]
+            print(json.dumps({"poll_hot_s": hot, "idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
+                              "one_expect_hot_window_cpu_pct": {"prefill": hot_window[0], "decode": hot_window[1]},
                               "one_expect_waiting_cpu_pct": {"prefill": waiting[0], "decode": waiting[1]},
+                              "new_expect_every_100ms_cpu_pct": {"prefill": busy[0], "decode": busy[1]},
                               "loadavg": os.getloadavg()[0]}))
         finally:
             for x in (p, dn):

@@ -105,6 +105,7 @@ class Executor:
         self._loop = loop
         self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
                                    poll_interval_s=t.poll_interval_s, poll_max_interval_s=t.poll_max_interval_s,
+                                   poll_hot_s=t.poll_hot_s,
                                    nixl_threads=t.nixl_threads,
                                    params_for=lambda b, dev: backend_init_params(t, b, dev),
                                    param_devices=tuple(t.device_params),

@@ -68,6 +68,7 @@ class TransferThread:
         on_read_done: Callable[[list[ReadResult]], None] | None = None,
         on_read_notifications: Callable[[list[tuple[str, int, int]]], None] | None = None,
         write_timeout_s: float = 60.0,
+        poll_hot_s: float = 0.0,
     ) -> None:
         self._loop = loop
         self._backends = list(backends)
@@ -80,6 +81,8 @@ class TransferThread:
         self._poll_s = poll_interval_s
         self._write_timeout_s = write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
         self._poll_max_s = max(poll_max_interval_s, poll_interval_s)
+        self._poll_hot_s = poll_hot_s  # a new receive keeps the short interval this long (set_expecting)
+        self._hot_until = 0.0  # time.monotonic(): written by the loop, read by the thread (a float: atomic)
         self._nixl_threads = nixl_threads
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._locals: dict[str, Local] = {}
@@ -221,13 +224,19 @@ class TransferThread:
         """Prefill side: how many offered legs wait for a READ notification; wakes the thread from idle."""
         was = self.pulling
         self.pulling = n
+        if n > was:
+            self._hot_until = time.monotonic() + self._poll_hot_s
         if n > 0 and was == 0:
             self._q.put(_wake)
 
     def set_expecting(self, n: int) -> None:
-        """The loop says how many receives wait for notifications; wakes the thread from idle."""
+        """The loop says how many receives wait for notifications; wakes the thread from idle. More of
+        them than before: a new Expect, whose WRITE comes when its prefill ends (a prefill of up to
+        ``poll_hot_s`` finds the thread polling at the short interval, not backed off)."""
         was = self.expecting
         self.expecting = n
+        if n > was:
+            self._hot_until = time.monotonic() + self._poll_hot_s
         if n > 0 and was == 0:
             self._q.put(_wake)
 
@@ -248,10 +257,11 @@ class TransferThread:
     def _run(self) -> None:
         """Commands first, then progress. Idle (nothing in flight, nothing expected) the thread
         sleeps until a command comes. Busy, it polls every ``poll_interval_s`` while something
-        happens and for ``HOT_S`` after, then backs off (doubling) to ``poll_max_interval_s``: a
-        completion right after activity is seen within the short interval, one after a quiet
-        period (decode waiting for a long prefill) within the max interval, and a long wait costs
-        ~1/max_interval wakeups a second instead of 1/min."""
+        happens and for ``HOT_S`` after, and for ``poll_hot_s`` after a new receive is expected,
+        then backs off (doubling) to ``poll_max_interval_s``: a completion right after activity, or
+        for a prefill shorter than ``poll_hot_s``, is seen within the short interval, one after a
+        long quiet wait within the max interval, and a long wait costs ~1/max_interval wakeups a
+        second instead of 1/min."""
         wait = self._poll_s
         hot_until = 0.0
         while True:
@@ -279,9 +289,11 @@ class TransferThread:
                     worked = self._poll_notifs() or worked
             except Exception:
                 log.exception("transfer thread poll failed")
+            now = time.monotonic()
             if worked:
-                hot_until = time.monotonic() + HOT_S
-            wait = self._poll_s if worked or time.monotonic() < hot_until else min(wait * 2, self._poll_max_s)
+                hot_until = now + HOT_S
+            hot = worked or now < hot_until or now < self._hot_until
+            wait = self._poll_s if hot else min(wait * 2, self._poll_max_s)
 
     def _attach(self, worker_id: str, agent_name: str, mem_type: str,
                 mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],

@@ -69,6 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="both daemons' transfer.poll_interval_s in us (default 0: the daemons' default)")
     p.add_argument("--poll-max-us", type=float, default=0.0,
                    help="both daemons' transfer.poll_max_interval_s in us (default 0: the daemons' default)")
+    p.add_argument("--poll-hot-s", type=float, default=-1.0,
+                   help="both daemons' transfer.poll_hot_s (default -1: the daemons' default)")
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="wait this long between the registration reaching the prefill daemon and the Publish "
                         "(push mode's usual case: decode registers while prefill computes; default 0)")
@@ -161,6 +163,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     try:
         poll = getattr(args, "poll_us", 0.0)
         transfer = {"poll_interval_s": poll * 1e-6} if poll > 0 else {}
+        if getattr(args, "poll_hot_s", -1.0) >= 0:
+            transfer["poll_hot_s"] = args.poll_hot_s
         if getattr(args, "poll_max_us", 0.0) > 0:
             transfer["poll_max_interval_s"] = args.poll_max_us * 1e-6
         with daemon_pair(workdir, prefill_log_level="debug", transfer=transfer) as (p, d):
@@ -258,6 +262,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
         "calls": getattr(args, "calls", "stream"), "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
         "gap_ms": getattr(args, "gap_ms", 0.0), "poll_max_interval_us": getattr(args, "poll_max_us", 0.0) or 1000.0,
+        "poll_hot_s": getattr(args, "poll_hot_s", -1.0),
         "samples": len(a_us), "blocks_per_region": n, "regions": lay.regions,
         "bytes_per_request": n * lay.regions * lay.block_len, "layout": lay.describe(),
         "per_request_sched_us": sched, "watcher_realtime": realtime,
