@@ -79,7 +79,7 @@ _CODES: dict[int, str] = {}
 # The stream's reader thread converts every completion while it holds the GIL, which the engine
 # thread may be waiting for (64 of them took 180 us here): the frozen dataclasses are filled through
 # their slots, not their __init__ (one object.__setattr__ call per field). Same objects, equal to
-# the ones __init__ makes (tests/core/test_client_errors.py).
+# the ones __init__ makes (tests/core/test_client_convert.py).
 _C_SET = tuple(getattr(Completion, f).__set__ for f in Completion.__slots__)
 _F_SET = tuple(getattr(TransferFigures, f).__set__ for f in TransferFigures.__slots__)
 _new = object.__new__
@@ -89,7 +89,7 @@ def _code_name(v: int) -> str:
     name = _CODES.get(v)
     if name is None:
         name = _CODES[v] = failure_code_name(v)
-        if len(_CODES) > 256:  # only the enum's values are ever cached; a daemon cannot grow it
+        if len(_CODES) > 256:  # a daemon sending ever new values cannot grow it without bound
             _CODES.clear()
     return name
 
