@@ -427,6 +427,9 @@ class Executor:
 
     def origin_lost(self, origin: Origin, reason: str) -> None:
         """A daemon that called us is gone (silent, or restarted): what it had pending here fails."""
+        regs, _ = self.send.held_by(origin.instance_id)
+        log.warning("decode daemon lost", peer_node=origin.node_id, peer_address=origin.address, reason=reason,
+                    registrations=regs)
         self.peerbook.lost(origin.address, reason, inbound=True)
         self.inbound.drop(origin)
         self.run(self.send.origin_lost(origin.instance_id, reason))
@@ -448,9 +451,9 @@ class Executor:
                 peer.last_beat = loop_now
                 self.spawn(self._beat(peer))
         busy = self.send.origins()
-        for origin in self.inbound.silent(now, busy, t.peer_timeout_s):
-            self.origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address} sent no "
-                                     f"heartbeat for {t.peer_timeout_s:g}s")
+        grace = min(t.peer_timeout_s, max(3 * t.heartbeat_interval_s, 1.0))
+        for origin, why in self.inbound.silent(now, busy, t.peer_timeout_s, grace):
+            self.origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address}: {why}")
         idle_s = max(60.0, 6 * t.peer_timeout_s)
         self.inbound.forget_idle(now, busy, idle_s)
         for p in self.outbound.idle(loop_now, waited_on, idle_s):

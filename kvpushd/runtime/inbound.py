@@ -45,6 +45,7 @@ class Origin:
     refused: int = 0  # calls refused by a limit (rate, quota, replacement of another's registration)
     streams: int = 0  # its Channel streams open to us now, and the PeerBatch messages it sent on them
     stream_batches: int = 0
+    stream_ended: float = 0.0  # time.monotonic() when its last open Channel stream ended (0: never)
 
     def take(self, rate: float) -> bool:
         """One Register's token; a burst of one second's worth, refilled at ``rate`` per second."""
@@ -215,9 +216,21 @@ class Inbound:
         self.consumers.drop_owner(origin.instance_id)
         self.producers.drop_owner(origin.instance_id)
 
-    def silent(self, now: float, busy: set[str], timeout_s: float) -> list[Origin]:
-        """Sessions with transfers pending here whose daemon sent nothing for ``timeout_s``."""
-        return [o for i in busy if (o := self.origins.get(i)) is not None and now - o.last_seen > timeout_s]
+    def silent(self, now: float, busy: set[str], timeout_s: float, grace_s: float) -> list[tuple[Origin, str]]:
+        """Sessions with transfers pending here whose daemon sent nothing for ``timeout_s``, or whose
+        Channel stream ended (its daemon died, or the connection dropped) with nothing heard since
+        for ``grace_s``: a live daemon with transfers pending here heartbeats on a new stream before
+        that. Each with why, in words."""
+        out = []
+        for i in busy:
+            o = self.origins.get(i)
+            if o is None:
+                continue
+            if o.streams == 0 and o.stream_ended >= o.last_seen and now - o.stream_ended > grace_s:
+                out.append((o, f"its peer stream ended and it sent nothing for {grace_s:g}s"))
+            elif now - o.last_seen > timeout_s:
+                out.append((o, f"it sent no heartbeat for {timeout_s:g}s"))
+        return out
 
     def forget_idle(self, now: float, busy: set[str], idle_s: float) -> None:
         """Peers idle for a while are forgotten (their agents unloaded); one that comes back handshakes

@@ -248,6 +248,8 @@ class Node:
         if o is not None:
             o.streams = max(0, o.streams + streams)
             o.stream_batches += batches
+            if streams < 0 and o.streams == 0:  # its last stream ended: housekeeping gives it a short grace
+                o.stream_ended = time.monotonic()
 
     def heard_from(self, origin_id: str, token: str) -> bool:
         return self.inbound.heard_from(origin_id, token)

@@ -430,3 +430,38 @@ def test_back_pressure_from_a_stopped_peer_is_bounded_and_it_recovers(workdir) -
             x.stop()
         dsrc.close()
         dst.close()
+
+
+def test_a_decode_daemon_whose_stream_broke_is_dropped_after_a_short_grace(workdir) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL of the decode daemon: its Channel stream ends, nothing comes after it, and the prefill
+    daemon drops its registrations after 3 heartbeat intervals, not after peer_timeout_s (10 s here:
+    the default); what does not depend on that daemon (a publish still waiting) stays."""
+    p = start_daemon(workdir, "pnode", LONG + "peer_timeout_s = 10.0\nheartbeat_interval_s = 1.0\n")
+    d = start_daemon(workdir, "dnode", LONG + "peer_timeout_s = 10.0\nheartbeat_interval_s = 1.0\n")
+    src, dst = make_kv("kvpushd-test-gsrc"), make_kv("kvpushd-test-gdst", fill="poison")
+    try:
+        pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        for i in range(4):
+            dw.expect_nowait(f"g{i}", [i], p.peer_address, "prefill", 1)
+        dw.step()
+        assert wait_for(lambda: len(p.client.status().transfers) == 4, 30)
+        pw.publish_nowait("waiting", [9])  # a publish that waits for a registration: untouched
+        pw.step()
+        assert pw.flush(10)
+        (peer,) = [x for x in p.client.status().peers if x.inbound_streams]
+        assert peer.inbound_streams == 1, peer
+        d.proc.kill()
+        d.proc.wait(10)
+        t0 = time.monotonic()
+        assert wait_for(lambda: {t.transfer_id for t in p.client.status().transfers} == {"waiting"}, 9), \
+            p.client.status().transfers
+        waited = time.monotonic() - t0
+        assert 2.5 < waited < 9.0, waited  # the grace (3 s), well before peer_timeout_s
+        assert "peer stream ended" in p.logs(), "no reason logged"
+    finally:
+        d.client.close()
+        p.client.close()
+        p.stop()
+        src.close()
+        dst.close()
