@@ -7,11 +7,13 @@ Run from the repository root: ``python scripts/bench_poll_cpu.py [POLL_HOT_S]``;
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
@@ -25,10 +27,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def percent(pids: list[int], seconds: float) -> list[float]:
+def percent(pids: list[int], seconds: float, every_100ms: Callable[[], None] | None = None) -> list[float]:
+    """CPU of each process over ``seconds``, sleeping, or calling ``every_100ms`` that often meanwhile."""
     before = [cpu_s(p) for p in pids]
     t0 = time.monotonic()
-    time.sleep(seconds)
+    if every_100ms is None:
+        time.sleep(seconds)
+    else:
+        while time.monotonic() < t0 + seconds:
+            every_100ms()
+            time.sleep(0.1)
     dt = time.monotonic() - t0
     return [round(100 * (cpu_s(p) - b) / dt, 2) for p, b in zip(pids, before, strict=True)]
 
@@ -49,17 +57,10 @@ def main() -> None:
             hot_window = percent([p.proc.pid, dn.proc.pid], hot) if hot >= 0.5 else [0.0, 0.0]
             time.sleep(1)
             waiting = percent([p.proc.pid, dn.proc.pid], 10)
-            t_end = time.monotonic() + 10
-            i = 0
-            pids = [p.proc.pid, dn.proc.pid]
-            before = [cpu_s(x) for x in pids]
-            t0 = time.monotonic()
-            while time.monotonic() < t_end:  # a decode node in use: a new Expect every 100 ms
-                i += 1
-                dw.expect(f"more-{i}", [2 + i % 60], p.peer_address, "prefill", 1)
-                time.sleep(0.1)
-            dt = time.monotonic() - t0
-            busy = [round(100 * (cpu_s(x) - b) / dt, 2) for x, b in zip(pids, before, strict=True)]
+            n = itertools.count(1)
+            # a decode node in use: a new Expect every 100 ms
+            busy = percent([p.proc.pid, dn.proc.pid], 10, lambda: dw.expect(
+                f"more-{(i := next(n))}", [2 + i % 60], p.peer_address, "prefill", 1))
             print(json.dumps({"poll_hot_s": hot, "idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
                               "one_expect_hot_window_cpu_pct": {"prefill": hot_window[0], "decode": hot_window[1]},
                               "one_expect_waiting_cpu_pct": {"prefill": waiting[0], "decode": waiting[1]},

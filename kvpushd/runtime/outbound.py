@@ -117,9 +117,9 @@ class PeerClient:
     def stream_counts(self) -> tuple[int, int, int]:
         """(streams opened, PeerBatch messages written on them, items queued or unanswered now)."""
         ch = self.stream
-        live = ch is not None and ch.closed is None
-        return (self.streams_opened, self.batches_before + (ch.batches if ch is not None else 0),
-                len(ch) if live and ch is not None else 0)
+        if ch is None:
+            return self.streams_opened, self.batches_before, 0
+        return self.streams_opened, self.batches_before + ch.batches, len(ch) if ch.closed is None else 0
 
     def _stream_broken(self, why: BaseException | str) -> KvpushdError:
         """What the items of a stream that ended fail with; a broken stream counts as a failing peer

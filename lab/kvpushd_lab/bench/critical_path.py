@@ -246,17 +246,17 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         dst.close()
     sched = {k: {"cpu_us": round(run_us[k] / max(1, len(a_us)), 1),
                  "runqueue_wait_us": round(wait_us[k] / max(1, len(a_us)), 1)} for k in run_us}
-    return _result(args, lay, n, a_us, b_us, rpc_us, wire_us, post_us, xfer_us, sched, realtime, queue_us)
+    return _result(args, lay, n, a_us, b_us, rpc_us, wire_us, post_us, queue_us, xfer_us, sched, realtime)
 
 
 def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_us: list[float],
-            rpc_us: list[float], wire_us: list[float], post_us: list[float], xfer_us: list[float],
-            sched: dict[str, dict[str, float]], realtime: bool, queue_us: list[float] | None = None) -> Result:
+            rpc_us: list[float], wire_us: list[float], post_us: list[float], queue_us: list[float],
+            xfer_us: list[float], sched: dict[str, dict[str, float]], realtime: bool) -> Result:
     a, b = dist(a_us), dist(b_us)
     data: dict[str, Any] = {
         "prefill_done_to_posted_us": a, "landed_to_told_us": b,
         "publish_rpc_us": dist(rpc_us), "first_to_last_byte_us": dist(wire_us),
-        "daemon_post_us": dist(post_us), "daemon_queue_us": dist(queue_us or []), "daemon_xfer_us": dist(xfer_us),
+        "daemon_post_us": dist(post_us), "daemon_queue_us": dist(queue_us), "daemon_xfer_us": dist(xfer_us),
         "target_p99_us": TARGET_P99_US,
         "target_met": {"prefill_done_to_posted": a["p99"] <= TARGET_P99_US,
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
@@ -277,7 +277,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         {"figure": "Publish (engine's view: " + ("publish_nowait + step)" if data["calls"] == "stream"
                                                  else "blocking call)"), **dist(rpc_us), "target": ""},
         {"figure": "daemon post_us (queued -> posted)", **dist(post_us), "target": ""},
-        {"figure": "  of which queue_us (queued -> NIXL thread took it)", **dist(queue_us or []), "target": ""},
+        {"figure": "  of which queue_us (queued -> NIXL thread took it)", **dist(queue_us), "target": ""},
         {"figure": "first -> last byte landed", **dist(wire_us), "target": ""},
     ]
     cols = [("figure", "figure (us)", "<"), ("p50", "p50", ".0f"), ("p99", "p99", ".0f"), ("mean", "mean", ".0f"),

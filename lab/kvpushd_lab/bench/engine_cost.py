@@ -25,6 +25,7 @@ steps so that the machine's load hits both alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -77,9 +78,10 @@ class _Tally:
 
 
 def _pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` (threads it starts later inherit it)."""
+    """Every thread of ``pid`` (threads it starts later inherit it; one that just ended is skipped)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def _sleep_until(t_ns: int) -> None:
