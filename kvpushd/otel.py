@@ -34,6 +34,7 @@ _CAP = 100_000  # open spans and remembered contexts at most (a transfer that ne
 class _Open:
     span: Span
     registered_ns: int = 0
+    register_sent_ns: int = 0  # the Register went out (its answer may come after the WRITE's notification)
 
 
 @dataclass(slots=True)
@@ -101,6 +102,7 @@ class OtelTracing(Tracing):
         o = self._recv.get((worker_id, transfer_id))
         if o is None:
             return ""
+        o.register_sent_ns = time.time_ns()
         carrier: dict[str, str] = {}
         self._prop.inject(carrier, context=trace.set_span_in_context(o.span))
         return carrier.get("traceparent", "")
@@ -191,6 +193,11 @@ class OtelTracing(Tracing):
             if o is None:
                 return
             span = o.span
+            if not o.registered_ns and o.register_sent_ns and c.kind is CompletionKind.FINISHED_RECEIVING:
+                # the data came before the Register's answer (the prefill daemon WRITEs as soon as it
+                # takes the registration): the register span ends here, its answer is no longer awaited
+                o.registered_ns = now
+                self._child(span, "kvpushd.register", o.register_sent_ns, now, {"kvpushd.transfer_id": c.transfer_id})
             if o.registered_ns and c.kind is CompletionKind.FINISHED_RECEIVING:
                 f = c.figures
                 if f is None or f.nixl_transfers == 0:  # push: the WRITEs were the prefill daemon's
