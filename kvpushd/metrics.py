@@ -13,14 +13,16 @@ bound is logged and left out; it does not stop the data path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .config import MetricsConfig, split_host_port
 from .events import Event, EventKind
@@ -37,8 +39,78 @@ LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+class _Counts:
+    """A labelled counter kept as plain Python numbers: one dict update per event on the loop (the
+    prometheus-client Counter takes a labels() lookup and a lock per increment), turned into a
+    metric family at scrape time."""
+
+    __slots__ = ("doc", "labels", "name", "values")
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str], *initial: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self.values: dict[tuple[str, ...], float] = dict.fromkeys(initial, 0)
+
+    def inc(self, key: tuple[str, ...], by: float = 1) -> None:
+        self.values[key] = self.values.get(key, 0) + by
+
+    def family(self) -> CounterMetricFamily:
+        f = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, v in list(self.values.items()):  # a copy: the loop may add a key meanwhile
+            f.add_metric(list(key), v)
+        return f
+
+
+class _Buckets:
+    """A histogram kept as a list of bucket counts and a sum (one bisect and two additions per
+    observation); cumulated into Prometheus buckets at scrape time."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1  # le is inclusive: v == bound counts in that bucket
+        self.total += v
+
+    def add_to(self, f: HistogramMetricFamily, labels: list[str]) -> None:
+        counts, total = list(self.counts), self.total
+        cumulative, buckets = 0, []
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        f.add_metric(labels, buckets, total)
+
+
+class _Histograms:
+    __slots__ = ("bounds", "doc", "labels", "name", "series")
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str] = (), bounds: Sequence[float] = LATENCY_BUCKETS
+                 ) -> None:
+        self.name, self.doc, self.labels, self.bounds = name, doc, list(labels), tuple(bounds)
+        self.series: dict[tuple[str, ...], _Buckets] = {} if labels else {(): _Buckets(self.bounds)}
+
+    def observe(self, v: float, key: tuple[str, ...] = ()) -> None:
+        b = self.series.get(key)
+        if b is None:
+            b = self.series[key] = _Buckets(self.bounds)
+        b.observe(v)
+
+    def family(self) -> HistogramMetricFamily:
+        f = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, b in list(self.series.items()):
+            b.add_to(f, list(key))
+        return f
+
+
 class Metrics:
-    """The daemon's Prometheus registry; also the runtime's Observer (runtime/observe.py)."""
+    """The daemon's Prometheus registry; also the runtime's Observer (runtime/observe.py).
+
+    What happens per transfer is counted in plain Python numbers (``_Counts``, ``_Histograms``) and
+    read by ``_EventCollector`` at scrape time, in prometheus-client's HTTP thread; a scrape may see
+    one transfer's figures half counted, never a torn number."""
 
     def __init__(self, view: View) -> None:
         self.view = view
@@ -47,33 +119,28 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         Info("kvpushd", "kvpushd build and identity", registry=r).info(
             {"version": view.version, "node_id": view.node_id, "instance_id": view.instance_id})
-        self.transfers = Counter(
+        self.transfers = _Counts(
             "kvpushd_transfers", "Publishes (send) and Expects (recv) ended on this node, by outcome and "
-            "failure code", ["side", "outcome", "code"], registry=r)
-        self.duration = Histogram(
-            "kvpushd_transfer_duration_seconds", "Publish or Expect taken -> completion delivered",
-            ["side"], buckets=LATENCY_BUCKETS, registry=r)
-        self.bytes = Counter(
+            "failure code", ["side", "outcome", "code"])
+        self.duration = _Histograms(
+            "kvpushd_transfer_duration_seconds", "Publish or Expect taken -> completion delivered", ["side"])
+        self.bytes = _Counts(
             "kvpushd_bytes", "KV bytes moved by NIXL WRITEs: sent (this node wrote them) or received (they "
-            "landed in this node's workers), by the other node's daemon", ["direction", "peer"], registry=r)
-        self.writes = Counter("kvpushd_writes", "WRITEs completed, by outcome", ["outcome"], registry=r)
-        self.descriptors = Counter(
+            "landed in this node's workers), by the other node's daemon", ["direction", "peer"])
+        self.writes = _Counts("kvpushd_writes", "WRITEs completed, by outcome", ["outcome"], ("ok",), ("error",))
+        self.descriptors = _Counts(
             "kvpushd_descriptors", "Descriptors of completed WRITEs: requested (one per region and block) "
-            "and posted (after merging blocks adjacent on both sides)", ["stage"], registry=r)
-        self.rendezvous_wait = Histogram(
+            "and posted (after merging blocks adjacent on both sides)", ["stage"], ("requested",), ("posted",))
+        self.rendezvous_wait = _Histograms(
             "kvpushd_rendezvous_wait_seconds", "Prefill side: first arrival (publish or decode registration) "
-            "-> the second arrival that starts the WRITE", buckets=LATENCY_BUCKETS, registry=r)
-        self.post_time = Histogram(
-            "kvpushd_write_post_seconds", "WRITE request reaching the NIXL thread -> WRITE posted",
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.xfer_time = Histogram(
-            "kvpushd_write_seconds", "WRITE posted -> its completion seen", buckets=LATENCY_BUCKETS, registry=r)
-        for stage in ("requested", "posted"):
-            self.descriptors.labels(stage)
-        for outcome in ("ok", "error"):
-            self.writes.labels(outcome)
-        self.late = Counter("kvpushd_late_events", "Late or repeated events the rendezvous dropped on purpose, "
-                            "by event", ["event"], registry=r)
+            "-> the second arrival that starts the WRITE")
+        self.post_time = _Histograms(
+            "kvpushd_write_post_seconds", "WRITE request reaching the NIXL thread -> WRITE posted")
+        self.xfer_time = _Histograms("kvpushd_write_seconds", "WRITE posted -> its completion seen")
+        self.late = _Counts("kvpushd_late_events", "Late or repeated events the rendezvous dropped on purpose, "
+                            "by event", ["event"])
+        r.register(_EventCollector((self.transfers, self.duration, self.bytes, self.writes, self.descriptors,
+                                    self.rendezvous_wait, self.post_time, self.xfer_time, self.late)))
         r.register(_StateCollector(view))
         view.events.add_listener(self._on_event)
 
@@ -107,26 +174,43 @@ class Metrics:
     def write_done(self, r: WriteResult, peer: str) -> None:
         self.post_time.observe(r.post_s)
         if not r.ok:
-            self.writes.labels("error").inc()
+            self.writes.inc(_ERROR)
             return
-        self.writes.labels("ok").inc()
+        self.writes.inc(_OK)
         self.xfer_time.observe(r.xfer_s)
-        self.descriptors.labels("requested").inc(r.descs_requested)
-        self.descriptors.labels("posted").inc(r.descs_posted)
-        self.bytes.labels("sent", peer or "unknown").inc(r.nbytes)
+        d = self.descriptors.values
+        d[_REQUESTED] += r.descs_requested
+        d[_POSTED] += r.descs_posted
+        self.bytes.inc(("sent", peer or "unknown"), r.nbytes)
 
     def dropped(self, event: str) -> None:
-        self.late.labels(event).inc()
+        self.late.inc((event,))
 
     def _on_event(self, ev: Event) -> None:
-        if ev.kind not in (EventKind.TRANSFER_FINISHED, EventKind.TRANSFER_FAILED):
-            return
-        ok = ev.kind is EventKind.TRANSFER_FINISHED
-        side = ev.side or "unknown"
-        self.transfers.labels(side, "finished" if ok else "failed", "NONE" if ok else ev.code.name).inc()
-        self.duration.labels(side).observe(ev.duration_s)
-        if ok and side == "recv":
-            self.bytes.labels("received", ev.peer or "unknown").inc(ev.nbytes)
+        if ev.kind is EventKind.TRANSFER_FINISHED:
+            side = ev.side or "unknown"
+            self.transfers.inc((side, "finished", "NONE"))
+            self.duration.observe(ev.duration_s, (side,))
+            if side == "recv":
+                self.bytes.inc(("received", ev.peer or "unknown"), ev.nbytes)
+        elif ev.kind is EventKind.TRANSFER_FAILED:
+            side = ev.side or "unknown"
+            self.transfers.inc((side, "failed", ev.code.name))
+            self.duration.observe(ev.duration_s, (side,))
+
+
+_OK, _ERROR, _REQUESTED, _POSTED = ("ok",), ("error",), ("requested",), ("posted",)
+
+
+class _EventCollector(Collector):
+    """The counters and histograms of what happened, as metric families (at scrape time)."""
+
+    def __init__(self, metrics: Sequence[_Counts | _Histograms]) -> None:
+        self.metrics = tuple(metrics)
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self.metrics:
+            yield m.family()
 
 
 class _StateCollector(Collector):
