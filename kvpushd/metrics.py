@@ -108,9 +108,11 @@ class _Histograms:
 class Metrics:
     """The daemon's Prometheus registry; also the runtime's Observer (runtime/observe.py).
 
-    What happens per transfer is counted in plain Python numbers (``_Counts``, ``_Histograms``) and
-    read by ``_EventCollector`` at scrape time, in prometheus-client's HTTP thread; a scrape may see
-    one transfer's figures half counted, never a torn number."""
+    What happens per transfer is counted in plain Python numbers (``_Counts``, ``_Histograms``),
+    written by the event loop only (the runtime and the event hub call this object there; an
+    increment is not atomic across threads), and read by ``_EventCollector`` at scrape time, in
+    prometheus-client's HTTP thread: a scrape may see one transfer's figures half counted, never a
+    torn number."""
 
     def __init__(self, view: View) -> None:
         self.view = view
