@@ -13,12 +13,13 @@ bound is logged and left out; it does not stop the data path.
 
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import CollectorRegistry, Info
+from prometheus_client import CollectorRegistry, GCCollector, Info, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
@@ -144,6 +145,10 @@ class Metrics:
         r.register(_EventCollector((self.transfers, self.duration, self.bytes, self.writes, self.descriptors,
                                     self.rendezvous_wait, self.post_time, self.xfer_time, self.late)))
         r.register(_StateCollector(view))
+        # The usual process_* (CPU, memory, fds) and python_gc_* series of a Python exporter.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         view.events.add_listener(self._on_event)
 
     # -- the HTTP endpoint ----------------------------------------------------------------------
@@ -246,6 +251,9 @@ class _StateCollector(Collector):
         declines.add_metric(["sent"], v.counters.declines_sent)
         declines.add_metric(["received"], v.counters.declines_received)
         yield declines
+        yield GaugeMetricFamily("kvpushd_gc_frozen_objects", "Objects start-up made, kept out of garbage "
+                                "collections (app.freeze_startup_objects; 0: not frozen, every full "
+                                "collection walks them with the event loop stopped)", value=gc.get_freeze_count())
         yield CounterMetricFamily("kvpushd_stray_notifications", "Notifications for no pending registration",
                                   value=v.stray_notifications)
         yield CounterMetricFamily("kvpushd_events_dropped", "Events dropped for Watch subscribers that fell "
