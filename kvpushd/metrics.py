@@ -185,9 +185,8 @@ class Metrics:
             return
         self.writes.inc(_OK)
         self.xfer_time.observe(r.xfer_s)
-        d = self.descriptors.values
-        d[_REQUESTED] += r.descs_requested
-        d[_POSTED] += r.descs_posted
+        self.descriptors.inc(_REQUESTED, r.descs_requested)
+        self.descriptors.inc(_POSTED, r.descs_posted)
         self.bytes.inc(("sent", peer or "unknown"), r.nbytes)
 
     def dropped(self, event: str) -> None:

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import grpc.aio
 import uvloop
+from kvpushd_lab.bench.common import pct
 
 MESSAGES = 300
 WARMUP = 20
@@ -55,8 +56,7 @@ def _server(address: str) -> None:
 
 
 def _pct(v: list[float]) -> dict[str, float]:
-    v = sorted(v)
-    return {"p50": round(v[len(v) // 2]), "p90": round(v[int(len(v) * 0.9)]), "p99": round(v[int(len(v) * 0.99)])}
+    return {f"p{round(q * 100)}": round(pct(v, q)) for q in (0.5, 0.9, 0.99)}
 
 
 def grpc_hops(address: str, gap_s: float) -> dict[str, dict[str, float]]:

@@ -15,7 +15,6 @@ DIR/<mode>-<side>.txt) and the JSON gets each daemon's top functions by own time
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from kvpushd_client import Role
+from pyspy_summary import top_self  # scripts/: run as python scripts/bench_stream.py
 from support import make_kv, start_daemon  # tests/support: the test helpers (daemons via kvpushd_lab.launch)
 
 
@@ -46,20 +46,6 @@ def spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     return subprocess.Popen([exe, "record", "--format", "raw", "--rate", "250", "--threads", "--nonblocking",
                              "-o", str(out), "--pid", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def top_self(path: Path, n: int = 15) -> list[tuple[str, float]]:
-    """Own time by function (the leaf frame of each collapsed stack), as shares of all samples."""
-    own: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        k = int(count)
-        total += k
-        own[stack.split(";")[-1].strip()] += k
-    return [(f, round(100 * c / max(total, 1), 1)) for f, c in own.most_common(n)]
 
 
 def run(mode: str, batch: int, rounds: int, profile: Path | None = None) -> dict[str, object]:

@@ -11,39 +11,50 @@ so they are shares of the time some thread of that process ran Python or native 
 from __future__ import annotations
 
 import argparse
-import collections
 import re
 import sys
+from collections import Counter
+from pathlib import Path
 
 _FRAME = re.compile(r"(?P<fn>\S+) \((?P<file>[^:)]+)(?::\d+)?\)")
 _OURS = ("kvpushd/", "kvpushd_client/", "kvpushd_lab/")
 
 
-def summary(path: str, top: int) -> str:
-    own: collections.Counter[str] = collections.Counter()
-    incl: collections.Counter[str] = collections.Counter()
-    threads: collections.Counter[str] = collections.Counter()
+def read(path: str | Path) -> tuple[int, Counter[str], Counter[str], Counter[str]]:
+    """(samples, samples per thread, own time per leaf frame, inclusive time per function of ours)."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    threads: Counter[str] = Counter()
     total = 0
-    with open(path) as f:
-        for line in f:
-            line = line.rstrip()
-            if not line or " " not in line:
+    for line in Path(path).read_text().splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        threads[re.sub(r"\(\d+\)", "", frames[0])] += n
+        own[frames[-1].strip()] += n
+        seen = set()
+        for fr in frames[1:]:
+            m = _FRAME.match(fr)
+            if m is None or not any(o in m["file"] for o in _OURS):
                 continue
-            stack, count = line.rsplit(" ", 1)
-            n = int(count)
-            frames = stack.split(";")
-            total += n
-            threads[re.sub(r"\(\d+\)", "", frames[0])] += n
-            own[frames[-1]] += n
-            seen = set()
-            for fr in frames[1:]:
-                m = _FRAME.match(fr)
-                if m is None or not any(o in m["file"] for o in _OURS):
-                    continue
-                key = f"{m['fn']} ({m['file'].split('site-packages/')[-1]})"
-                if key not in seen:
-                    seen.add(key)
-                    incl[key] += n
+            key = f"{m['fn']} ({m['file'].split('site-packages/')[-1]})"
+            if key not in seen:
+                seen.add(key)
+                incl[key] += n
+    return total, threads, own, incl
+
+
+def top_self(path: str | Path, n: int = 15) -> list[tuple[str, float]]:
+    """Own time by function (the leaf frame of each stack), as percentages of all samples."""
+    total, _, own, _ = read(path)
+    return [(f, round(100 * c / max(total, 1), 1)) for f, c in own.most_common(n)]
+
+
+def summary(path: str, top: int) -> str:
+    total, threads, own, incl = read(path)
     if total == 0:
         return f"== {path}: no samples\n"
     out = [f"== {path}: {total} samples", "-- threads"]

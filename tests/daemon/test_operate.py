@@ -312,7 +312,7 @@ def test_startup_objects_are_frozen_and_process_metrics_are_exported(pair: tuple
         assert value(m, "kvpushd_gc_frozen_objects") > 50_000
         assert value(m, "process_cpu_seconds_total") > 0
         assert value(m, "process_open_fds") > 0
-        assert (("python_gc_collections_total", frozenset({("generation", "2")})) in m)
+        assert ("python_gc_collections_total", frozenset({("generation", "2")})) in m
 
 
 # -- the event hub on its own -----------------------------------------------------------------------
