@@ -93,7 +93,9 @@ def check_shareable(legacy_ipc_capable: bool | None, kind: str | None, share_err
         if expandable_env and kind is not None:
             raise CudaMemoryError(EXPANDABLE_MESSAGE)
         why = f" (torch: {share_error})" if share_error else ""
-        raise CudaMemoryError(VMM_MESSAGE + why)
+        also = (" PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True as well: unset it too, or the tensor "
+                "lands in an expandable segment, which kvpushd refuses too.") if expandable_env else ""
+        raise CudaMemoryError(VMM_MESSAGE + why + also)
     if kind == "unknown":
         raise CudaMemoryError("torch made a CUDA IPC handle of a format kvpushd does not know; "
                               "use a torch release with the versioned handle ('c' or 'e' after the version byte)")
@@ -101,10 +103,10 @@ def check_shareable(legacy_ipc_capable: bool | None, kind: str | None, share_err
 
 @dataclass(frozen=True, slots=True)
 class PointerInfo:
-    device_ordinal: int
-    legacy_ipc_capable: bool
+    device_ordinal: int             # -1: the driver did not say
+    legacy_ipc_capable: bool | None  # None: the driver did not say
     range_start: int
-    range_size: int
+    range_size: int                 # 0: the driver did not say
 
 
 class Driver:
@@ -126,14 +128,20 @@ class Driver:
                     f"cuPointerGetAttribute({attr})")
         return int(v.value)
 
+    def _maybe(self, ptr: int, attr: int, ctype: type[ctypes._SimpleCData], default: int) -> int:  # type: ignore[type-arg]
+        try:
+            return self.attribute(ptr, attr, ctype)
+        except OSError:
+            return default
+
     def pointer(self, ptr: int) -> PointerInfo:
         """What the driver knows of a device pointer (needs a current context on its device)."""
+        legacy = self._maybe(ptr, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ctypes.c_int, -1)
         return PointerInfo(
-            device_ordinal=self.attribute(ptr, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_int),
-            legacy_ipc_capable=bool(self.attribute(ptr, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                                                   ctypes.c_int)),
-            range_start=self.attribute(ptr, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR),
-            range_size=self.attribute(ptr, CU_POINTER_ATTRIBUTE_RANGE_SIZE))
+            device_ordinal=self._maybe(ptr, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_int, -1),
+            legacy_ipc_capable=None if legacy < 0 else bool(legacy),
+            range_start=self._maybe(ptr, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ctypes.c_uint64, 0),
+            range_size=self._maybe(ptr, CU_POINTER_ATTRIBUTE_RANGE_SIZE, ctypes.c_uint64, 0))
 
 
 @functools.cache
