@@ -174,6 +174,11 @@ acc = Access(Loc(1, torch.cuda.current_device()), 3)
 assert lib.cuMemSetAccess(ptr, C.c_size_t(size), C.byref(acc), C.c_size_t(1)) == 0
 info = driver().pointer(ptr.value)
 out["cumem_legacy_ipc"] = info.legacy_ipc_capable
+allowed = C.c_uint64(0)  # CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: what it could be exported as
+out["cumem_allowed_rc"] = lib.cuPointerGetAttribute(C.byref(allowed), 14, ptr)
+out["cumem_allowed_handle_types"] = allowed.value
+fd = C.c_int(-1)  # the export kvpushd would need: a POSIX fd to pass over the unix socket
+out["cumem_export_rc"] = lib.cuMemExportToShareableHandle(C.byref(fd), h, C.c_int(1), C.c_uint64(0))
 try:
     check_shareable(info.legacy_ipc_capable, None, "cudaIpcGetMemHandle does not apply")
     out["cumem"] = "accepted"
@@ -194,6 +199,8 @@ def test_gpu_vmm_memory_refused_with_the_setting_to_change(daemon_pair) -> None:
     assert out["daemon"] != "accepted", out
     assert "expandable_segments" in out["daemon"] or "torch cannot share" in out["daemon"], out
     assert out["cumem_legacy_ipc"] is False, out
+    # why kvpushd refuses rather than exports: created with no shareable handle type, the driver refuses
+    assert out["cumem_export_rc"] != 0 and out["cumem_allowed_handle_types"] == 0, out
     assert "--enable-sleep-mode" in out["cumem"], out
     assert not p.client.status().workers  # the daemon goes on, nothing attached
 

@@ -170,6 +170,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 for rep in range(args.repeat):
                     sblk, dblk = _blocks(n, lay.num_blocks, args.fragmented, rng)
                     dst.fill_(POISON)
+                    torch.cuda.synchronize()  # the fill is done before NIXL writes (another stream, another process)
                     ns, _, _ = _daemon_once(p, pw, dw, f"gpu-{tokens}-{rep}", sblk, dblk)
                     t["daemon"].append(ns)
                     si, di = torch.from_numpy(sblk).cuda(), torch.from_numpy(dblk).cuda()
