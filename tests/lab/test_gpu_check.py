@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +60,8 @@ def test_repacked_nixl_has_no_expert_parallel_modules_and_a_true_record(prepared
         listed = {ln.rsplit(",", 2)[0] for ln in z.read(record).decode().splitlines() if ln}
         assert listed == names
     check = prepared["nixl_check"]
-    if shutil.which("python3.12") or os.environ.get("PYTHON312") or check.get("verified"):
-        assert check["verified"] and check["bytes_ok"], check
+    # moved bytes with the repacked wheel here, unless this machine has no Python 3.12 to import it with
+    assert (check["verified"] and check["bytes_ok"]) or check["why"].startswith("no Python 3.12 here"), check
 
 
 def test_run_half_skips_gpu_parts_without_a_gpu(tmp_path: Path) -> None:

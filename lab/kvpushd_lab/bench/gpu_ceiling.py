@@ -188,6 +188,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                              "raw_nixl_vs_torch_copy": round(med["torch_copy"] / med["raw_nixl"], 3),
                              "bit_exact": exact})
                 progress(f"  {tokens} tokens: {gbs}")
+                if args.json:  # what is measured so far survives a timeout
+                    args.json.write_text(json.dumps({"bench": "gpu_ceiling", "partial": True, "rows": rows}) + "\n")
             for w in (pw, dw):
                 w.detach()
             logs = p.logs() + d.logs()
