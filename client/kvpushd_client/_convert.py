@@ -43,10 +43,13 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
         if isinstance(m, ShmMemory):
             mem.append(common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=m.name, size=m.size)))
         elif isinstance(m, CudaMemory):
+            sentinel, sentinel_offset, restore = (m.arm_sentinel() if m.arm_sentinel is not None
+                                                  else (m.sentinel, m.sentinel_offset, m.sentinel_restore))
             mem.append(common_pb2.MemoryHandle(cuda_ipc=common_pb2.CudaIpcHandle(
                 gpu_uuid=m.gpu_uuid, ipc_handle=m.ipc_handle, size=m.size, storage_offset=m.storage_offset,
                 ref_counter_handle=m.ref_counter_handle, ref_counter_offset=m.ref_counter_offset,
-                event_handle=m.event_handle, event_sync_required=m.event_sync_required)))
+                event_handle=m.event_handle, event_sync_required=m.event_sync_required,
+                sentinel=sentinel, sentinel_offset=sentinel_offset, sentinel_restore=restore)))
         else:
             raise TypeError(f"memory must be ShmMemory or CudaMemory, got {type(m).__name__}")
     regs = [common_pb2.Region(memory_index=r.memory_index, offset=r.offset, num_blocks=r.num_blocks,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .errors import DaemonUnavailable, KVPushError
 
@@ -49,6 +50,13 @@ class CudaMemory:
     ref_counter_offset: int = 0
     event_handle: bytes = b""
     event_sync_required: bool = False
+    # What the daemon reads through its mapping before it registers the memory: ``sentinel`` at
+    # ``sentinel_offset``, then it writes ``sentinel_restore`` (the bytes that were there) back.
+    sentinel: bytes = b""
+    sentinel_offset: int = 0
+    sentinel_restore: bytes = b""
+    # Called for every attach request (reconnects too): writes a fresh sentinel, returns the three above.
+    arm_sentinel: Callable[[], tuple[bytes, int, bytes]] | None = field(default=None, compare=False, repr=False)
 
 
 Memory = ShmMemory | CudaMemory

@@ -38,7 +38,8 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
     if kind == "cuda_ipc":
         c = h.cuda_ipc
         return CudaSpec(c.gpu_uuid, c.ipc_handle, c.size, c.storage_offset, c.ref_counter_handle,
-                        c.ref_counter_offset, c.event_handle, c.event_sync_required)
+                        c.ref_counter_offset, c.event_handle, c.event_sync_required, c.sentinel,
+                        c.sentinel_offset, c.sentinel_restore)
     raise InvalidArgument("memory handle has neither shm nor cuda_ipc set")
 
 

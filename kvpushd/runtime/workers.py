@@ -47,6 +47,9 @@ class CudaSpec:
     ref_counter_offset: int = 0
     event_handle: bytes = b""
     event_sync_required: bool = False
+    sentinel: bytes = b""          # checked through the mapping before NIXL sees it (memory/cuda.py)
+    sentinel_offset: int = 0
+    sentinel_restore: bytes = b""
 
 
 MemorySpec = ShmSpec | CudaSpec
@@ -260,7 +263,8 @@ def open_all(memory: Sequence[MemorySpec]) -> list[Mapping]:
 
                 out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
                                           spec.ref_counter_handle, spec.ref_counter_offset,
-                                          spec.event_handle, spec.event_sync_required))
+                                          spec.event_handle, spec.event_sync_required,
+                                          spec.sentinel, spec.sentinel_offset, spec.sentinel_restore))
     except BaseException:
         for m in out:
             m.close()

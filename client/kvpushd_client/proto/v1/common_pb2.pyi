@@ -184,6 +184,9 @@ class CudaIpcHandle(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
     EVENT_HANDLE_FIELD_NUMBER: _builtins.int
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    SENTINEL_FIELD_NUMBER: _builtins.int
+    SENTINEL_OFFSET_FIELD_NUMBER: _builtins.int
+    SENTINEL_RESTORE_FIELD_NUMBER: _builtins.int
     gpu_uuid: _builtins.str
     """e.g. "GPU-8a3c..."; torch.cuda.get_device_properties(i).uuid"""
     ipc_handle: _builtins.bytes
@@ -198,6 +201,14 @@ class CudaIpcHandle(_message.Message):
     event_handle: _builtins.bytes
     """may be empty"""
     event_sync_required: _builtins.bool
+    sentinel: _builtins.bytes
+    """The daemon checks what it mapped before it registers it with NIXL: the GPU (by UUID), the size,
+    and a probe read of `sentinel`, which the worker wrote at byte `sentinel_offset` of the storage
+    just before attaching. On a match the daemon writes `sentinel_restore` (the bytes that were there)
+    back; on a mismatch it refuses the attach and writes nothing. Empty sentinel: no probe (older clients).
+    """
+    sentinel_offset: _builtins.int
+    sentinel_restore: _builtins.bytes
     def __init__(
         self,
         *,
@@ -209,10 +220,13 @@ class CudaIpcHandle(_message.Message):
         ref_counter_offset: _builtins.int = ...,
         event_handle: _builtins.bytes = ...,
         event_sync_required: _builtins.bool = ...,
+        sentinel: _builtins.bytes = ...,
+        sentinel_offset: _builtins.int = ...,
+        sentinel_restore: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "gpu_uuid", b"gpu_uuid", "ipc_handle", b"ipc_handle", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "size", b"size", "storage_offset", b"storage_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "gpu_uuid", b"gpu_uuid", "ipc_handle", b"ipc_handle", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "sentinel", b"sentinel", "sentinel_offset", b"sentinel_offset", "sentinel_restore", b"sentinel_restore", "size", b"size", "storage_offset", b"storage_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
