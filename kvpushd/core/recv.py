@@ -24,6 +24,7 @@ class RecvState(enum.Enum):
 
 
 _PUSH, _PULL = TransferMode.PUSH, TransferMode.PULL
+MODES = (_PUSH, _PULL)  # a receive's mode (UNSPECIFIED reads as PUSH at the boundary)
 GONE, DROP, STAY = Move.GONE, Move.DROP, Move.STAY
 # How a receive ends early, in any mode and state: its Register failed or the prefill side failed
 # it, aborted, its worker gone, the daemon stopping, its prefill daemon lost, expired, or replaced
@@ -37,9 +38,9 @@ RecvKey = tuple[TransferMode | None, RecvState | None]  # (mode, state); (None, 
 # notification for a pull registration is dropped, and an offer for a push one is illegal. An
 # offer for no receive at all is NotFound, checked before the table (the caller named it).
 RECV_TABLE: dict[tuple[RecvKey, str], RecvState | Move] = {
-    **{((m, st), "registered"): RecvState.REGISTERED for m in TransferMode for st in RecvState},
-    **{((m, st), "expect"): STAY for m in TransferMode for st in RecvState},  # a retry (else: replaced)
-    **{((m, st), e): GONE for m in TransferMode for st in RecvState for e in RECV_ENDS},
+    **{((m, st), "registered"): RecvState.REGISTERED for m in MODES for st in RecvState},
+    **{((m, st), "expect"): STAY for m in MODES for st in RecvState},  # a retry (else: replaced)
+    **{((m, st), e): GONE for m in MODES for st in RecvState for e in RECV_ENDS},
     **{((_PUSH, st), "notified"): st for st in RecvState},
     **{((_PUSH, st), "landed"): GONE for st in RecvState},
     **{((_PULL, st), "offer"): RecvState.REGISTERED for st in RecvState},
@@ -78,7 +79,6 @@ class _Recv:
     producer_engine_id: str
     expected: frozenset[int]
     created: float
-    deadline: float
     state: RecvState = RecvState.REGISTERING
     landed: set[int] = field(default_factory=set)
     mode: TransferMode = TransferMode.PUSH
@@ -229,16 +229,15 @@ class RecvSide:
             rid = secrets.randbits(63) or 1
             while rid in self._by_reg:
                 rid = secrets.randbits(63) or 1
-        deadline = now + self.expect_timeout_s
         state = recv_step(None, None, "expect", transfer_id)
         assert isinstance(state, RecvState)
         r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
                   frozenset(writer_sources(consumer_rank, producer_tp_size, consumer_tp_size, mla)),
-                  now, deadline, state, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
+                  now, state, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
                   consumer_tp_size=consumer_tp_size)
         self._by_key[(worker_id, transfer_id)] = r
         self._by_reg[rid] = r
-        self._deadlines.arm(ExpectLease(rid), deadline)
+        self._deadlines.arm(ExpectLease(rid), now + self.expect_timeout_s)
         actions.append(SendRegister(producer_address, rid, worker_id, transfer_id, producer_engine_id,
                                     producer_tp_size, consumer_rank, consumer_tp_size, blocks, mode, skip_tokens))
         return actions

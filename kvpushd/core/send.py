@@ -149,9 +149,8 @@ class SendSide:
                 f"{rank} with other blocks; abort it first"
             )
         self._now = max(self._now, now)
-        deadline = now + self.publish_timeout_s
-        t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, now, deadline, layouts)
-        self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), deadline)
+        t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts)
+        self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
         return self._match(t, now)
 
     def register(self, now: float, reg: Registration) -> list[Action]:

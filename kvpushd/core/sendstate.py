@@ -71,7 +71,8 @@ PUB_TABLE: dict[tuple[PubState | None, str], PubState | Move] = {
     (PubState.WAITING, "written"): GONE,  # FINISHED_SENDING
     (PubState.FAILING, "settled"): GONE,  # FAILED, nothing of it in flight any more
     **{(PubState.WAITING, e): PubState.FAILING for e in PUB_FAILURES},
-    **{(PubState.FAILING, e): STAY for e in PUB_FAILURES},
+    # a failing publish is not matched again, so no layout of it is checked any more
+    **{(PubState.FAILING, e): STAY for e in PUB_FAILURES if e != "mismatch"},
 }
 
 REG_TABLE: dict[tuple[RegState | None, str], RegState | Move] = {
@@ -122,8 +123,6 @@ class Publish:
     rank: int
     tp_size: int
     block_ids: tuple[int, ...]
-    created: float
-    deadline: float
     layouts: tuple[Shape, ...] = ()  # the producer's regions, if known
     legs: dict[int, LegState] = field(default_factory=dict)  # registration id -> state
     leg_ranks: dict[int, int] = field(default_factory=dict)  # registration id -> its consumer rank
