@@ -142,10 +142,6 @@ class RecvSide:
         """Registrations whose FAILED waits for the answer to their withdrawal."""
         return set(self._ending)
 
-    def _defer(self, r: _Recv, code: FailureCode, reason: str) -> None:
-        self._ending[r.registration_id] = self._fail(r, code, reason)
-        self._ending_keys.add((r.worker_id, r.transfer_id))
-
     def sent_to(self, registration_id: int) -> tuple[str, str] | None:
         """(transfer id, producer address) of a pending registration, or None."""
         r = self._by_reg.get(registration_id)
@@ -221,9 +217,7 @@ class RecvSide:
                 blocks, producer_address, producer_engine_id, mode):
                 return []  # a retried Expect: idempotent
             # Re-submitted after preemption with new blocks: the new registration replaces the old.
-            self._remove(old, "replaced")
-            actions.append(SendWithdraw(old.producer_address, transfer_id, old.registration_id,
-                                        FailureCode.SUPERSEDED, "replaced by a newer Expect"))
+            actions += self._end(old, "replaced", FailureCode.SUPERSEDED, "replaced by a newer Expect", "")
         rid = next(self._next_id)
         if self._random_ids:
             rid = secrets.randbits(63) or 1
@@ -339,30 +333,16 @@ class RecvSide:
         if recv_step(*self._key(r), "abort", transfer_id) is Move.STAY:
             return False, []
         assert r is not None
-        self._remove(r, "abort")
-        self._defer(r, FailureCode.ABORTED, "aborted by the decode engine")
-        return True, [
-            SendWithdraw(r.producer_address, transfer_id, r.registration_id, FailureCode.ABORTED,
-                         "aborted by the decode engine"),
-        ]
+        return True, self._end(r, "abort", FailureCode.ABORTED, "aborted by the decode engine", "deferred")
 
     def worker_gone(self, worker_id: str) -> list[Action]:
-        actions: list[Action] = []
-        for r in [r for r in self._by_reg.values() if r.worker_id == worker_id]:
-            self._remove(r, "worker_gone")
-            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.WORKER_GONE, "decode worker is gone"))
-        return actions
+        return [a for r in [r for r in self._by_reg.values() if r.worker_id == worker_id]
+                for a in self._end(r, "worker_gone", FailureCode.WORKER_GONE, "decode worker is gone", "")]
 
     def shutdown(self, reason: str) -> list[Action]:
         """The daemon is stopping: every receive fails now, and its registration is withdrawn."""
-        actions: list[Action] = []
-        for r in list(self._by_reg.values()):
-            self._remove(r, "shutdown")
-            actions.append(self._fail(r, FailureCode.SHUTDOWN, reason))
-            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.SHUTDOWN, reason))
-        return actions
+        return [a for r in list(self._by_reg.values()) for a in self._end(r, "shutdown", FailureCode.SHUTDOWN,
+                                                                           reason, "now")]
 
     def producer_lost(self, producer_address: str, code: FailureCode, reason: str,
                       registered_only: bool = False) -> list[Action]:
@@ -382,12 +362,9 @@ class RecvSide:
         actions: list[Action] = []
         for key in self._deadlines.pop_due(now):
             r = self._by_reg[key.registration_id]
-            self._remove(r, "timeout")
             msg = (f"transfer {r.transfer_id!r} not received within {self.expect_timeout_s:g}s "
                    f"(landed ranks {sorted(r.landed)} of {sorted(r.expected)}, state {r.state.value})")
-            self._defer(r, FailureCode.TIMEOUT, msg)
-            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.TIMEOUT, msg))
+            actions += self._end(r, "timeout", FailureCode.TIMEOUT, msg, "deferred")
         return actions
 
     @staticmethod
@@ -401,6 +378,17 @@ class RecvSide:
             return []
         self._remove(r, "landed")
         return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+
+    def _end(self, r: _Recv, event: str, code: FailureCode, reason: str, fail: str) -> list[Action]:
+        """End a receive and withdraw its registration. Its FAILED goes ``"now"``, or ``"deferred"``
+        until the prefill daemon answers the withdrawal (no WRITE into the blocks is in flight any
+        more; until then the (worker, transfer) may not be Expected again), or not at all (``""``)."""
+        self._remove(r, event)
+        out: list[Action] = [self._fail(r, code, reason)] if fail == "now" else []
+        if fail == "deferred":
+            self._ending[r.registration_id] = self._fail(r, code, reason)
+            self._ending_keys.add((r.worker_id, r.transfer_id))
+        return [*out, SendWithdraw(r.producer_address, r.transfer_id, r.registration_id, code, reason)]
 
     def _remove(self, r: _Recv, event: str) -> None:
         recv_step(r.mode, r.state, event, r.transfer_id)  # -> GONE

@@ -28,7 +28,7 @@ Modules: actions.py (what the core decides), send.py (prefill side: its records 
 sendstate.py, what a leg carries in legplan.py), recv.py (decode side), deadlines.py, table.py;
 this module is their public face.
 
-Invariants (checked by the Hypothesis state machine in tests/test_core_stateful.py):
+Invariants (checked by the Hypothesis state machine in tests/core/test_core_stateful.py):
 - every Publish and every Expect ends with exactly one terminal Completion to its worker, unless the
   worker itself is gone or replaced the Expect;
 - a leg is written at most once;

@@ -284,10 +284,8 @@ class SendSide:
         pubs = [p for p in t.publishes.values() if p.worker_id == worker_id] if t else []
         if t is None or not pubs:
             return False, []
-        actions: list[Action] = []
-        for pub in pubs:
-            actions += self._fail_targets(t, pub, FailureCode.ABORTED, "aborted by the prefill engine")
-            self._fail_publish(t, pub, "abort", FailureCode.ABORTED, "aborted by the engine")
+        actions = [a for pub in pubs for a in self._fail(t, pub, "abort", FailureCode.ABORTED,
+                                                          "aborted by the engine", "aborted by the prefill engine")]
         return True, actions + self._settle(t)
 
     def worker_gone(self, worker_id: str) -> list[Action]:
@@ -295,8 +293,8 @@ class SendSide:
         actions: list[Action] = []
         for t in list(self._transfers.values()):
             for pub in [p for p in t.publishes.values() if p.worker_id == worker_id]:
-                actions += self._fail_targets(t, pub, FailureCode.WORKER_GONE, "prefill worker is gone")
-                self._fail_publish(t, pub, "worker_gone", FailureCode.WORKER_GONE, "worker is gone")
+                actions += self._fail(t, pub, "worker_gone", FailureCode.WORKER_GONE, "worker is gone",
+                                      "prefill worker is gone")
             actions += self._settle(t)
         return [a for a in actions if not (isinstance(a, Deliver) and a.worker_id == worker_id)]
 
@@ -322,8 +320,7 @@ class SendSide:
         actions: list[Action] = []
         for t in list(self._transfers.values()):
             for pub in list(t.publishes.values()):
-                actions += self._fail_targets(t, pub, FailureCode.SHUTDOWN, reason)
-                self._fail_publish(t, pub, "shutdown", FailureCode.SHUTDOWN, reason)
+                actions += self._fail(t, pub, "shutdown", FailureCode.SHUTDOWN, reason)
             for reg in list(t.registrations.values()):
                 actions += self._drop_registration(t, reg, "shutdown", (FailureCode.SHUTDOWN, reason))
             actions += self._settle(t)
@@ -362,8 +359,7 @@ class SendSide:
                     continue
                 msg = (f"no decode registration for transfer {t.transfer_id!r} within "
                        f"{self.publish_timeout_s:g}s of publish")
-                actions += self._fail_targets(t, pub, FailureCode.TIMEOUT, msg)
-                self._fail_publish(t, pub, "timeout", FailureCode.TIMEOUT, msg)
+                actions += self._fail(t, pub, "timeout", FailureCode.TIMEOUT, msg)
             else:
                 reg = t.registrations.get(key.consumer_rank)
                 if reg is None:
@@ -397,8 +393,7 @@ class SendSide:
                 problem = mismatch(pub, reg, tokens)
                 if problem:
                     actions += self._drop_registration(t, reg, "mismatch", (FailureCode.LAYOUT_MISMATCH, problem))
-                    actions += self._fail_targets(t, pub, FailureCode.LAYOUT_MISMATCH, problem)
-                    self._fail_publish(t, pub, "mismatch", FailureCode.LAYOUT_MISMATCH, problem)
+                    actions += self._fail(t, pub, "mismatch", FailureCode.LAYOUT_MISMATCH, problem)
                     break
                 nxt = step(LEG_TABLE, pub.legs.get(reg.registration_id), "start", t.transfer_id)
                 assert isinstance(nxt, LegState)
@@ -419,12 +414,15 @@ class SendSide:
             pub.state = PubState.FAILING
             pub.failure = (code, reason)
 
-    def _fail_targets(self, t: SendTransfer, pub: Publish, code: FailureCode, reason: str) -> list[Action]:
-        """Registrations this publish would have written are void: tell their decode daemons."""
+    def _fail(self, t: SendTransfer, pub: Publish, event: str, code: FailureCode, reason: str,
+              told: str = "") -> list[Action]:
+        """The publish fails; registrations it would have written are void: their decode daemons are
+        told (``told``: what they hear, if not ``reason``)."""
         actions: list[Action] = []
         for reg in list(t.registrations.values()):
             if reg.consumer_rank in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
-                actions += self._drop_registration(t, reg, "void", (code, reason))
+                actions += self._drop_registration(t, reg, "void", (code, told or reason))
+        self._fail_publish(t, pub, event, code, reason)
         return actions
 
     def _drop_registration(
