@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -58,19 +56,15 @@ LAB_HINT = ("kvpushd {cmd}: the demo and the benchmarks live in the kvpushd-lab 
 
 def _command_registrars() -> list[Callable[[Any], None]]:
     """Functions that add subcommands (``demo``, ``bench``) from other distributions: the
-    ``kvpushd.commands`` entry points, or, where no distribution declares one (the lab on PYTHONPATH
-    only, say a source checkout next to an older install), ``kvpushd_lab.commands`` if it can be found.
-    kvpushd itself never imports the lab."""
+    ``kvpushd.commands`` entry points of what is installed. kvpushd itself never imports the lab."""
     from importlib.metadata import entry_points
 
     found = []
     for ep in entry_points(group="kvpushd.commands"):
         try:
             found.append(ep.load())
-        except ImportError:  # a stale entry point (distribution removed): skip it
+        except ImportError:  # a stale entry point (its distribution removed): skip it
             continue
-    if not found and importlib.util.find_spec("kvpushd_lab") is not None:
-        found.append(importlib.import_module("kvpushd_lab.commands").register)
     return found
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from . import notif
 from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegister, SendWithdraw, StartRead
 from .deadlines import Deadlines
-from .errors import AlreadyExists, IllegalTransition, InvalidArgument, NotFound, PermissionDenied
+from .errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from .layout import Shape
-from .table import Move
+from .table import Move, step
 from .topology import block_parts, check_tp_pair, writer_sources
 from .types import Completion, CompletionKind, FailureCode, TransferMode
 
@@ -24,26 +24,49 @@ class RecvState(enum.Enum):
 
 
 _PUSH, _PULL = TransferMode.PUSH, TransferMode.PULL
-# The decode side's registration, by mode: (state, event) -> the state it moves to, or DROP. A
-# WRITE may land (notified) before the answer to Register does; an offer may come before it too.
-# A WRITE notification for a pull registration, or an offer for a push one, is not in the table.
-RECV_TABLE: dict[tuple[TransferMode, RecvState, str], RecvState | Move] = {
-    **{(_PUSH, st, "registered"): RecvState.REGISTERED for st in RecvState},
-    **{(_PUSH, st, "notified"): st for st in RecvState},
-    **{(_PULL, st, "registered"): RecvState.REGISTERED for st in RecvState},
-    **{(_PULL, st, "offer"): RecvState.REGISTERED for st in RecvState},
-    **{(_PULL, st, "notified"): Move.DROP for st in RecvState},
+MODES = (_PUSH, _PULL)  # a receive's mode (UNSPECIFIED reads as PUSH at the boundary)
+GONE, DROP, STAY = Move.GONE, Move.DROP, Move.STAY
+# How a receive ends early, in any mode and state: its Register failed or the prefill side failed
+# it, aborted, its worker gone, the daemon stopping, its prefill daemon lost, expired, or replaced
+# by a newer Expect of the same (worker, transfer) with other blocks.
+RECV_ENDS = ("failed", "abort", "worker_gone", "shutdown", "producer_lost", "timeout", "replaced")
+RecvKey = tuple[TransferMode | None, RecvState | None]  # (mode, state); (None, None): no such receive
+# The decode side's receive, by mode: ((mode, state), event) -> the state it moves to, GONE, DROP
+# or STAY. A WRITE may land (notified) before the answer to Register does; an offer may come
+# before it too. ``landed``: the last expected producer rank landed (FINISHED_RECEIVING). A READ
+# starts only from an offer (which moves to REGISTERED), so no READ ends in REGISTERING; a WRITE
+# notification for a pull registration is dropped, and an offer for a push one is illegal. An
+# offer for no receive at all is NotFound, checked before the table (the caller named it).
+RECV_TABLE: dict[tuple[RecvKey, str], RecvState | Move] = {
+    **{((m, st), "registered"): RecvState.REGISTERED for m in MODES for st in RecvState},
+    **{((m, st), "expect"): STAY for m in MODES for st in RecvState},  # a retry (else: replaced)
+    **{((m, st), e): GONE for m in MODES for st in RecvState for e in RECV_ENDS},
+    **{((_PUSH, st), "notified"): st for st in RecvState},
+    **{((_PUSH, st), "landed"): GONE for st in RecvState},
+    **{((_PULL, st), "offer"): RecvState.REGISTERED for st in RecvState},
+    **{((_PULL, st), "notified"): DROP for st in RecvState},
+    ((_PULL, RecvState.REGISTERED), "read_done"): RecvState.REGISTERED,
+    ((_PULL, RecvState.REGISTERED), "read_failed"): GONE,
+    ((_PULL, RecvState.REGISTERED), "landed"): GONE,
+    ((None, None), "expect"): RecvState.REGISTERING,
+    ((None, None), "registered"): DROP,   # it ended before the answer to its Register
+    ((None, None), "notified"): DROP,     # a stray or late notification
+    ((None, None), "failed"): DROP,       # it ended already
+    ((None, None), "read_done"): DROP,    # it ended while its READ was in flight
+    ((None, None), "read_failed"): STAY,  # the prefill side is told all the same (it holds its blocks)
+    ((None, None), "abort"): STAY,        # nothing to abort
 }
 
 
-def recv_step(mode: TransferMode, state: RecvState, event: str, transfer_id: str) -> RecvState | Move:
-    move = RECV_TABLE.get((mode, state, event))
-    if move is None:
-        raise IllegalTransition(f"{mode.name.lower()} {state.value}", event,
-                                f"transfer {transfer_id[:256]!r}: event {event!r} is not allowed for a "
-                                f"{mode.name.lower()}-mode registration in state {state.value!r}",
-                                transfer_id=transfer_id)
-    return move
+def recv_step(mode: TransferMode | None, state: RecvState | None, event: str, transfer_id: str) -> RecvState | Move:
+    return step(RECV_TABLE, (mode, state), event, transfer_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectLease:
+    """A receive's deadline (expect_timeout_s): the deadline key of the decode side."""
+
+    registration_id: int
 
 
 @dataclass(slots=True)
@@ -56,7 +79,6 @@ class _Recv:
     producer_engine_id: str
     expected: frozenset[int]
     created: float
-    deadline: float
     state: RecvState = RecvState.REGISTERING
     landed: set[int] = field(default_factory=set)
     mode: TransferMode = TransferMode.PUSH
@@ -98,15 +120,14 @@ class RecvSide:
         self._ending_keys: set[tuple[str, str]] = set()
         self._by_key: dict[tuple[str, str], _Recv] = {}
         self._by_reg: dict[int, _Recv] = {}
-        self._deadlines = Deadlines()
-        self._valid: dict[object, float] = {}
+        self._deadlines: Deadlines[ExpectLease] = Deadlines()
         self.stray_notifications = 0
 
     def __len__(self) -> int:
         return len(self._by_reg)
 
     def next_deadline(self) -> float | None:
-        return self._deadlines.next(self._valid)
+        return self._deadlines.next()
 
     def withdraw_answered(self, registration_id: int) -> list[Action]:
         """The prefill daemon answered a SendWithdraw (or could not be reached): deliver the FAILED
@@ -120,10 +141,6 @@ class RecvSide:
     def deferred(self) -> set[int]:
         """Registrations whose FAILED waits for the answer to their withdrawal."""
         return set(self._ending)
-
-    def _defer(self, r: _Recv, code: FailureCode, reason: str) -> None:
-        self._ending[r.registration_id] = self._fail(r, code, reason)
-        self._ending_keys.add((r.worker_id, r.transfer_id))
 
     def sent_to(self, registration_id: int) -> tuple[str, str] | None:
         """(transfer id, producer address) of a pending registration, or None."""
@@ -195,27 +212,26 @@ class RecvSide:
         actions: list[Action] = []
         old = self._by_key.get((worker_id, transfer_id))
         if old is not None:
+            recv_step(old.mode, old.state, "expect", transfer_id)  # STAY
             if (old.block_ids, old.producer_address, old.producer_engine_id, old.mode) == (
                 blocks, producer_address, producer_engine_id, mode):
                 return []  # a retried Expect: idempotent
             # Re-submitted after preemption with new blocks: the new registration replaces the old.
-            self._remove(old)
-            actions.append(SendWithdraw(old.producer_address, transfer_id, old.registration_id,
-                                        FailureCode.SUPERSEDED, "replaced by a newer Expect"))
+            actions += self._end(old, "replaced", FailureCode.SUPERSEDED, "replaced by a newer Expect", "")
         rid = next(self._next_id)
         if self._random_ids:
             rid = secrets.randbits(63) or 1
             while rid in self._by_reg:
                 rid = secrets.randbits(63) or 1
-        deadline = now + self.expect_timeout_s
+        state = recv_step(None, None, "expect", transfer_id)
+        assert isinstance(state, RecvState)
         r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
                   frozenset(writer_sources(consumer_rank, producer_tp_size, consumer_tp_size, mla)),
-                  now, deadline, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
+                  now, state, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
                   consumer_tp_size=consumer_tp_size)
         self._by_key[(worker_id, transfer_id)] = r
         self._by_reg[rid] = r
-        self._valid[rid] = deadline
-        self._deadlines.add(deadline, rid)
+        self._deadlines.arm(ExpectLease(rid), now + self.expect_timeout_s)
         actions.append(SendRegister(producer_address, rid, worker_id, transfer_id, producer_engine_id,
                                     producer_tp_size, consumer_rank, consumer_tp_size, blocks, mode, skip_tokens))
         return actions
@@ -223,26 +239,23 @@ class RecvSide:
     def registered(self, registration_id: int) -> list[Action]:
         """The prefill daemon accepted the registration."""
         r = self._by_reg.get(registration_id)
-        if r is None:
+        nxt = recv_step(*self._key(r), "registered", r.transfer_id if r else "")
+        if nxt is Move.DROP:
             return [Dropped("registered", "", f"registration {registration_id} ended before its Register answer")]
-        nxt = recv_step(r.mode, r.state, "registered", r.transfer_id)
-        if isinstance(nxt, RecvState):
-            r.state = nxt
+        assert r is not None and isinstance(nxt, RecvState)
+        r.state = nxt
         return []
 
     def notified(self, registration_id: int, producer_rank: int) -> list[Action]:
         """A WRITE's notification arrived: that producer rank's bytes have landed."""
         r = self._by_reg.get(registration_id)
-        if r is None or producer_rank not in r.expected or \
-                recv_step(r.mode, r.state, "notified", r.transfer_id) is Move.DROP:
+        mine = r if r is not None and producer_rank in r.expected else None
+        if recv_step(*self._key(mine), "notified", r.transfer_id if r else "") is Move.DROP:
             self.stray_notifications += 1
             return [Dropped("notified", r.transfer_id if r else "", f"no pending push registration "
                             f"{registration_id} expects producer rank {producer_rank}")]
-        r.landed.add(producer_rank)
-        if r.landed != r.expected:
-            return []
-        self._remove(r)
-        return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+        assert mine is not None
+        return self._landed(mine, producer_rank)
 
     def producer_address_of(self, registration_id: int) -> str | None:
         """The prefill daemon a pending registration was sent to (offers must come from it)."""
@@ -265,6 +278,7 @@ class RecvSide:
         if r.transfer_id != transfer_id:
             raise PermissionDenied(f"registration {registration_id} is not for transfer {transfer_id[:256]!r}")
         nxt = recv_step(r.mode, r.state, "offer", transfer_id)
+        assert isinstance(nxt, RecvState)
         if producer_rank not in r.expected:
             raise InvalidArgument(f"transfer {transfer_id!r}: producer rank {producer_rank} does not feed this "
                                   f"registration (expects ranks {sorted(r.expected)})")
@@ -274,7 +288,6 @@ class RecvSide:
         if producer_rank in r.reading or producer_rank in r.landed:
             return [Dropped("offer", transfer_id, f"producer rank {producer_rank} was offered already")]
         r.reading.add(producer_rank)
-        assert isinstance(nxt, RecvState)
         r.state = nxt
         key = ReadKey(r.producer_address, r.transfer_id, registration_id, producer_rank)
         src_part, dst_part = block_parts(producer_rank, r.producer_tp_size, r.consumer_rank, r.consumer_tp_size)
@@ -289,60 +302,47 @@ class RecvSide:
         timeout), since the prefill side holds its blocks until it hears how the READ ended.
         """
         r = self._by_reg.get(key.registration_id)
-        mine = r is not None and key.producer_rank in r.reading
-        if r is not None and mine:
-            r.reading.discard(key.producer_rank)
+        mine = r if r is not None and key.producer_rank in r.reading else None
+        tid = mine.transfer_id if mine else key.transfer_id
+        nxt = recv_step(*self._key(mine), "read_done" if ok else "read_failed", tid)
+        if nxt is Move.DROP:
+            return [Dropped("read_done", key.transfer_id, "the receive ended while its READ was in flight")]
         if ok:
-            if r is None or not mine:
-                return [Dropped("read_done", key.transfer_id, "the receive ended while its READ was in flight")]
-            r.landed.add(key.producer_rank)
-            if r.landed != r.expected:
-                return []
-            self._remove(r)
-            return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+            assert mine is not None
+            mine.reading.discard(key.producer_rank)
+            return self._landed(mine, key.producer_rank)
         actions: list[Action] = [SendReadFailed(key, reason)]
-        if r is not None and mine:
-            self._remove(r)
-            actions.append(self._fail(r, FailureCode.TRANSFER_ERROR,
+        if mine is not None:
+            mine.reading.discard(key.producer_rank)
+            self._remove(mine, "read_failed")
+            actions.append(self._fail(mine, FailureCode.TRANSFER_ERROR,
                                       f"READ from producer rank {key.producer_rank} failed: {reason}"))
         return actions
 
     def failed(self, registration_id: int, code: FailureCode, reason: str) -> list[Action]:
         """The prefill side (or our Register call) failed this registration."""
         r = self._by_reg.get(registration_id)
-        if r is None:
+        if recv_step(*self._key(r), "failed", r.transfer_id if r else "") is Move.DROP:
             return [Dropped("failed", "", f"registration {registration_id} already ended")]
-        self._remove(r)
+        assert r is not None
+        self._remove(r, "failed")
         return [self._fail(r, code, reason)]
 
     def abort(self, worker_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
         r = self._by_key.get((worker_id, transfer_id))
-        if r is None:
+        if recv_step(*self._key(r), "abort", transfer_id) is Move.STAY:
             return False, []
-        self._remove(r)
-        self._defer(r, FailureCode.ABORTED, "aborted by the decode engine")
-        return True, [
-            SendWithdraw(r.producer_address, transfer_id, r.registration_id, FailureCode.ABORTED,
-                         "aborted by the decode engine"),
-        ]
+        assert r is not None
+        return True, self._end(r, "abort", FailureCode.ABORTED, "aborted by the decode engine", "deferred")
 
     def worker_gone(self, worker_id: str) -> list[Action]:
-        actions: list[Action] = []
-        for r in [r for r in self._by_reg.values() if r.worker_id == worker_id]:
-            self._remove(r)
-            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.WORKER_GONE, "decode worker is gone"))
-        return actions
+        return [a for r in [r for r in self._by_reg.values() if r.worker_id == worker_id]
+                for a in self._end(r, "worker_gone", FailureCode.WORKER_GONE, "decode worker is gone", "")]
 
     def shutdown(self, reason: str) -> list[Action]:
         """The daemon is stopping: every receive fails now, and its registration is withdrawn."""
-        actions: list[Action] = []
-        for r in list(self._by_reg.values()):
-            self._remove(r)
-            actions.append(self._fail(r, FailureCode.SHUTDOWN, reason))
-            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.SHUTDOWN, reason))
-        return actions
+        return [a for r in list(self._by_reg.values()) for a in self._end(r, "shutdown", FailureCode.SHUTDOWN,
+                                                                           reason, "now")]
 
     def producer_lost(self, producer_address: str, code: FailureCode, reason: str,
                       registered_only: bool = False) -> list[Action]:
@@ -354,28 +354,47 @@ class RecvSide:
         actions: list[Action] = []
         for r in [r for r in self._by_reg.values() if r.producer_address == producer_address
                   and not (registered_only and r.state is RecvState.REGISTERING)]:
-            self._remove(r)
+            self._remove(r, "producer_lost")
             actions.append(self._fail(r, code, reason))
         return actions
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for when, rid in self._deadlines.pop_due(now):
-            if self._valid.get(rid) != when:
-                continue
-            r = self._by_reg[rid]  # type: ignore[index]
-            self._remove(r)
+        for key in self._deadlines.pop_due(now):
+            r = self._by_reg[key.registration_id]
             msg = (f"transfer {r.transfer_id!r} not received within {self.expect_timeout_s:g}s "
                    f"(landed ranks {sorted(r.landed)} of {sorted(r.expected)}, state {r.state.value})")
-            self._defer(r, FailureCode.TIMEOUT, msg)
-            actions.append(SendWithdraw(r.producer_address, r.transfer_id, r.registration_id,
-                                        FailureCode.TIMEOUT, msg))
+            actions += self._end(r, "timeout", FailureCode.TIMEOUT, msg, "deferred")
         return actions
 
-    def _remove(self, r: _Recv) -> None:
+    @staticmethod
+    def _key(r: _Recv | None) -> RecvKey:
+        return (None, None) if r is None else (r.mode, r.state)
+
+    def _landed(self, r: _Recv, producer_rank: int) -> list[Action]:
+        """A producer rank's bytes landed; the last one finishes the receive."""
+        r.landed.add(producer_rank)
+        if r.landed != r.expected:
+            return []
+        self._remove(r, "landed")
+        return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+
+    def _end(self, r: _Recv, event: str, code: FailureCode, reason: str, fail: str) -> list[Action]:
+        """End a receive and withdraw its registration. Its FAILED goes ``"now"``, or ``"deferred"``
+        until the prefill daemon answers the withdrawal (no WRITE into the blocks is in flight any
+        more; until then the (worker, transfer) may not be Expected again), or not at all (``""``)."""
+        self._remove(r, event)
+        out: list[Action] = [self._fail(r, code, reason)] if fail == "now" else []
+        if fail == "deferred":
+            self._ending[r.registration_id] = self._fail(r, code, reason)
+            self._ending_keys.add((r.worker_id, r.transfer_id))
+        return [*out, SendWithdraw(r.producer_address, r.transfer_id, r.registration_id, code, reason)]
+
+    def _remove(self, r: _Recv, event: str) -> None:
+        recv_step(r.mode, r.state, event, r.transfer_id)  # -> GONE
         del self._by_reg[r.registration_id]
         del self._by_key[(r.worker_id, r.transfer_id)]
-        self._valid.pop(r.registration_id, None)
+        self._deadlines.disarm(ExpectLease(r.registration_id))
 
     @staticmethod
     def _fail(r: _Recv, code: FailureCode, reason: str) -> Deliver:

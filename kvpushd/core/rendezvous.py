@@ -18,13 +18,17 @@ Nothing here performs I/O: every event returns a list of actions for the runtime
 ``SendOffer``, ``SendReadFailed``; ``Dropped`` for a late event ignored on purpose), and time is an
 argument. Each side reports its next deadline, so the runtime arms one timer and calls ``tick``.
 A withdrawal's FAILED is held by the core until the runtime reports the prefill daemon's answer
-(``RecvSide.withdraw_answered``). What each event may do in each state is a table per side
-(``send.LEG_TABLE``, ``recv.RECV_TABLE``; core/table.py): anything else is IllegalTransition.
+(``RecvSide.withdraw_answered``). What each event does in each state of a record is a table
+(core/table.py): on the prefill side per publish, registration and leg (``PUB_TABLE``,
+``REG_TABLE``, ``LEG_TABLE``, sendstate.py), on the decode side per receive and mode
+(``RECV_TABLE``, recv.py); anything a table does not name is IllegalTransition. Deadline keys are
+typed (``PublishLease``, ``RegistrationLease``, ``PullLease``; ``ExpectLease``).
 
-Modules: actions.py (what the core decides), send.py (prefill side), recv.py (decode side),
-deadlines.py, table.py; this module is their public face.
+Modules: actions.py (what the core decides), send.py (prefill side: its records and tables in
+sendstate.py, what a leg carries in legplan.py), recv.py (decode side), deadlines.py, table.py;
+this module is their public face.
 
-Invariants (checked by the Hypothesis state machine in tests/test_core_stateful.py):
+Invariants (checked by the Hypothesis state machine in tests/core/test_core_stateful.py):
 - every Publish and every Expect ends with exactly one terminal Completion to its worker, unless the
   worker itself is gone or replaced the Expect;
 - a leg is written at most once;
@@ -50,12 +54,25 @@ from .actions import (
     StartRead,
     StartWrite,
 )
-from .recv import RECV_TABLE, RecvSide, RecvState, RecvView, recv_step
-from .send import LEG_TABLE, LegState, SendSide, SendView
+from .recv import RECV_TABLE, ExpectLease, RecvSide, RecvState, RecvView, recv_step
+from .send import SendSide
+from .sendstate import (
+    LEG_TABLE,
+    PUB_TABLE,
+    REG_TABLE,
+    LegState,
+    PublishLease,
+    PubState,
+    PullLease,
+    RegistrationLease,
+    RegState,
+    SendView,
+)
 from .table import Move, step
 
 __all__ = [
-    "LEG_TABLE", "RECV_TABLE", "Action", "Deliver", "Dropped", "LegKey", "LegState", "Move", "Part", "ReadKey",
-    "RecvSide", "RecvState", "RecvView", "Registration", "SendFailNotice", "SendOffer", "SendReadFailed",
+    "LEG_TABLE", "PUB_TABLE", "RECV_TABLE", "REG_TABLE", "Action", "Deliver", "Dropped", "ExpectLease", "LegKey",
+    "LegState", "Move", "Part", "PubState", "PublishLease", "PullLease", "ReadKey", "RecvSide", "RecvState",
+    "RecvView", "RegState", "Registration", "RegistrationLease", "SendFailNotice", "SendOffer", "SendReadFailed",
     "SendRegister", "SendSide", "SendView", "SendWithdraw", "StartRead", "StartWrite", "recv_step", "step",
 ]

@@ -1,35 +1,47 @@
 """The shape of the rendezvous' transition tables (in the spirit of h11's _state.py).
 
-Each side names, per (state, event), what the event does; anything the table does not name is an
-IllegalTransition that says the state and the event. Late or repeated events that are legal but
-ignored are DROP: the side returns a Dropped action, and the runtime counts and logs it.
+Each side names, per (state, event) of a record, what the event does: the state the record moves
+to, ``Move.GONE`` (the record ends), ``Move.DROP`` (a late or repeated event, ignored on purpose:
+the side answers with a Dropped action, which the runtime counts and logs) or ``Move.STAY`` (nothing
+changes and nothing is reported: a retry, or a failure after the first, whose cause stands). The
+state ``None`` is a record that does not exist (never made, or ended). Anything a table does not
+name is an IllegalTransition that says the state and the event: the side's code steps the table
+at every change of a record, so a path the table forbids fails loudly instead of corrupting state.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from .errors import IllegalTransition
 
 
 class Move(enum.Enum):
-    """What an event does to a record, in the tables below."""
+    """What an event does to a record, besides moving it to another state."""
 
-    APPLY = "apply"  # handled: the event's rule runs
-    DROP = "drop"    # late or repeated, ignored on purpose (a Dropped action: counted and logged)
-
-
-# The prefill side's leg (one producer rank's WRITE or offered READ into one registration), in
-# the spirit of h11's _state.py: each (state, event) the table names is legal; None is a leg that
-# is gone (its transfer ended: worker gone, shutdown, timeout). Anything else is IllegalTransition.
+    GONE = "gone"  # the record ends
+    DROP = "drop"  # late or repeated, ignored on purpose (a Dropped action: counted and logged)
+    STAY = "stay"  # ignored without a report: a retry, or a failure after the first
 
 
-def step(table: dict[tuple[Any, str], Move], state: Any, event: str, transfer_id: str = "") -> Move:
+S = TypeVar("S")
+
+
+def state_name(state: Any) -> str:
+    if state is None:
+        return "none"
+    if isinstance(state, tuple):
+        return " ".join(state_name(s) for s in state)
+    return str(state.name.lower() if isinstance(state, enum.Enum) else state)
+
+
+def step(table: Mapping[tuple[Any, str], S], state: Any, event: str, transfer_id: str = "") -> S:
     """Look an event up in a side's table: a typed error naming state and event when illegal."""
-    move = table.get((state, event))
-    if move is None:
-        name = state.value if isinstance(state, enum.Enum) else str(state)
+    try:
+        return table[(state, event)]
+    except KeyError:
+        name = state_name(state)
         raise IllegalTransition(name, event, f"transfer {transfer_id[:256]!r}: event {event!r} is not allowed in "
-                                             f"state {name!r}", transfer_id=transfer_id)
-    return move
+                                             f"state {name!r}", transfer_id=transfer_id) from None

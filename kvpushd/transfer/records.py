@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.rendezvous import LegKey
+from ..core.rendezvous import LegKey, ReadKey
 from .descs import IntArray, PairPlan, Part, RegionSpec
 
 
@@ -26,7 +26,7 @@ class WriteResult:
 class ReadResult:
     """Pull mode: how one READ (prefill blocks -> this node's decode blocks) ended."""
 
-    key: Any           # the core's ReadKey
+    key: ReadKey
     ok: bool
     reason: str
     nbytes: int
@@ -34,7 +34,6 @@ class ReadResult:
     xfer_s: float
     descs_requested: int
     descs_posted: int
-
 
 
 @dataclass(slots=True)
@@ -74,4 +73,4 @@ class Inflight:
 
 def transfer_id_of(f: Inflight) -> str:
     r = f.result
-    return r.leg.transfer_id if isinstance(r, WriteResult) else str(getattr(r.key, "transfer_id", ""))
+    return r.leg.transfer_id if isinstance(r, WriteResult) else r.key.transfer_id

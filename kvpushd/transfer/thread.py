@@ -5,11 +5,10 @@ side hands it work through a queue (``submit``) and gets results back with
 ``loop.call_soon_threadsafe``. Between commands the thread polls in-flight WRITEs and, while the
 decode side waits for any, new notifications.
 
-One NIXL agent per attached worker: its memory is registered once, and its descriptor list (one
-descriptor per region and block) is prepared once. A remote consumer's list is prepared once per
-(local agent, remote agent) pair. Per request only numpy index arrays are built; NIXL merges
-descriptors that are adjacent on both sides into one, and we sort nothing, so a request whose
-blocks are allocated in runs costs one descriptor per run and region.
+One NIXL agent per attached worker, with what it prepared once, lives in the agent book
+(agents.py). WRITEs and READs take one post path (``_post``): per request only index arrays are
+built; NIXL merges descriptors that are adjacent on both sides into one, and we sort nothing, so a
+request whose blocks are allocated in runs costs one descriptor per run and region.
 """
 
 from __future__ import annotations
@@ -26,24 +25,14 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 
-from ..core.errors import FailedPrecondition, InvalidArgument
+from ..core.errors import InvalidArgument
 from ..core.layout import check_block_ids, plan_write
 from ..core.notif import decode as decode_notif
 from ..core.notif import decode_read as decode_read_notif
-from ..core.rendezvous import LegKey
-from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, memory_device
-from .descs import (
-    WHOLE,
-    IntArray,
-    PairPlan,
-    Part,
-    RegionSpec,
-    RemoteAgent,
-    block_descs,
-    pair_plan,
-    plan_leg,
-    region_bases,
-)
+from ..core.rendezvous import LegKey, ReadKey
+from .agents import AgentBook
+from .backends import AgentBackend
+from .descs import WHOLE, Part, RegionSpec, RemoteAgent, plan_leg
 from .faults import Faults
 from .records import Inflight, Local, ReadResult, WriteResult, transfer_id_of
 
@@ -71,91 +60,46 @@ class TransferThread:
         poll_hot_s: float = 0.0,
     ) -> None:
         self._loop = loop
-        self._backends = list(backends)
-        # (backend, KV device) -> NIXL init parameters; param_devices: devices with their own hints
-        self._params_for = params_for or (lambda backend, device: {})
-        self._param_devices = tuple(param_devices)
-        self.agent_backends: dict[str, tuple[AgentBackend, ...]] = {}  # worker id -> its agent's backends
+        self._book = AgentBook(backends, params_for, param_devices, nixl_threads)
         self._on_write_done = on_write_done
         self._on_notifications = on_notifications
+        # Pull mode: READs this node posted (decode side), and READ notifications on our producer
+        # agents while offered legs wait for them (prefill side, set_pulling).
+        self._on_read_done = on_read_done
+        self._on_read_notifications = on_read_notifications
         self._poll_s = poll_interval_s
         self._write_timeout_s = write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
         self._poll_max_s = max(poll_max_interval_s, poll_interval_s)
         self._poll_hot_s = poll_hot_s  # a new receive keeps the short interval this long (set_expecting)
         self._hot_until = 0.0  # time.monotonic(): written by the loop, read by the thread (a float: atomic)
-        self._nixl_threads = nixl_threads
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._locals: dict[str, Local] = {}
         self._inflight: list[Inflight] = []
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
+        self.pulling = 0  # offered legs waiting for a READ notification (set_pulling)
         self.stray_notifications = 0
         self.faults = Faults.from_env()  # test-only fault injection (faults.py): off unless KVPUSHD_FAULTS
         if self.faults.active:
             log.warning("KVPUSHD_FAULTS is set: WRITEs will fail on purpose (tests only)", faults=self.faults.spec)
-        # Pull mode: READs this node posted (decode side), and how many offered legs wait for a
-        # READ notification on our producer agents (prefill side, set_pulling).
-        self._on_read_done = on_read_done
-        self._on_read_notifications = on_read_notifications
-        self.pulling = 0
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
-        self._nixl: Any = None
+
+    @property
+    def agent_backends(self) -> dict[str, tuple[AgentBackend, ...]]:
+        """Worker id -> the backends of its agent (status)."""
+        return self._book.agent_backends
+
+    def init_params(self, backend: str, device: str) -> dict[str, str]:
+        """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
+        return self._book.init_params(backend, device)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Import NIXL and check the backends exist before the daemon says READY."""
         self._thread.start()
-        self._call(self._probe).result(timeout=300)  # first import of nixl (and torch) is slow on a busy host
-
-    def _probe(self) -> None:
-        import nixl._api as nixl_api
-
-        self._nixl = nixl_api
-        probe = nixl_api.nixl_agent("kvpushd-probe", nixl_api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        missing = [b for b in self._backends if b not in probe.get_plugin_list()]
-        if missing:
-            raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
-        for b in self._backends:
-            advertised = probe.get_plugin_params(b)  # {} where the plugin is listed but cannot load
-            known = set(advertised) | UNADVERTISED.get(b, frozenset())
-            for device in ("", *self._param_devices):
-                params = self.init_params(b, device)
-                where = f"transfer.device_params.{device} over transfer.backend_params" if device else \
-                    "transfer.backend_params"
-                if device and params == self.init_params(b, ""):
-                    continue
-                # Each backend is created once here, so a plugin that cannot load, a bad value or a
-                # bad device fails at start, not at the first Attach.
-                try:
-                    trial = nixl_api.nixl_agent(f"kvpushd-probe-{b}-{device}", nixl_api.nixl_agent_config(
-                        enable_prog_thread=False, backends=[]))
-                    trial.create_backend(b, params)
-                except Exception as e:
-                    if not advertised:
-                        raise FailedPrecondition(
-                            f"NIXL lists a {b} plugin but cannot load it ({type(e).__name__}: {e}): a shared "
-                            f"library it needs is missing (LIBFABRIC: libfabric.so.1 from the EFA installer, "
-                            f"hwloc, libnuma; `ldd` the plugin's libplugin_{b}.so)") from None
-                    raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
-                                             f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
-                                             "the log") from None
-                del trial
-                unknown = sorted(set(params) - known)
-                if unknown:  # NIXL ignores unknown keys silently: a typo would change nothing
-                    raise FailedPrecondition(f"NIXL backend {b} has no parameter(s) {unknown} ({where}); it "
-                                             f"takes {sorted(known)}")
-        del probe
-
-    def init_params(self, backend: str, device: str) -> dict[str, str]:
-        """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
-        params = dict(self._params_for(backend, device))
-        key = THREADS_KEY.get(backend)
-        if self._nixl_threads > 0 and key:
-            params.setdefault(key, str(self._nixl_threads))
-        return params
+        self._call(self._book.probe).result(timeout=300)  # first import of nixl (and torch) is slow on a busy host
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for in-flight WRITEs (bounded), release every agent, end the thread. Idempotent."""
@@ -169,7 +113,7 @@ class TransferThread:
                 self._poll_inflight()
                 time.sleep(0.001)
             self._cancel_inflight("the daemon is stopping")
-            for wid in list(self._locals):
+            for wid in list(self._book.locals):
                 self._release(wid)
 
         try:
@@ -185,7 +129,7 @@ class TransferThread:
                receives: bool) -> asyncio.Future[bytes]:
         """Create the worker's agent, register its memory, prepare its descriptors; -> metadata."""
         return asyncio.wrap_future(self._call(
-            lambda: self._attach(worker_id, agent_name, mem_type, mappings, regions, receives)))
+            lambda: self._book.attach(worker_id, agent_name, mem_type, mappings, regions, receives)))
 
     def detach(self, worker_id: str) -> asyncio.Future[None]:
         """Wait for the worker's in-flight WRITEs, then release its agent and registrations."""
@@ -207,38 +151,47 @@ class TransferThread:
         sizes, ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``):
         the descriptors are planned per request by ``core.layout.plan_write``."""
         t0 = time.perf_counter()
-        if planned:
-            self._q.put(lambda: self._post_planned(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part,
-                                                   skip_tokens, skip_replicated))
-        else:
-            self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part))
+        plan = (skip_tokens, skip_replicated) if planned else None
+        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, plan))
 
-    def post_read(self, key: Any, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
+    def post_read(self, key: ReadKey, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
                   src: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
         """Pull mode: queue a READ of ``remote``'s ``src`` blocks into worker ``worker_id``'s ``dst``
         blocks (the notification goes to ``remote``); its ReadResult comes back through on_read_done."""
         t0 = time.perf_counter()
-        self._q.put(lambda: self._post_read(key, worker_id, dst, remote, src, notif, t0, src_part, dst_part))
+        self._q.put(lambda: self._post(key, worker_id, src, remote, dst, notif, t0, src_part, dst_part))
 
     def set_pulling(self, n: int) -> None:
         """Prefill side: how many offered legs wait for a READ notification; wakes the thread from idle."""
-        was = self.pulling
-        self.pulling = n
-        if n > was:
-            self._hot_until = time.monotonic() + self._poll_hot_s
-        if n > 0 and was == 0:
-            self._q.put(_wake)
+        was, self.pulling = self.pulling, n
+        self._heat(was, n)
 
     def set_expecting(self, n: int) -> None:
         """The loop says how many receives wait for notifications; wakes the thread from idle. More of
         them than before: a new Expect, whose WRITE comes when its prefill ends (a prefill of up to
         ``poll_hot_s`` finds the thread polling at the short interval, not backed off)."""
-        was = self.expecting
-        self.expecting = n
+        was, self.expecting = self.expecting, n
+        self._heat(was, n)
+
+    def _heat(self, was: int, n: int) -> None:
         if n > was:
             self._hot_until = time.monotonic() + self._poll_hot_s
         if n > 0 and was == 0:
             self._q.put(_wake)
+
+    def forget_remote(self, name: str) -> None:
+        """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
+        def run() -> None:
+            if any(f.remote == name for f in self._inflight):
+                self._forget_later.add(name)  # retried once its WRITEs have settled
+                return
+            self._forget_later.discard(name)
+            self._book.forget_remote(name)
+        self._q.put(run)
+
+    def cancel_inflight(self, why: str) -> None:
+        """From the loop: end every transfer in flight now (each is reported failed)."""
+        self._q.put(lambda: self._cancel_inflight(why))
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -295,219 +248,87 @@ class TransferThread:
             hot = worked or now < hot_until or now < self._hot_until
             wait = self._poll_s if hot else min(wait * 2, self._poll_max_s)
 
-    def _attach(self, worker_id: str, agent_name: str, mem_type: str,
-                mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],
-                receives: bool) -> bytes:
-        nx = self._nixl
-        # No NIXL progress thread: it spins a whole core per agent (pthrDelay is 0 in the Python
-        # API). This thread drives progress instead, by polling transfers and notifications.
-        # Backends are created here rather than by nixl_agent_config, which cannot pass init parameters.
-        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=[])
-        device = memory_device(mem_type, mappings)
-        used = []
-        try:
-            agent = nx.nixl_agent(agent_name, cfg)
-            for b in self._backends:
-                params = self.init_params(b, device)
-                agent.create_backend(b, params)
-                used.append(AgentBackend(b, dict(agent.get_backend_params(b)), *agent_devices(b, params), device))
-        except Exception as e:
-            raise FailedPrecondition(f"NIXL could not create an agent with backends {self._backends}: {e}") from None
-        try:
-            reg_descs = agent.register_memory([(a, s, d, "") for a, s, d in mappings], mem_type)
-        except Exception as e:
-            raise FailedPrecondition(f"NIXL could not register the worker's memory ({mem_type}): {e}") from None
-        try:
-            dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(regions), mem_type)
-        except Exception:
-            agent.deregister_memory(reg_descs)
-            raise
-        self._locals[worker_id] = Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
-                                         region_bases(regions), receives)
-        self.agent_backends[worker_id] = tuple(used)
-        return bytes(agent.get_agent_metadata())
+    # -- the one post path, for WRITE and READ -------------------------------------------------
 
-    def _remote_view(self, loc: Local, remote: RemoteAgent, part: Part) -> tuple[Any, IntArray]:
-        """The remote agent's descriptor list in this local agent and its region bases, prepared once per slice."""
-        view = loc.remotes.get((remote.name, part))
-        if view is None:
-            self._load_remote(loc, remote)
-            dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions, part), remote.mem_type)
-            view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions))
-        return view
-
-    def _local_list(self, loc: Local, part: Part) -> Any:
-        if part == WHOLE:
-            return loc.dlist
-        dlist = loc.slices.get(part)
-        if dlist is None:
-            dlist = loc.slices[part] = loc.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(loc.regions, part),
-                                                                 loc.mem_type)
-        return dlist
-
-    def forget_remote(self, name: str) -> None:
-        """A consumer agent went away: drop its prepared lists and metadata (thread-safe)."""
-        def run() -> None:
-            if any(f.remote == name for f in self._inflight):
-                self._forget_later.add(name)  # retried once its WRITEs have settled
-                return
-            self._forget_later.discard(name)
-            for loc in self._locals.values():
-                try:
-                    for key in [k for k in loc.remotes if k[0] == name]:
-                        loc.remotes.pop(key)[0].release()
-                    for pk in [k for k in loc.pairs if k[0] == name]:
-                        del loc.pairs[pk]
-                    if name in loc.loaded:
-                        loc.loaded.discard(name)
-                        loc.agent.remove_remote_agent(name)
-                except Exception:
-                    log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
-        self._q.put(run)
-
-    def _pair(self, loc: Local, remote: RemoteAgent, src_part: Part, dst_part: Part, write: bool,
-              rbases: IntArray) -> PairPlan:
-        """The checked plan of this local/remote pair and slices, made once."""
-        key = (remote.name, src_part, dst_part, "w" if write else "r")
-        plan = loc.pairs.get(key)
-        if plan is None:
-            if write:
-                plan = pair_plan(loc.regions, remote.regions, src_part, dst_part, loc.bases, rbases)
-            else:
-                plan = pair_plan(remote.regions, loc.regions, src_part, dst_part, rbases, loc.bases)
-            loc.pairs[key] = plan
-        return plan
-
-    def _post(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
-              dst: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
-        def fail(reason: str) -> None:
-            self._deliver_results([WriteResult(leg, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
-
+    def _post(self, key: LegKey | ReadKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
+              dst: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
+              plan: tuple[int, bool] | None = None) -> None:
+        """Post one WRITE (``key`` a LegKey: the local worker holds the source) or READ (a ReadKey:
+        the local worker holds the destination) and track it. The descriptors come from the
+        prepared lists, or, for a WRITE with ``plan`` (skip_tokens, skip_replicated), are planned
+        per request (token mapping), merged, and posted unprepared. KVPUSHD_FAULTS applies to WRITEs."""
+        write = isinstance(key, LegKey)
+        what = "WRITE" if write else "READ"
         t_taken = time.perf_counter()
-        loc = self._locals.get(worker_id)
-        if loc is None:
-            return fail("producer worker detached")
-        try:
-            dlist, rbases = self._remote_view(loc, remote, dst_part)
-            ldlist = self._local_list(loc, src_part)
-            p = plan_leg(self._pair(loc, remote, src_part, dst_part, True, rbases), src, dst)
-        except InvalidArgument as e:
-            return fail(str(e))
-        except Exception as e:
-            log.warning("preparing remote descriptors failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id,
-                        exc_info=True)
-            return fail(f"cannot prepare remote descriptors: {e}")
-        self._launch_write(leg, loc, remote.name, notif, fail,
-                           lambda n: loc.agent.make_prepped_xfer("WRITE", ldlist, p.src_idx, dlist, p.dst_idx, n),
-                           lambda t_post: WriteResult(leg, True, "", p.nbytes, t_post - t0, 0.0, p.requested,
-                                                      p.merged, t_taken - t0))
 
-    def _launch_write(self, leg: LegKey, loc: Local, remote_name: str, notif: bytes,
-                      fail: Callable[[str], None], make_handle: Callable[[bytes], Any],
-                      result: Callable[[float], WriteResult]) -> None:
-        """Post one WRITE (either path) and track it; KVPUSHD_FAULTS applies here."""
-        fault = self.faults.on_post() if self.faults.active else ""
+        def result(ok: bool, reason: str, nbytes: int = 0, t_post: float = 0.0, requested: int = 0,
+                   posted: int = 0) -> WriteResult | ReadResult:
+            post_s = (t_post or time.perf_counter()) - t0
+            if isinstance(key, LegKey):
+                return WriteResult(key, ok, reason, nbytes, post_s, 0.0, requested, posted, t_taken - t0)
+            return ReadResult(key, ok, reason, nbytes, post_s, 0.0, requested, posted)
+
+        def fail(reason: str) -> None:
+            self._deliver([result(False, reason)])
+
+        loc = self._book.locals.get(worker_id)
+        if loc is None:
+            return fail(f"{'producer' if write else 'decode'} worker detached")
+        try:
+            make, nbytes, requested, merged = self._descs(loc, write, remote, src, dst, src_part, dst_part, plan)
+        except InvalidArgument as e:
+            return fail(f"layout mismatch: {e}" if plan is not None and "mismatch" not in str(e) else str(e))
+        except Exception as e:
+            log.warning("preparing descriptors failed", transfer_id=key.transfer_id, exc_info=True)
+            return fail(f"cannot prepare descriptors: {e}")
+        fault = self.faults.on_post() if write and self.faults.active else ""
         if fault == "write_post":
             return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
         if fault == "write_complete":
             notif = b""  # the WRITE runs without its notification, then reports an error
         try:
-            handle = make_handle(notif)
+            handle = make(notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
-            log.warning("posting WRITE failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id, exc_info=True)
-            return fail(f"NIXL could not post the WRITE: {e}")
+            log.warning(f"posting {what} failed", transfer_id=key.transfer_id, exc_info=True)
+            return fail(f"NIXL could not post the {what}: {e}")
         t_post = time.perf_counter()
         if state == "ERR":
             handle.release()
-            return fail("NIXL returned ERR when posting the WRITE")
+            return fail(f"NIXL returned ERR when posting the {what}")
         loc.inflight += 1
-        self._inflight.append(Inflight(handle, loc, result(t_post), t_post, remote_name, fault))
+        self._inflight.append(Inflight(handle, loc, result(True, "", nbytes, t_post, requested, merged), t_post,
+                                       remote.name, fault))
         if state == "DONE":
             self._poll_inflight()
         return None
 
-    def _load_remote(self, loc: Local, remote: RemoteAgent) -> None:
-        """Load a remote agent's metadata into this local agent, once."""
-        if remote.name not in loc.loaded:
-            loc.agent.add_remote_agent(remote.metadata)
-            loc.loaded.add(remote.name)
-
-    def _post_planned(self, leg: LegKey, worker_id: str, src_l: Sequence[int], remote: RemoteAgent,
-                      dst_l: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
-                      skip_tokens: int, skip_replicated: bool) -> None:
-        """A WRITE whose descriptors are planned per request (token mapping), merged, and posted unprepared."""
-        src = np.asarray(src_l, dtype=np.int64)
-        dst = np.asarray(dst_l, dtype=np.int64)
-
-        def fail(reason: str) -> None:
-            self._deliver_results([WriteResult(leg, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
-
-        loc = self._locals.get(worker_id)
-        if loc is None:
-            return fail("producer worker detached")
-        try:
-            check_block_ids(src, min(r.num_blocks for r in loc.regions), dst, min(r.num_blocks for r in remote.regions))
-            plan = plan_write(loc.regions, remote.regions, src, dst, skip_tokens, src_part, dst_part, skip_replicated)
-            if not len(plan.src):
+    def _descs(self, loc: Local, write: bool, remote: RemoteAgent, src: Sequence[int], dst: Sequence[int],
+               src_part: Part, dst_part: Part, plan: tuple[int, bool] | None,
+               ) -> tuple[Callable[[bytes], Any], int, int, int]:
+        """(make the transfer handle given its notification, bytes, descriptors requested, posted)."""
+        book, op = self._book, "WRITE" if write else "READ"
+        if plan is not None:
+            skip_tokens, skip_replicated = plan
+            s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+            check_block_ids(s, min(r.num_blocks for r in loc.regions), d, min(r.num_blocks for r in remote.regions))
+            tp = plan_write(loc.regions, remote.regions, s, d, skip_tokens, src_part, dst_part, skip_replicated)
+            if not len(tp.src):
                 raise InvalidArgument("nothing to write: every region is written by another producer rank")
-            self._load_remote(loc, remote)
-            ldescs = loc.agent.get_xfer_descs(plan.src, loc.mem_type)
-            rdescs = loc.agent.get_xfer_descs(plan.dst, remote.mem_type)
-        except InvalidArgument as e:
-            return fail(f"layout mismatch: {e}" if "mismatch" not in str(e) else str(e))
-        except Exception as e:
-            log.warning("preparing descriptors failed", transfer_id=leg.transfer_id, engine_id=leg.engine_id,
-                        exc_info=True)
-            return fail(f"cannot prepare descriptors: {e}")
-        self._launch_write(leg, loc, remote.name, notif, fail,
-                           lambda n: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
-                           lambda t_post: WriteResult(leg, True, "", plan.nbytes, t_post - t0, 0.0, plan.requested,
-                                                      len(plan.src)))
+            book.load_remote(loc, remote)
+            ldescs = loc.agent.get_xfer_descs(tp.src, loc.mem_type)
+            rdescs = loc.agent.get_xfer_descs(tp.dst, remote.mem_type)
+            return (lambda n: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
+                    tp.nbytes, tp.requested, len(tp.src))
+        local_part, remote_part = (src_part, dst_part) if write else (dst_part, src_part)
+        rdlist, rbases = book.remote_view(loc, remote, remote_part)
+        ldlist = book.local_list(loc, local_part)
+        p = plan_leg(book.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
+        lidx, ridx = (p.src_idx, p.dst_idx) if write else (p.dst_idx, p.src_idx)
+        return (lambda n: loc.agent.make_prepped_xfer(op, ldlist, lidx, rdlist, ridx, n),
+                p.nbytes, p.requested, p.merged)
 
-    def _post_read(self, key: Any, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
-                   src: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part) -> None:
-        """Pull mode: like _post with the roles swapped: the local agent is the decode worker's
-        (destination), the remote one the prefill worker's (source); same slicing for hetero TP."""
-        def fail(reason: str) -> None:
-            self._deliver_reads([ReadResult(key, False, reason, 0, time.perf_counter() - t0, 0.0, 0, 0)])
-
-        loc = self._locals.get(worker_id)
-        if loc is None:
-            return fail("decode worker detached")
-        try:
-            rdlist, rbases = self._remote_view(loc, remote, src_part)
-            ldlist = self._local_list(loc, dst_part)
-            p = plan_leg(self._pair(loc, remote, src_part, dst_part, False, rbases), src, dst)
-        except InvalidArgument as e:
-            return fail(str(e))
-        except Exception as e:
-            log.warning("preparing remote descriptors failed", transfer_id=getattr(key, "transfer_id", ""),
-                        exc_info=True)
-            return fail(f"cannot prepare remote descriptors: {e}")
-        try:
-            handle = loc.agent.make_prepped_xfer("READ", ldlist, p.dst_idx, rdlist, p.src_idx, notif)
-            state = loc.agent.transfer(handle)
-        except Exception as e:
-            log.warning("posting READ failed", transfer_id=getattr(key, "transfer_id", ""), exc_info=True)
-            return fail(f"NIXL could not post the READ: {e}")
-        t_post = time.perf_counter()
-        res = ReadResult(key, True, "", p.nbytes, t_post - t0, 0.0, p.requested, p.merged)
-        if state == "ERR":
-            handle.release()
-            return fail("NIXL returned ERR when posting the READ")
-        loc.inflight += 1
-        self._inflight.append(Inflight(handle, loc, res, t_post, remote.name))
-        if state == "DONE":
-            self._poll_inflight()
-
-    def _deliver_reads(self, results: list[ReadResult]) -> None:
-        if self._on_read_done is not None:
-            self._loop.call_soon_threadsafe(self._on_read_done, results)
-
-    def _deliver_read_notifs(self, got: list[tuple[str, int, int]]) -> None:
-        if got and self._on_read_notifications is not None:
-            self._loop.call_soon_threadsafe(self._on_read_notifications, got)
+    # -- progress ------------------------------------------------------------------------------
 
     def _poll_inflight(self) -> bool:
         """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled.
@@ -578,30 +399,27 @@ class TransferThread:
         if cancelled:
             self._report(cancelled)
 
-    def cancel_inflight(self, why: str) -> None:
-        """From the loop: end every transfer in flight now (each is reported failed)."""
-        self._q.put(lambda: self._cancel_inflight(why))
-
     def _report(self, done: list[Inflight]) -> None:
-        writes = [f.result for f in done if isinstance(f.result, WriteResult)]
-        reads = [f.result for f in done if isinstance(f.result, ReadResult)]
-        if writes:
-            self._deliver_results(writes)
-        if reads:
-            self._deliver_reads(reads)
+        self._deliver([f.result for f in done])
         self._check_drained()
         busy = {f.remote for f in self._inflight}
         for name in [n for n in self._forget_later if n not in busy]:
             self.forget_remote(name)
 
-    def _deliver_results(self, results: list[WriteResult]) -> None:
-        self._loop.call_soon_threadsafe(self._on_write_done, results)
+    def _deliver(self, results: Sequence[WriteResult | ReadResult]) -> None:
+        writes = [r for r in results if isinstance(r, WriteResult)]
+        reads = [r for r in results if isinstance(r, ReadResult)]
+        if writes:
+            self._loop.call_soon_threadsafe(self._on_write_done, writes)
+        if reads and self._on_read_done is not None:
+            self._loop.call_soon_threadsafe(self._on_read_done, reads)
 
-    def _poll_notifs(self) -> bool:
-        """Hand new notifications to the loop; True when there were any."""
+    def _poll_notifs(self, locs: Sequence[Local] | None = None) -> bool:
+        """Hand new notifications to the loop (of every agent that may get some, or of ``locs``);
+        True when there were any."""
         got: list[tuple[int, int]] = []
         reads: list[tuple[str, int, int]] = []  # pull mode: (remote agent, registration id, rank)
-        for loc in self._locals.values():
+        for loc in self._book.locals.values() if locs is None else locs:
             if not loc.receives and self.pulling <= 0:
                 continue
             for remote_name, msgs in loc.agent.get_new_notifs().items():
@@ -615,13 +433,14 @@ class TransferThread:
                         self.stray_notifications += 1
         if got:
             self._loop.call_soon_threadsafe(self._on_notifications, got)
-        self._deliver_read_notifs(reads)
+        if reads and self._on_read_notifications is not None:
+            self._loop.call_soon_threadsafe(self._on_read_notifications, reads)
         return bool(got or reads)
 
     def _check_drained(self) -> None:
         still: list[tuple[str, Future[None]]] = []
         for wid, fut in self._drained:
-            loc = self._locals.get(wid)
+            loc = self._book.locals.get(wid)
             if loc is not None and loc.inflight > 0:
                 still.append((wid, fut))
                 continue
@@ -633,27 +452,11 @@ class TransferThread:
         self._drained = still
 
     def _release(self, worker_id: str) -> None:
-        loc = self._locals.pop(worker_id, None)
-        self.agent_backends.pop(worker_id, None)
+        loc = self._book.pop(worker_id)
         if loc is None:
             return
-        if loc.receives or self.pulling > 0:  # hand over notifications that raced the detach
-            self._poll_notifs_of(loc)
-        for dlist, _ in loc.remotes.values():
-            dlist.release()
-        for dlist in loc.slices.values():
-            dlist.release()
-        loc.dlist.release()
-        loc.agent.deregister_memory(loc.reg_descs)
-        del loc.agent
-
-    def _poll_notifs_of(self, loc: Local) -> None:
-        notifs = loc.agent.get_new_notifs()
-        got = [p for msgs in notifs.values() for m in msgs if (p := decode_notif(m)) is not None]
-        if got:
-            self._loop.call_soon_threadsafe(self._on_notifications, got)
-        self._deliver_read_notifs([(str(name), *rp) for name, msgs in notifs.items() for m in msgs
-                                   if (rp := decode_read_notif(m)) is not None])
+        self._poll_notifs([loc])  # hand over notifications that raced the detach
+        self._book.release(loc)
 
 
 _NOOP: Any = object()

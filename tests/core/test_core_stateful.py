@@ -12,6 +12,12 @@ message is delivered and every WRITE completed): every Expect and Publish ended 
 terminal completion (unless its worker went away or a newer Expect replaced it), and both sides
 hold no state.
 
+Pull mode rides along: some Expects are pull registrations, whose legs the prefill side offers
+(SendOffer) instead of writing; the decode side READs them (StartRead), and the READ's notification
+(or its failure) settles the prefill side's leg. Offers are lost or refused too, READs complete or
+fail in any order, and every event goes through the sides' transition tables: an IllegalTransition
+anywhere fails the run, and an offer for a push registration must be one that changes nothing.
+
 Topologies: P tp1/2/4 -> D tp1/2/4 (divisible pairs). Transfer ids come from a small pool, so
 retries, conflicting re-publishes and re-submitted Expects (new blocks: supersede) all happen; some
 Expects claim the wrong producer TP size or more blocks than were published (layout mismatch).
@@ -21,6 +27,7 @@ bounded per example so that transfers also get through. KVPUSHD_STATEFUL_EXAMPLE
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -37,21 +44,25 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpushd.core.errors import AlreadyExists, InvalidArgument
+from kvpushd.core.errors import AlreadyExists, IllegalTransition, InvalidArgument, KvpushdError, PermissionDenied
 from kvpushd.core.rendezvous import (
     Action,
     Deliver,
     Dropped,
     LegKey,
+    ReadKey,
     RecvSide,
     Registration,
     SendFailNotice,
+    SendOffer,
+    SendReadFailed,
     SendRegister,
     SendSide,
     SendWithdraw,
+    StartRead,
     StartWrite,
 )
-from kvpushd.core.types import CompletionKind, FailureCode
+from kvpushd.core.types import CompletionKind, FailureCode, TransferMode
 
 PUB_TO = 30.0
 REG_TO = 25.0
@@ -76,6 +87,7 @@ class Op:
     rank: int
     registration_id: int = 0  # Expects only
     status: str = "open"  # open, done, superseded, gone
+    mode: TransferMode = TransferMode.PUSH
 
 
 @dataclass
@@ -95,7 +107,34 @@ class FromDecode:
     epoch: int
 
 
-Msg = FromDecode | SendFailNotice | Notif
+@dataclass
+class Offer:
+    """Pull mode: the prefill daemon's offer, on its way to the decode daemon of ``epoch``."""
+
+    offer: SendOffer
+    epoch: int
+
+
+@dataclass
+class ReadMsg:
+    """Pull mode: the decode daemon of ``epoch`` READ a leg (its notification reaches the prefill
+    daemon's agent) or says the READ failed."""
+
+    key: ReadKey
+    ok: bool
+    epoch: int
+
+
+@dataclass
+class Answer:
+    """The prefill daemon's answer to a Register (``failure`` None: accepted), to the decode daemon of ``epoch``."""
+
+    registration_id: int
+    failure: FailureCode | None
+    epoch: int
+
+
+Msg = FromDecode | SendFailNotice | Notif | Offer | ReadMsg | Answer
 
 
 class PushPair(RuleBasedStateMachine):
@@ -107,6 +146,8 @@ class PushPair(RuleBasedStateMachine):
         self.ptp = self.dtp = 1
         self.net: list[Msg] = []
         self.posted: dict[LegKey, StartWrite] = {}
+        self.completed: list[LegKey] = []  # legs whose WRITE completion was reported
+        self.reads: dict[ReadKey, tuple[StartRead, int]] = {}  # READs posted on the decode side, by epoch
         self.leg_starts: Counter[LegKey] = Counter()
         self.notifs: Counter[tuple[int, int]] = Counter()
         self.ops: list[Op] = []
@@ -166,6 +207,17 @@ class PushPair(RuleBasedStateMachine):
                 self.net.append(FromDecode(a, self.epoch))
             elif isinstance(a, SendFailNotice):
                 self.net.append(a)
+            elif isinstance(a, SendOffer):
+                assert a.producer_worker not in self.gone, f"offer for gone worker: {a}"
+                assert a.registration.mode is TransferMode.PULL
+                self.leg_starts[a.leg] += 1
+                assert self.leg_starts[a.leg] == 1, f"leg {a.leg} offered twice"
+                self.net.append(Offer(a, int(a.registration.origin.removeprefix("decode-"))))
+            elif isinstance(a, StartRead):
+                assert a.key not in self.reads and a.dst_blocks == self.op_of(a.key.registration_id).blocks
+                self.reads[a.key] = (a, self.epoch)
+            elif isinstance(a, SendReadFailed):
+                self.net.append(ReadMsg(a.key, False, self.epoch))
             elif isinstance(a, Dropped):
                 self.disruptions["dropped " + a.event] += 0  # late events are legal; nothing to do
             else:  # pragma: no cover
@@ -192,6 +244,12 @@ class PushPair(RuleBasedStateMachine):
                     f"publish reported while its WRITE {w.leg} is still posted: {d}")
         op.status = "done"
 
+    def controls(self) -> list[Msg]:
+        return [m for m in self.net if not isinstance(m, Notif) and not (isinstance(m, ReadMsg) and m.ok)]
+
+    def op_of(self, registration_id: int) -> Op:
+        return next(op for op in self.ops if op.side == "recv" and op.registration_id == registration_id)
+
     def pick(self, seq: list, i: int):  # type: ignore[no-untyped-def]
         return seq[i % len(seq)]
 
@@ -203,16 +261,22 @@ class PushPair(RuleBasedStateMachine):
             if not lost:
                 reg = Registration(m.registration_id, self.origin, m.transfer_id, m.producer_engine_id,
                                    m.producer_tp_size, f"agent-{m.worker_id}", m.consumer_rank,
-                                   m.consumer_tp_size, m.block_ids)
+                                   m.consumer_tp_size, m.block_ids, m.mode)
                 try:
                     self.route(self.send.register(self.now, reg))
-                except InvalidArgument as e:  # the runtime: PEER_REJECTED
-                    self.route(self.recv.failed(m.registration_id, FailureCode.PEER_REJECTED, str(e)))
+                except InvalidArgument:  # the runtime: PEER_REJECTED
+                    self.net.append(Answer(m.registration_id, FailureCode.PEER_REJECTED, self.epoch))
                     return
-            if lost or reply_lost:  # the runtime: the Register RPC failed
-                self.route(self.recv.failed(m.registration_id, FailureCode.PEER_UNREACHABLE, "rpc failed"))
+            # the answer travels back: WRITEs (and offers) into the registration may land before it
+            self.net.append(Answer(m.registration_id, FailureCode.PEER_UNREACHABLE if lost or reply_lost else None,
+                                   self.epoch))
+        elif isinstance(m, Answer):
+            if m.epoch != self.epoch:
+                return
+            if lost or m.failure is not None:  # the runtime: the Register RPC failed, or was refused
+                self.route(self.recv.failed(m.registration_id, m.failure or FailureCode.PEER_UNREACHABLE, "rpc"))
             else:
-                self.recv.registered(m.registration_id)
+                self.route(self.recv.registered(m.registration_id))
         elif isinstance(m, SendWithdraw):
             key = self.send.transfer_of(self.origin, m.registration_id)
             if not lost:
@@ -233,9 +297,38 @@ class PushPair(RuleBasedStateMachine):
             assert self.notifs[(m.registration_id, m.rank)] == 1, f"second notification {m}"
             if m.epoch == self.epoch:
                 self.route(self.recv.notified(m.registration_id, m.rank))
+        elif isinstance(m, Offer):
+            o = m.offer
+            rid, rank = o.registration.registration_id, o.producer_rank
+            origin = f"decode-{m.epoch}"
+            if lost:
+                return  # the leg stays offered until the READ is confirmed or publish_timeout_s passes
+            if m.epoch != self.epoch:  # that decode daemon restarted: nobody knows the registration
+                self.route(self.send.read_done(origin, rid, rank, False, "offer refused: NOT_FOUND"))
+                return
+            try:
+                self.route(self.recv.offer(rid, o.leg.transfer_id, rank, o.src_blocks))
+            except IllegalTransition as e:  # pragma: no cover - a pull registration's offer is legal
+                raise AssertionError(f"offer for a pull registration refused as illegal: {e}") from e
+            except KvpushdError as e:  # the runtime: PEER_REJECTED, no READ started
+                self.route(self.send.read_done(origin, rid, rank, False, f"offer refused: {e}"))
+        elif isinstance(m, ReadMsg) and not lost:
+            self.route(self.send.read_done(f"decode-{m.epoch}", m.key.registration_id, m.key.producer_rank,
+                                           m.ok, "" if m.ok else "READ failed"))
+
+    def complete_read(self, key: ReadKey, ok: bool) -> None:
+        _, epoch = self.reads.pop(key)
+        if epoch != self.epoch:
+            return  # its decode daemon restarted: its agent, and the READ, are gone
+        if ok:  # the READ's notification reaches the prefill daemon's agent
+            self.notifs[(-key.registration_id, key.producer_rank)] += 1
+            assert self.notifs[(-key.registration_id, key.producer_rank)] == 1, f"second READ of {key}"
+            self.net.append(ReadMsg(key, True, epoch))
+        self.route(self.recv.read_done(key, ok, "" if ok else "injected READ failure"))
 
     def complete(self, leg: LegKey, ok: bool) -> None:
         w = self.posted.pop(leg)
+        self.completed.append(leg)
         if ok:
             epoch = int(w.registration.origin.removeprefix("decode-"))
             self.net.append(Notif(w.registration.registration_id, w.producer_rank, epoch))
@@ -262,20 +355,24 @@ class PushPair(RuleBasedStateMachine):
         self.ptp, self.dtp = tp
 
     @rule(rank=st.integers(0, 3), tid=st.sampled_from(TIDS), blocks=st.sampled_from(DST_BLOCKS),
-          wrong_ptp=st.sampled_from([False] * 7 + [True]), deliver_now=st.booleans())
-    def expect(self, rank: int, tid: str, blocks: tuple[int, ...], wrong_ptp: bool, deliver_now: bool) -> None:
-        """A decode worker allocated blocks (again, for a re-submitted request: new blocks)."""
+          wrong_ptp=st.sampled_from([False] * 7 + [True]), deliver_now=st.booleans(),
+          pull=st.sampled_from([False, False, True]))
+    def expect(self, rank: int, tid: str, blocks: tuple[int, ...], wrong_ptp: bool, deliver_now: bool,
+               pull: bool) -> None:
+        """A decode worker allocated blocks (again, for a re-submitted request: new blocks), to be
+        written (push) or read (pull)."""
+        mode = TransferMode.PULL if pull else TransferMode.PUSH
         rank %= self.dtp
         w = self.worker("recv", rank)
         claimed = {1: 2, 2: 4, 4: 1}[self.ptp] if wrong_ptp else self.ptp
         old = self.open_op(w, tid)
         if old is not None and old.registration_id in self.riding():
             with pytest.raises(AlreadyExists):  # still ending: the engine waits for its FAILED
-                self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed)
+                self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed, mode)
             return
-        actions = self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed)
+        actions = self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed, mode)
         if not actions:  # a retried Expect
-            assert old is not None and old.blocks == blocks
+            assert old is not None and old.blocks == blocks and old.mode is mode
             return
         sr = actions[-1]
         assert isinstance(sr, SendRegister)
@@ -287,7 +384,7 @@ class PushPair(RuleBasedStateMachine):
             assert len(actions) == 1
         assert sr.registration_id not in self.registration_ids
         self.registration_ids.add(sr.registration_id)
-        self.ops.append(Op("recv", w, tid, blocks, rank, sr.registration_id))
+        self.ops.append(Op("recv", w, tid, blocks, rank, sr.registration_id, mode=mode))
         self.issued[(w, tid)] += 1
         self.route(actions)
         if deliver_now:  # the Register reaches the prefill daemon before anything else happens
@@ -327,27 +424,36 @@ class PushPair(RuleBasedStateMachine):
         assert self.send.has_publish(ENGINE, op.tid, op.rank)
         assert self.send.publish(self.now, op.worker, ENGINE, op.rank, self.ptp, op.tid, op.blocks) == []
 
-    @precondition(lambda self: self.net or self.posted)
+    @precondition(lambda self: self.net or self.posted or self.reads)
     @rule()
     def make_progress(self) -> None:
-        """The network at its most orderly: the oldest message arrives, else the oldest WRITE completes."""
+        """The network at its most orderly: the oldest message arrives, else the oldest WRITE (or READ) completes."""
         if self.net:
             self.handle(self.net.pop(0))
-        else:
+        elif self.posted:
             self.complete(min(self.posted), True)
+        else:
+            self.complete_read(min(self.reads), True)
 
     @precondition(lambda self: self.net)
     @rule(i=st.integers(0, 100))
     def deliver_message(self, i: int) -> None:
         self.handle(self.net.pop(i % len(self.net)))
 
-    @precondition(lambda self: any(not isinstance(m, Notif) for m in self.net))
+    @precondition(lambda self: self.net)
+    @rule()
+    def deliver_newest(self) -> None:
+        """The newest message overtakes the others (a WRITE's notification before the Register's answer)."""
+        self.handle(self.net.pop())
+
+    @precondition(lambda self: any(self.controls()))
     @rule(i=st.integers(0, 100), how=st.sampled_from(["lost", "reply_lost", "twice"]))
     def misdeliver_message(self, i: int, how: str) -> None:
-        """Lose a control message (a Register: the request or only its reply), or deliver a Withdraw or
-        Fail notice twice (a retried RPC). A successful WRITE's notification is never lost."""
-        m = self.pick([m for m in self.net if not isinstance(m, Notif)], i)
-        if how == "twice" and not (isinstance(m, FromDecode) and isinstance(m.msg, SendRegister)):
+        """Lose a control message (a Register: the request or only its reply; an offer; a failed
+        READ's report), or deliver one twice (a retried RPC). A successful WRITE's or READ's
+        notification is never lost."""
+        m = self.pick(self.controls(), i)
+        if how == "twice":
             self.handle(m)  # and it stays in flight for another delivery
             return
         self.net.remove(m)
@@ -362,6 +468,63 @@ class PushPair(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def write_fails(self, i: int) -> None:
         self.complete(self.pick(sorted(self.posted), i), False)
+
+    @precondition(lambda self: self.reads)
+    @rule(i=st.integers(0, 100), ok=st.sampled_from([True, True, False]))
+    def read_completes(self, i: int, ok: bool) -> None:
+        """Pull mode: a READ the decode daemon posted completes, or fails."""
+        self.complete_read(self.pick(sorted(self.reads), i), ok)
+
+    @precondition(lambda self: any(op.side == "recv" and op.status == "open" and op.mode is TransferMode.PUSH
+                                   for op in self.ops))
+    @rule(i=st.integers(0, 100))
+    def offer_for_a_push_registration(self, i: int) -> None:
+        """A peer offers blocks for a push registration: IllegalTransition, and nothing changes."""
+        op = self.pick([op for op in self.ops if op.side == "recv" and op.status == "open"
+                        and op.mode is TransferMode.PUSH], i)
+        if self.recv.get(op.registration_id) is None:
+            return  # ended on the decode side already (its FAILED rides on a withdrawal)
+        before = self.recv.views(self.now)
+        with pytest.raises(IllegalTransition) as ei:
+            self.recv.offer(op.registration_id, op.tid, 0, op.blocks)
+        assert ei.value.event == "offer" and ei.value.state.startswith("push ")
+        assert self.recv.views(self.now) == before
+
+    @precondition(lambda self: self.completed and self.disruptions["reported_again"] < 3)
+    @rule(i=st.integers(0, 100), ok=st.booleans())
+    def completion_reported_again(self, i: int, ok: bool) -> None:
+        """A WRITE's completion reported a second time: the leg is done or gone, so it is dropped."""
+        self.disruptions["reported_again"] += 1
+        acts = self.send.write_done(self.pick(self.completed, i), ok, "again")
+        assert acts and all(isinstance(a, Dropped) for a in acts), acts
+
+    @precondition(lambda self: self.disruptions["decline"] < 2)
+    @rule(tid=st.sampled_from(TIDS))
+    def decline(self, tid: str) -> None:
+        """The decode daemon declines a transfer (an Expect of it failed before reaching the prefill
+        daemon): its publishes fail now, and a later one at once, for publish_timeout_s."""
+        self.disruptions["decline"] += 1
+        with contextlib.suppress(PermissionDenied):  # another decode daemon's registration holds it
+            self.route(self.send.decline(self.now, self.origin, ENGINE, tid, "declined"))
+
+    @precondition(lambda self: self.disruptions["stray"] < 3
+                  and any(op.side == "recv" and op.mode is TransferMode.PULL for op in self.ops))
+    @rule(i=st.integers(0, 100))
+    def stray_notification(self, i: int) -> None:
+        """A WRITE notification names a pull registration (live or ended): dropped, nothing lands."""
+        self.disruptions["stray"] += 1
+        op = self.pick([op for op in self.ops if op.side == "recv" and op.mode is TransferMode.PULL], i)
+        acts = self.recv.notified(op.registration_id, 0)
+        assert acts and all(isinstance(a, Dropped) for a in acts), acts
+
+    @precondition(lambda self: self.disruptions["shutdown"] < 1)
+    @rule(side=st.sampled_from(["send", "recv"]))
+    def shutdown(self, side: Side) -> None:
+        """A daemon begins to stop: everything it holds fails now (WRITEs in flight settle)."""
+        self.disruptions["shutdown"] += 1
+        self.route(self.send.shutdown("stopping") if side == "send" else self.recv.shutdown("stopping"))
+        if side == "recv":
+            assert len(self.recv) == 0
 
     @precondition(lambda self: self.disruptions["abort"] < 3)
     @rule(side=st.sampled_from(["send", "recv"]), rank=st.integers(0, 3), tid=st.sampled_from(TIDS))
@@ -477,6 +640,8 @@ class PushPair(RuleBasedStateMachine):
                 self.handle(self.net.pop(0))
             while self.posted:
                 self.complete(min(self.posted), True)
+            while self.reads:
+                self.complete_read(min(self.reads), True)
             if self.net:
                 continue
             deadlines = [d for d in (self.send.next_deadline(), self.recv.next_deadline()) if d is not None]
@@ -484,7 +649,7 @@ class PushPair(RuleBasedStateMachine):
                 break
             self.now = max(self.now, min(deadlines))
             self.tick()
-        assert not self.net and not self.posted and not self.held
+        assert not self.net and not self.posted and not self.held and not self.reads
         assert len(self.send) == 0, [v for v in self.send.views(self.now)]
         assert len(self.recv) == 0, [v for v in self.recv.views(self.now)]
         for op in self.ops:

@@ -1,0 +1,185 @@
+"""The agent book: one NIXL agent per attached worker, and what it has prepared (NIXL thread only).
+
+Each worker's memory is registered once and its descriptor list (one descriptor per region and
+block) prepared once; a remote agent's list is prepared once per (local agent, remote agent, slice),
+and the checked plan of a local/remote pair once per slices and direction. Per request the post
+path (thread.py) builds only index arrays from these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from ..core.errors import FailedPrecondition
+from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, memory_device
+from .descs import WHOLE, IntArray, PairPlan, Part, RegionSpec, RemoteAgent, block_descs, pair_plan, region_bases
+from .records import Local
+
+log = structlog.get_logger(__name__)
+
+
+class AgentBook:
+    """The NIXL agents of attached workers, by worker id. Every method runs on the NIXL thread."""
+
+    def __init__(self, backends: Sequence[str], params_for: Callable[[str, str], dict[str, str]] | None = None,
+                 param_devices: Sequence[str] = (), nixl_threads: int = 0) -> None:
+        self.backends = list(backends)
+        # (backend, KV device) -> NIXL init parameters; param_devices: devices with their own hints
+        self._params_for = params_for or (lambda backend, device: {})
+        self._param_devices = tuple(param_devices)
+        self._nixl_threads = nixl_threads
+        self.locals: dict[str, Local] = {}
+        self.agent_backends: dict[str, tuple[AgentBackend, ...]] = {}  # worker id -> its agent's backends
+        self._nixl: Any = None
+
+    def init_params(self, backend: str, device: str) -> dict[str, str]:
+        """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
+        params = dict(self._params_for(backend, device))
+        key = THREADS_KEY.get(backend)
+        if self._nixl_threads > 0 and key:
+            params.setdefault(key, str(self._nixl_threads))
+        return params
+
+    def probe(self) -> None:
+        """Import NIXL and create each backend once with its parameters, so that a plugin that cannot
+        load, a bad value or a bad device fails at start, not at the first Attach."""
+        import nixl._api as nixl_api
+
+        self._nixl = nixl_api
+        probe = nixl_api.nixl_agent("kvpushd-probe", nixl_api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        missing = [b for b in self.backends if b not in probe.get_plugin_list()]
+        if missing:
+            raise FailedPrecondition(f"NIXL backend(s) {missing} not available; have {probe.get_plugin_list()}")
+        for b in self.backends:
+            advertised = probe.get_plugin_params(b)  # {} where the plugin is listed but cannot load
+            known = set(advertised) | UNADVERTISED.get(b, frozenset())
+            for device in ("", *self._param_devices):
+                params = self.init_params(b, device)
+                where = f"transfer.device_params.{device} over transfer.backend_params" if device else \
+                    "transfer.backend_params"
+                if device and params == self.init_params(b, ""):
+                    continue
+                try:
+                    trial = nixl_api.nixl_agent(f"kvpushd-probe-{b}-{device}", nixl_api.nixl_agent_config(
+                        enable_prog_thread=False, backends=[]))
+                    trial.create_backend(b, params)
+                except Exception as e:
+                    if not advertised:
+                        raise FailedPrecondition(
+                            f"NIXL lists a {b} plugin but cannot load it ({type(e).__name__}: {e}): a shared "
+                            f"library it needs is missing (LIBFABRIC: libfabric.so.1 from the EFA installer, "
+                            f"hwloc, libnuma; `ldd` the plugin's libplugin_{b}.so)") from None
+                    raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
+                                             f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
+                                             "the log") from None
+                del trial
+                unknown = sorted(set(params) - known)
+                if unknown:  # NIXL ignores unknown keys silently: a typo would change nothing
+                    raise FailedPrecondition(f"NIXL backend {b} has no parameter(s) {unknown} ({where}); it "
+                                             f"takes {sorted(known)}")
+        del probe
+
+    def attach(self, worker_id: str, agent_name: str, mem_type: str, mappings: Sequence[tuple[int, int, int]],
+               regions: Sequence[RegionSpec], receives: bool) -> bytes:
+        """Create the worker's agent, register its memory, prepare its descriptors; -> its metadata."""
+        nx = self._nixl
+        # No NIXL progress thread: it spins a whole core per agent (pthrDelay is 0 in the Python
+        # API). The NIXL thread drives progress instead, by polling transfers and notifications.
+        # Backends are created here rather than by nixl_agent_config, which cannot pass init parameters.
+        cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=[])
+        device = memory_device(mem_type, mappings)
+        used = []
+        try:
+            agent = nx.nixl_agent(agent_name, cfg)
+            for b in self.backends:
+                params = self.init_params(b, device)
+                agent.create_backend(b, params)
+                used.append(AgentBackend(b, dict(agent.get_backend_params(b)), *agent_devices(b, params), device))
+        except Exception as e:
+            raise FailedPrecondition(f"NIXL could not create an agent with backends {self.backends}: {e}") from None
+        try:
+            reg_descs = agent.register_memory([(a, s, d, "") for a, s, d in mappings], mem_type)
+        except Exception as e:
+            raise FailedPrecondition(f"NIXL could not register the worker's memory ({mem_type}): {e}") from None
+        try:
+            dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(regions), mem_type)
+        except Exception:
+            agent.deregister_memory(reg_descs)
+            raise
+        self.locals[worker_id] = Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
+                                       region_bases(regions), receives)
+        self.agent_backends[worker_id] = tuple(used)
+        return bytes(agent.get_agent_metadata())
+
+    def load_remote(self, loc: Local, remote: RemoteAgent) -> None:
+        """Load a remote agent's metadata into this local agent, once."""
+        if remote.name not in loc.loaded:
+            loc.agent.add_remote_agent(remote.metadata)
+            loc.loaded.add(remote.name)
+
+    def remote_view(self, loc: Local, remote: RemoteAgent, part: Part) -> tuple[Any, IntArray]:
+        """The remote agent's descriptor list in this local agent and its region bases, prepared once per slice."""
+        view = loc.remotes.get((remote.name, part))
+        if view is None:
+            self.load_remote(loc, remote)
+            dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions, part), remote.mem_type)
+            view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions))
+        return view
+
+    @staticmethod
+    def local_list(loc: Local, part: Part) -> Any:
+        """The local agent's descriptor list of one slice of each block (the whole block: prepared at attach)."""
+        if part == WHOLE:
+            return loc.dlist
+        dlist = loc.slices.get(part)
+        if dlist is None:
+            dlist = loc.slices[part] = loc.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(loc.regions, part),
+                                                                 loc.mem_type)
+        return dlist
+
+    @staticmethod
+    def pair(loc: Local, remote: RemoteAgent, src_part: Part, dst_part: Part, write: bool,
+             rbases: IntArray) -> PairPlan:
+        """The checked plan of a local/remote pair and slices, made once (``write``: the local side is the source)."""
+        key = (remote.name, src_part, dst_part, "w" if write else "r")
+        plan = loc.pairs.get(key)
+        if plan is None:
+            if write:
+                plan = pair_plan(loc.regions, remote.regions, src_part, dst_part, loc.bases, rbases)
+            else:
+                plan = pair_plan(remote.regions, loc.regions, src_part, dst_part, rbases, loc.bases)
+            loc.pairs[key] = plan
+        return plan
+
+    def forget_remote(self, name: str) -> None:
+        """Drop a remote agent's prepared lists, pair plans and metadata from every local agent."""
+        for loc in self.locals.values():
+            try:
+                for key in [k for k in loc.remotes if k[0] == name]:
+                    loc.remotes.pop(key)[0].release()
+                for pk in [k for k in loc.pairs if k[0] == name]:
+                    del loc.pairs[pk]
+                if name in loc.loaded:
+                    loc.loaded.discard(name)
+                    loc.agent.remove_remote_agent(name)
+            except Exception:
+                log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
+
+    def pop(self, worker_id: str) -> Local | None:
+        """Take a worker's agent out of the book (its release follows: ``release``)."""
+        self.agent_backends.pop(worker_id, None)
+        return self.locals.pop(worker_id, None)
+
+    @staticmethod
+    def release(loc: Local) -> None:
+        """Release everything prepared on a local agent and deregister its memory."""
+        for dlist, _ in loc.remotes.values():
+            dlist.release()
+        for dlist in loc.slices.values():
+            dlist.release()
+        loc.dlist.release()
+        loc.agent.deregister_memory(loc.reg_descs)
+        del loc.agent
