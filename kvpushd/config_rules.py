@@ -3,49 +3,14 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 import typing
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from msgspec import inspect as mi
 
 from .core.errors import InvalidArgument
-
-
-@dataclass(frozen=True)
-class Key:
-    section: str
-    name: str
-    type: mi.Type
-    default: Any
-    doc: str
-    examples: tuple[Any, ...]
-
-    @property
-    def dotted(self) -> str:
-        return f"{self.section}.{self.name}"
-
-
-def sections(root: type[msgspec.Struct]) -> Iterator[tuple[str, str, list[Key]]]:
-    """(name, doc, keys) of every table of ``root``, in the schema's order."""
-    for sec in _struct(mi.type_info(root)).fields:
-        info = _struct(sec.type)
-        keys = []
-        for f in info.fields:
-            meta = f.type.extra_json_schema or {} if isinstance(f.type, mi.Metadata) else {}
-            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-            keys.append(Key(sec.name, f.name, f.type, default, meta.get("description", ""),
-                            tuple(meta.get("examples", ()))))
-        yield sec.name, inspect.cleandoc(info.cls.__doc__ or ""), keys
-
-
-def _struct(t: mi.Type) -> mi.StructType:
-    assert isinstance(t, mi.StructType), t
-    return t
 
 
 def _bare(t: mi.Type) -> mi.Type:

@@ -10,18 +10,23 @@ tests/core/test_config_docs.py fails when either file differs from what this wri
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
+from msgspec import inspect as mi
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvpushd.config import Config  # noqa: E402
-from kvpushd.config_rules import Key, bounds, sections, type_name  # noqa: E402
+from kvpushd.config_rules import bounds, type_name  # noqa: E402
 
 COMMAND = "python scripts/gen_config_docs.py"
 MARKDOWN = Path("docs/configuration.md")
@@ -35,6 +40,33 @@ EXAMPLE_SETS: dict[str, Any] = {
     "transfer.backends": None, "transfer.publish_timeout_s": None, "transfer.expect_timeout_s": None,
     "log.level": None, "log.format": None, "metrics.enabled": None, "metrics.listen": None,
 }
+
+
+@dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    type: mi.Type
+    default: Any
+    doc: str
+    examples: tuple[Any, ...]
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def sections(root: type[msgspec.Struct]) -> Iterator[tuple[str, str, list[Key]]]:
+    """(name, doc, keys) of every table of ``root``, in the schema's order."""
+    for sec in mi.type_info(root).fields:
+        info = sec.type
+        keys = []
+        for f in info.fields:
+            meta = (f.type.extra_json_schema or {}) if isinstance(f.type, mi.Metadata) else {}
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            keys.append(Key(sec.name, f.name, f.type, default, meta.get("description", ""),
+                            tuple(meta.get("examples", ()))))
+        yield sec.name, inspect.cleandoc(info.cls.__doc__ or ""), keys
 
 
 def toml_value(v: Any) -> str:

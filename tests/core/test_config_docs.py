@@ -12,7 +12,6 @@ from types import ModuleType
 import pytest
 
 from kvpushd import config
-from kvpushd.config_rules import sections
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +36,7 @@ def test_generated_file_is_current(rel: str) -> None:
 def test_every_key_is_documented_and_shown() -> None:
     gen = generator()
     md, example = gen.markdown(), gen.example_toml()
-    for name, doc, keys in sections(config.Config):
+    for name, doc, keys in gen.sections(config.Config):
         assert doc and f"## [{name}]" in md
         for k in keys:
             assert k.doc, f"{k.dotted} has no doc"
