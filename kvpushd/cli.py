@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -18,15 +17,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .core.errors import KvpushdError
 
     try:
-        cfg = config.load(args.config)
-        if args.socket or args.listen or args.node_id:
-            cfg = dataclasses.replace(
-                cfg,
-                worker_api=dataclasses.replace(cfg.worker_api, socket=args.socket or cfg.worker_api.socket),
-                peer_api=dataclasses.replace(cfg.peer_api, listen=args.listen or cfg.peer_api.listen),
-                node=dataclasses.replace(cfg.node, node_id=args.node_id or cfg.node.node_id),
-            )
-            config.validate(cfg)
+        overrides = {"worker_api.socket": args.socket, "peer_api.listen": args.listen, "node.node_id": args.node_id}
+        cfg = config.load(args.config, {k: v for k, v in overrides.items() if v})
     except KvpushdError as e:
         print(f"kvpushd: {e}", file=sys.stderr)
         return 2

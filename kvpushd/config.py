@@ -1,20 +1,36 @@
-"""Configuration: a TOML file whose every key has a default, validated once at load.
+"""Configuration: one typed schema (msgspec Structs) that decodes the TOML file and validates it.
 
-``kvpushd serve`` with no file starts a usable daemon; systemd/kvpushd.toml documents every key.
+Every key has a default, a type, its bounds and a one-line doc, here and nowhere else:
+docs/configuration.md and systemd/kvpushd.toml are generated from this module
+(``python scripts/gen_config_docs.py``). ``kvpushd serve`` with no file starts a usable daemon.
+Unknown sections and keys are errors naming the key (``peer_api.alow``); rules that relate keys
+to each other or to files (TLS, allowlists, host:port) are checked by ``validate``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import os
 import socket
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
+from msgspec import Meta, field
+
+from .config_rules import config_error
 from .core.errors import InvalidArgument
+
+Positive = Meta(gt=0)
+BackendName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]+$", title="a NIXL backend name (UCX, LIBFABRIC, ...)")]
+Param = Annotated[str | int | float | bool, Meta(
+    title="a string (NIXL backend parameters are strings; numbers and booleans are written as such)")]
+ParamTable = Annotated[dict[str, Param], Meta(title="a table of backend parameters")]
+HostPort = Annotated[str, Meta(pattern=r"^.*:[0-9]+$", title="host:port")]
+Device = Annotated[str, Meta(pattern=r"^(host|gpu[0-9]+)$", title='"host" or "gpu<N>" (the CUDA device index of '
+                             "the worker's KV)")]
 
 
 def default_socket_path() -> str:
@@ -39,48 +55,77 @@ def default_advertise_host() -> str:
     return "127.0.0.1"
 
 
-@dataclass(frozen=True)
-class NodeConfig:
-    node_id: str = ""
-    advertise_host: str = ""
+class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A table of the file: unknown keys are errors."""
 
 
-@dataclass(frozen=True)
-class WorkerApiConfig:
-    socket: str = ""
-    socket_mode: int = 0o660
-    max_workers: int = 256
-    max_blocks_per_request: int = 1 << 20
-    max_attach_descriptors: int = 1 << 23  # regions x blocks of one worker (NIXL descriptors it needs)
-    session_grace_s: float = 30.0  # an attached worker that never opens its session is reaped
-    # the local socket's own message limit: an Expect of max_blocks_per_request ids is ~3 MiB
-    max_message_bytes: int = 8 << 20
+class NodeConfig(Section, frozen=True):
+    """This daemon among its peers."""
+
+    node_id: Annotated[str, Meta(description="Unique name of this daemon among its peers; empty: the hostname")] = ""
+    advertise_host: Annotated[str, Meta(description=(
+        "Host other daemons are told to dial; empty: the listen host, or with a wildcard listen 127.0.0.1 in "
+        "protected mode and else the first non-loopback address (set it on hosts with several networks)"))] = ""
 
 
-@dataclass(frozen=True)
-class PeerApiConfig:
-    listen: str = "0.0.0.0:7700"
-    connect_timeout_s: float = 5.0
-    rpc_timeout_s: float = 10.0
-    max_message_bytes: int = 64 << 20
-    # what one decode daemon may hold here: Registers per second (a token bucket, burst of one
-    # second's worth), registrations pending, destination blocks those cover
-    max_registers_per_s: float = 20000.0
-    max_registrations_per_peer: int = 65536
-    max_blocks_per_peer: int = 1 << 24
-    # items queued to one peer's Channel stream or unanswered by it: a peer that stops reading fills
-    # it, then new items fail at once with PEER_UNREACHABLE (memory stays bounded)
-    max_stream_items: int = 8192
-    # mutual TLS (grpcio's own credentials): all three paths or none
-    tls_cert: str = ""  # PEM certificate chain this daemon presents, as server and as client
-    tls_key: str = ""  # PEM private key of tls_cert
-    tls_ca: str = ""  # PEM CA bundle: peers' certificates (both directions) must be signed by it
-    tls_server_name: str = ""  # name checked in the remote daemon's certificate instead of its host
-    allow: tuple[str, ...] = ()  # caller addresses allowed (CIDRs or addresses); empty: see protected mode
-    allow_names: tuple[str, ...] = ()  # with TLS: client certificate CN/SAN names allowed; empty: any
-    # Protected mode: with neither TLS nor ``allow`` the peer API serves loopback callers only.
-    # ``insecure = true`` opens it to every caller in plaintext (a warning is logged at start).
-    insecure: bool = False
+class WorkerApiConfig(Section, frozen=True):
+    """The Unix socket of the engine workers on this host (prefill and decode); it also serves the status.
+    Under systemd /run/kvpushd is the unit's RuntimeDirectory."""
+
+    socket: Annotated[str, Meta(description=(
+        "Path of the worker socket; empty: /run/kvpushd/worker.sock where writable, else "
+        "$XDG_RUNTIME_DIR/kvpushd/worker.sock"))] = ""
+    socket_mode: Annotated[int, Meta(ge=0, le=0o777, description=(
+        "Permission bits of the socket file, in decimal: 432 = 0o660, the daemon's user and group (engine "
+        "workers join the group)"))] = 0o660
+    max_workers: Annotated[int, Positive, Meta(description="Workers attached at once")] = 256
+    max_blocks_per_request: Annotated[int, Positive, Meta(description="Block ids in one Publish or Expect")] = 1 << 20
+    max_attach_descriptors: Annotated[int, Positive, Meta(description=(
+        "Regions x blocks of one worker (the NIXL descriptors it needs)"))] = 1 << 23
+    session_grace_s: Annotated[float, Positive, Meta(description=(
+        "Seconds an attached worker may take to open its session before it is reaped"))] = 30.0
+    max_message_bytes: Annotated[int, Positive, Meta(description=(
+        "Largest message on the worker socket (an Expect of max_blocks_per_request ids is ~3 MiB)"))] = 8 << 20
+
+
+class PeerApiConfig(Section, frozen=True):
+    """The TCP API other daemons call. Protected mode (the default): with neither TLS nor `allow`, only
+    callers on this host's loopback are served; any other gets PERMISSION_DENIED saying how to open it.
+    Open it to the other nodes with mutual TLS (all three tls_* paths, checked at start, optionally
+    allow_names) or an `allow` list of their addresses; the health service stays open."""
+
+    listen: Annotated[HostPort, Meta(description="Address this daemon accepts other daemons on")] = "0.0.0.0:7700"
+    connect_timeout_s: Annotated[float, Positive, Meta(description="Seconds to connect to another daemon")] = 5.0
+    rpc_timeout_s: Annotated[float, Positive, Meta(description="Seconds one call to another daemon may take")] = 10.0
+    max_message_bytes: Annotated[int, Positive, Meta(description="Largest message between daemons")] = 64 << 20
+    max_registers_per_s: Annotated[float, Positive, Meta(description=(
+        "Registrations one decode daemon may make per second (a token bucket with one second's burst)"))] = 20000.0
+    max_registrations_per_peer: Annotated[int, Positive, Meta(description=(
+        "Registrations one decode daemon may have pending here"))] = 65536
+    max_blocks_per_peer: Annotated[int, Positive, Meta(description=(
+        "Destination blocks the pending registrations of one decode daemon may cover"))] = 1 << 24
+    max_stream_items: Annotated[int, Positive, Meta(description=(
+        "Items queued to or unanswered by one peer's Channel stream; beyond it new ones fail PEER_UNREACHABLE"))] = 8192
+    tls_cert: Annotated[str, Meta(description=(
+        "PEM certificate chain this daemon presents, as server and as client (mutual TLS: set all three tls_* "
+        "paths or none)"), examples=["/etc/kvpushd/tls/node.crt"])] = ""
+    tls_key: Annotated[str, Meta(description="PEM private key of tls_cert",
+                                 examples=["/etc/kvpushd/tls/node.key"])] = ""
+    tls_ca: Annotated[str, Meta(description=(
+        "PEM CA bundle that must have signed the peers' certificates, both directions"),
+        examples=["/etc/kvpushd/tls/ca.pem"])] = ""
+    tls_server_name: Annotated[str, Meta(description=(
+        "Name checked in the remote daemons' certificates instead of the host dialled"),
+        examples=["kvpushd.cluster.local"])] = ""
+    allow: Annotated[tuple[str, ...], Meta(description=(
+        "Caller addresses allowed (CIDRs or addresses); empty: loopback only without TLS, anyone the CA "
+        "signed with TLS"), examples=[["10.0.0.0/8", "127.0.0.1"]])] = ()
+    allow_names: Annotated[tuple[str, ...], Meta(description=(
+        "With TLS: client certificate names (CN or a SAN) allowed; empty: any"),
+        examples=[["decode-node-1", "decode-node-2"]])] = ()
+    insecure: Annotated[bool, Meta(description=(
+        "Plaintext and open to every caller that reaches the port, no TLS, no allowlist (logged as a "
+        "warning; not with TLS or allow)"))] = False
 
     @property
     def protected(self) -> bool:
@@ -88,55 +133,95 @@ class PeerApiConfig:
         return not (self.insecure or self.allow or (self.tls_cert and self.tls_key and self.tls_ca))
 
 
-@dataclass(frozen=True)
-class TransferConfig:
-    backends: tuple[str, ...] = ("UCX",)
-    backend: str = ""  # one NIXL backend ("UCX", "LIBFABRIC"): shorthand for backends = [backend]
-    # NIXL backend init parameters (create_backend), string -> string; a sub-table named after a
-    # backend ([transfer.backend_params.UCX]) applies to that backend only, over the plain keys
-    backend_params: dict[str, Any] = field(default_factory=dict)
-    # per device hints, merged over backend_params for the agent of a worker whose KV lives there:
-    # [transfer.device_params.gpu0] device_list = "mlx5_0"  ("gpu<N>": CUDA device N, "host": shm)
-    device_params: dict[str, dict[str, str]] = field(default_factory=dict)
-    publish_timeout_s: float = 120.0
-    expect_timeout_s: float = 120.0
-    poll_interval_s: float = 0.0002  # NIXL progress while transfers are active ...
-    poll_max_interval_s: float = 0.001  # ... backing off to this while nothing happens (idle: no polling)
-    # a new receive (Expect, or a pull-mode offer) keeps the short interval this long: in push mode
-    # decode registers while prefill computes, so a prefill shorter than this lands on a hot poll
-    poll_hot_s: float = 2.0
-    nixl_threads: int = 0
-    max_pending: int = 100_000
-    drain_timeout_s: float = 30.0
-    write_timeout_s: float = 60.0  # a WRITE or READ in flight longer than this is cancelled (both sides fail)
-    heartbeat_interval_s: float = 1.0  # decode -> prefill daemons, while transfers are pending
-    peer_timeout_s: float = 10.0  # a peer silent this long has everything pending with it failed
+class TransferConfig(Section, frozen=True):
+    """NIXL and the transfers. backend_params and device_params are passed to NIXL's create_backend as
+    strings; names NIXL does not know and values a backend refuses stop the daemon at start. UCX (NIXL
+    1.5.1): num_workers, ucx_error_handling_mode, device_list (RDMA HCA names "mlx5_0,mlx5_1"; for TCP
+    interfaces set UCX_NET_DEVICES in the unit's environment instead). LIBFABRIC (AWS EFA, docs/efa.md):
+    num_threads, split_batch_size, max_bw_per_dram_seg (Gbps)."""
+
+    backends: Annotated[tuple[BackendName, ...], Meta(min_length=1, description=(
+        "NIXL backends to create, in order of preference; the daemon refuses to start when NIXL has no plugin "
+        "by that name"))] = ("UCX",)
+    backend: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]*$", title="a NIXL backend name (UCX, LIBFABRIC, ...) or empty",
+                                 description="One backend: shorthand for backends = [backend]",
+                                 examples=["LIBFABRIC"])] = ""
+    backend_params: Annotated[dict[str, Param | ParamTable], Meta(description=(
+        "NIXL init parameters of every backend; a sub-table named after a backend "
+        "([transfer.backend_params.UCX]) applies to that one only, over the plain keys"),
+        examples=[{"num_workers": "2"}])] = field(default_factory=dict)
+    device_params: Annotated[dict[Device, ParamTable], Meta(description=(
+        "Per device hints merged over backend_params for the agent of a worker whose KV is there: "
+        '"gpu<N>" (CUDA device N) or "host" (shared memory)'),
+        examples=[{"gpu0": {"device_list": "mlx5_0"}, "gpu1": {"device_list": "mlx5_1"}}])] = field(
+        default_factory=dict)
+    publish_timeout_s: Annotated[float, Positive, Meta(description=(
+        "Seconds a prefill worker's published blocks wait for the matching decode registration"))] = 120.0
+    expect_timeout_s: Annotated[float, Positive, Meta(description=(
+        "Seconds a decode registration waits for its blocks to arrive"))] = 120.0
+    poll_interval_s: Annotated[float, Positive, Meta(description=(
+        "NIXL progress interval while transfers are active"))] = 0.0002
+    poll_max_interval_s: Annotated[float, Positive, Meta(description=(
+        "The interval polling backs off to while nothing happens (idle: no polling)"))] = 0.001
+    poll_hot_s: Annotated[float, Meta(ge=0, le=3600, description=(
+        "Seconds a new receive keeps the short interval (decode registers while prefill computes)"))] = 2.0
+    nixl_threads: Annotated[int, Meta(ge=0, description="NIXL agent threads (0: NIXL's default)")] = 0
+    max_pending: Annotated[int, Positive, Meta(description="Transfers pending at once")] = 100_000
+    drain_timeout_s: Annotated[float, Positive, Meta(description=(
+        "Seconds a stopping daemon waits for its transfers to finish"))] = 30.0
+    write_timeout_s: Annotated[float, Positive, Meta(description=(
+        "Seconds a WRITE or READ may be in flight before it is cancelled (both sides fail)"))] = 60.0
+    heartbeat_interval_s: Annotated[float, Positive, Meta(description=(
+        "Seconds between heartbeats to prefill daemons while transfers are pending"))] = 1.0
+    peer_timeout_s: Annotated[float, Positive, Meta(description=(
+        "Seconds a peer may be silent before everything pending with it fails"))] = 10.0
+
+    def __post_init__(self) -> None:
+        if self.backend:
+            msgspec.structs.force_setattr(self, "backends", (self.backend,))
+        msgspec.structs.force_setattr(self, "backend_params", _strings(self.backend_params))
+        msgspec.structs.force_setattr(self, "device_params", _strings(self.device_params))
 
 
-@dataclass(frozen=True)
-class LogConfig:
-    level: str = "info"
-    format: str = "auto"
+def _strings(table: Mapping[str, Any]) -> dict[str, Any]:
+    """NIXL parameters are strings: numbers as written, booleans as true/false."""
+    return {k: _strings(v) if isinstance(v, Mapping) else str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in table.items()}
 
 
-@dataclass(frozen=True)
-class MetricsConfig:
-    enabled: bool = True
-    listen: str = "127.0.0.1:9400"  # Prometheus /metrics over HTTP (port 0: ephemeral)
+class LogConfig(Section, frozen=True):
+    """The daemon's log (stderr)."""
+
+    level: Annotated[str, Meta(pattern=r"(?i)^(debug|info|warning|error)$", title="debug, info, warning or error",
+                               description="Lowest level logged")] = "info"
+    format: Annotated[Literal["auto", "json", "console"], Meta(description=(
+        "auto: console on a terminal, json otherwise (e.g. under systemd, where stderr goes to the journal)"))] = "auto"
 
 
-@dataclass(frozen=True)
-class TracingConfig:
-    # OTLP/gRPC collector, e.g. "http://127.0.0.1:4317" (http: plaintext, https: TLS); "" = tracing off
-    otlp_endpoint: str = ""
-    service_name: str = "kvpushd"
-    # transfers without a sampled parent context traced at this ratio; a traceparent's own sampled
-    # flag is followed (parent-based), so a traced vLLM request is traced through the daemons
-    sample_ratio: float = 1.0
+class MetricsConfig(Section, frozen=True):
+    """Prometheus metrics over HTTP at http://<listen>/metrics. A port that cannot be bound is logged and
+    skipped; the daemon keeps running without metrics."""
+
+    enabled: Annotated[bool, Meta(description="Serve /metrics")] = True
+    listen: Annotated[HostPort, Meta(description="Address of /metrics; port 0 picks a free one (kvpushctl status "
+                                               "shows it)")] = "127.0.0.1:9400"
 
 
-@dataclass(frozen=True)
-class Config:
+class TracingConfig(Section, frozen=True):
+    """OpenTelemetry spans per transfer (rendezvous wait, WRITE or READ, notifications) over OTLP/gRPC,
+    joined to the engine request's trace. Off by default, and then opentelemetry is not even imported;
+    needs `pip install kvpushd[tracing]`."""
+
+    otlp_endpoint: Annotated[str, Meta(pattern=r"^(https?://.+)?$", title="http://host:port or https://host:port",
+                                       description="OTLP/gRPC collector (http: plaintext, https: TLS); empty: off",
+                                       examples=["http://127.0.0.1:4317"])] = ""
+    service_name: Annotated[str, Meta(description="service.name of the spans")] = "kvpushd"
+    sample_ratio: Annotated[float, Meta(ge=0, le=1, description=(
+        "Ratio of transfers traced that come without a trace context; a traceparent's sampled flag is "
+        "followed either way"))] = 1.0
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     node: NodeConfig = field(default_factory=NodeConfig)
     worker_api: WorkerApiConfig = field(default_factory=WorkerApiConfig)
     peer_api: PeerApiConfig = field(default_factory=PeerApiConfig)
@@ -176,140 +261,42 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-_SECTIONS: dict[str, type[Any]] = {
-    "node": NodeConfig, "worker_api": WorkerApiConfig, "peer_api": PeerApiConfig,
-    "transfer": TransferConfig, "log": LogConfig, "metrics": MetricsConfig,
-    "tracing": TracingConfig,
-}
-
-
 def from_dict(data: dict[str, Any]) -> Config:
-    """Build and validate a Config; unknown sections and keys are errors (typos fail loudly)."""
-    sections: dict[str, Any] = {}
-    for name, value in data.items():
-        cls = _SECTIONS.get(name)
-        if cls is None:
-            raise InvalidArgument(f"config: unknown section [{name}]; known: {sorted(_SECTIONS)}")
-        if not isinstance(value, dict):
-            raise InvalidArgument(f"config: [{name}] must be a table")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, v in value.items():
-            f = fields.get(key)
-            if f is None:
-                raise InvalidArgument(f"config: unknown key {name}.{key}; known: {sorted(fields)}")
-            if f.default_factory is dict:
-                kwargs[key] = _coerce_table(f"{name}.{key}", v, depth=2 if key == "device_params" else 1)
-            else:
-                kwargs[key] = _coerce(f"{name}.{key}", f.default, v)
-        if name == "transfer" and kwargs.get("backend"):
-            one = (kwargs["backend"],)
-            if "backends" in kwargs and kwargs["backends"] != one:
-                raise InvalidArgument(f"config: transfer.backend = {kwargs['backend']!r} and transfer.backends = "
-                                      f"{list(kwargs['backends'])} disagree; set one of them")
-            kwargs["backends"] = one
-        sections[name] = cls(**kwargs)
-    cfg = Config(**sections)
+    """Decode and validate a Config from the TOML file's tables."""
+    t = data.get("transfer")
+    if isinstance(t, dict) and t.get("backend") and "backends" in t and t["backends"] != [t["backend"]]:
+        raise InvalidArgument(f"config: transfer.backend = {t['backend']!r} and transfer.backends = "
+                              f"{t['backends']} disagree; set one of them")
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as e:
+        raise config_error(e, data, Config) from None
     validate(cfg)
     return cfg
 
 
-def _coerce(where: str, default: Any, v: Any) -> Any:
-    if isinstance(default, tuple):
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise InvalidArgument(f"config: {where} must be a list of strings")
-        return tuple(v)
-    if isinstance(default, (bool, str)):
-        if not isinstance(v, type(default)):
-            raise InvalidArgument(f"config: {where} must be a {type(default).__name__}")
-        return v
-    if isinstance(default, float):
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise InvalidArgument(f"config: {where} must be a number")
-        return float(v)
-    if isinstance(default, int):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise InvalidArgument(f"config: {where} must be an integer")
-        return v
-    return v
-
-
-def _coerce_table(where: str, v: Any, depth: int) -> dict[str, Any]:
-    """A TOML table of string values (numbers and booleans are written as NIXL expects them).
-
-    ``depth`` 2: a table of such tables (device_params). backend_params takes both: plain keys,
-    and sub-tables named after a backend.
-    """
-    if not isinstance(v, dict):
-        raise InvalidArgument(f"config: {where} must be a table")
-    out: dict[str, Any] = {}
-    for k, x in v.items():
-        if isinstance(x, dict) and (depth == 2 or where.endswith("backend_params")):
-            out[k] = _coerce_table(f"{where}.{k}", x, 1)
-        elif depth == 2:
-            raise InvalidArgument(f"config: {where}.{k} must be a table of backend parameters")
-        elif isinstance(x, bool):
-            out[k] = "true" if x else "false"
-        elif isinstance(x, str | int | float):
-            out[k] = str(x)
-        else:
-            raise InvalidArgument(f"config: {where}.{k} must be a string (NIXL backend parameters are strings)")
-    return out
-
-
 def backend_init_params(t: TransferConfig, backend: str, device: str = "") -> dict[str, str]:
     """NIXL init parameters for ``backend`` on an agent whose memory is on ``device`` ("gpu0", "host")."""
-    out = {k: v for k, v in t.backend_params.items() if isinstance(v, str)}
+    out = {k: str(v) for k, v in t.backend_params.items() if not isinstance(v, dict)}
     sub = t.backend_params.get(backend)
-    if isinstance(sub, dict):
-        out.update(sub)
-    out.update(t.device_params.get(device, {}))
+    for table in (sub if isinstance(sub, dict) else {}, t.device_params.get(device, {})):
+        out.update((k, str(v)) for k, v in table.items())
     return out
 
 
 def validate(cfg: Config) -> None:
-    split_host_port(cfg.peer_api.listen)
-    split_host_port(cfg.metrics.listen)
-    ep = cfg.tracing.otlp_endpoint
-    if ep and not (ep.startswith(("http://", "https://")) and len(ep.split("://", 1)[1]) > 0):
-        raise InvalidArgument(f"config: tracing.otlp_endpoint {ep!r} must be http://host:port or https://host:port")
-    if not 0.0 <= cfg.tracing.sample_ratio <= 1.0:
-        raise InvalidArgument(f"config: tracing.sample_ratio {cfg.tracing.sample_ratio} must be within 0..1")
+    """The rules the schema's types and bounds cannot say: addresses, and keys that relate to each other."""
+    for where, addr in (("peer_api.listen", cfg.peer_api.listen), ("metrics.listen", cfg.metrics.listen)):
+        try:
+            split_host_port(addr)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"config: {where}: {e}") from None
     t = cfg.transfer
-    if not t.backends:
-        raise InvalidArgument("config: transfer.backends must name at least one NIXL backend")
-    for b in t.backends:
-        if not b or not b.replace("_", "").isalnum():
-            raise InvalidArgument(f"config: transfer backend {b!r} is not a NIXL backend name (e.g. UCX, LIBFABRIC)")
     for k, v in t.backend_params.items():
         if isinstance(v, dict) and k not in t.backends:
             raise InvalidArgument(f"config: [transfer.backend_params.{k}] names no configured backend "
                                   f"(transfer.backends: {list(t.backends)})")
-    for dev in t.device_params:
-        if dev != "host" and not (dev.startswith("gpu") and dev[3:].isdigit()):
-            raise InvalidArgument(f"config: [transfer.device_params.{dev}]: devices are \"host\" or \"gpu<N>\" "
-                                  "(the CUDA device index of the worker's KV)")
-    for name in ("publish_timeout_s", "expect_timeout_s", "poll_interval_s", "drain_timeout_s",
-                 "heartbeat_interval_s", "peer_timeout_s", "write_timeout_s", "poll_max_interval_s"):
-        if getattr(t, name) <= 0:
-            raise InvalidArgument(f"config: transfer.{name} must be positive")
-    if not 0 <= t.poll_hot_s <= 3600:
-        raise InvalidArgument("config: transfer.poll_hot_s must be between 0 and 3600 seconds")
-    for where, v in (("peer_api.max_registers_per_s", cfg.peer_api.max_registers_per_s),
-                     ("peer_api.max_registrations_per_peer", cfg.peer_api.max_registrations_per_peer),
-                     ("peer_api.max_blocks_per_peer", cfg.peer_api.max_blocks_per_peer),
-                     ("peer_api.max_stream_items", cfg.peer_api.max_stream_items),
-                     ("peer_api.max_message_bytes", cfg.peer_api.max_message_bytes),
-                     ("worker_api.max_message_bytes", cfg.worker_api.max_message_bytes)):
-        if v <= 0:
-            raise InvalidArgument(f"config: {where} must be positive")
     validate_peer_security(cfg.peer_api)
-    if not 0 <= cfg.worker_api.socket_mode <= 0o777:
-        raise InvalidArgument("config: worker_api.socket_mode must be permission bits (0..511)")
-    if cfg.log.level.lower() not in ("debug", "info", "warning", "error"):
-        raise InvalidArgument("config: log.level must be debug, info, warning or error")
-    if cfg.log.format not in ("auto", "json", "console"):
-        raise InvalidArgument("config: log.format must be auto, json or console")
 
 
 def validate_peer_security(p: PeerApiConfig) -> None:
@@ -344,14 +331,22 @@ def validate_peer_security(p: PeerApiConfig) -> None:
                               f"but {opened} is set and already decides who may call: remove insecure")
 
 
-def load(path: str | None) -> Config:
-    if path is None:
-        return Config()
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise InvalidArgument(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise InvalidArgument(f"config file {path}: {e}") from None
+def load(path: str | None, overrides: Mapping[str, object] | None = None) -> Config:
+    """The file's configuration (defaults without one), with ``overrides`` ("section.key" -> value,
+    None: not given, e.g. command line options) set over it, decoded and validated as one."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise InvalidArgument(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidArgument(f"config file {path}: {e}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            section, _, name = key.partition(".")
+            table = data.setdefault(section, {})
+            if isinstance(table, dict):
+                table[name] = value
     return from_dict(data)

@@ -1,10 +1,17 @@
-"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request."""
+"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request.
 
-from .aio import AsyncKVPushClient, AsyncWorker
-from .client import KVPushClient, Worker
-from .reconnect import ReconnectingStreamWorker, ReconnectingWorker
-from .shm import SharedBuffer
-from .stream import StreamWorker
+The classes that talk gRPC are imported on first use, so ``kvpushd_client.types`` and ``.errors``
+(records, enums and error kinds the daemon's core shares) load without grpc."""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .aio import AsyncKVPushClient, AsyncWorker
+    from .client import KVPushClient, Worker
+    from .reconnect import ReconnectingStreamWorker, ReconnectingWorker
+    from .shm import SharedBuffer
+    from .stream import StreamWorker
 from .types import (
     Completion,
     CompletionKind,
@@ -23,3 +30,13 @@ __all__ = [
     "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "ReconnectingWorker", "Region", "Role",
     "SharedBuffer", "ShmMemory", "StreamWorker", "TransferFigures", "Worker",
 ]
+
+_LAZY = {"AsyncKVPushClient": "aio", "AsyncWorker": "aio", "KVPushClient": "client", "Worker": "client",
+         "ReconnectingStreamWorker": "reconnect", "ReconnectingWorker": "reconnect", "SharedBuffer": "shm",
+         "StreamWorker": "stream"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

@@ -9,22 +9,19 @@ from .types import (
     Completion,
     CompletionKind,
     CudaMemory,
+    FailureCode,
     Memory,
     Region,
     Role,
     ShmMemory,
     TransferFigures,
+    TransferMode,
 )
-
-_MODES = {"push": common_pb2.TRANSFER_MODE_PUSH, "pull": common_pb2.TRANSFER_MODE_PULL}
 
 
 def transfer_mode(mode: str) -> common_pb2.TransferMode.ValueType:
     """"push" | "pull" (vLLM's kv_transfer_params["transfer_mode"]) -> the protobuf enum."""
-    try:
-        return _MODES[str(mode).lower()]
-    except KeyError:
-        raise ValueError(f"transfer_mode {mode!r}: 'push' or 'pull'") from None
+    return common_pb2.TransferMode.ValueType(TransferMode.parse(str(mode)))
 
 
 # A local daemon that restarts is back within a second: reconnect quickly instead of gRPC's
@@ -68,13 +65,14 @@ def failure_code_name(v: int) -> str:
     code this client does not know, from a newer daemon, is "UNKNOWN_<value>": its reason says more)."""
     if not v:
         return ""
-    if v not in common_pb2.FailureCode.values():
+    try:
+        return FailureCode(v).name
+    except ValueError:
         return f"UNKNOWN_{int(v)}"
-    return common_pb2.FailureCode.Name(common_pb2.FailureCode.ValueType(v)).removeprefix("FAILURE_")
 
 
 # A queued call the daemon refused (client side only, see Worker.*_nowait).
-REFUSED = failure_code_name(common_pb2.FAILURE_REFUSED)
+REFUSED = FailureCode.REFUSED.name
 
 
 _KINDS = {int(k): k for k in CompletionKind}

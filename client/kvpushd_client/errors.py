@@ -18,6 +18,18 @@ if TYPE_CHECKING:
 
 METADATA_KEY = "kvpushd-error"
 
+# Every kind of refusal a daemon names, with the gRPC status it is sent as: the one list of kinds. The
+# daemon's error classes (kvpushd/core/errors.py) and the client's below are named after them, with
+# the same parents (tests/core/test_client_errors.py checks both trees and the daemon's status table
+# against it). A kind that shares its parent's status refines it; PeerRejected travels only inside a
+# peer's result ("": never a status of its own).
+KINDS: dict[str, str] = {
+    "InvalidArgument": "INVALID_ARGUMENT", "NotFound": "NOT_FOUND", "AlreadyExists": "ALREADY_EXISTS",
+    "FailedPrecondition": "FAILED_PRECONDITION", "SessionUnknown": "FAILED_PRECONDITION",
+    "IllegalTransition": "FAILED_PRECONDITION", "PeerRejected": "", "PermissionDenied": "PERMISSION_DENIED",
+    "ResourceExhausted": "RESOURCE_EXHAUSTED", "Unavailable": "UNAVAILABLE", "PeerUnreachable": "UNAVAILABLE",
+}
+
 
 class KVPushError(Exception):
     """A daemon call failed.
@@ -86,14 +98,11 @@ class DaemonUnavailable(Unavailable):
     unable to reach a peer, names its kind: ``Unavailable`` or ``PeerUnreachable``.)"""
 
 
-_KINDS: dict[str, type[KVPushError]] = {cls.__name__: cls for cls in (
-    InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, SessionUnknown, IllegalTransition, PeerRejected,
-    PermissionDenied, ResourceExhausted, Unavailable, PeerUnreachable)}
+_KINDS: dict[str, type[KVPushError]] = {kind: globals()[kind] for kind in KINDS}
+# a status without a kind (an older daemon, a proxy): the first kind sent as it, which is the parent
 _BY_STATUS: dict[str, type[KVPushError]] = {
-    "INVALID_ARGUMENT": InvalidArgument, "OUT_OF_RANGE": InvalidArgument, "NOT_FOUND": NotFound,
-    "ALREADY_EXISTS": AlreadyExists, "FAILED_PRECONDITION": FailedPrecondition,
-    "PERMISSION_DENIED": PermissionDenied, "UNAUTHENTICATED": PermissionDenied,
-    "RESOURCE_EXHAUSTED": ResourceExhausted,
+    **{status: _KINDS[kind] for kind, status in reversed(KINDS.items()) if status},
+    "OUT_OF_RANGE": InvalidArgument, "UNAUTHENTICATED": PermissionDenied,
 }
 _UNREACHABLE = frozenset({"UNAVAILABLE", "CANCELLED"})
 

@@ -1,4 +1,6 @@
-"""Plain types of the client API (no protobuf in the caller's hands)."""
+"""Plain types of the client API (no protobuf in the caller's hands), and the records and enums the
+daemon shares (kvpushd/core/types.py imports them from here): each enum has the values of its
+kvpushd.v1 namesake (tests/core/test_enums.py). Imports neither grpc nor protobuf."""
 
 from __future__ import annotations
 
@@ -12,9 +14,53 @@ __all__ = ["DaemonUnavailable", "KVPushError"]  # kept here for older imports
 
 
 class Role(enum.IntEnum):
+    UNSPECIFIED = 0  # on the wire only: a worker that attaches says which it is
     PRODUCER = 1  # prefill
     CONSUMER = 2  # decode
     BOTH = 3
+
+    @property
+    def can_send(self) -> bool:
+        return self in (Role.PRODUCER, Role.BOTH)
+
+    @property
+    def can_receive(self) -> bool:
+        return self in (Role.CONSUMER, Role.BOTH)
+
+
+class FailureCode(enum.IntEnum):
+    """Why a transfer failed; a FAILED completion's ``code`` is the name ("TIMEOUT")."""
+
+    UNSPECIFIED = 0
+    TIMEOUT = 1
+    ABORTED = 2
+    PEER_UNREACHABLE = 3
+    PEER_REJECTED = 4
+    TRANSFER_ERROR = 5
+    LAYOUT_MISMATCH = 6
+    WORKER_GONE = 7
+    SUPERSEDED = 8
+    SHUTDOWN = 9
+    REFUSED = 10  # client side only: a queued call the daemon refused
+
+
+class TransferMode(enum.IntEnum):
+    """Who moves the bytes (UNSPECIFIED means PUSH)."""
+
+    UNSPECIFIED = 0
+    PUSH = 1  # the prefill node's daemon WRITEs into the decode worker's blocks
+    PULL = 2  # the decode node's daemon READs from the prefill worker's blocks
+
+    @classmethod
+    def parse(cls, v: int | str) -> TransferMode:
+        """From the wire (0 -> PUSH) or from vLLM's kv_transfer_params ("push"/"pull")."""
+        if isinstance(v, str):
+            try:
+                return {"push": cls.PUSH, "pull": cls.PULL}[v.lower()]
+            except KeyError:
+                raise ValueError(f"transfer_mode {v!r}: 'push' or 'pull'") from None
+        m = cls(v)
+        return cls.PUSH if m is cls.UNSPECIFIED else m
 
 
 class KVLayout(enum.IntEnum):

@@ -4,9 +4,14 @@ Each error carries its message and, where known, the transfer and the peer it co
 layer maps each class to one gRPC status code and sends the rest as structured trailing metadata
 (kvpushd/rpc/errors.py); the client turns both back into the same kind of error. Anything that is
 not a KvpushdError is a bug and becomes INTERNAL with a logged traceback.
+
+The kinds and the status each is sent as are one list, kvpushd_client.errors.KINDS, shared with the
+client: every class here is named after a kind (its ``kind``) and answers its ``status``.
 """
 
 from __future__ import annotations
+
+from kvpushd_client.errors import KINDS
 
 
 class KvpushdError(Exception):
@@ -22,6 +27,11 @@ class KvpushdError(Exception):
     def kind(self) -> str:
         """The error's class name: what the caller matches on, never the message text."""
         return type(self).__name__
+
+    @property
+    def status(self) -> str:
+        """The gRPC status name this kind is sent as (kvpushd_client.errors.KINDS); "" when none."""
+        return KINDS.get(self.kind, "")
 
 
 class InvalidArgument(KvpushdError):

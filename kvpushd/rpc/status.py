@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import msgspec
 from kvpushd_client.proto.v1 import common_pb2, status_pb2, status_pb2_grpc
 
 from ..config import Config
@@ -124,9 +124,9 @@ def peer_status(v: View, wall: float) -> list[status_pb2.PeerStatus]:
 def config_summary(cfg: Config) -> dict[str, str]:
     """Every effective setting as "section.key" -> value (JSON-ish, as in the TOML file)."""
     out: dict[str, str] = {}
-    for section in dataclasses.fields(cfg):
+    for section in msgspec.structs.fields(cfg):
         sub = getattr(cfg, section.name)
-        for f in dataclasses.fields(sub):
+        for f in msgspec.structs.fields(sub):
             v = getattr(sub, f.name)
             out[f"{section.name}.{f.name}"] = v if isinstance(v, str) else json.dumps(list(v) if isinstance(
                 v, tuple) else v)

@@ -106,3 +106,35 @@ def test_old_names_still_work() -> None:
     assert types.KVPushError is KVPushError and types.DaemonUnavailable is DaemonUnavailable
     err = KVPushError("NOT_FOUND", "m")
     assert (err.code, err.message, err.kind, err.transfer_id, err.peer) == ("NOT_FOUND", "m", "", "", "")
+
+
+def _tree(root: type[Exception]) -> dict[str, str]:
+    """Every subclass of ``root`` by name -> its parent's name ("" for root's children)."""
+    out: dict[str, str] = {}
+    todo = [root]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            out[sub.__name__] = "" if cls is root else cls.__name__
+            todo.append(sub)
+    return out
+
+
+def test_one_list_of_kinds_serves_daemon_and_client() -> None:
+    """kvpushd_client.errors.KINDS names every kind: the daemon's classes and the client's are those kinds,
+    with the same parents, and the status each is sent as is the one the daemon's rpc layer uses."""
+    from kvpushd.core import errors as D
+    from kvpushd.rpc.errors import code_for
+
+    daemon = _tree(D.KvpushdError)
+    client = _tree(KVPushError)
+    assert set(daemon) == set(E.KINDS)
+    assert client.pop("DaemonUnavailable") == "Unavailable"  # the client's own: no daemon answered
+    assert client == daemon
+    for kind, status in E.KINDS.items():
+        cls = getattr(D, kind)
+        exc = cls.__new__(cls)  # code_for and status look at the class only
+        code = code_for(exc)
+        assert (code.name if code else "", exc.status) == (status, status), kind
+        if status:  # what the client makes of that status alone, when no kind comes with it
+            assert issubclass(getattr(E, kind), E._BY_STATUS[status]), kind
