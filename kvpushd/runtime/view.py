@@ -15,11 +15,11 @@ from ..config import Config
 from ..core.rendezvous import RecvView, SendView
 from ..events import EventHub
 from ..transfer.backends import AgentBackend
-from .executor import Counters, Executor
+from .executor import Executor
 from .identity import Identity
-from .inbound import Inbound
-from .outbound import Outbound
 from .peerbook import PeerBook
+from .rendezvous import Rendezvous
+from .sinks import Counters, Tally
 from .workers import Worker, Workers
 
 
@@ -54,9 +54,9 @@ class _Parts:
     ident: Identity
     events: EventHub
     workers: Workers
+    rv: Rendezvous
     executor: Executor
-    inbound: Inbound
-    outbound: Outbound
+    tally: Tally
     peerbook: PeerBook
     is_draining: Callable[[], bool]
 
@@ -66,9 +66,9 @@ class _Parts:
 
 
 class View:
-    def __init__(self, cfg: Config, ident: Identity, events: EventHub, workers: Workers, executor: Executor,
-                 inbound: Inbound, outbound: Outbound, peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
-        self._n = _Parts(cfg, ident, events, workers, executor, inbound, outbound, peerbook, is_draining)
+    def __init__(self, cfg: Config, ident: Identity, events: EventHub, workers: Workers, rv: Rendezvous,
+                 executor: Executor, tally: Tally, peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
+        self._n = _Parts(cfg, ident, events, workers, rv, executor, tally, peerbook, is_draining)
 
     # -- identity and settings ------------------------------------------------------------------
 
@@ -112,20 +112,20 @@ class View:
 
     @property
     def counters(self) -> Counters:
-        return replace(self._n.executor.counters)
+        return replace(self._n.tally.counters)
 
     @property
     def stray_notifications(self) -> int:
-        ex = self._n.executor
-        return ex.recv.stray_notifications + (ex.xfer.stray_notifications if ex.xfer else 0)
+        xfer = self._n.executor.xfer
+        return self._n.rv.recv.stray_notifications + (xfer.stray_notifications if xfer else 0)
 
     def pending(self) -> tuple[int, int]:
         """Transfers pending: (send side, recv side)."""
-        ex = self._n.executor
-        return len(ex.send), len(ex.recv)
+        rv = self._n.rv
+        return len(rv.send), len(rv.recv)
 
     def recent_failures(self) -> list[tuple[float, str, str]]:
-        return list(self._n.executor.recent_failures)
+        return list(self._n.tally.recent_failures)
 
     # -- workers and transfers ------------------------------------------------------------------
 
@@ -140,10 +140,10 @@ class View:
         return xfer.agent_backends.get(worker_id, ()) if xfer is not None else ()
 
     def send_transfers(self) -> list[SendView]:
-        return self._n.executor.send.views(time.monotonic())
+        return self._n.rv.send.views(time.monotonic())
 
     def recv_transfers(self) -> list[RecvView]:
-        return self._n.executor.recv.views(time.monotonic())
+        return self._n.rv.recv.views(time.monotonic())
 
     # -- peers ----------------------------------------------------------------------------------
 
@@ -153,17 +153,18 @@ class View:
         wall = time.time()
         loop_now = asyncio.get_running_loop().time()
         mono_now = time.monotonic()
-        inbound = {o.address: o for o in n.inbound.origins.values()}
+        peers = n.executor.outbound.peers
+        inbound = {o.address: o for o in n.executor.inbound.origins.values()}
         out = []
-        for addr in sorted(set(n.outbound.peers) | set(inbound) | set(n.peerbook.peers)):
-            client = n.outbound.peers.get(addr)
+        for addr in sorted(set(peers) | set(inbound) | set(n.peerbook.peers)):
+            client = peers.get(addr)
             origin = inbound.get(addr)
             stats = n.peerbook.peers.get(addr)
             direction = "both" if client and origin else "outbound" if client else "inbound" if origin else ""
             # Last contact either way: calls, and heartbeats (answered by it, or received from it).
             contact = stats.last_contact if stats is not None else 0.0
-            if client is not None and client.last_ok:
-                contact = max(contact, wall - (loop_now - client.last_ok))
+            if client is not None and client.link.last_ok:
+                contact = max(contact, wall - (loop_now - client.link.last_ok))
             if origin is not None:
                 contact = max(contact, wall - (mono_now - origin.last_seen))
             p = PeerView(addr, direction, last_contact_unix=contact)
@@ -176,9 +177,9 @@ class View:
                             inbound_streams=origin.streams, stream_batches_received=origin.stream_batches)
             if client is not None:
                 p = replace(p, node_id=client.remote_node_id or p.node_id,
-                            instance_id=client.remote_instance or p.instance_id, state=client.state,
-                            since_s=loop_now - client.since if client.since else 0.0,
-                            last_error=client.last_error or p.last_error,
+                            instance_id=client.remote_instance or p.instance_id, state=client.link.state.value,
+                            since_s=loop_now - client.link.since if client.link.since else 0.0,
+                            last_error=client.link.last_error or p.last_error,
                             channel_state=client.channel.get_state(try_to_connect=False).name)
                 opened, sent, pending = client.stream_counts()
                 p = replace(p, streams_opened=opened, stream_batches_sent=sent, stream_items_pending=pending)
