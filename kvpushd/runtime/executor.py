@@ -197,7 +197,7 @@ class Executor:
         actions: list[Action] = []
         for rid, rank in notifs:
             actions += self.rv.recv.notified(rid, rank)
-            self.obs.emit(o.Notified())
+        self.obs.emit(o.Counted("notifications_received", len(notifs)))
         self.run(actions)
 
     def _on_read_notifs(self, notifs: list[tuple[str, int, int]]) -> None:
@@ -322,7 +322,7 @@ class Executor:
         if await self._call(address, self.outbound.peer(address).decline(
                 transfer_id, producer_engine_id, consumer_engine_id, reason), "could not decline transfer",
                 transfer_id, warn=True):
-            self.obs.emit(o.Declined(sent=True))
+            self.obs.emit(o.Counted("declines_sent"))
 
     async def _send_offer(self, a: SendOffer) -> None:
         reg = a.registration

@@ -32,7 +32,7 @@ from .executor import Executor
 from .figures import FigureBook
 from .identity import Identity
 from .inbound import Origin
-from .observe import Declined, Observations, PeerHeard, Refused, RegistrationTraced, Started, WorkerGone
+from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Started, WorkerGone
 from .peerbook import PeerBook
 from .rendezvous import Rendezvous
 from .sinks import Tally
@@ -284,7 +284,7 @@ class Node:
             actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
             origin.refused += 1
-            self.obs.emit(Refused())
+            self.obs.emit(Counted("peer_calls_refused"))
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
                         transfer_id=transfer_id[:256], consumer_rank=consumer_rank, reason=str(e))
             raise
@@ -310,7 +310,7 @@ class Node:
                    f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
         if why:
             origin.refused += 1
-            self.obs.emit(Refused())
+            self.obs.emit(Counted("peer_calls_refused"))
             log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
             raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: {why}", peer=origin.address)
 
@@ -333,7 +333,7 @@ class Node:
             raise NotFound(f"no prefill engine {producer_engine_id[:256]!r} is attached to node {self.ident.node_id}")
         why = f"decode engine {consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {reason[:1000]}"
         actions = self.rv.send.decline(time.monotonic(), origin_id, producer_engine_id, transfer_id, why)
-        self.obs.emit(Declined(sent=False))
+        self.obs.emit(Counted("declines_received"))
         log.info("transfer declined by the decode side", transfer_id=transfer_id[:256], peer_node=origin.node_id,
                  reason=reason[:200])
         self.run(actions)

@@ -2,9 +2,9 @@
 
 The runtime emits a record at the point something happens (a transfer started, the rendezvous met,
 a WRITE or READ done, a completion delivered, a peer heard from or lost, an event dropped); whoever
-keeps books of it (the counters, the event hub for ``kvpushctl watch``, the figures completions
-carry, the Prometheus metrics, tracing, the peer book) registers for the records it wants in the
-composition root (app.py). A record with no sink costs one dict lookup.
+keeps books of it (the status counters, the event hub for ``kvpushctl watch``, the figures
+completions carry, the Prometheus metrics, tracing, the peer book) registers for the records it
+wants in the composition root (app.py). A record nobody reads costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
-class Started:
-    """A worker's Publish (side "send") or Expect ("recv") was taken."""
-
+class Started:  # a worker's Publish (side "send") or Expect ("recv") was taken
     worker_id: str
     transfer_id: str
     engine_id: str
@@ -34,9 +32,7 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
-class Met:
-    """Prefill side: the second of publish and registration arrived ``waited_s`` after the first."""
-
+class Met:  # prefill side: the second of publish and registration came ``waited_s`` after the first
     worker_id: str
     transfer_id: str
     waited_s: float
@@ -44,70 +40,49 @@ class Met:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteDone:
+class WriteDone:  # a WRITE completed or failed (worker, peer: "" if unknown)
     result: WriteResult
     transfer_id: str
-    worker_id: str  # the producer worker ("" if unknown)
-    peer: str  # the decode daemon written to ("" if unknown)
+    worker_id: str
+    peer: str
 
 
 @dataclass(frozen=True, slots=True)
-class ReadDone:
-    """Pull mode, decode side: a READ this daemon posted completed or failed."""
-
+class ReadDone:  # pull mode, decode side: a READ this daemon posted completed or failed
     result: ReadResult
     transfer_id: str
     worker_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class Notified:
-    """A WRITE notification landed (decode side)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """A transfer's completion (with its figures) goes to its worker."""
-
+class Delivered:  # a transfer's completion, with its figures, goes to its worker
     worker_id: str
     side: str
     completion: Completion
 
 
 @dataclass(frozen=True, slots=True)
-class Dropped:
-    """The core dropped a late or repeated event on purpose."""
-
+class Dropped:  # the core dropped a late or repeated event on purpose
     event: str
     transfer_id: str
     why: str
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
-    """A peer call refused by a limit, or by a registration another daemon holds."""
+class Counted:  # ``n`` more of a status counter no other record tells (a field of runtime/sinks.Counters)
+    name: str
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
-class Declined:
-    """A transfer declined: ``sent`` to a prefill daemon (acknowledged), or received from a decode one."""
-
-    sent: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PeerHeard:
-    """A call to (or, ``inbound``, from) a peer went through."""
-
+class PeerHeard:  # a call to (or, ``inbound``, from) a peer went through
     address: str
     node_id: str = ""
     inbound: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class PeerFailed:
-    """A call to a peer failed, or a WRITE to it."""
-
+class PeerFailed:  # a call to a peer failed, or a WRITE to it
     address: str
     error: str
     unreachable: bool = False
@@ -121,9 +96,7 @@ class PeerLost:
 
 
 @dataclass(frozen=True, slots=True)
-class RegisterAnswered:
-    """Decode side: the Register sent at ``started_ns`` (time.time_ns) was answered ("" error) or failed."""
-
+class RegisterAnswered:  # decode side: the Register sent at ``started_ns`` was answered ("") or failed
     worker_id: str
     transfer_id: str
     started_ns: int
@@ -131,9 +104,7 @@ class RegisterAnswered:
 
 
 @dataclass(frozen=True, slots=True)
-class RegistrationTraced:
-    """Prefill side: a decode daemon's Register came with its span's context."""
-
+class RegistrationTraced:  # prefill side: a decode daemon's Register came with its span's context
     transfer_id: str
     traceparent: str
 

@@ -49,6 +49,10 @@ KEEPALIVE = [
 UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+def _why(e: grpc.aio.AioRpcError) -> str:
+    return f"{e.code().name}: {e.details()}"
+
+
 class PeerClient:
     def __init__(self, address: str, ident: Identity, cfg: PeerApiConfig,
                  on_restart: Callable[[str, str], None]) -> None:
@@ -110,7 +114,7 @@ class PeerClient:
             return PeerUnreachable(f"prefill daemon {self.address}: stream closed", peer=self.address)
         self.link.stream_broken(self._loop.time())
         if isinstance(why, grpc.aio.AioRpcError):
-            self._broken(why)
+            self.link.failed(_why(why), why.code() in UNREACHABLE_CODES)
             return self._error(why)
         self.link.last_error = str(why)
         return PeerUnreachable(f"prefill daemon {self.address}: {why}", peer=self.address)
@@ -198,8 +202,7 @@ class PeerClient:
                     except grpc.aio.AioRpcError as e2:
                         err = e2 if e2.code() is grpc.StatusCode.UNAVAILABLE else e
                 if err is not None:
-                    self._broken(err)
-                    link.failed_at = self._loop.time()
+                    link.handshake_failed(self._loop.time(), _why(err), err.code() in UNREACHABLE_CODES)
                     raise self._error(err) from None
             session = (("kvpushd-session", resp.session_token),)
             if self.stream is not None and (session != self.session or resp.instance_id != self.remote_instance):
@@ -214,9 +217,6 @@ class PeerClient:
             self.session = session
             link.connected(self._loop.time())
 
-    def _broken(self, e: grpc.aio.AioRpcError) -> None:
-        self.link.failed(f"{e.code().name}: {e.details()}", e.code() in UNREACHABLE_CODES)
-
     def _error(self, e: grpc.aio.AioRpcError) -> KvpushdError:
         msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
         if "Socket closed" in (e.details() or "") and not tls_enabled(self.cfg):
@@ -224,12 +224,6 @@ class PeerClient:
         if e.code() in UNREACHABLE_CODES:
             return PeerUnreachable(msg, peer=self.address)
         return PeerRejected(msg, peer=self.address)
-
-    async def register(self, a: SendRegister, w: Worker, traceparent: str = "") -> None:
-        """One registration (the daemon sends a turn's registrations with register_batch)."""
-        (err,) = await self.register_batch([(a, w)], [traceparent])
-        if err is not None:
-            raise err
 
     async def register_batch(self, items: list[tuple[SendRegister, Worker]],
                              traceparents: list[str] | None = None) -> list[KvpushdError | None]:

@@ -17,17 +17,15 @@ from ..events import EventHub, EventKind
 from ..tracing import Tracing
 from .figures import FigureBook
 from .observe import (
-    Declined,
+    Counted,
     Delivered,
     Dropped,
     Met,
-    Notified,
     Observations,
     PeerFailed,
     PeerHeard,
     PeerLost,
     ReadDone,
-    Refused,
     RegisterAnswered,
     RegistrationTraced,
     Started,
@@ -64,29 +62,24 @@ class Tally:
         self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
 
     def observe(self, obs: Observations) -> None:
-        obs.on(WriteDone, self._wrote)
-        obs.on(ReadDone, self._read)
+        obs.on(WriteDone, self._moved)
+        obs.on(ReadDone, self._moved)
         obs.on(Delivered, self._delivered)
-        obs.on(Notified, self._notified)
         obs.on(Dropped, self._dropped)
-        obs.on(Refused, self._refused)
-        obs.on(Declined, self._declined)
+        obs.on(Counted, self._counted)
 
-    def _wrote(self, rec: WriteDone) -> None:
+    def _moved(self, rec: WriteDone | ReadDone) -> None:
         r, c = rec.result, self.counters
-        if r.ok:
+        if not r.ok:
+            return
+        if isinstance(rec, WriteDone):
             c.writes_posted += 1
             c.bytes_written += r.nbytes
-            c.descriptors_requested += r.descs_requested
-            c.descriptors_posted += r.descs_posted
-
-    def _read(self, rec: ReadDone) -> None:
-        r, c = rec.result, self.counters
-        if r.ok:
+        else:
             c.reads_posted += 1
             c.bytes_read += r.nbytes
-            c.descriptors_requested += r.descs_requested
-            c.descriptors_posted += r.descs_posted
+        c.descriptors_requested += r.descs_requested
+        c.descriptors_posted += r.descs_posted
 
     def _delivered(self, rec: Delivered) -> None:
         c = rec.completion
@@ -96,20 +89,11 @@ class Tally:
         else:
             self.counters.transfers_finished += 1
 
-    def _notified(self, rec: Notified) -> None:
-        self.counters.notifications_received += 1
-
     def _dropped(self, rec: Dropped) -> None:
         self.counters.late_events += 1
 
-    def _refused(self, rec: Refused) -> None:
-        self.counters.peer_calls_refused += 1
-
-    def _declined(self, rec: Declined) -> None:
-        if rec.sent:
-            self.counters.declines_sent += 1
-        else:
-            self.counters.declines_received += 1
+    def _counted(self, rec: Counted) -> None:
+        setattr(self.counters, rec.name, getattr(self.counters, rec.name) + rec.n)
 
 
 def events_sink(obs: Observations, hub: EventHub) -> None:
