@@ -347,8 +347,7 @@ class Node:
         if sent is None:
             return  # already ended (finished, failed or withdrawn): nothing to do
         tid, address = sent
-        peer = self.outbound.peers.get(address)
-        if tid != transfer_id or peer is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+        if tid != transfer_id or not self.outbound.is_instance(address, caller_instance_id):
             raise PermissionDenied(f"failure notice for registration {registration_id} (transfer "
                                    f"{transfer_id[:256]!r}) from a daemon it was not sent to")
         self.run(self.rv.recv.failed(registration_id, code, reason))
@@ -366,9 +365,8 @@ class Node:
         address = self.rv.recv.producer_address_of(registration_id)
         if address is None:
             raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
-        peer = self.outbound.peers.get(address)
-        origin = self.inbound.origins.get(caller_instance_id)
-        if peer is None or origin is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+        caller = caller_instance_id
+        if caller not in self.inbound.origins or not self.outbound.is_instance(address, caller):
             raise PermissionDenied(f"offer for registration {registration_id} (transfer {transfer_id[:256]!r}) "
                                    "from a daemon it was not sent to")
         origin = self.inbound.caller(caller_instance_id)

@@ -317,6 +317,11 @@ class Outbound:
             p = self.peers[address] = PeerClient(address, self.ident, self.cfg, self._on_restart)
         return p
 
+    def is_instance(self, address: str, instance_id: str) -> bool:
+        """Whether ``instance_id`` is the daemon we know at ``address`` (where our registrations went)."""
+        p = self.peers.get(address)
+        return p is not None and bool(instance_id) and p.remote_instance == instance_id
+
     def idle(self, loop_now: float, waited_on: set[str], idle_s: float) -> list[PeerClient]:
         """Peers nothing waits on, unheard for ``idle_s``: removed here, for the caller to close."""
         out = []
