@@ -4,7 +4,9 @@ The runtime emits a record at the point something happens (a transfer started, t
 a WRITE or READ done, a completion delivered, a peer heard from or lost, an event dropped); whoever
 keeps books of it (the status counters, the event hub for ``kvpushctl watch``, the figures
 completions carry, the Prometheus metrics, tracing, the peer book) registers for the records it
-wants in the composition root (app.py). A record nobody reads costs one dict lookup.
+wants in the composition root (app.py). A record nobody reads costs one dict lookup. Records
+are slotted dataclasses, not frozen ones (building a frozen one costs twice as much, once per WRITE):
+sinks read them and never change them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..transfer.records import ReadResult, WriteResult
 R = TypeVar("R")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Started:  # a worker's Publish (side "send") or Expect ("recv") was taken
     worker_id: str
     transfer_id: str
@@ -31,7 +33,7 @@ class Started:  # a worker's Publish (side "send") or Expect ("recv") was taken
     traceparent: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Met:  # prefill side: the second of publish and registration came ``waited_s`` after the first
     worker_id: str
     transfer_id: str
@@ -39,7 +41,7 @@ class Met:  # prefill side: the second of publish and registration came ``waited
     peer: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WriteDone:  # a WRITE completed or failed (worker, peer: "" if unknown)
     result: WriteResult
     transfer_id: str
@@ -47,55 +49,55 @@ class WriteDone:  # a WRITE completed or failed (worker, peer: "" if unknown)
     peer: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadDone:  # pull mode, decode side: a READ this daemon posted completed or failed
     result: ReadResult
     transfer_id: str
     worker_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delivered:  # a transfer's completion, with its figures, goes to its worker
     worker_id: str
     side: str
     completion: Completion
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dropped:  # the core dropped a late or repeated event on purpose
     event: str
     transfer_id: str
     why: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Counted:  # ``n`` more of a status counter no other record tells (a field of runtime/sinks.Counters)
     name: str
     n: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PeerHeard:  # a call to (or, ``inbound``, from) a peer went through
     address: str
     node_id: str = ""
     inbound: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PeerFailed:  # a call to a peer failed, or a WRITE to it
     address: str
     error: str
     unreachable: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PeerLost:
     address: str
     reason: str
     inbound: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RegisterAnswered:  # decode side: the Register sent at ``started_ns`` was answered ("") or failed
     worker_id: str
     transfer_id: str
@@ -103,13 +105,13 @@ class RegisterAnswered:  # decode side: the Register sent at ``started_ns`` was 
     error: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RegistrationTraced:  # prefill side: a decode daemon's Register came with its span's context
     transfer_id: str
     traceparent: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerGone:
     worker_id: str
 
