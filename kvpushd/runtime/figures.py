@@ -80,6 +80,3 @@ class FigureBook:
         elapsed = time.monotonic() - s.started if s.started else 0.0
         f = Figures(nbytes, s.nixl_transfers, s.descriptors, s.post_s, s.transfer_s, s.rendezvous_wait_s, elapsed)
         return dataclasses.replace(c, figures=f), s.side
-
-    def __len__(self) -> int:
-        return len(self._open)
