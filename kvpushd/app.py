@@ -31,8 +31,10 @@ from .rpc.peer import PeerServicer
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
 from .runtime.node import Node
+from .runtime.sinks import events_sink, figures_sink, peerbook_sink, tracing_sink
 from .systemd import SdNotifier
 from .telemetry import make_tracing
+from .tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
@@ -47,14 +49,28 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def observe(node: Node, metrics: Metrics | None = None, tracing: Tracing | None = None) -> None:
+    """The sinks of the node's observation stream, in the order each record reaches them: the
+    status counters, the event hub (Watch, and through it the peer book's and the metrics' transfer
+    outcomes), the figures completions carry, the peer book, the metrics, tracing (only when on)."""
+    obs = node.obs
+    node.tally.observe(obs)
+    events_sink(obs, node.events)
+    figures_sink(obs, node.figures)
+    peerbook_sink(obs, node.peerbook)
+    if metrics is not None:
+        metrics.observe(obs)
+    if tracing is not None and tracing.enabled:
+        tracing_sink(obs, tracing)
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.node = Node(cfg)
-        self.metrics = Metrics(self.node.view)
-        self.node.executor.observer = self.metrics
         self.tracing = make_tracing(cfg.tracing, cfg.node_id)  # a no-op (and no import) unless configured
-        self.node.executor.tracing = self.tracing
+        self.node = Node(cfg, self.tracing)
+        self.metrics = Metrics(self.node.view)
+        observe(self.node, self.metrics, self.tracing)
         self.notifier = SdNotifier.from_env()
         self.local_server: grpc.aio.Server | None = None
         self.peer_server: grpc.aio.Server | None = None

@@ -2,8 +2,8 @@
 
 What the daemon keeps anyway (notifications, pending transfers, held blocks) is read at scrape time
 through the runtime's read-only view; what needs labels (outcome and code, direction and peer) or
-timing (histograms) is recorded as it happens: the runtime reports to this object as its observer,
-and transfer outcomes come from the event hub. The registry belongs to this object, not to the
+timing (histograms) is recorded as it happens: this object reads the runtime's observation stream
+(``observe``), and transfer outcomes come from the event hub. The registry belongs to this object, not to the
 process, so several daemons in one process never collide.
 
 The HTTP endpoint runs in prometheus-client's own thread: everything it reads is a plain int or
@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 
 from .config import MetricsConfig, split_host_port
 from .events import Event, EventKind
+from .runtime.observe import Dropped, Met, Observations, WriteDone
 from .runtime.view import View
 from .transfer.records import WriteResult
 
@@ -107,7 +108,7 @@ class _Histograms:
 
 
 class Metrics:
-    """The daemon's Prometheus registry; also the runtime's Observer (runtime/observe.py).
+    """The daemon's Prometheus registry, a sink of the runtime's observation stream (runtime/observe.py).
 
     What happens per transfer is counted in plain Python numbers (``_Counts``, ``_Histograms``),
     written by the event loop only (the runtime and the event hub call this object there; an
@@ -173,7 +174,12 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
-    # -- the runtime's Observer ------------------------------------------------------------------
+    # -- what happens ---------------------------------------------------------------------------
+
+    def observe(self, obs: Observations) -> None:
+        obs.on(Met, lambda r: self.rendezvous_waited(r.waited_s))
+        obs.on(WriteDone, lambda r: self.write_done(r.result, r.peer))
+        obs.on(Dropped, lambda r: self.dropped(r.event))
 
     def rendezvous_waited(self, seconds: float) -> None:
         self.rendezvous_wait.observe(seconds)

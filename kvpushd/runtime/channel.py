@@ -25,17 +25,17 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from kvpushd_client.proto.v1 import peer_pb2
 
 from ..core.errors import KvpushdError, PeerUnreachable
+from ..rpc import outbound as pb
 
 MAX_BATCH = 4096  # items in one PeerBatch (the callee's limit too)
 
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    item: peer_pb2.PeerItem
-    fut: asyncio.Future[peer_pb2.PeerResult]
+    item: pb.PeerItem
+    fut: asyncio.Future[pb.PeerResult]
 
 
 class PeerChannel:
@@ -59,9 +59,9 @@ class PeerChannel:
     def __len__(self) -> int:
         return len(self._queue) + len(self._sent)
 
-    def submit(self, kind: str, msg: Message) -> asyncio.Future[peer_pb2.PeerResult]:
+    def submit(self, kind: str, msg: Message) -> asyncio.Future[pb.PeerResult]:
         """Queue one item (``kind``: a PeerItem field); its result, or the error it failed with."""
-        fut: asyncio.Future[peer_pb2.PeerResult] = self._loop.create_future()
+        fut: asyncio.Future[pb.PeerResult] = self._loop.create_future()
         if self.closed is not None:
             fut.set_exception(self.closed)
             return fut
@@ -73,9 +73,7 @@ class PeerChannel:
                     f"at most {self.max_items}", peer=self.address))
                 return fut
         self._seq += 1
-        item = peer_pb2.PeerItem(seq=self._seq)
-        getattr(item, kind).CopyFrom(msg)
-        self._queue.append(_Pending(item, fut))
+        self._queue.append(_Pending(pb.item(self._seq, kind, msg), fut))
         self._wake.set()
         return fut
 
@@ -90,7 +88,7 @@ class PeerChannel:
             await self._wake.wait()
             self._wake.clear()
             while self._queue and self.closed is None:
-                items: list[peer_pb2.PeerItem] = []
+                items: list[pb.PeerItem] = []
                 while self._queue and len(items) < MAX_BATCH:
                     p = self._queue.popleft()
                     if p.fut.done():
@@ -103,7 +101,7 @@ class PeerChannel:
                                                 f"peer daemon {self.address} did not take a batch for "
                                                 f"{self.stall_s:g}s (it stopped reading)")
                 try:
-                    await self._call.write(peer_pb2.PeerBatch(items=items))
+                    await self._call.write(pb.batch(items))
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
                     self.close(e)  # the reader has the real status when there is one
                     return

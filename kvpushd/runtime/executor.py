@@ -1,20 +1,19 @@
 """Carries out what the core decides: every action, the NIXL thread's callbacks, and one timer.
 
-The rendezvous state machines (``send``, ``recv``) live here with the NIXL thread: events go in
-through the node facade or through the callbacks below, and ``run`` performs the actions that come
-out (deliver a completion, post a WRITE or READ, call a peer). After every run the one timer is
-re-armed at the core's next deadline (aioquic's ``call_at`` pattern): no polling tick.
+The rendezvous (rendezvous.py) decides; ``run`` performs the actions that come out (deliver a
+completion, post a WRITE or READ, call a peer) and what comes back (WRITEs done, notifications,
+peer answers) goes into the rendezvous as a core event, then onto the observation stream. After
+every run the one timer is re-armed at the core's next deadline (aioquic's ``call_at`` pattern):
+no polling tick. The links to peers (inbound sessions, outbound clients) are built here, so what
+they report (a peer restarted, an agent to unload) comes straight back to this object.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 
 import structlog
 
@@ -24,69 +23,42 @@ from ..core.rendezvous import (
     Action,
     Deliver,
     Dropped,
-    RecvSide,
     SendFailNotice,
     SendOffer,
     SendReadFailed,
     SendRegister,
-    SendSide,
     SendWithdraw,
     StartRead,
     StartWrite,
 )
-from ..core.types import Completion, CompletionKind, FailureCode
-from ..events import EventHub, EventKind
+from ..core.types import Completion, FailureCode
 from ..tracing import Tracing
 from ..transfer.records import ReadResult, WriteResult
 from ..transfer.thread import TransferThread
+from . import observe as o
 from .figures import FigureBook
+from .identity import Identity
 from .inbound import Inbound, Origin
-from .observe import NullObserver, Observer
 from .outbound import Outbound, PeerClient
-from .peerbook import PeerBook
+from .rendezvous import Rendezvous
 from .workers import Workers
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
-class Counters:
-    transfers_finished: int = 0
-    transfers_failed: int = 0
-    bytes_written: int = 0
-    writes_posted: int = 0
-    notifications_received: int = 0
-    descriptors_requested: int = 0
-    descriptors_posted: int = 0
-    reads_posted: int = 0  # pull mode: READs this (decode) daemon posted that completed
-    bytes_read: int = 0
-    late_events: int = 0   # events the core dropped on purpose (late or repeated)
-    peer_calls_refused: int = 0  # peer calls refused by a limit or a registration held by another daemon
-    declines_sent: int = 0  # decode side: transfers declined to their prefill daemon (acknowledged)
-    declines_received: int = 0  # prefill side: transfers a decode daemon declined
-
-
 class Executor:
-    """Owns the core's two sides, the NIXL thread, and the tasks that call peers."""
+    """Carries out the rendezvous' actions: the NIXL thread, the peers, and the tasks that call them."""
 
-    def __init__(self, cfg: Config, workers: Workers, inbound: Inbound, outbound: Outbound, events: EventHub,
-                 peerbook: PeerBook) -> None:
+    def __init__(self, cfg: Config, ident: Identity, rv: Rendezvous, workers: Workers, figures: FigureBook,
+                 obs: o.Observations, tracing: Tracing) -> None:
         self.cfg = cfg
+        self.rv = rv
         self.workers = workers
-        self.inbound = inbound
-        self.outbound = outbound
-        self.events = events
-        self.peerbook = peerbook
-        self.observer: Observer = NullObserver()
-        self.tracing = Tracing()  # no-op; app.py sets the OTLP one when [tracing] is on
-        self.figures = FigureBook()  # per-transfer figures the completions carry
-        t = cfg.transfer
-        self.send = SendSide(t.publish_timeout_s, t.expect_timeout_s)
-        # Registration ids are random (63 bits): they do not collide with stale notifications addressed
-        # to a previous instance, and only the prefill daemon a registration went to knows its id.
-        self.recv = RecvSide(t.expect_timeout_s, random_ids=True)
-        self.counters = Counters()
-        self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
+        self.figures = figures
+        self.obs = obs
+        self.tracing = tracing
+        self.inbound = Inbound(self.forget_remote)
+        self.outbound = Outbound(ident, cfg.peer_api, self._peer_restarted)
         self.xfer: TransferThread | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self._legs: dict[object, tuple[str, str]] = {}  # WRITE in flight -> (peer address, producer worker)
@@ -119,6 +91,10 @@ class Executor:
             self._timer.cancel()
             self._timer = None
 
+    def forget_remote(self, name: str) -> None:
+        if self.xfer is not None:
+            self.xfer.forget_remote(name)  # deferred by the thread while a transfer uses it
+
     # -- carrying out core actions --------------------------------------------------------------
 
     def run(self, actions: Sequence[Action]) -> None:
@@ -140,12 +116,11 @@ class Executor:
             elif isinstance(a, SendReadFailed):
                 self.spawn(self._send_read_failed(a))
             elif isinstance(a, Dropped):
-                self.counters.late_events += 1
-                self.observer.dropped(a.event)
+                self.obs.emit(o.Dropped(a.event, a.transfer_id, a.why))
                 log.debug("late event dropped", late_event=a.event, transfer_id=a.transfer_id, why=a.why)
         if self.xfer is not None:
-            self.xfer.set_pulling(self.send.pulling())
-            self.xfer.set_expecting(len(self.recv) + self._withdrawing)
+            self.xfer.set_pulling(self.rv.send.pulling())
+            self.xfer.set_expecting(len(self.rv.recv) + self._withdrawing)
         if self._settle_waiters:
             waiters, self._settle_waiters = self._settle_waiters, []
             for f in waiters:
@@ -157,11 +132,10 @@ class Executor:
         """One timer at the core's next deadline; re-armed after every run."""
         if self._loop is None:
             return
-        due = [d for d in (self.send.next_deadline(), self.recv.next_deadline()) if d is not None]
-        if not due:
+        nxt = self.rv.next_deadline()
+        if nxt is None:
             self.stop_timer()
             return
-        nxt = min(due)
         if self._timer is not None and self._timer_at <= nxt:
             return  # armed for as early or earlier: it re-arms when it fires
         self.stop_timer()
@@ -171,27 +145,15 @@ class Executor:
 
     def _on_timer(self) -> None:
         self._timer = None
-        now = time.monotonic()
         try:
-            self.run(self.send.tick(now) + self.recv.tick(now))
+            self.run(self.rv.tick(time.monotonic()))
         except Exception:  # a bug here must not stop deadlines for good
             log.exception("deadline handling failed")
             self._arm()
 
     def _deliver(self, worker_id: str, c: Completion) -> None:
-        ev = self.events.emit(EventKind.TRANSFER_FAILED if c.kind is CompletionKind.FAILED
-                              else EventKind.TRANSFER_FINISHED, worker_id=worker_id, transfer_id=c.transfer_id,
-                              code=c.code, detail=c.reason)
-        if c.kind is CompletionKind.FAILED:
-            self.counters.transfers_failed += 1
-            self.recent_failures.append((time.time(), c.transfer_id, f"{c.code.name}: {c.reason}"))
-            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=ev.engine_id, worker_id=worker_id,
-                        code=c.code.name, reason=c.reason)
-        else:
-            self.counters.transfers_finished += 1
-        c = dataclasses.replace(c, figures=self.figures.settle(worker_id, c, ev.nbytes, ev.duration_s))
-        if self.tracing.enabled:
-            self.tracing.delivered(worker_id, ev.side, c)
+        c, side = self.figures.settle(worker_id, c)
+        self.obs.emit(o.Delivered(worker_id, side, c))
         self.workers.deliver(worker_id, c)
 
     def _start_write(self, a: StartWrite) -> None:
@@ -200,11 +162,7 @@ class Executor:
         origin = self.inbound.origins.get(reg.origin)
         peer = origin.address if origin is not None else ""
         self._legs[a.leg] = (peer, a.producer_worker)
-        self.events.annotate(a.producer_worker, a.leg.transfer_id, peer=peer)
-        self.observer.rendezvous_waited(a.waited_s)
-        self.figures.waited(a.producer_worker, a.leg.transfer_id, a.waited_s)
-        if self.tracing.enabled:
-            self.tracing.rendezvous(a.producer_worker, a.leg.transfer_id, a.waited_s, peer)
+        self.obs.emit(o.Met(a.producer_worker, a.leg.transfer_id, a.waited_s, peer))
         agent = self.inbound.consumers.get(reg.consumer_agent)
         if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
             self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
@@ -222,37 +180,24 @@ class Executor:
         self._reads[a.key] = a.worker_id
         self.xfer.post_read(a.key, a.worker_id, a.dst_blocks, agent, a.src_blocks, a.notif, a.src_part, a.dst_part)
 
-    # -- NIXL callbacks (on the loop) -----------------------------------------------------------
+    # -- NIXL callbacks (on the loop): core event, then emit -------------------------------------
 
     def _on_writes(self, results: list[WriteResult]) -> None:
         actions: list[Action] = []
         for r in results:
             peer, worker_id = self._legs.pop(r.leg, ("", ""))
-            if r.ok:
-                self.counters.writes_posted += 1
-                self.counters.bytes_written += r.nbytes
-                self.counters.descriptors_requested += r.descs_requested
-                self.counters.descriptors_posted += r.descs_posted
-                self.peerbook.sent(peer, r.nbytes)
-                self.events.annotate(worker_id, r.leg.transfer_id, add_bytes=r.nbytes)
-                self.figures.moved(worker_id, r.leg.transfer_id, r.nbytes, r.descs_posted, r.post_s, r.xfer_s)
-            else:
-                self.peerbook.failed(peer, f"WRITE for transfer {r.leg.transfer_id!r} failed: {r.reason}")
-            self.observer.write_done(r, peer)
-            if self.tracing.enabled:
-                self.tracing.nixl_done(worker_id, r.leg.transfer_id, False, r.ok, r.reason, r.nbytes, r.descs_posted,
-                                       r.post_s, r.xfer_s)
+            actions += self.rv.send.write_done(r.leg, r.ok, r.reason)
+            self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
             log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
                       post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
                       xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
-            actions += self.send.write_done(r.leg, r.ok, r.reason)
         self.run(actions)
 
     def _on_notifs(self, notifs: list[tuple[int, int]]) -> None:
         actions: list[Action] = []
         for rid, rank in notifs:
-            self.counters.notifications_received += 1
-            actions += self.recv.notified(rid, rank)
+            actions += self.rv.recv.notified(rid, rank)
+        self.obs.emit(o.Counted("notifications_received", len(notifs)))
         self.run(actions)
 
     def _on_read_notifs(self, notifs: list[tuple[str, int, int]]) -> None:
@@ -263,7 +208,7 @@ class Executor:
             if origin is None:
                 log.info("READ notification from an unknown agent", remote_agent=agent_name[:128])
                 continue
-            actions += self.send.read_done(origin.instance_id, rid, rank, True)
+            actions += self.rv.send.read_done(origin.instance_id, rid, rank, True)
         self.run(actions)
 
     def _on_reads(self, results: list[ReadResult]) -> None:
@@ -271,21 +216,19 @@ class Executor:
         actions: list[Action] = []
         for r in results:
             worker_id = self._reads.pop(r.key, "")
-            if r.ok:
-                self.counters.reads_posted += 1
-                self.counters.bytes_read += r.nbytes
-                self.counters.descriptors_requested += r.descs_requested
-                self.counters.descriptors_posted += r.descs_posted
-                self.figures.moved(worker_id, r.key.transfer_id, r.nbytes, r.descs_posted, r.post_s, r.xfer_s)
-            if self.tracing.enabled:
-                self.tracing.nixl_done(worker_id, r.key.transfer_id, True, r.ok, r.reason, r.nbytes, r.descs_posted,
-                                       r.post_s, r.xfer_s)
+            actions += self.rv.recv.read_done(r.key, r.ok, r.reason)
+            self.obs.emit(o.ReadDone(r, r.key.transfer_id, worker_id))
             log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
                       post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
-            actions += self.recv.read_done(r.key, r.ok, r.reason)
         self.run(actions)
 
     # -- peer calls the core asked for ------------------------------------------------------------
+
+    def _heard(self, address: str, node_id: str = "") -> None:
+        self.obs.emit(o.PeerHeard(address, node_id))
+
+    def _failed(self, address: str, e: KvpushdError) -> None:
+        self.obs.emit(o.PeerFailed(address, str(e), isinstance(e, PeerUnreachable)))
 
     def _queue_register(self, a: SendRegister) -> None:
         """Registers to one prefill daemon made in one turn of the loop go out together: one PeerBatch on
@@ -311,43 +254,49 @@ class Executor:
         try:
             results = await peer.register_batch(items, contexts)
         except PeerRejected as e:
-            self.peerbook.failed(address, str(e))
+            self._failed(address, e)
             results = [e] * len(items)
         except PeerUnreachable as e:
-            if tracing:
-                for a, _ in items:
-                    self.tracing.registered(a.worker_id, a.transfer_id, started_ns, str(e))
-            self.peerbook.failed(address, str(e), unreachable=True)
+            for a, _ in items if tracing else ():
+                self.obs.emit(o.RegisterAnswered(a.worker_id, a.transfer_id, started_ns, str(e)))
+            self._failed(address, e)
             self.run([x for a, _ in items
-                      for x in self.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e))])
+                      for x in self.rv.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e))])
             return
         actions: list[Action] = []
         for (a, _), err in zip(items, results, strict=True):
             if tracing:
-                self.tracing.registered(a.worker_id, a.transfer_id, started_ns, "" if err is None else str(err))
+                self.obs.emit(o.RegisterAnswered(a.worker_id, a.transfer_id, started_ns,
+                                                 "" if err is None else str(err)))
             if err is None:
-                actions += self.recv.registered(a.registration_id)
+                actions += self.rv.recv.registered(a.registration_id)
             else:
                 code = FailureCode.PEER_UNREACHABLE if isinstance(err, PeerUnreachable) else FailureCode.PEER_REJECTED
-                actions += self.recv.failed(a.registration_id, code, str(err))
+                actions += self.rv.recv.failed(a.registration_id, code, str(err))
         if any(err is None for err in results):
-            self.peerbook.contact(address, node_id=peer.remote_node_id)
+            self._heard(address, peer.remote_node_id)
         if (first := next((err for err in results if err is not None), None)) is not None:
-            self.peerbook.failed(address, str(first), unreachable=isinstance(first, PeerUnreachable))
+            self._failed(address, first)
         self.run(actions)
+
+    async def _call(self, address: str, call: Coroutine[None, None, None], what: str, transfer_id: str,
+                    warn: bool = False) -> bool:
+        """One notice to a peer; a failure is logged (``what``: what could not be done) and booked."""
+        try:
+            await call
+        except KvpushdError as e:
+            self._failed(address, e)
+            (log.warning if warn else log.info)(what, transfer_id=transfer_id[:256], peer=address, error=str(e))
+            return False
+        self._heard(address)
+        return True
 
     async def _send_fail(self, a: SendFailNotice) -> None:
         origin = self.inbound.origins.get(a.origin)
-        if origin is None:
-            return
-        try:
-            await self.outbound.peer(origin.address).fail(a.transfer_id, a.registration_id, a.code, a.reason)
-        except KvpushdError as e:
-            self.peerbook.failed(origin.address, str(e), unreachable=isinstance(e, PeerUnreachable))
-            log.warning("could not send failure notice", transfer_id=a.transfer_id,
-                        engine_id=self.events.engine_of(a.transfer_id), error=str(e))
-        else:
-            self.peerbook.contact(origin.address)
+        if origin is not None:
+            await self._call(origin.address, self.outbound.peer(origin.address).fail(
+                a.transfer_id, a.registration_id, a.code, a.reason), "could not send failure notice", a.transfer_id,
+                warn=True)
 
     async def _send_withdraw(self, a: SendWithdraw) -> None:
         # Until the prefill daemon answers, a WRITE into these blocks may still be landing, and over
@@ -355,18 +304,12 @@ class Executor:
         self._withdrawing += 1
         self.run([])
         try:
-            await self.outbound.peer(a.producer_address).withdraw(a.transfer_id, a.registration_id, a.code,
-                                                                  a.reason)
-        except KvpushdError as e:
-            self.peerbook.failed(a.producer_address, str(e), unreachable=isinstance(e, PeerUnreachable))
-            log.info("could not withdraw registration", transfer_id=a.transfer_id,
-                     engine_id=self.events.engine_of(a.transfer_id), error=str(e))
-        else:
-            self.peerbook.contact(a.producer_address)
+            await self._call(a.producer_address, self.outbound.peer(a.producer_address).withdraw(
+                a.transfer_id, a.registration_id, a.code, a.reason), "could not withdraw registration", a.transfer_id)
         finally:
             self._withdrawing -= 1
             # answered: no WRITE into these blocks is in flight any more (or the daemon is gone)
-            self.run(self.recv.withdraw_answered(a.registration_id))
+            self.run(self.rv.recv.withdraw_answered(a.registration_id))
 
     def decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
                 reason: str) -> None:
@@ -375,14 +318,11 @@ class Executor:
 
     async def _send_decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
                             reason: str) -> None:
-        try:
-            await self.outbound.peer(address).decline(transfer_id, producer_engine_id, consumer_engine_id, reason)
-        except KvpushdError as e:  # its publish then ends at publish_timeout_s, as before
-            self.peerbook.failed(address, str(e), unreachable=isinstance(e, PeerUnreachable))
-            log.warning("could not decline transfer", transfer_id=transfer_id[:256], peer=address, error=str(e))
-        else:
-            self.counters.declines_sent += 1
-            self.peerbook.contact(address)
+        # on failure its publish ends at publish_timeout_s, as before
+        if await self._call(address, self.outbound.peer(address).decline(
+                transfer_id, producer_engine_id, consumer_engine_id, reason), "could not decline transfer",
+                transfer_id, warn=True):
+            self.obs.emit(o.Counted("declines_sent"))
 
     async def _send_offer(self, a: SendOffer) -> None:
         reg = a.registration
@@ -390,49 +330,48 @@ class Executor:
         origin = self.inbound.origins.get(reg.origin)
         if w is None or origin is None:
             why = "prefill worker is gone" if origin is not None else "decode daemon is gone"
-            self.run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
+            self.run(self.rv.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
             return
         try:
             sent = await self.outbound.peer(origin.address).offer(
-                a, w, lambda: self.send.pull_pending(reg.origin, reg.registration_id, a.producer_rank))
+                a, w, lambda: self.rv.send.pull_pending(reg.origin, reg.registration_id, a.producer_rank))
         except PeerRejected as e:  # the decode daemon answered: it did not start a READ
-            self.peerbook.failed(origin.address, str(e))
-            self.run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False,
-                                         f"offer refused: {e}"))
+            self._failed(origin.address, e)
+            self.run(self.rv.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False,
+                                            f"offer refused: {e}"))
         except PeerUnreachable as e:
             # It may have started the READ: the leg stays in flight until the READ is confirmed,
             # the decode daemon is lost, or publish_timeout_s passes.
-            self.peerbook.failed(origin.address, str(e), unreachable=True)
+            self._failed(origin.address, e)
             log.warning("could not send an offer", transfer_id=reg.transfer_id, engine_id=a.leg.engine_id,
                         error=str(e))
         else:
             if sent:
-                self.peerbook.contact(origin.address)
+                self._heard(origin.address)
 
     async def _send_read_failed(self, a: SendReadFailed) -> None:
-        try:
-            await self.outbound.peer(a.key.producer_address).read_failed(a.key, a.reason)
-        except KvpushdError as e:
-            self.peerbook.failed(a.key.producer_address, str(e), unreachable=isinstance(e, PeerUnreachable))
-            log.info("could not report a failed READ", transfer_id=a.key.transfer_id, error=str(e))
-        else:
-            self.peerbook.contact(a.key.producer_address)
+        address = a.key.producer_address
+        await self._call(address, self.outbound.peer(address).read_failed(a.key, a.reason),
+                         "could not report a failed READ", a.key.transfer_id)
 
     # -- peers lost, heartbeats -----------------------------------------------------------------
 
+    def _peer_restarted(self, address: str, reason: str) -> None:
+        self.producer_lost(address, reason, restarted=True)
+
     def producer_lost(self, address: str, reason: str, restarted: bool = False) -> None:
         """A prefill daemon is unreachable (or restarted): its pending receives fail now."""
-        self.peerbook.lost(address, reason)
-        self.run(self.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
+        self.obs.emit(o.PeerLost(address, reason))
+        self.run(self.rv.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
 
     def origin_lost(self, origin: Origin, reason: str) -> None:
         """A daemon that called us is gone (silent, or restarted): what it had pending here fails."""
-        regs, _ = self.send.held_by(origin.instance_id)
+        regs, _ = self.rv.send.held_by(origin.instance_id)
         log.warning("decode daemon lost", peer_node=origin.node_id, peer_address=origin.address, reason=reason,
                     registrations=regs)
-        self.peerbook.lost(origin.address, reason, inbound=True)
+        self.obs.emit(o.PeerLost(origin.address, reason, inbound=True))
         self.inbound.drop(origin)
-        self.run(self.send.origin_lost(origin.instance_id, reason))
+        self.run(self.rv.send.origin_lost(origin.instance_id, reason))
 
     def housekeeping(self, now: float) -> None:
         """Heartbeats to the prefill daemons we wait on; silence from either side fails what is pending;
@@ -440,47 +379,45 @@ class Executor:
         t = self.cfg.transfer
         assert self._loop is not None
         loop_now = self._loop.time()
-        waited_on = self.recv.producer_addresses()
+        waited_on = self.rv.recv.producer_addresses()
         for address in waited_on:
             peer = self.outbound.peer(address)
-            if peer.failing_since and loop_now - peer.failing_since > t.peer_timeout_s:
+            if peer.link.silent(loop_now, t.peer_timeout_s):
                 self.producer_lost(address, f"prefill daemon {address} did not answer for {t.peer_timeout_s:g}s "
-                                            f"({peer.last_error})")
-                peer.failing_since = 0.0
-            elif loop_now - peer.last_beat >= t.heartbeat_interval_s and not peer.beating:
-                peer.last_beat = loop_now
+                                            f"({peer.link.last_error})")
+            elif peer.link.beat_due(loop_now, t.heartbeat_interval_s):
+                peer.link.beat(loop_now)
                 self.spawn(self._beat(peer))
-        busy = self.send.origins()
+        busy = self.rv.send.origins()
         grace = min(t.peer_timeout_s, max(3 * t.heartbeat_interval_s, 1.0))
         for origin, why in self.inbound.silent(now, busy, t.peer_timeout_s, grace):
             self.origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address}: {why}")
-        idle_s = max(60.0, 6 * t.peer_timeout_s)
-        self.inbound.forget_idle(now, busy, idle_s)
-        for p in self.outbound.idle(loop_now, waited_on, idle_s):
+        self.inbound.forget_idle(now, busy, self.idle_s)
+        for p in self.outbound.idle(loop_now, waited_on, self.idle_s):
             self.spawn(p.close())
-        wall = time.time()
-        live = self.live_addresses()
-        for address in [a for a, p in self.peerbook.peers.items() if a not in live and wall - p.last_contact > idle_s]:
-            self.peerbook.forget(address)
+
+    @property
+    def idle_s(self) -> float:
+        """A peer unheard for this long is forgotten."""
+        return max(60.0, 6 * self.cfg.transfer.peer_timeout_s)
 
     def live_addresses(self) -> set[str]:
         """Addresses of the peers we have a channel to or a session with."""
         return set(self.outbound.peers) | {o.address for o in self.inbound.origins.values()}
 
     async def _beat(self, peer: PeerClient) -> None:
-        peer.beating = True
         try:
             await peer.heartbeat(min(self.cfg.transfer.peer_timeout_s, 2.0))
         except KvpushdError:
-            pass  # counted by failing_since; housekeeping decides
+            pass  # counted by the link's failing_since; housekeeping decides
         finally:
-            peer.beating = False
+            peer.link.beat_over()
 
     async def wait_unwritten(self, key: tuple[str, str], registration_id: int, timeout_s: float) -> None:
         """Return once no WRITE into that registration is in flight (bounded by ``timeout_s``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.send.writing_into(key, registration_id) and loop.time() < deadline:
+        while self.rv.send.writing_into(key, registration_id) and loop.time() < deadline:
             settled: asyncio.Future[None] = loop.create_future()  # woken by run after any core change
             self._settle_waiters.append(settled)
             with contextlib.suppress(TimeoutError):

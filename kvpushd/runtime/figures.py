@@ -1,14 +1,17 @@
 """Per-transfer figures the daemon hands back with each completion (bytes, descriptors, times).
 
-The executor feeds in what the NIXL thread reports for each WRITE or READ and what the core says
-of the rendezvous; ``_deliver`` takes the sum for (worker, transfer id) and attaches it to the
-completion. Which side knows what: the daemon that posts the NIXL transfers (prefill in push mode,
-decode in pull mode) knows descriptors, post and transfer seconds; the prefill daemon knows the
-rendezvous wait; both know bytes (the receiver: its blocks' bytes) and Publish/Expect -> completion.
+Fed from the observation stream (runtime/sinks.py: transfers started, the rendezvous met, each
+WRITE or READ the NIXL thread reports); the executor's delivery takes the sum for (worker,
+transfer id) and attaches it to the completion. Which side knows what: the daemon that posts the
+NIXL transfers (prefill in push mode, decode in pull mode) knows descriptors, post and transfer
+seconds; the prefill daemon knows the rendezvous wait; both know bytes (the receiver: its blocks'
+bytes) and Publish/Expect -> completion.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
 
 from ..core.types import Completion, CompletionKind, Figures
@@ -24,6 +27,9 @@ class _Sum:
     post_s: float = 0.0
     transfer_s: float = 0.0
     rendezvous_wait_s: float = 0.0
+    side: str = ""
+    expected_bytes: int = 0  # what the receiving worker's blocks hold
+    started: float = 0.0  # monotonic: the Publish or Expect (kept when it is repeated)
 
 
 class FigureBook:
@@ -40,6 +46,10 @@ class FigureBook:
                 del self._open[next(iter(self._open))]
             s = self._open[key] = _Sum()
         return s
+
+    def started(self, worker_id: str, transfer_id: str, side: str, expected_bytes: int) -> None:
+        s = self._get((worker_id, transfer_id))
+        s.side, s.expected_bytes, s.started = side, expected_bytes, s.started or time.monotonic()
 
     def waited(self, worker_id: str, transfer_id: str, seconds: float) -> None:
         s = self._get((worker_id, transfer_id))
@@ -58,17 +68,15 @@ class FigureBook:
         for k in [k for k in self._open if k[0] == worker_id]:
             del self._open[k]
 
-    def settle(self, worker_id: str, c: Completion, expected_bytes: int, elapsed_s: float) -> Figures:
-        """The figures for this completion (its transfer's entry is dropped).
+    def settle(self, worker_id: str, c: Completion) -> tuple[Completion, str]:
+        """The completion with its figures, and the transfer's side (its entry is dropped).
 
-        ``expected_bytes``: what the worker's blocks hold (the receiving side counts them as moved
-        once every WRITE landed; a failed transfer reports only what this daemon moved itself)."""
+        The receiving side counts its blocks' bytes as moved once every WRITE landed; a failed
+        transfer reports only what this daemon moved itself."""
         s = self._open.pop((worker_id, c.transfer_id), None) or _Sum()
         nbytes = s.nbytes
         if not nbytes and c.kind is CompletionKind.FINISHED_RECEIVING:
-            nbytes = expected_bytes
-        return Figures(nbytes, s.nixl_transfers, s.descriptors, s.post_s, s.transfer_s, s.rendezvous_wait_s,
-                       elapsed_s)
-
-    def __len__(self) -> int:
-        return len(self._open)
+            nbytes = s.expected_bytes
+        elapsed = time.monotonic() - s.started if s.started else 0.0
+        f = Figures(nbytes, s.nixl_transfers, s.descriptors, s.post_s, s.transfer_s, s.rendezvous_wait_s, elapsed)
+        return dataclasses.replace(c, figures=f), s.side

@@ -151,15 +151,16 @@ class AgentTable:
 class Inbound:
     """Sessions of the daemons that call us, and the agents they introduced."""
 
-    def __init__(self, forget_remote: Callable[[str], None], lost: Callable[[Origin, str], None]) -> None:
+    def __init__(self, forget_remote: Callable[[str], None]) -> None:
         self.origins: dict[str, Origin] = {}
-        self.consumers = AgentTable("consumer", MAX_AGENTS_PER_ORIGIN, lambda n: forget_remote(n))
-        self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, lambda n: forget_remote(n))
-        self._lost = lost  # a session replaced by a restarted daemon: its pending transfers fail
+        self.consumers = AgentTable("consumer", MAX_AGENTS_PER_ORIGIN, forget_remote)
+        self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, forget_remote)
 
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str, busy: set[str]) -> str:
-        """A peer daemon introduces itself; returns the secret token of its session.
+                  instance_id: str, presented_token: str, busy: set[str]) -> tuple[str, list[Origin]]:
+        """A peer daemon introduces itself; returns the secret token of its session, and the sessions
+        it replaces (the same address, another instance: a restarted daemon, whose pending transfers
+        the caller fails).
 
         ``busy``: instance ids with transfers pending here (their sessions cannot be claimed anew)."""
         if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
@@ -174,18 +175,17 @@ class Inbound:
         if known is not None:
             if presented_token and secrets.compare_digest(presented_token, known.token):
                 known.last_seen = time.monotonic()
-                return known.token  # the same session again
+                return known.token, []  # the same session again
             if instance_id in busy:
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
                                        "pending here; a daemon that lost its session token must wait for them to end")
             # An idle session whose holder lost its token (or a new claimant): it starts afresh,
             # without the agents the old session introduced.
             self.drop(known)
-        for old in [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]:
-            self._lost(old, f"peer {old.node_id} at {old.address} restarted")
+        replaced = [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]
         origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16))
         log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
-        return origin.token
+        return origin.token, replaced
 
     def session_ok(self, instance_id: str, token: str) -> bool:
         origin = self.origins.get(instance_id)

@@ -1,8 +1,9 @@
-"""The servicers' facade: check -> core event -> executor.run(actions).
+"""The servicers' facade: check -> rendezvous event -> run(actions).
 
 Every method runs on the event loop and is a few lines: the checks live with the state they guard
-(workers, inbound sessions and agents), the decisions in the core, the carrying out in the
-executor. The core never sees a protobuf message, and the event loop never calls NIXL.
+(workers, inbound sessions and agents), the decisions in the rendezvous' core, the carrying out in
+the executor, and what happened goes onto the observation stream once. The core never sees a
+protobuf message, and the event loop never calls NIXL.
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ from ..core.errors import (
 )
 from ..core.rendezvous import Registration
 from ..core.types import Completion, FailureCode, Role, TransferMode
-from ..events import EventHub, EventKind
+from ..events import EventHub
+from ..tracing import Tracing
 from ..transfer.descs import RemoteAgent
 from .executor import Executor
+from .figures import FigureBook
 from .identity import Identity
-from .inbound import Inbound, Origin
-from .outbound import Outbound
+from .inbound import Origin
+from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Started, WorkerGone
 from .peerbook import PeerBook
+from .rendezvous import Rendezvous
+from .sinks import Tally
 from .view import View
 from .workers import (
     MemorySpec,
@@ -47,27 +52,34 @@ log = structlog.get_logger(__name__)
 
 
 class Node:
-    """One daemon: the rooms, wired. Servicers call these methods with plain values."""
+    """One daemon: the rooms, wired. Servicers call these methods with plain values.
 
-    def __init__(self, cfg: Config) -> None:
+    What happens is emitted on ``obs``; its sinks (the books below, metrics, tracing) are
+    registered by the composition root (app.py). ``tracing`` is asked for the context a Register
+    carries."""
+
+    def __init__(self, cfg: Config, tracing: Tracing | None = None) -> None:
         self.cfg = cfg
         self.ident = Identity(cfg.node_id, f"{cfg.advertise_host}:{cfg.listen_host_port[1]}")
+        self.obs = Observations()
         self.events = EventHub()
+        self.tally = Tally()
+        self.figures = FigureBook()
         self.draining = False
+        self.rv = Rendezvous(cfg)
         self.workers = Workers(cfg, self.ident, self.events)
-        self.inbound = Inbound(self._forget_remote, lambda o, why: self.executor.origin_lost(o, why))
-        self.outbound = Outbound(self.ident, cfg.peer_api,
-                                 lambda addr, why: self.executor.producer_lost(addr, why, restarted=True))
-        self.peerbook = PeerBook(self.events, lambda: self.executor.live_addresses())
-        self.executor = Executor(cfg, self.workers, self.inbound, self.outbound, self.events, self.peerbook)
-        self.view = View(cfg, self.ident, self.events, self.workers, self.executor, self.inbound, self.outbound,
-                         self.peerbook, lambda: self.draining)
+        self.ex = Executor(cfg, self.ident, self.rv, self.workers, self.figures, self.obs, tracing or Tracing())
+        self.run = self.ex.run
+        self.inbound, self.outbound = self.ex.inbound, self.ex.outbound
+        self.peerbook = PeerBook(self.events, self.ex.live_addresses)
+        self.view = View(cfg, self.ident, self.events, self.workers, self.rv, self.ex, self.tally, self.peerbook,
+                         lambda: self.draining)
         self._housekeeping: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.workers.xfer = self.executor.start(loop)
+        self.workers.xfer = self.ex.start(loop)
         self._housekeeping = loop.create_task(self._housekeep_forever())
 
     async def _housekeep_forever(self) -> None:
@@ -78,7 +90,8 @@ class Node:
             await asyncio.sleep(interval)
             try:
                 now = time.monotonic()
-                self.executor.housekeeping(now)
+                self.ex.housekeeping(now)
+                self.peerbook.forget_idle(time.time(), self.ex.idle_s)
                 for wid in self.workers.without_session(now):
                     log.warning("worker never opened its session; detaching", worker_id=wid)
                     await self.detach(wid, "no session opened")
@@ -89,21 +102,21 @@ class Node:
         """Stop taking new transfers; wait for what is in flight, bounded by ``timeout_s`` whatever
         the peers do; every Publish and Expect still gets its one completion; release all memory."""
         self.draining = True
-        ex = self.executor
+        ex, send = self.ex, self.rv.send
         why = f"daemon {self.ident.node_id} is shutting down"
-        ex.run(ex.send.shutdown(why) + ex.recv.shutdown(why))
+        self.run(self.rv.shutdown(why))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         grace = min(1.0, timeout_s / 4)  # kept for cancelling what is still in flight at the end
         # What is left are WRITEs in flight (and notices to peers): let them finish, bounded.
-        while (len(ex.send) or ex.tasks) and loop.time() < deadline - grace:
+        while (len(send) or ex.tasks) and loop.time() < deadline - grace:
             await asyncio.sleep(0.02)
-        if len(ex.send) and ex.xfer is not None:
-            log.warning("drain bound reached: cancelling transfers in flight", pending=len(ex.send))
+        if len(send) and ex.xfer is not None:
+            log.warning("drain bound reached: cancelling transfers in flight", pending=len(send))
             ex.xfer.cancel_inflight(f"{why}: drain_timeout_s = {timeout_s:g}s passed")
-            while len(ex.send) and loop.time() < deadline:
+            while len(send) and loop.time() < deadline:
                 await asyncio.sleep(0.01)
-        ex.run(ex.send.give_up(f"{why}: drain_timeout_s = {timeout_s:g}s passed"))  # legs nothing confirms
+        self.run(send.give_up(f"{why}: drain_timeout_s = {timeout_s:g}s passed"))  # legs nothing confirms
         for task in list(ex.tasks):  # peer calls that hang on a stalled peer
             task.cancel()
         if self._housekeeping is not None:
@@ -137,17 +150,13 @@ class Node:
         check_transfer_id(transfer_id)
         if not producer_engine_id:
             raise InvalidArgument("producer_engine_id must not be empty")
-        self._bounded()
-        actions = self.executor.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id,
-                                            block_ids, producer_address, producer_engine_id, producer_tp_size,
-                                            TransferMode.parse(transfer_mode), skip_tokens=skip_tokens,
-                                            layouts=w.regions)
-        self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
-                         worker_id=w.worker_id, side="recv", peer=producer_address, num_blocks=len(block_ids),
-                         nbytes=len(block_ids) * w.block_bytes)
-        if self.executor.tracing.enabled:
-            self.executor.tracing.expect(w.worker_id, transfer_id, traceparent, w.engine_id, producer_address)
-        self.executor.run(actions)
+        self.rv.bounded()
+        actions = self.rv.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id, block_ids,
+                                      producer_address, producer_engine_id, producer_tp_size,
+                                      TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=w.regions)
+        self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "recv", len(block_ids),
+                              len(block_ids) * w.block_bytes, producer_address, traceparent))
+        self.run(actions)
 
     def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "") -> None:
         self._not_draining()
@@ -156,22 +165,17 @@ class Node:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
         check_blocks(w, block_ids, self.cfg)
         check_transfer_id(transfer_id)
-        self._bounded()
-        actions = self.executor.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
-                                             transfer_id, block_ids, layouts=w.regions)
-        self.events.emit(EventKind.TRANSFER_STARTED, transfer_id=transfer_id, engine_id=w.engine_id,
-                         worker_id=w.worker_id, side="send", num_blocks=len(block_ids))
-        if self.executor.tracing.enabled:
-            self.executor.tracing.publish(w.worker_id, transfer_id, traceparent, w.engine_id)
-        self.executor.run(actions)
+        self.rv.bounded()
+        actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
+                                       transfer_id, block_ids, layouts=w.regions)
+        self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))
+        self.run(actions)
 
     def abort(self, worker_id: str, transfer_id: str) -> bool:
         w = self.workers.get(worker_id)
-        ex = self.executor
-        found_r, acts_r = ex.recv.abort(w.worker_id, transfer_id)
-        found_s, acts_s = ex.send.abort(w.worker_id, w.engine_id, transfer_id)
-        ex.run(acts_r + acts_s)
-        return found_r or found_s
+        found, actions = self.rv.abort(w.worker_id, w.engine_id, transfer_id)
+        self.run(actions)
+        return found
 
     def decline(self, worker_id: str, transfer_id: str, producer_address: str, producer_engine_id: str,
                 reason: str) -> None:
@@ -183,11 +187,10 @@ class Node:
         check_transfer_id(transfer_id)
         if not producer_engine_id or not producer_address:
             raise InvalidArgument("producer_address and producer_engine_id must not be empty")
-        if self.executor.recv.pending(w.worker_id, transfer_id):
+        if self.rv.recv.pending(w.worker_id, transfer_id):
             raise FailedPrecondition(f"transfer {transfer_id[:256]!r} is pending on this worker: abort it instead")
         log.info("transfer declined", transfer_id=transfer_id[:256], worker_id=w.worker_id, peer=producer_address)
-        self.executor.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id,
-                              reason[:2000])
+        self.ex.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id, reason[:2000])
 
     def called(self, worker_id: str, batch: int = -1) -> None:
         """Count a worker's calls for status: a unary Expect/Publish/Abort, or a Stream batch of ``batch``
@@ -222,11 +225,8 @@ class Node:
         w = self.workers.mark_gone(worker_id)
         if w is None:
             return
-        ex = self.executor
-        ex.run(ex.send.worker_gone(worker_id) + ex.recv.worker_gone(worker_id))
-        ex.figures.forget_worker(worker_id)
-        if ex.tracing.enabled:
-            ex.tracing.forget_worker(worker_id)
+        self.run(self.rv.worker_gone(worker_id))
+        self.obs.emit(WorkerGone(worker_id))
         await self.workers.release(w, why)  # waits for this worker's in-flight WRITEs
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
@@ -234,9 +234,11 @@ class Node:
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
                   instance_id: str, presented_token: str = "") -> str:
         """A peer daemon introduces itself; returns the secret token of its session."""
-        token = self.inbound.handshake(protocol_version, compat_hash, node_id, peer_address, instance_id,
-                                       presented_token, self.executor.send.origins())
-        self.peerbook.contact(peer_address, node_id=node_id, inbound=True)
+        token, replaced = self.inbound.handshake(protocol_version, compat_hash, node_id, peer_address, instance_id,
+                                                 presented_token, self.rv.send.origins())
+        for old in replaced:
+            self.ex.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
+        self.obs.emit(PeerHeard(peer_address, node_id, inbound=True))
         return token
 
     def session_ok(self, instance_id: str, token: str) -> bool:
@@ -263,39 +265,39 @@ class Node:
         origin = self.inbound.caller(origin_id)
         check_transfer_id(transfer_id)
         self._peer_limits(origin, len(block_ids))
-        self.peerbook.contact(origin.address, inbound=True)
+        self.obs.emit(PeerHeard(origin.address, inbound=True))
         self.events.remember(transfer_id, producer_engine_id)
         if self.workers.producer(producer_engine_id) is None:
             raise NotFound(f"no prefill engine {producer_engine_id!r} is attached to node {self.ident.node_id}")
-        known = self.inbound.consumers.admit(origin, agent, lambda: self.executor.send.agents_in_use(origin_id))
+        known = self.inbound.consumers.admit(origin, agent, lambda: self.rv.send.agents_in_use(origin_id))
         if known is None:
             return False
         check_block_ids(block_ids, min(r.num_blocks for r in known.regions),
                         self.cfg.worker_api.max_blocks_per_request, f"transfer {transfer_id[:256]!r}: consumer regions")
         if not 0 <= skip_tokens < 1 << 31:
             raise InvalidArgument(f"transfer {transfer_id!r}: skip_tokens {skip_tokens} out of range")
-        self._bounded()
+        self.rv.bounded()
         reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
                            agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
                            TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions)
         try:
-            actions = self.executor.send.register(time.monotonic(), reg)
+            actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
             origin.refused += 1
-            self.executor.counters.peer_calls_refused += 1
+            self.obs.emit(Counted("peer_calls_refused"))
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
                         transfer_id=transfer_id[:256], consumer_rank=consumer_rank, reason=str(e))
             raise
-        if traceparent and self.executor.tracing.enabled:
-            self.executor.tracing.registration(transfer_id, traceparent[:128])
-        self.executor.run(actions)
+        if traceparent:
+            self.obs.emit(RegistrationTraced(transfer_id, traceparent[:128]))
+        self.run(actions)
         return True
 
     def _peer_limits(self, origin: Origin, n_blocks: int | None) -> None:
         """What one decode daemon may ask of us: Registers (and Declines) per second, registrations and
         blocks held (``n_blocks`` None: a Decline, which holds nothing)."""
         pa = self.cfg.peer_api
-        regs, blocks = self.executor.send.held_by(origin.instance_id)
+        regs, blocks = self.rv.send.held_by(origin.instance_id)
         why = ""
         if not origin.take(pa.max_registers_per_s):
             why = (f"more than {pa.max_registers_per_s:g} Registers and Declines per second "
@@ -308,7 +310,7 @@ class Node:
                    f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
         if why:
             origin.refused += 1
-            self.executor.counters.peer_calls_refused += 1
+            self.obs.emit(Counted("peer_calls_refused"))
             log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
             raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: {why}", peer=origin.address)
 
@@ -316,11 +318,10 @@ class Node:
                        reason: str) -> None:
         """A decode daemon withdraws a registration; returns once no WRITE into it is in flight
         (bounded), so the decode side may then let its engine free the blocks."""
-        ex = self.executor
-        key = ex.send.transfer_of(origin_id, registration_id)
-        ex.run(ex.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
+        key = self.rv.send.transfer_of(origin_id, registration_id)
+        self.run(self.rv.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
         if key is not None:
-            await ex.wait_unwritten(key, registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
+            await self.ex.wait_unwritten(key, registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
 
     def declined(self, origin_id: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
                  reason: str) -> None:
@@ -330,29 +331,26 @@ class Node:
         self._peer_limits(origin, None)  # the Register budget covers declines too
         if self.workers.producer(producer_engine_id) is None:
             raise NotFound(f"no prefill engine {producer_engine_id[:256]!r} is attached to node {self.ident.node_id}")
-        ex = self.executor
         why = f"decode engine {consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {reason[:1000]}"
-        actions = ex.send.decline(time.monotonic(), origin_id, producer_engine_id, transfer_id, why)
-        ex.counters.declines_received += 1
+        actions = self.rv.send.decline(time.monotonic(), origin_id, producer_engine_id, transfer_id, why)
+        self.obs.emit(Counted("declines_received"))
         log.info("transfer declined by the decode side", transfer_id=transfer_id[:256], peer_node=origin.node_id,
                  reason=reason[:200])
-        ex.run(actions)
+        self.run(actions)
 
     def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
                     reason: str) -> None:
         """The prefill daemon says a registration of ours will not be written.
 
         Only the daemon the registration was sent to may fail it, and only under its transfer id."""
-        ex = self.executor
-        sent = ex.recv.sent_to(registration_id)
+        sent = self.rv.recv.sent_to(registration_id)
         if sent is None:
             return  # already ended (finished, failed or withdrawn): nothing to do
         tid, address = sent
-        peer = self.outbound.peers.get(address)
-        if tid != transfer_id or peer is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+        if tid != transfer_id or not self.outbound.is_instance(address, caller_instance_id):
             raise PermissionDenied(f"failure notice for registration {registration_id} (transfer "
                                    f"{transfer_id[:256]!r}) from a daemon it was not sent to")
-        ex.run(ex.recv.failed(registration_id, code, reason))
+        self.run(self.rv.recv.failed(registration_id, code, reason))
 
     # -- pull mode ------------------------------------------------------------------------------
 
@@ -364,13 +362,11 @@ class Node:
         when the caller is the prefill daemon the registration was sent to. Returns False when we
         need the producer agent's metadata.
         """
-        ex = self.executor
-        address = ex.recv.producer_address_of(registration_id)
+        address = self.rv.recv.producer_address_of(registration_id)
         if address is None:
             raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
-        peer = self.outbound.peers.get(address)
-        origin = self.inbound.origins.get(caller_instance_id)
-        if peer is None or origin is None or not caller_instance_id or peer.remote_instance != caller_instance_id:
+        caller = caller_instance_id
+        if caller not in self.inbound.origins or not self.outbound.is_instance(address, caller):
             raise PermissionDenied(f"offer for registration {registration_id} (transfer {transfer_id[:256]!r}) "
                                    "from a daemon it was not sent to")
         origin = self.inbound.caller(caller_instance_id)
@@ -383,27 +379,17 @@ class Node:
         if block_ids and max(block_ids) >= min(r.num_blocks for r in known.regions):
             raise InvalidArgument(f"transfer {transfer_id[:256]!r}: source block id {max(block_ids)} out of range "
                                   f"(producer regions have {min(r.num_blocks for r in known.regions)} blocks)")
-        ex.run(ex.recv.offer(registration_id, transfer_id, producer_rank, block_ids, producer_agent=known.name))
+        self.run(self.rv.recv.offer(registration_id, transfer_id, producer_rank, block_ids, producer_agent=known.name))
         return True
 
     def read_failed(self, caller_instance_id: str, registration_id: int, producer_rank: int, reason: str) -> None:
         """Pull mode, prefill side: the decode daemon says the READ of our offer failed."""
         origin = self.inbound.caller(caller_instance_id)
-        ex = self.executor
-        ex.run(ex.send.read_done(caller_instance_id, registration_id, producer_rank, False,
-                                 f"decode daemon {origin.node_id}: {reason[:2000]}"))
+        self.run(self.rv.send.read_done(caller_instance_id, registration_id, producer_rank, False,
+                                        f"decode daemon {origin.node_id}: {reason[:2000]}"))
 
     # -- checks ---------------------------------------------------------------------------------
-
-    def _forget_remote(self, name: str) -> None:
-        if self.executor.xfer is not None:
-            self.executor.xfer.forget_remote(name)  # deferred by the thread while a transfer uses it
 
     def _not_draining(self) -> None:
         if self.draining:
             raise Unavailable(f"daemon {self.ident.node_id} is shutting down")
-
-    def _bounded(self) -> None:
-        ex = self.executor
-        if len(ex.send) + len(ex.recv) >= self.cfg.transfer.max_pending:
-            raise ResourceExhausted(f"more than {self.cfg.transfer.max_pending} transfers pending")

@@ -1,32 +1,130 @@
-"""What the runtime reports as it goes, for whoever records it (the Prometheus metrics, in app.py).
+"""One observation stream: typed records of what happened, emitted once where it happened.
 
-A protocol, so the runtime imports nothing above it: the composition root hands it an observer.
+The runtime emits a record at the point something happens (a transfer started, the rendezvous met,
+a WRITE or READ done, a completion delivered, a peer heard from or lost, an event dropped); whoever
+keeps books of it (the status counters, the event hub for ``kvpushctl watch``, the figures
+completions carry, the Prometheus metrics, tracing, the peer book) registers for the records it
+wants in the composition root (app.py). A record nobody reads costs one dict lookup. Records
+are slotted dataclasses, not frozen ones (building a frozen one costs twice as much, once per WRITE):
+sinks read them and never change them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from ..transfer.records import WriteResult
+from ..core.types import Completion
+from ..transfer.records import ReadResult, WriteResult
 
-
-class Observer(Protocol):
-    def rendezvous_waited(self, seconds: float) -> None:
-        """Prefill side: first arrival of publish or registration -> the second (the WRITE starts)."""
-
-    def write_done(self, r: WriteResult, peer: str) -> None:
-        """A WRITE completed or failed (``peer``: the decode daemon's address, "" if unknown)."""
-
-    def dropped(self, event: str) -> None:
-        """The core dropped a late or repeated event on purpose."""
+R = TypeVar("R")
 
 
-class NullObserver:
-    def rendezvous_waited(self, seconds: float) -> None:
-        pass
+@dataclass(slots=True)
+class Started:  # a worker's Publish (side "send") or Expect ("recv") was taken
+    worker_id: str
+    transfer_id: str
+    engine_id: str
+    side: str
+    num_blocks: int
+    nbytes: int = 0  # recv: what the worker's blocks hold
+    peer: str = ""
+    traceparent: str = ""
 
-    def write_done(self, r: WriteResult, peer: str) -> None:
-        pass
 
-    def dropped(self, event: str) -> None:
-        pass
+@dataclass(slots=True)
+class Met:  # prefill side: the second of publish and registration came ``waited_s`` after the first
+    worker_id: str
+    transfer_id: str
+    waited_s: float
+    peer: str
+
+
+@dataclass(slots=True)
+class WriteDone:  # a WRITE completed or failed (worker, peer: "" if unknown)
+    result: WriteResult
+    transfer_id: str
+    worker_id: str
+    peer: str
+
+
+@dataclass(slots=True)
+class ReadDone:  # pull mode, decode side: a READ this daemon posted completed or failed
+    result: ReadResult
+    transfer_id: str
+    worker_id: str
+
+
+@dataclass(slots=True)
+class Delivered:  # a transfer's completion, with its figures, goes to its worker
+    worker_id: str
+    side: str
+    completion: Completion
+
+
+@dataclass(slots=True)
+class Dropped:  # the core dropped a late or repeated event on purpose
+    event: str
+    transfer_id: str
+    why: str
+
+
+@dataclass(slots=True)
+class Counted:  # ``n`` more of a status counter no other record tells (a field of runtime/sinks.Counters)
+    name: str
+    n: int = 1
+
+
+@dataclass(slots=True)
+class PeerHeard:  # a call to (or, ``inbound``, from) a peer went through
+    address: str
+    node_id: str = ""
+    inbound: bool = False
+
+
+@dataclass(slots=True)
+class PeerFailed:  # a call to a peer failed, or a WRITE to it
+    address: str
+    error: str
+    unreachable: bool = False
+
+
+@dataclass(slots=True)
+class PeerLost:
+    address: str
+    reason: str
+    inbound: bool = False
+
+
+@dataclass(slots=True)
+class RegisterAnswered:  # decode side: the Register sent at ``started_ns`` was answered ("") or failed
+    worker_id: str
+    transfer_id: str
+    started_ns: int
+    error: str = ""
+
+
+@dataclass(slots=True)
+class RegistrationTraced:  # prefill side: a decode daemon's Register came with its span's context
+    transfer_id: str
+    traceparent: str
+
+
+@dataclass(slots=True)
+class WorkerGone:
+    worker_id: str
+
+
+class Observations:
+    """The stream: sinks register per record type, in the order they are to see it."""
+
+    def __init__(self) -> None:
+        self._sinks: dict[type, list[Callable[[Any], None]]] = {}
+
+    def on(self, kind: type[R], fn: Callable[[R], None]) -> None:
+        self._sinks.setdefault(kind, []).append(fn)
+
+    def emit(self, rec: object) -> None:
+        for fn in self._sinks.get(type(rec), ()):
+            fn(rec)

@@ -1,7 +1,9 @@
 """Daemons we call: one channel and one handshake per remote daemon (the client side of the peer API).
 
 This room owns the outbound peers (``Outbound.peers``); it gets an identity and the peer API
-settings, never the node. A restart it notices is reported through ``on_restart``.
+settings, never the node. A restart it notices is reported through ``on_restart``. It is glue:
+each peer's state is a pure state machine (core/peerlink.py) fed the loop's time, and every
+message it sends is built in rpc/outbound.py.
 
 A handshake is repeated whenever a call says the remote does not know us (it restarted), and a
 changed remote instance id means every agent we had sent it must be sent again.
@@ -10,21 +12,19 @@ changed remote instance id means every agent we had sent it must be sent again.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 
 import grpc
 import structlog
 from google.protobuf.message import Message
-from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-from .. import PROTOCOL_VERSION
 from ..config import PeerApiConfig
-from ..core import notif
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable, SessionUnknown
+from ..core.peerlink import PeerLink
 from ..core.rendezvous import ReadKey, SendOffer, SendRegister
 from ..core.types import FailureCode
 from ..peer_security import channel_credentials, channel_options, tls_enabled
+from ..rpc import outbound as pb
 from .channel import PeerChannel
 from .identity import Identity
 from .workers import Worker
@@ -43,21 +43,14 @@ KEEPALIVE = [
 ]
 
 
-def error_kind(e: grpc.aio.AioRpcError) -> str:
-    """The error class a kvpushd daemon named in its trailing metadata (``kvpushd-error``), or ""."""
-    for key, value in e.trailing_metadata() or ():
-        if key == "kvpushd-error":
-            try:
-                return str(json.loads(value).get("kind", ""))
-            except (ValueError, AttributeError):
-                return ""
-    return ""
-
-
 # A call or stream that ended with one of these was not answered by the peer's logic (it went away,
 # restarted, or its server cancelled the call): the items fail as PeerUnreachable, which lets the
 # decode side decline them later, not as PeerRejected (the peer refused them).
 UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def _why(e: grpc.aio.AioRpcError) -> str:
+    return f"{e.code().name}: {e.details()}"
 
 
 class PeerClient:
@@ -69,28 +62,19 @@ class PeerClient:
         self._on_restart = on_restart
         size = cfg.max_message_bytes
         opts = [*KEEPALIVE, ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
-        pa = cfg
-        if tls_enabled(pa):
-            self.channel = grpc.aio.secure_channel(address, channel_credentials(pa),
-                                                   options=[*opts, *channel_options(pa)])
+        if tls_enabled(cfg):
+            self.channel = grpc.aio.secure_channel(address, channel_credentials(cfg),
+                                                   options=[*opts, *channel_options(cfg)])
         else:
             self.channel = grpc.aio.insecure_channel(address, options=opts)
-        self.stub = peer_pb2_grpc.PeerServiceStub(self.channel)
+        self.stub = pb.Stub(self.channel)
         self.remote_node_id = ""
         self.remote_instance = ""
         self.session: tuple[tuple[str, str], ...] = ()  # (("kvpushd-session", token),) from the handshake
-        self.state = "new"
-        self.last_error = ""
-        self.since = 0.0
         self.sent_agents: set[str] = set()
         self._hs_lock = asyncio.Lock()
-        self.last_ok = 0.0  # loop time of the last answer from this peer
-        self.failing_since = 0.0  # loop time of the first failed heartbeat in a row (0: healthy)
-        self.last_beat = 0.0
-        self.beating = False
-        self.failed_at = 0.0  # loop time of the last failed handshake
-        self.created = asyncio.get_running_loop().time()
-        self.calls = 0  # calls under way: a peer in use is never idle
+        self._loop = asyncio.get_running_loop()
+        self.link = PeerLink(created=self._loop.time())  # the link's state, fed the loop's time
         self.stream: PeerChannel | None = None  # the Channel stream of this session (opened on first use)
         self.streams_opened = 0
         self.batches_before = 0  # PeerBatch messages written on the streams before the current one
@@ -124,28 +108,25 @@ class PeerClient:
     def _stream_broken(self, why: BaseException | str) -> KvpushdError:
         """What the items of a stream that ended fail with; a broken stream counts as a failing peer
         (heartbeats decide, as for a failed heartbeat) and the next call handshakes first."""
-        if isinstance(why, grpc.aio.AioRpcError) and error_kind(why) == "SessionUnknown":
+        if isinstance(why, grpc.aio.AioRpcError) and pb.error_kind(why) == "SessionUnknown":
             return SessionUnknown(f"prefill daemon {self.address}: {why.details()}", peer=self.address)
         if why == "closed":
             return PeerUnreachable(f"prefill daemon {self.address}: stream closed", peer=self.address)
-        if self.state == "connected":
-            self.state = "unreachable"
-        if self.failing_since == 0.0:
-            self.failing_since = asyncio.get_running_loop().time()
+        self.link.stream_broken(self._loop.time())
         if isinstance(why, grpc.aio.AioRpcError):
-            self._broken(why)
+            self.link.failed(_why(why), why.code() in UNREACHABLE_CODES)
             return self._error(why)
-        self.last_error = str(why)
+        self.link.last_error = str(why)
         return PeerUnreachable(f"prefill daemon {self.address}: {why}", peer=self.address)
 
     async def _items(self, kind: str, msgs: list[Message],
-                     timeout_s: float | None = None) -> list[peer_pb2.PeerResult | KvpushdError]:
+                     timeout_s: float | None = None) -> list[pb.PeerResult | KvpushdError]:
         """Items of one kind on the stream (in the batch of this loop turn); per item its result
         (code "OK") or why it failed. Bounded: no result within ``timeout_s`` (rpc_timeout_s) is
         PeerUnreachable. A session the peer forgot is handshaken again and those items sent once more."""
-        self.calls += 1
+        self.link.calls += 1
         try:
-            out: list[peer_pb2.PeerResult | KvpushdError] = [
+            out: list[pb.PeerResult | KvpushdError] = [
                 PeerUnreachable(f"prefill daemon {self.address}: not sent", peer=self.address)] * len(msgs)
             todo = list(range(len(msgs)))
             for attempt in (0, 1):
@@ -158,8 +139,7 @@ class PeerClient:
                     f.cancel()
                 again = []
                 if late:  # as a unary call's DEADLINE_EXCEEDED: the next call handshakes first
-                    self.state = "unreachable"
-                    self.last_error = f"DEADLINE_EXCEEDED: no answer on the stream within {timeout:g}s"
+                    self.link.failed(f"DEADLINE_EXCEEDED: no answer on the stream within {timeout:g}s", True)
                 for i, f in zip(todo, futs, strict=True):
                     if f.cancelled():
                         out[i] = PeerUnreachable(f"prefill daemon {self.address}: no answer within {timeout:g}s",
@@ -177,16 +157,16 @@ class PeerClient:
                 if not again or attempt:
                     break
                 todo = again
-            if any(isinstance(r, peer_pb2.PeerResult) and r.code == "OK" for r in out):
-                self.last_ok = asyncio.get_running_loop().time()
+            if any(isinstance(r, pb.PeerResult) and r.code == "OK" for r in out):
+                self.link.answered(self._loop.time())
             return out
         finally:
-            self.calls -= 1
+            self.link.calls -= 1
 
-    def _rejected(self, r: peer_pb2.PeerResult) -> PeerRejected:
+    def _rejected(self, r: pb.PeerResult) -> PeerRejected:
         return PeerRejected(f"prefill daemon {self.address}: {r.code}: {r.message}", peer=self.address)
 
-    async def _one(self, kind: str, msg: Message, timeout_s: float | None = None) -> peer_pb2.PeerResult:
+    async def _one(self, kind: str, msg: Message, timeout_s: float | None = None) -> pb.PeerResult:
         """One item on the stream; raises what it failed with (PeerRejected when the peer refused it)."""
         (r,) = await self._items(kind, [msg], timeout_s)
         if isinstance(r, KvpushdError):
@@ -199,19 +179,13 @@ class PeerClient:
 
     async def _handshake(self, force: bool = False) -> None:
         async with self._hs_lock:
-            if self.state == "connected" and not force:
+            link = self.link
+            if not link.handshake_due(force):
                 return
-            loop = asyncio.get_running_loop()
-            if self.state == "unreachable" and loop.time() - self.failed_at < 1.0 and not force:
-                # Calls queued behind a handshake that just failed fail at once, not one
-                # connect timeout after another.
-                raise PeerUnreachable(f"prefill daemon {self.address}: {self.last_error}")
-            if self.state != "unreachable":  # one that was unreachable stays so until it answers
-                self.state = "handshaking"
-            n = self.ident
-            req = peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
-                                            node_id=n.node_id, peer_address=n.peer_address,
-                                            instance_id=n.instance_id)
+            if link.backing_off(self._loop.time()) and not force:
+                raise PeerUnreachable(f"prefill daemon {self.address}: {link.last_error}")
+            link.handshaking()
+            req = pb.handshake(self.ident)
             try:
                 # wait_for_ready: connect (or reconnect after a restart) within the deadline
                 # instead of failing at once on a channel that last saw the peer down.
@@ -228,8 +202,7 @@ class PeerClient:
                     except grpc.aio.AioRpcError as e2:
                         err = e2 if e2.code() is grpc.StatusCode.UNAVAILABLE else e
                 if err is not None:
-                    self._broken(err)
-                    self.failed_at = loop.time()
+                    link.handshake_failed(self._loop.time(), _why(err), err.code() in UNREACHABLE_CODES)
                     raise self._error(err) from None
             session = (("kvpushd-session", resp.session_token),)
             if self.stream is not None and (session != self.session or resp.instance_id != self.remote_instance):
@@ -242,14 +215,7 @@ class PeerClient:
             self.remote_instance = resp.instance_id
             self.remote_node_id = resp.node_id
             self.session = session
-            self.state = "connected"
-            self.since = self.last_ok = asyncio.get_running_loop().time()
-            self.failing_since = 0.0
-
-    def _broken(self, e: grpc.aio.AioRpcError) -> None:
-        if e.code() in UNREACHABLE_CODES:
-            self.state = "unreachable"
-        self.last_error = f"{e.code().name}: {e.details()}"
+            link.connected(self._loop.time())
 
     def _error(self, e: grpc.aio.AioRpcError) -> KvpushdError:
         msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
@@ -258,12 +224,6 @@ class PeerClient:
         if e.code() in UNREACHABLE_CODES:
             return PeerUnreachable(msg, peer=self.address)
         return PeerRejected(msg, peer=self.address)
-
-    async def register(self, a: SendRegister, w: Worker, traceparent: str = "") -> None:
-        """One registration (the daemon sends a turn's registrations with register_batch)."""
-        (err,) = await self.register_batch([(a, w)], [traceparent])
-        if err is not None:
-            raise err
 
     async def register_batch(self, items: list[tuple[SendRegister, Worker]],
                              traceparents: list[str] | None = None) -> list[KvpushdError | None]:
@@ -279,7 +239,7 @@ class PeerClient:
                 a, w = items[i]
                 md = w.agent_name not in self.sent_agents and w.agent_name not in with_md
                 with_md.add(w.agent_name)
-                regs.append(self._register_request(a, w, md, traceparents[i] if traceparents else ""))
+                regs.append(pb.register(a, w, md, traceparents[i] if traceparents else ""))
             again = []
             for i, r in zip(todo, await self._items("register", regs), strict=True):
                 w = items[i][1]
@@ -299,16 +259,6 @@ class PeerClient:
             out[i] = PeerRejected(f"prefill daemon {self.address} keeps asking for agent metadata", peer=self.address)
         return out
 
-    def _register_request(self, a: SendRegister, w: Worker, with_metadata: bool,
-                          traceparent: str = "") -> peer_pb2.RegisterRequest:
-        return peer_pb2.RegisterRequest(
-            transfer_id=a.transfer_id, registration_id=a.registration_id,
-            producer_engine_id=a.producer_engine_id, producer_tp_size=a.producer_tp_size,
-            consumer_engine_id=w.engine_id, consumer_tp_rank=a.consumer_rank, consumer_tp_size=a.consumer_tp_size,
-            consumer_agent=agent_info(w, with_metadata=with_metadata), block_ids=a.block_ids,
-            transfer_mode=common_pb2.TransferMode.ValueType(int(a.mode)), skip_tokens=a.skip_tokens,
-            traceparent=traceparent)
-
     async def offer(self, a: SendOffer, w: Worker, still_wanted: Callable[[], bool]) -> bool:
         """Pull mode (we are the prefill side): offer a leg's source blocks to the decode daemon.
 
@@ -319,12 +269,7 @@ class PeerClient:
         for _ in range(2):
             if not still_wanted():
                 return False
-            agent = agent_info(w, with_metadata=w.agent_name not in self.sent_agents)
-            req = peer_pb2.OfferRequest(
-                transfer_id=a.leg.transfer_id,
-                registration_id=a.registration.registration_id, producer_rank=a.producer_rank,
-                producer_tp_size=a.producer_tp_size, producer_agent=agent, block_ids=a.src_blocks)
-            resp = await self._one("offer", req)
+            resp = await self._one("offer", pb.offer(a, w, with_metadata=w.agent_name not in self.sent_agents))
             if not resp.need_metadata:
                 self.sent_agents.add(w.agent_name)
                 return True
@@ -333,54 +278,29 @@ class PeerClient:
 
     async def read_failed(self, key: ReadKey, reason: str) -> None:
         """Pull mode (we are the decode side): the READ of an accepted offer failed."""
-        await self._one("read_failed", peer_pb2.ReadFailedNotice(
-            transfer_id=key.transfer_id,
-            registration_id=key.registration_id, producer_rank=key.producer_rank, reason=reason[:2000]))
+        await self._one("read_failed", pb.read_failed(key, reason))
 
     async def heartbeat(self, timeout_s: float) -> None:
         """One liveness probe on the stream. Raises PeerUnreachable; a restart is handled like in the
         handshake."""
-        loop = asyncio.get_running_loop()
         try:
-            resp = (await self._one("heartbeat", peer_pb2.HeartbeatRequest(), timeout_s)).heartbeat
+            resp = (await self._one("heartbeat", pb.heartbeat(), timeout_s)).heartbeat
         except KvpushdError:
-            if self.failing_since == 0.0:
-                self.failing_since = loop.time()
+            self.link.beat_failed(self._loop.time())
             raise
-        self.failing_since = 0.0
-        self.last_ok = loop.time()
+        self.link.beat_answered(self._loop.time())
         if resp.instance_id != self.remote_instance or not resp.knows_caller:
             await self._handshake(force=True)  # a restarted peer: fails what was pending with it
 
     async def fail(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        await self._one("fail", self._notice(transfer_id, registration_id, code, reason))
+        await self._one("fail", pb.notice(transfer_id, registration_id, code, reason))
 
     async def withdraw(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        await self._one("withdraw", self._notice(transfer_id, registration_id, code, reason))
+        await self._one("withdraw", pb.notice(transfer_id, registration_id, code, reason))
 
     async def decline(self, transfer_id: str, producer_engine_id: str, consumer_engine_id: str, reason: str) -> None:
         """Tell the prefill daemon a transfer will never be registered from here."""
-        await self._one("decline", peer_pb2.DeclineNotice(
-            transfer_id=transfer_id, producer_engine_id=producer_engine_id, consumer_engine_id=consumer_engine_id,
-            reason=reason[:2000]))
-
-    def _notice(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> peer_pb2.FailNotice:
-        return peer_pb2.FailNotice(transfer_id=transfer_id, registration_id=registration_id,
-                                   code=common_pb2.FailureCode.ValueType(int(code)), reason=reason[:2000])
-
-
-def agent_info(w: Worker, with_metadata: bool) -> peer_pb2.AgentInfo:
-    """A worker's NIXL agent as a peer sees it; metadata and region table only the first time."""
-    if not with_metadata:
-        return peer_pb2.AgentInfo(agent_name=w.agent_name, memory_kind=w.mem_type)
-    return peer_pb2.AgentInfo(
-        agent_name=w.agent_name, memory_kind=w.mem_type, agent_metadata=w.metadata,
-        regions=[peer_pb2.RemoteRegion(base_addr=r.addr, num_blocks=r.num_blocks, block_len=r.block_len,
-                                       block_stride=r.block_stride, device_id=r.device_id,
-                                       block_size_tokens=r.block_tokens, num_heads=r.num_heads,
-                                       layout=common_pb2.KVLayout.ValueType(r.layout), replicated=r.replicated)
-                 for r in w.regions])
-
+        await self._one("decline", pb.decline(transfer_id, producer_engine_id, consumer_engine_id, reason))
 
 class Outbound:
     """The daemons we call, by peer address."""
@@ -397,12 +317,16 @@ class Outbound:
             p = self.peers[address] = PeerClient(address, self.ident, self.cfg, self._on_restart)
         return p
 
+    def is_instance(self, address: str, instance_id: str) -> bool:
+        """Whether ``instance_id`` is the daemon we know at ``address`` (where our registrations went)."""
+        p = self.peers.get(address)
+        return p is not None and bool(instance_id) and p.remote_instance == instance_id
+
     def idle(self, loop_now: float, waited_on: set[str], idle_s: float) -> list[PeerClient]:
         """Peers nothing waits on, unheard for ``idle_s``: removed here, for the caller to close."""
         out = []
         for address, p in list(self.peers.items()):
-            if (address not in waited_on and not p.beating and not p.calls and p.state != "handshaking"
-                    and loop_now - max(p.last_ok, p.since, p.failed_at, p.created) > idle_s):
+            if address not in waited_on and p.link.idle(loop_now, idle_s):
                 del self.peers[address]
                 out.append(p)
         return out

@@ -1,8 +1,8 @@
 """What the daemon knows about each other daemon, by peer address, whichever way the calls go.
 
-Kept for the status API (peers: contact, bytes, transfers, errors) and fed by the executor and the
-event hub. Entries are pruned with their peer and the table is capped, so a flood of handshakes
-from made-up addresses cannot grow the status answer without bound.
+Kept for the status API (peers: contact, bytes, transfers, errors) and fed by the observation
+stream (runtime/sinks.py) and the event hub. Entries are pruned with their peer and the table is
+capped, so a flood of handshakes from made-up addresses cannot grow the status answer without bound.
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ class PeerBook:
         if address:
             self._peer(address).bytes_sent += nbytes
 
-    def forget(self, address: str) -> None:
-        """The peer itself is forgotten (idle, or its session dropped): so are its figures."""
-        if address not in self._live():
+    def forget_idle(self, wall: float, idle_s: float) -> None:
+        """Peers with no session or channel, not heard from for ``idle_s``, are forgotten."""
+        live = self._live()
+        for address in [a for a, p in self.peers.items() if a not in live and wall - p.last_contact > idle_s]:
             self.peers.pop(address, None)
 
     def _peer(self, address: str) -> PeerStats:

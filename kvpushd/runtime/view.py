@@ -15,11 +15,11 @@ from ..config import Config
 from ..core.rendezvous import RecvView, SendView
 from ..events import EventHub
 from ..transfer.backends import AgentBackend
-from .executor import Counters, Executor
+from .executor import Executor
 from .identity import Identity
-from .inbound import Inbound
-from .outbound import Outbound
 from .peerbook import PeerBook
+from .rendezvous import Rendezvous
+from .sinks import Counters, Tally
 from .workers import Worker, Workers
 
 
@@ -48,122 +48,98 @@ class PeerView:
     stream_batches_received: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Parts:
-    cfg: Config
-    ident: Identity
-    events: EventHub
-    workers: Workers
-    executor: Executor
-    inbound: Inbound
-    outbound: Outbound
-    peerbook: PeerBook
-    is_draining: Callable[[], bool]
-
-    @property
-    def draining(self) -> bool:
-        return self.is_draining()
-
-
 class View:
-    def __init__(self, cfg: Config, ident: Identity, events: EventHub, workers: Workers, executor: Executor,
-                 inbound: Inbound, outbound: Outbound, peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
-        self._n = _Parts(cfg, ident, events, workers, executor, inbound, outbound, peerbook, is_draining)
+    def __init__(self, cfg: Config, ident: Identity, events: EventHub, workers: Workers, rv: Rendezvous,
+                 executor: Executor, tally: Tally, peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
+        self.cfg, self._ident, self.events, self._workers, self._rv = cfg, ident, events, workers, rv
+        self._ex, self._tally, self._peerbook, self._is_draining = executor, tally, peerbook, is_draining
 
     # -- identity and settings ------------------------------------------------------------------
 
     @property
-    def cfg(self) -> Config:
-        return self._n.cfg
-
-    @property
     def node_id(self) -> str:
-        return self._n.ident.node_id
+        return self._ident.node_id
 
     @property
     def instance_id(self) -> str:
-        return self._n.ident.instance_id
+        return self._ident.instance_id
 
     @property
     def version(self) -> str:
-        return self._n.ident.version
+        return self._ident.version
 
     @property
     def peer_address(self) -> str:
-        return self._n.ident.peer_address
+        return self._ident.peer_address
 
     @property
     def metrics_address(self) -> str:
-        return self._n.ident.metrics_address
+        return self._ident.metrics_address
 
     @property
     def uptime_s(self) -> float:
-        return time.monotonic() - self._n.ident.started
+        return time.monotonic() - self._ident.started
 
     @property
     def draining(self) -> bool:
-        return self._n.draining
-
-    @property
-    def events(self) -> EventHub:
-        return self._n.events
+        return self._is_draining()
 
     # -- figures --------------------------------------------------------------------------------
 
     @property
     def counters(self) -> Counters:
-        return replace(self._n.executor.counters)
+        return replace(self._tally.counters)
 
     @property
     def stray_notifications(self) -> int:
-        ex = self._n.executor
-        return ex.recv.stray_notifications + (ex.xfer.stray_notifications if ex.xfer else 0)
+        xfer = self._ex.xfer
+        return self._rv.recv.stray_notifications + (xfer.stray_notifications if xfer else 0)
 
     def pending(self) -> tuple[int, int]:
         """Transfers pending: (send side, recv side)."""
-        ex = self._n.executor
-        return len(ex.send), len(ex.recv)
+        rv = self._rv
+        return len(rv.send), len(rv.recv)
 
     def recent_failures(self) -> list[tuple[float, str, str]]:
-        return list(self._n.executor.recent_failures)
+        return list(self._tally.recent_failures)
 
     # -- workers and transfers ------------------------------------------------------------------
 
     def workers(self) -> Iterator[Worker]:
-        return iter(list(self._n.workers.by_id.values()))
+        return iter(list(self._workers.by_id.values()))
 
     def worker(self, worker_id: str) -> Worker | None:
-        return self._n.workers.by_id.get(worker_id)
+        return self._workers.by_id.get(worker_id)
 
     def agent_backends(self, worker_id: str) -> tuple[AgentBackend, ...]:
-        xfer = self._n.executor.xfer
+        xfer = self._ex.xfer
         return xfer.agent_backends.get(worker_id, ()) if xfer is not None else ()
 
     def send_transfers(self) -> list[SendView]:
-        return self._n.executor.send.views(time.monotonic())
+        return self._rv.send.views(time.monotonic())
 
     def recv_transfers(self) -> list[RecvView]:
-        return self._n.executor.recv.views(time.monotonic())
+        return self._rv.recv.views(time.monotonic())
 
     # -- peers ----------------------------------------------------------------------------------
 
     def peers(self) -> list[PeerView]:
         """Every other daemon we call (outbound) or that calls us (inbound), by its peer address."""
-        n = self._n
         wall = time.time()
         loop_now = asyncio.get_running_loop().time()
         mono_now = time.monotonic()
-        inbound = {o.address: o for o in n.inbound.origins.values()}
+        peers = self._ex.outbound.peers
+        inbound = {o.address: o for o in self._ex.inbound.origins.values()}
         out = []
-        for addr in sorted(set(n.outbound.peers) | set(inbound) | set(n.peerbook.peers)):
-            client = n.outbound.peers.get(addr)
+        for addr in sorted(set(peers) | set(inbound) | set(self._peerbook.peers)):
+            client = peers.get(addr)
             origin = inbound.get(addr)
-            stats = n.peerbook.peers.get(addr)
+            stats = self._peerbook.peers.get(addr)
             direction = "both" if client and origin else "outbound" if client else "inbound" if origin else ""
             # Last contact either way: calls, and heartbeats (answered by it, or received from it).
             contact = stats.last_contact if stats is not None else 0.0
-            if client is not None and client.last_ok:
-                contact = max(contact, wall - (loop_now - client.last_ok))
+            if client is not None and client.link.last_ok:
+                contact = max(contact, wall - (loop_now - client.link.last_ok))
             if origin is not None:
                 contact = max(contact, wall - (mono_now - origin.last_seen))
             p = PeerView(addr, direction, last_contact_unix=contact)
@@ -176,9 +152,9 @@ class View:
                             inbound_streams=origin.streams, stream_batches_received=origin.stream_batches)
             if client is not None:
                 p = replace(p, node_id=client.remote_node_id or p.node_id,
-                            instance_id=client.remote_instance or p.instance_id, state=client.state,
-                            since_s=loop_now - client.since if client.since else 0.0,
-                            last_error=client.last_error or p.last_error,
+                            instance_id=client.remote_instance or p.instance_id, state=client.link.state.value,
+                            since_s=loop_now - client.link.since if client.link.since else 0.0,
+                            last_error=client.link.last_error or p.last_error,
                             channel_state=client.channel.get_state(try_to_connect=False).name)
                 opened, sent, pending = client.stream_counts()
                 p = replace(p, streams_opened=opened, stream_batches_sent=sent, stream_items_pending=pending)

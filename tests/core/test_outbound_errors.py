@@ -9,6 +9,7 @@ import pytest
 
 from kvpushd.config import PeerApiConfig
 from kvpushd.core.errors import PeerRejected, PeerUnreachable
+from kvpushd.core.peerlink import LinkState
 from kvpushd.runtime.identity import Identity
 from kvpushd.runtime.outbound import PeerClient
 
@@ -31,11 +32,11 @@ def test_stream_end_maps_to_item_error(code: grpc.StatusCode, kind: type) -> Non
     async def run() -> None:
         peer = PeerClient("127.0.0.1:1", Identity("n", "127.0.0.1:2"), PeerApiConfig(), lambda a, w: None)
         try:
-            peer.state = "connected"
+            peer.link.state = LinkState.CONNECTED
             err = peer._stream_broken(_rpc_error(code, code.name))
             assert type(err) is kind, err
             assert code.name in str(err)
-            assert peer.state == "unreachable"  # a broken stream: the next item handshakes first
+            assert peer.link.state is LinkState.UNREACHABLE  # a broken stream: the next item handshakes first
             assert type(peer._error(_rpc_error(code, "x"))) is kind
         finally:
             await peer.channel.close()

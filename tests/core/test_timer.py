@@ -15,6 +15,7 @@ import pytest
 
 import kvpushd.runtime.executor as executor_mod
 from kvpushd import config
+from kvpushd.app import observe
 from kvpushd.core.types import FailureCode
 from kvpushd.events import Event, EventKind
 from kvpushd.runtime import node as node_mod
@@ -67,19 +68,20 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> None:
     cfg = config.from_dict({"transfer": {"publish_timeout_s": 30.0}})
     n = Node(cfg)
-    ex = n.executor
+    observe(n)
+    ex, rv = n.ex, n.rv
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]  # what start() sets, without the NIXL thread
     failures: list[Event] = []
     n.events.add_listener(lambda ev: failures.append(ev) if ev.kind is EventKind.TRANSFER_FAILED else None)
 
-    ex.run(ex.send.publish(clock.t, "w1", "prefill", 0, 1, "req-1", [3, 4]))
+    ex.run(rv.send.publish(clock.t, "w1", "prefill", 0, 1, "req-1", [3, 4]))
     (delay, _, _), = loop.live()
     assert delay == pytest.approx(30.0, abs=0.01)  # one timer, at the lease's end: no polling tick
 
     # A second transfer with a later deadline arms nothing new; an earlier one re-arms.
     clock.t += 5
-    ex.run(ex.send.publish(clock.t, "w1", "prefill", 0, 1, "req-2", [5]))
+    ex.run(rv.send.publish(clock.t, "w1", "prefill", 0, 1, "req-2", [5]))
     assert len(loop.live()) == 1
 
     clock.t = 1000.0 + 30.0 + 0.002
@@ -90,20 +92,20 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
     clock.t = 1035.01
     loop.fire()
     assert [e.transfer_id for e in failures] == ["req-1", "req-2"]
-    assert loop.live() == [] and ex.send.next_deadline() is None
+    assert loop.live() == [] and rv.send.next_deadline() is None
 
 
 def test_early_fire_only_rearms(clock: FakeClock) -> None:
     """A timer that fires before the deadline (a coarse loop clock) changes nothing but re-arms."""
     n = Node(config.from_dict({"transfer": {"expect_timeout_s": 10.0}}))
-    ex = n.executor
+    ex, rv = n.ex, n.rv
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]
-    ex.run(ex.send.publish(clock.t, "w1", "prefill", 0, 1, "req-1", [1]))
+    ex.run(rv.send.publish(clock.t, "w1", "prefill", 0, 1, "req-1", [1]))
     assert len(loop.live()) == 1
     clock.t += 1.0
     loop.fire()
-    assert len(ex.send) == 1 and len(loop.live()) == 1
+    assert len(rv.send) == 1 and len(loop.live()) == 1
 
 
 def test_no_periodic_deadline_tick_in_the_runtime() -> None:

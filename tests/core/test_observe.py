@@ -1,0 +1,59 @@
+"""The observation stream: a record reaches the sinks registered for its type, in their order, once;
+the executor's NIXL callback is the core event, then one record that every book reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvpushd import config
+from kvpushd.app import observe
+from kvpushd.core.rendezvous import Registration
+from kvpushd.core.types import CompletionKind, TransferMode
+from kvpushd.runtime import observe as o
+from kvpushd.runtime.node import Node
+
+
+def test_records_reach_their_sinks_in_order() -> None:
+    obs = o.Observations()
+    seen: list[tuple[str, object]] = []
+    obs.on(o.PeerHeard, lambda r: seen.append(("a", r)))
+    obs.on(o.PeerHeard, lambda r: seen.append(("b", r)))
+    obs.on(o.PeerLost, lambda r: seen.append(("lost", r)))
+    heard = o.PeerHeard("10.0.0.1:50061")
+    obs.emit(heard)
+    obs.emit(o.WorkerGone("w"))  # nobody reads it
+    assert seen == [("a", heard), ("b", heard)]
+
+
+class _NoThread:
+    def set_pulling(self, n: int) -> None:
+        pass
+
+    def set_expecting(self, n: int) -> None:
+        pass
+
+
+def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
+    n = Node(config.from_dict({}))
+    observe(n)
+    records: list[object] = []
+    for kind in (o.Met, o.WriteDone, o.Delivered, o.Dropped):
+        n.obs.on(kind, records.append)
+    n.ex.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
+    rv, ex = n.rv, n.ex
+
+    async def rendezvous() -> None:  # the failure notice to the (unknown) decode daemon is a task
+        ex.run(rv.send.publish(100.0, "w1", "prefill", 0, 1, "tid", [1, 2]))
+        reg = Registration(7, "origin", "tid", "prefill", 1, "agent", 0, 1, (3, 4), TransferMode.PUSH)
+        ex.run(rv.send.register(100.5, reg))
+        await asyncio.gather(*ex.tasks)
+
+    asyncio.run(rendezvous())
+    met, done, delivered = records[:3]
+    assert isinstance(met, o.Met) and (met.worker_id, met.transfer_id, met.peer) == ("w1", "tid", "")
+    assert isinstance(done, o.WriteDone) and not done.result.ok and done.worker_id == "w1"
+    assert isinstance(delivered, o.Delivered) and delivered.completion.kind is CompletionKind.FAILED
+    assert delivered.completion.figures is not None and delivered.completion.figures.rendezvous_wait_s > 0
+    c = n.tally.counters
+    assert (c.transfers_failed, c.writes_posted) == (1, 0)
+    assert n.tally.recent_failures[-1][1] == "tid"
