@@ -48,7 +48,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: this checkout's lab, not the script's own directory
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from kvpushd_lab.realvllm.model import make_model, prompt_text
+from kvpushd_lab.realvllm.model import KINDS, make_model, prompt_text
 from kvpushd_lab.realvllm.procs import (
     ROOT,
     Proc,
@@ -233,7 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         out["workdir_logs"] = str(work) if args.keep_logs else None
         try:
-            model = make_model(work / "model", seed=args.seed)
+            model = make_model(work / "model", seed=args.seed, kind=args.model_kind)
+            out["model_kind"] = args.model_kind
             vp = args.vllm_python
 
             # 1. monolithic, then stopped (CPU for the pair)
@@ -413,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-lengths", default="37,130,300,600", help="tokens per prompt, comma separated")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-kind", choices=KINDS, default="llama",
+                    help="hybrid: sliding-window and full-attention layers (two KV cache groups)")
     ap.add_argument("--publish-timeout-s", type=float, default=120.0)
     ap.add_argument("--restart-prefill-daemon", action="store_true")
     ap.add_argument("--kill-decode-worker", action="store_true")

@@ -204,3 +204,49 @@ def test_large_request_builds_quickly() -> None:
     print(f"plan of {plan.requested} descriptors ({len(plan.src)} after merging) in {dt * 1e3:.0f} ms")
     assert plan.requested == regs * h * 1024 and plan.tokens == 16384
     assert plan.nbytes == regs * 16384 * h * e
+
+
+def _nhd_case(p_tp: int, d_tp: int, layout_said: bool) -> tuple[bool, int]:
+    """All heads of a tokens-first ([tokens, heads, head bytes]) KV split over P TP p_tp and D TP d_tp:
+    every WRITE planned as the daemon plans it. -> (decode's bytes equal the logical KV, WRITEs)."""
+    heads, bs, e, nb = 4, 8, 4, 6
+    rng = np.random.default_rng(1)
+    kv = rng.integers(0, 256, (nb, bs, heads, e), dtype=np.uint8)  # one logical block table, all heads
+    hp, hd = heads // p_tp, heads // d_tp
+    p_mem = [np.ascontiguousarray(kv[:, :, r * hp:(r + 1) * hp]).reshape(-1) for r in range(p_tp)]
+    d_mem = [np.zeros(nb * bs * hd * e, dtype=np.uint8) for _ in range(d_tp)]
+    lay = NHD if layout_said else 0
+    src = [G(0, hp * bs * e, hp * bs * e, 0, bs, hp if layout_said else 0, lay)]
+    dst = [G(0, hd * bs * e, hd * bs * e, 0, bs, hd if layout_said else 0, lay)]
+    blocks = [0, 1, 2, 3, 4, 5]
+    writes = 0
+    for pr in range(p_tp):
+        for cr in consumer_targets(pr, p_tp, d_tp):
+            sp, dp = block_parts(pr, p_tp, cr, d_tp)
+            apply(plan_write(src, dst, blocks, blocks, 0, sp, dp), p_mem[pr], d_mem[cr])
+            writes += 1
+    ok = all(np.array_equal(d_mem[r].reshape(nb, bs, hd, e), kv[:, :, r * hd:(r + 1) * hd]) for r in range(d_tp))
+    return ok, writes
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (1, 1)])
+def test_tokens_first_layout_across_tp_sizes_moves_exact_bytes(p_tp: int, d_tp: int) -> None:
+    """What KVPushdConnector states (NHD, heads per rank, block size) splits blocks by heads right."""
+    ok, writes = _nhd_case(p_tp, d_tp, layout_said=True)
+    assert ok and writes == max(p_tp, d_tp)
+
+
+def test_tokens_first_layout_not_said_is_split_as_heads_first() -> None:
+    """Why the layout must be said: unsaid, a block is split as heads-first (the daemon's default for
+    older clients), and a tokens-first block reaches decode scrambled."""
+    assert _nhd_case(2, 1, layout_said=False)[0] is False
+    assert _nhd_case(1, 1, layout_said=False)[0] is True  # same TP: whole blocks, any layout
+
+
+def test_tokens_first_layout_without_heads_is_refused() -> None:
+    """NHD said but not the head count: no split can be planned, the pair is refused."""
+    bl = 4 * 8 * 4
+    src = [G(0, bl // 2, bl // 2, 0, 8, 0, NHD)]
+    dst = [G(0, bl, bl, 0, 8, 0, NHD)]
+    with pytest.raises(InvalidArgument, match="num_heads is needed"):
+        plan_write(src, dst, [0], [0], 0, (1, 0), (2, 0))

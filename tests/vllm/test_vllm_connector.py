@@ -17,11 +17,8 @@ import subprocess
 import tempfile
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 import pytest
 
@@ -35,8 +32,7 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 
 import torch
 import vllm_support as vs
-from kvpushd_client.vllm import worker as vllm_worker
-from kvpushd_client.vllm.connector import KVPushdConnector
+from engine_support import POISON, Engine
 from kvpushd_client.vllm.layout import describe_kv_caches
 from kvpushd_client.vllm.metadata import (
     COMPAT_HASH,
@@ -45,13 +41,10 @@ from kvpushd_client.vllm.metadata import (
     KVPushdConnectorMetadata,
     PublishReq,
 )
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 P_ENGINE = "prefill-engine-001"
 D_ENGINE = "decode-engine-001"
-POISON = -7.0
 DAEMON_CONFIG = "[transfer]\npublish_timeout_s = 3.0\nexpect_timeout_s = 60.0\ndrain_timeout_s = 3.0\n"
 
 
@@ -252,65 +245,6 @@ def test_other_wire_format_falls_back_to_local_prefill(model_dir: Path) -> None:
 # Worker side against live daemons
 
 
-class Engine:
-    """One engine: vLLM's Scheduler (scheduler-side connector inside) plus one worker connector per TP
-    rank, each with its KV in shared memory, in the layout vLLM 0.33.0 allocates for the CPU attention
-    backend. Worker outputs reach the scheduler through vLLM's KVOutputAggregator, as with TP > 1."""
-
-    def __init__(self, model_dir: Path, role: str, engine_id: str, sock: str, num_blocks: int, fill: str,
-                 tp: int = 1, extra: dict[str, Any] | None = None) -> None:
-        self.cfg = vs.make_vllm_config(model_dir, role, engine_id, sock, block_size=32, extra=extra)
-        self.kv_cache_config = vs.real_kv_cache_config(self.cfg, num_blocks)
-        self.sched = vs.create_scheduler(self.cfg, self.kv_cache_config)
-        self.ranks: list[tuple[KVPushdConnector, dict[str, torch.Tensor]]] = []
-        for rank in range(tp):
-            kv = vs.allocate_cpu_kv_caches(self.cfg, self.kv_cache_config)
-            next(iter(kv.values())).share_memory_()  # every layer views one allocation: shares them all
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{engine_id}/{rank}".encode()))
-            for t in kv.values():
-                if fill == "random":
-                    t.copy_(torch.randn(t.shape, generator=gen))
-                else:
-                    t.fill_(POISON)
-            # Each worker finds its rank in vLLM's TP group; there is none in this process.
-            with mock.patch.object(vllm_worker, "_tp_rank_and_size", return_value=(rank, tp)):
-                conn = KVPushdConnector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
-            conn.register_kv_caches(kv)
-            self.ranks.append((conn, kv))
-        self.conn, self.kv = self.ranks[0]
-        self.aggregator = KVOutputAggregator(tp)
-        self.metas: list[KVPushdConnectorMetadata] = []
-
-    def step(self, running: list[Any] | None = None, eos: bool = False) -> Any:
-        """schedule -> every worker's hooks in vLLM's order -> aggregate -> update_from_output."""
-        so = self.sched.schedule()
-        meta = so.kv_connector_metadata
-        self.metas.append(meta)
-        reqs = [r for r in (running or []) if r.request_id in so.num_scheduled_tokens]
-        outs = []
-        for c, _ in self.ranks:
-            c.bind_connector_metadata(meta)
-            c.start_load_kv(None)  # type: ignore[arg-type]  # forward context: unused by this connector
-            c.wait_for_save()
-            sending, recving = c.get_finished(so.finished_req_ids)
-            errors = c.get_block_ids_with_load_errors()
-            c.clear_connector_metadata()
-            outs.append(vs.model_output(reqs, vs.kv_output(sending, recving, errors), eos))
-        out = self.aggregator.aggregate(outs)
-        self.last_kv = out.kv_connector_output
-        return self.sched.update_from_output(so, out)
-
-    def expects(self) -> list[ExpectReq]:
-        return [e for m in self.metas for e in m.expects]
-
-    def publishes(self) -> list[PublishReq]:
-        return [p for m in self.metas for p in m.publishes]
-
-    def close(self) -> None:
-        for c, _ in self.ranks:
-            c.shutdown()
-
-
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> Iterator[tuple[Engine, Engine]]:
     p, d = daemons
@@ -509,7 +443,7 @@ def test_decode_daemon_restart(engines: tuple[Engine, Engine], daemons: tuple[vs
     de.sched.add_request(d_req)
     de.step()
     assert d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    (e,) = [e for e in de.expects() if e.req_id == d_req.request_id]
+    assert [e.req_id for e in de.expects()][-1:] == [d_req.request_id]
     link = de.conn.worker_side.link
     epoch = link.epoch
     tid = f"cmpl-{x}-0"  # registered with the prefill daemon: the Expect ran on this attachment
@@ -520,14 +454,15 @@ def test_decode_daemon_restart(engines: tuple[Engine, Engine], daemons: tuple[vs
     d_daemon.start()
     d_daemon.wait_ready()
 
-    # The next step reports the receive that cannot complete any more: finished, with its blocks in
-    # error, so vLLM's kv_load_failure_policy ("fail" here) applies and the blocks are freed.
+    # The next step reports the receive that cannot complete any more: finished, and failed by
+    # request id (failed_recving), so vLLM's kv_load_failure_policy ("fail" here) applies and the
+    # blocks are freed.
     de.step()
     assert de.last_kv.finished_recving == {d_req.request_id}
-    assert de.last_kv.invalid_block_ids == set(e.block_ids)
+    assert de.last_kv.failed_recving == {d_req.request_id} and not de.last_kv.invalid_block_ids
     assert d_req.status == RequestStatus.FINISHED_ERROR
     de.step()
-    assert not de.last_kv.finished_recving and not de.last_kv.invalid_block_ids  # failed once
+    assert not de.last_kv.finished_recving and not de.last_kv.failed_recving  # failed once
     vs.assert_scheduler_empty(de.sched)
     assert vs.num_free_blocks(de.sched) == d_start
 

@@ -159,21 +159,29 @@ def simple_kv_cache_config(num_blocks: int, block_size: int) -> Any:
         ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
 
 
-def real_kv_cache_config(vllm_config: Any, num_blocks: int) -> Any:
-    """What vLLM's engine core plans for the CPU attention backend (layout LBHNC), for num_blocks."""
+def real_kv_cache_config(vllm_config: Any, num_blocks: int, window: int = 0, tp: int = 1) -> Any:
+    """What vLLM's engine core plans for the CPU attention backend (layout LBHNC), for num_blocks.
+    ``window``: odd layers are sliding-window layers of that many tokens, with vLLM's hybrid KV cache
+    manager on (two KV cache groups, one block pool, each allocation shared by a layer of each).
+    ``tp``: each rank holds 1/tp of the KV heads (as vLLM's specs say per rank)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     if cc.kv_cache_layout is None:  # resolved once by the engine core from the backend's support list
         cc.kv_cache_layout = CPUAttentionBackend.supported_kv_cache_layouts()[0].name
-    spec = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_total_num_kv_heads(),
-                             head_size=mc.get_head_size(), dtype=mc.dtype)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_num_layers(vllm_config.parallel_config))}
+    kw = dict(block_size=cc.block_size, num_kv_heads=mc.get_total_num_kv_heads() // tp, head_size=mc.get_head_size(),
+              dtype=mc.dtype)
+    spec = FullAttentionSpec(**kw)
+    n_layers = mc.get_num_layers(vllm_config.parallel_config)
+    specs = {f"model.layers.{i}.self_attn.attn": SlidingWindowSpec(sliding_window=window, **kw) if window and i % 2
+             else spec for i in range(n_layers)}
+    if window:  # this venv's platform says nothing of the hybrid manager; a CPU or GPU engine has it on
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     groups = get_global_kv_cache_groups(vllm_config, [specs])
-    per_block = spec.page_size_bytes * len(specs)
+    per_block = spec.page_size_bytes * (len(specs) // 2 if window else len(specs))  # hybrid: groups share pages
     return get_kv_cache_configs(vllm_config, [specs], [per_block * num_blocks], groups)[0]
 
 
@@ -238,11 +246,22 @@ def model_output(reqs: list[Any], kv: Any = None, eos: bool = False) -> Any:
 
 
 def kv_output(finished_sending: set[str] | None = None, finished_recving: set[str] | None = None,
-              invalid_block_ids: set[int] | None = None) -> Any:
+              invalid_block_ids: set[int] | None = None, failed_recving: set[str] | None = None) -> Any:
     from vllm.v1.outputs import KVConnectorOutput
 
     return KVConnectorOutput(finished_sending=finished_sending, finished_recving=finished_recving,
-                             invalid_block_ids=invalid_block_ids or set())
+                             invalid_block_ids=invalid_block_ids or set(), failed_recving=failed_recving or set())
+
+
+def hybrid_kv_cache_config(num_blocks: int, block_size: int, window: int) -> Any:
+    """Scheduler-only KV cache config of a hybrid model: a full-attention and a sliding-window group."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["full"], FullAttentionSpec(**kw)),
+        KVCacheGroupSpec(["swa"], SlidingWindowSpec(sliding_window=window, **kw))])
 
 
 def num_free_blocks(s: Any) -> int:

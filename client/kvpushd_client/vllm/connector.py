@@ -30,10 +30,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+try:  # vLLM 0.32 and 0.33: failed receives are reported by request id (failed_recving)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # an older vLLM calls get_finished and reads get_block_ids_with_load_errors
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
 from ..types import Role
+from .groups import plan_groups
 from .layout import describe_kv_caches
 from .metadata import (
     AbortReq,
@@ -73,8 +81,14 @@ logger = init_logger("vllm.kvpushd_connector")
 _ROLES = {"kv_producer": Role.PRODUCER, "kv_consumer": Role.CONSUMER, "kv_both": Role.BOTH, None: Role.BOTH}
 
 
-class KVPushdConnector(KVConnectorBase_V1):
-    """Push-mode P/D connector whose transfers the node's kvpushd daemon carries out."""
+class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
+    """Push-mode P/D connector whose transfers the node's kvpushd daemon carries out.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and every KV cache group's blocks move
+    (a sliding-window group's last window only; groups.py). docs/vllm.md has the whole contract.
+    """
+
+    _cache_hit_source = CacheHitSource.P2P  # vLLM's cache-hit metrics: tokens that came from another engine
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -85,17 +99,19 @@ class KVPushdConnector(KVConnectorBase_V1):
             raise NotImplementedError("KVPushdConnector supports pipeline_parallel_size=1 only")
         if getattr(pc, "decode_context_parallel_size", 1) > 1:
             raise NotImplementedError("KVPushdConnector does not support decode context parallelism")
-        if len(kv_cache_config.kv_cache_groups) > 1:
-            raise NotImplementedError(
-                "KVPushdConnector needs one KV cache group (block ids index every layer alike); this model "
-                f"has {len(kv_cache_config.kv_cache_groups)}")
+        groups = plan_groups(kv_cache_config)  # refuses (naming the groups) state it cannot move
         assert kvt is not None and kvt.engine_id is not None
         self.engine_id = daemon_engine_id(kvt.engine_id)
         self.settings = Settings.from_extra_config(dict(kvt.kv_connector_extra_config or {}))
         self._sched: KVPushdConnectorScheduler | None = None
         self._worker: KVPushdConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER and len(groups) > 1:
+            logger.info("kvpushd: hybrid KV cache manager on, %d KV cache groups move: %s", len(groups),
+                        "; ".join(f"group {i}: " + (f"sliding window {g.sliding_window} tokens" if g.sliding_window
+                                                   else "full attention") + f", {g.block_size}-token blocks"
+                                  for i, g in enumerate(groups)))
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = KVPushdConnectorScheduler(vllm_config, self.engine_id, self.settings)
+            self._sched = KVPushdConnectorScheduler(vllm_config, self.engine_id, self.settings, groups)
         else:
             self._worker = KVPushdConnectorWorker(vllm_config, kv_cache_config, self.engine_id, _ROLES[kvt.kv_role],
                                        self.settings)
@@ -103,6 +119,12 @@ class KVPushdConnector(KVConnectorBase_V1):
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """No: the daemon holds CUDA IPC mappings of the KV, which sleep mode would unmap."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """No: no per-layer hook does work (``save_kv_layer``/``wait_for_layer_load`` return at once;
+        a request's KV is published whole once it finished), so full CUDA graphs lose nothing."""
         return False
 
     # scheduler side ------------------------------------------------------------------------------
@@ -125,6 +147,15 @@ class KVPushdConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished_all_groups(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group: a transfer fills the request's own blocks of each (not a prefix store)."""
+        ids = getattr(self._kv_cache_config, "transfer_group_ids", None)
+        return tuple(ids) if ids is not None else tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
@@ -155,6 +186,15 @@ class KVPushdConnector(KVConnectorBase_V1):
         w = self.worker_side
         w.process(self._connector_metadata)
         return w.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Sends and receives done, and failed receives by request id (vLLM's failed_recving: the
+        one failure report a model with several KV cache groups survives)."""
+        w = self.worker_side
+        w.process(self._connector_metadata)
+        sending, recving, failed = w.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors() if self._worker is not None else set()

@@ -13,12 +13,13 @@ import os
 import re
 import secrets
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..memory import cuda_memory
-from ..types import Memory, Region, ShmMemory
+from ..types import KVLayout, Memory, Region, ShmMemory
 from .utils import logger
 
 MAX_REGIONS = 4096  # the daemon's limit per worker
@@ -126,17 +127,51 @@ def release_owned_shm(names: Iterable[str] | None = None) -> None:
         os.close(_owned.pop(name))
 
 
-def _block_regions(t: torch.Tensor, num_blocks: int, what: str) -> list[tuple[int, int, int, int]]:
-    """(byte offset from t's first element, num_blocks, block_len, block_stride) for each region of t.
+@dataclass(frozen=True)
+class Geometry:
+    """What a region says of one block's inside (the daemon splits blocks between TP ranks by it)."""
+
+    block_tokens: int = 0   # 0: not known
+    num_heads: int = 0
+    layout: KVLayout = KVLayout.HND
+
+
+UNKNOWN = Geometry()
+
+
+def _logical_dims(t: torch.Tensor, spec: Any) -> tuple[int | None, int, int] | None:
+    """(K/V dim or None, heads dim, tokens dim) of a layer's KV tensor in vLLM's logical shape, or None.
+
+    vLLM 0.32/0.33 hand every attention layer a 4D view [B, H, N, C] (C: K and V packed, RFC #42082)
+    whatever its physical order; older backends used [2, B, N, H, D] or [B, 2, N, H, D]. The spec's
+    head count and block size must match the dims, or the layout is not guessed.
+    """
+    heads, bs = getattr(spec, "num_kv_heads", None), getattr(spec, "block_size", None)
+    if not heads or not bs:
+        return None
+    shape = tuple(t.shape)
+    if t.dim() == 4 and shape[1] == heads and shape[2] == bs:
+        return None, 1, 2
+    if t.dim() == 5 and 2 in (shape[0], shape[1]) and shape[2] == bs and shape[3] == heads:
+        return (0 if shape[0] == 2 else 1), 3, 2
+    return None
+
+
+def _block_regions(t: torch.Tensor, num_blocks: int, what: str, spec: Any = None,
+                   ) -> list[tuple[int, int, int, int, Geometry]]:
+    """(byte offset from t's first element, num_blocks, block_len, block_stride, geometry) per region of t.
 
     The block dimension is dim 0 (vLLM 0.33.0: per layer [B, H, N, C] with K and V packed in C, or the
     "joined" [B, 2, ...]), dim 1 for the K/V split [2, B, ...], or dim 0 holding kernel blocks
     (num_blocks * r). Within one block, the densest dims (by stride) whose bytes abut form one
     descriptor (block_len); every index of the remaining dims (K/V of the split layout, heads of a
-    head-outer layout) is one more region.
+    head-outer layout) is one more region. With the layer's KV cache spec the block's inside is
+    read from the strides: heads before tokens (HND) or tokens first (NHD); K and V then stay
+    separate regions, so that a block holds [heads, tokens, head bytes] in one order or the other.
     """
     shape, strides = list(t.shape), list(t.stride())
-    if t.dim() >= 1 and shape[0] == num_blocks:
+    dims = _logical_dims(t, spec) if spec is not None else None
+    if t.dim() >= 1 and shape[0] == num_blocks and (dims is None or dims[0] != 0):
         bd = 0
     elif t.dim() >= 2 and shape[1] == num_blocks:
         bd = 1
@@ -145,14 +180,16 @@ def _block_regions(t: torch.Tensor, num_blocks: int, what: str) -> list[tuple[in
         shape = [num_blocks, ratio, *shape[1:]]
         strides = [strides[0] * ratio, *strides]
         bd = 0
+        dims = None  # a block of several kernel blocks: not [heads, tokens, head bytes]
     else:
         raise RuntimeError(f"kvpushd: {what} of shape {tuple(t.shape)} has no dimension of {num_blocks} blocks")
     es = t.element_size()
+    keep_outer = {dims[0]} if dims is not None and dims[0] is not None else set()
     inner = sorted((d for d in range(len(shape)) if d != bd and shape[d] > 1), key=lambda d: strides[d])
     dense = 1
     n_dense = 0
     for d in inner:
-        if strides[d] != dense:
+        if strides[d] != dense or d in keep_outer:
             break
         dense *= shape[d]
         n_dense += 1
@@ -165,20 +202,53 @@ def _block_regions(t: torch.Tensor, num_blocks: int, what: str) -> list[tuple[in
         n_outer *= shape[d]
     if n_outer > MAX_REGIONS:
         raise RuntimeError(f"kvpushd: {what} would need {n_outer} regions per layer (layout too fragmented)")
+    geo = _geometry(shape, strides, set(inner[:n_dense]), dims)
     out = []
     for idx in itertools.product(*(range(shape[d]) for d in sorted(outer))):
         off = sum(i * strides[d] * es for i, d in zip(idx, sorted(outer), strict=True))
-        out.append((off, shape[bd], block_len, block_stride))
+        out.append((off, shape[bd], block_len, block_stride, geo))
+    return out
+
+
+def _geometry(shape: list[int], strides: list[int], dense: set[int],
+              dims: tuple[int | None, int, int] | None) -> Geometry:
+    """HND or NHD, heads and tokens of one region's block, from the dims the block is made of."""
+    if dims is None:
+        return UNKNOWN
+    _, hd, nd = dims
+    heads, tokens = shape[hd], shape[nd]
+    if tokens > 1 and nd not in dense:
+        return UNKNOWN  # tokens split over regions: no layout the daemon knows
+    rest = [d for d in dense if d not in (hd, nd)]
+    if rest and tokens > 1 and max(strides[d] for d in rest) > strides[nd]:
+        return UNKNOWN  # something (K/V) between the tokens and the head bytes
+    if heads == 1 or hd not in dense:
+        return Geometry(tokens, 1, KVLayout.HND)  # one head per region (or per rank)
+    if rest and max(strides[d] for d in rest) > strides[hd]:
+        return UNKNOWN
+    layout = KVLayout.HND if strides[hd] > strides[nd] or tokens == 1 else KVLayout.NHD
+    return Geometry(tokens, heads, layout)
+
+
+def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Layer name -> its KV cache spec (each group's, or the per-layer one of a uniform-type group)."""
+    out: dict[str, Any] = {}
+    for g in getattr(kv_cache_config, "kv_cache_groups", ()):
+        per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)
+        for name in g.layer_names:
+            out[name] = per_layer[name] if isinstance(per_layer, dict) and name in per_layer else g.kv_cache_spec
     return out
 
 
 def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_shm: bool = False,
-                       ) -> tuple[list[Memory], list[Region]]:
-    """Memory handles (one per backing allocation) and regions (per layer) of a worker's KV cache."""
+                       specs: dict[str, Any] | None = None) -> tuple[list[Memory], list[Region]]:
+    """Memory handles (one per backing allocation) and regions (per layer, and once for layers that
+    view the same bytes alike) of a worker's KV cache. ``specs`` (layer name -> KV cache spec) let
+    the regions say their layout, heads and block size in tokens."""
     memory: list[Memory] = []
     index: dict[Any, int] = {}
     regions: list[Region] = []
-    seen: set[tuple[int, int, int, int, int]] = set()
+    seen: dict[tuple[int, int, int, int, int], tuple[Geometry, str]] = {}
     for name in sorted(kv_caches, key=_natural_key):
         t = kv_caches[name]
         what = f"KV cache of layer {name!r}"
@@ -202,11 +272,17 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_sh
             raise NotImplementedError(f"kvpushd: {what} is on {t.device}; only CUDA and host KV are supported")
         mi = index[key]
         first = base + int(t.storage_offset()) * t.element_size()
-        for off, nb, blen, bstride in _block_regions(t, num_blocks, what):
+        for off, nb, blen, bstride, geo in _block_regions(t, num_blocks, what, (specs or {}).get(name)):
             r = (mi, first + off, nb, blen, bstride)
-            if r not in seen:  # layers sharing one cache (KV sharing) transfer once
-                seen.add(r)
-                regions.append(Region(mi, first + off, nb, blen, bstride))
+            if r in seen:  # layers sharing one allocation (hybrid groups, KV sharing) transfer it once
+                if seen[r][0] != geo:
+                    raise NotImplementedError(
+                        f"kvpushd: layers {seen[r][1]!r} and {name!r} view the same KV memory with different "
+                        f"block layouts ({seen[r][0]} vs {geo}); such a model is not supported")
+                continue
+            seen[r] = (geo, name)
+            regions.append(Region(mi, first + off, nb, blen, bstride, block_size_tokens=geo.block_tokens,
+                                  layout=geo.layout, num_heads=geo.num_heads))
     if not regions:
         raise RuntimeError("kvpushd: no KV cache tensors to register")
     if len(regions) > MAX_REGIONS:

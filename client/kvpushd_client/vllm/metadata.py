@@ -41,8 +41,11 @@ else:
 #      ["transfer_id"]
 #   2: kv_transfer_params["transfer_mode"] ("push" | "pull") passed through to the daemons
 #   3: prefill's kv_transfer_params carry kvpushd_compat_hash; decode prefills locally on a mismatch
+#   4: hybrid models (several KV cache groups, vLLM's hybrid manager on): one transfer moves every
+#      group's blocks, concatenated in group order, a sliding-window group only the positions of its
+#      last window (groups.py); remote_block_ids is then one list per group
 #
-KVPUSHD_CONNECTOR_VERSION: int = 3
+KVPUSHD_CONNECTOR_VERSION: int = 4
 
 COMPAT_HASH_KEY = "kvpushd_compat_hash"
 # What a prefill engine answers in kv_transfer_params (the decode request carries them back).
@@ -56,7 +59,7 @@ _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 def compute_compat_hash() -> str:
     """What two connectors must agree on to work as prefill and decode (see the version history)."""
     factors = {"kvpushd_connector_version": KVPUSHD_CONNECTOR_VERSION, "prefill_params": sorted(PREFILL_PARAMS),
-               "transfer_id_rule": _RANDOM_SUFFIX_RE.pattern}
+               "transfer_id_rule": _RANDOM_SUFFIX_RE.pattern, "group_rule": "concat-groups/window-positions"}
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -131,6 +134,7 @@ class ExpectReq:
     producer_tp_size: int
     transfer_mode: str = "push"
     traceparent: str = ""  # the request's W3C trace context (vLLM's trace_headers), "" without one
+    failed: str = ""  # not to be expected at all (why): the worker reports the receive failed at once
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..client import KVPushClient
 from ..types import KVPushError
+from .groups import GroupPlan, transfer_block_ids
 from .metadata import (
     COMPAT_HASH,
     COMPAT_HASH_KEY,
@@ -37,8 +38,10 @@ if TYPE_CHECKING:
 class KVPushdConnectorScheduler:
     """The scheduler-side half of KVPushdConnector (one per engine)."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings,
+                 groups: tuple[GroupPlan, ...] = ()) -> None:
         pc = vllm_config.parallel_config
+        self.groups = groups  # more than one: the hybrid KV cache manager is on (groups.py)
         self.engine_id = engine_id
         self.settings = settings
         self.tp_size = pc.tensor_parallel_size
@@ -65,6 +68,14 @@ class KVPushdConnectorScheduler:
             params["do_remote_prefill"] = False
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
+        if count > 0 and num_computed_tokens and len(self.groups) > 1:
+            # The blocks of a local prefix hit are shared and cached: with several KV cache groups the
+            # transfer cannot leave them out (both sides move the same positions of every group).
+            logger.warning("kvpushd: request %s hit %d tokens in this engine's prefix cache; with %d KV cache "
+                           "groups the prompt is prefilled here instead", request.request_id,
+                           num_computed_tokens, len(self.groups))
+            params["do_remote_prefill"] = False
+            return 0, False
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -74,17 +85,26 @@ class KVPushdConnectorScheduler:
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             return
-        groups = blocks.get_unhashed_block_ids_all_groups()
-        block_ids = tuple(groups[0]) if groups else ()  # empty: the worker reports it done at once
         tid = transfer_id_for(request.request_id, params)
+        failed = ""
+        if len(self.groups) > 1:  # every group's whole table (null placeholders included): the positions
+            chosen = transfer_block_ids(self.groups, blocks.get_block_ids(), request.num_prompt_tokens)
+            failed, block_ids = (chosen, ()) if isinstance(chosen, str) else ("", chosen)
+        else:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            block_ids = tuple(groups[0]) if groups else ()  # empty: the worker reports it done at once
         self._expects.append(ExpectReq(
             request.request_id, tid, block_ids, producer_address(params),
             daemon_engine_id(str(params["remote_engine_id"])), int(params.get("tp_size") or 1),
-            transfer_mode_of(params), traceparent_of(request)))
+            transfer_mode_of(params), traceparent_of(request), failed))
         self._recving[request.request_id] = tid
 
     # both sides ----------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -99,7 +119,17 @@ class KVPushdConnectorScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed prefill: nothing to push; decode times out
-        blocks = tuple(block_ids)
+        if len(self.groups) > 1:
+            chosen = transfer_block_ids(self.groups, block_ids, request.num_prompt_tokens)
+            if isinstance(chosen, str):
+                logger.error("kvpushd: request %s: %s; its KV is not pushed (decode prefills it after its "
+                             "expect times out)", rid, chosen)
+                chosen = ()
+            blocks: tuple[int, ...] = chosen
+            remote_ids: list[Any] = [list(g) for g in block_ids]  # per group, as upstream's HMA connectors
+        else:
+            blocks = tuple(block_ids[0]) if block_ids else ()
+            remote_ids = list(blocks)
         if blocks:
             tid = transfer_id_for(rid, params)
             self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request)))
@@ -108,7 +138,7 @@ class KVPushdConnectorScheduler:
         return bool(blocks), {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(blocks),
+            "remote_block_ids": remote_ids,
             "remote_engine_id": self.engine_id,
             "remote_request_id": rid,
             "remote_host": host,
@@ -116,7 +146,7 @@ class KVPushdConnectorScheduler:
             "tp_size": self.tp_size,
             "dcp_size": self.dcp_size,
             "pp_size": self.pp_size,
-            "remote_num_tokens": request.num_computed_tokens,
+            "remote_num_tokens": request.num_computed_tokens if blocks else 0,
             "transfer_mode": transfer_mode_of(params),
             "transfer_id": transfer_id_for(rid, params),
             COMPAT_HASH_KEY: COMPAT_HASH,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..calls import Call
 from ..reconnect import ReconnectingStreamWorker, ReconnectingWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
-from .layout import describe_kv_caches, release_owned_shm
+from .layout import describe_kv_caches, layer_specs, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .utils import Settings, logger
 from .xfer_stats import Data, is_empty, new_data, record, record_lost
@@ -53,6 +53,7 @@ class KVPushdConnectorWorker:
         self.engine_id = engine_id
         self.role = role
         self.num_blocks = kv_cache_config.num_blocks
+        self._specs = layer_specs(kv_cache_config)  # each layer's block size, heads: the regions' layout
         self.tp_rank, self.tp_size = _tp_rank_and_size(vllm_config)
         self._link: ReconnectingStreamWorker | ReconnectingWorker | None = None
         self._recv: dict[str, _Pending] = {}          # req id -> pending receive
@@ -62,12 +63,14 @@ class KVPushdConnectorWorker:
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()  # this step's failed receives (vLLM's failed_recving)
+        self._failed_blocks: dict[str, tuple[int, ...]] = {}  # their blocks, for the per-block report
         self._meta_done: KVConnectorMetadata | None = None
         self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
         self._stats: Data = new_data()  # this interval's figures (vLLM takes them every step)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm)
+        memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm, self._specs)
         self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
@@ -119,6 +122,9 @@ class KVPushdConnectorWorker:
     def _start(self, recv: bool, req: ExpectReq | PublishReq, by_req: dict[str, _Pending],
                by_tid: dict[str, _Pending]) -> None:
         pend = _Pending(recv, req)
+        if isinstance(req, ExpectReq) and req.failed:
+            self._finish(pend, ok=False, why=req.failed, tracked=False)
+            return
         if not req.block_ids:
             self._finish(pend, ok=True, tracked=False)  # nothing to move (vLLM allocated no new block)
             return
@@ -156,7 +162,8 @@ class KVPushdConnectorWorker:
         if pend.recv:
             self._done_recving.add(req.req_id)
             if not ok and not pend.aborted:
-                self._load_errors.update(req.block_ids)
+                self._failed_recving.add(req.req_id)
+                self._failed_blocks[req.req_id] = req.block_ids
                 logger.error("kvpushd: KV for request %s (transfer %s) did not arrive: %s; vLLM's "
                              "kv_load_failure_policy applies", req.req_id, req.transfer_id, why)
         else:
@@ -224,15 +231,31 @@ class KVPushdConnectorWorker:
     def _link_abort(self, pend: _Pending, epoch: int) -> None:
         self.link.abort_nowait(pend.req.transfer_id, only_epoch=epoch, tag=pend)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call, for vLLM's
+        ``get_transfer_results``: a failed receive is reported by request id (and is finished too)."""
+        return self._collect(by_request=True)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The older report (a vLLM without ``get_transfer_results``): a failed receive's blocks go to
+        ``get_block_ids_with_load_errors``, which only a one-group model's scheduler takes."""
+        sending, recving, _ = self._collect(by_request=False)
+        return sending or None, recving or None
+
+    def _collect(self, by_request: bool) -> tuple[set[str], set[str], set[str]]:
         # Sends exist only for requests vLLM already finished (request_finished published them), so
         # every id reported here is one vLLM handed in finished_req_ids.
         if self._link is not None:
             self._link.step()  # this step's commands: one CommandBatch on the stream
         self._poll()
-        sending, recving = self._done_sending, self._done_recving
-        self._done_sending, self._done_recving = set(), set()
-        return sending or None, recving or None
+        sending, recving, failed = self._done_sending, self._done_recving, self._failed_recving
+        self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
+        blocks, self._failed_blocks = self._failed_blocks, {}
+        if not by_request:
+            for b in blocks.values():
+                self._load_errors.update(b)
+            failed = set()
+        return sending, recving, failed
 
     def take_stats(self) -> Data | None:
         """This interval's transfer figures (reset); None when there were none."""
