@@ -32,10 +32,17 @@ def q(expr: str, legend: str = "", instant: bool = False) -> dict[str, Any]:
     return t
 
 
+def vllm(name: str) -> str:
+    """A vLLM series selector matching both spellings of its name: ``vllm:x`` and ``vllm_x``, which is how
+    prometheus-client >= 0.22 writes it when the scraper negotiates OpenMetrics (Prometheus 2.x does)."""
+    return f'{{__name__=~"vllm[:_]{name.removeprefix("vllm:")}", {VSEL}}}'
+
+
 def quantiles(metric: str, by: str, sel: str = SEL) -> list[dict[str, Any]]:
     """p50 and p99 of a histogram, per ``by`` (``job, instance``: per daemon, named by its node id)."""
     per_daemon = by == "job, instance"
-    return [q(f"histogram_quantile({p}, sum by (le, {by}) (rate({metric}_bucket{{{sel}}}[$__rate_interval])))"
+    series = vllm(f"{metric}_bucket") if metric.startswith("vllm:") else f"{metric}_bucket{{{sel}}}"
+    return [q(f"histogram_quantile({p}, sum by (le, {by}) (rate({series}[$__rate_interval])))"
               + (NODE if per_daemon else ""), f"p{int(p * 100)} {{{{{'node_id' if per_daemon else by}}}}}")
             for p in (0.5, 0.99)]
 
@@ -205,16 +212,16 @@ def build() -> dict[str, Any]:
     b.ts("NIXL post time (vLLM)", "vllm:nixl_post_time_seconds: queued -> posted, in the daemon.",
          quantiles("vllm:nixl_post_time_seconds", "model_name", VSEL), "s")
     b.ts("KV bytes (vLLM)", "vllm:nixl_bytes_transferred: bytes per second over the engines' transfers.",
-         [q(f"sum by (model_name) (rate(vllm:nixl_bytes_transferred_sum{{{VSEL}}}[$__rate_interval]))",
+         [q(f"sum by (model_name) (rate({vllm('nixl_bytes_transferred_sum')}[$__rate_interval]))",
             "{{model_name}}")], "Bps")
     b.ts("Rendezvous wait (vLLM)", "vllm:kvpushd_rendezvous_wait_seconds (prefill engines).",
          quantiles("vllm:kvpushd_rendezvous_wait_seconds", "model_name", VSEL), "s")
     b.ts("Daemon transfer time (vLLM)", "vllm:kvpushd_transfer_elapsed_seconds: this engine's Publish or Expect "
          "-> its completion.", quantiles("vllm:kvpushd_transfer_elapsed_seconds", "model_name", VSEL), "s")
     b.ts("Failures and expiries (vLLM)", "vllm:nixl_num_failed_transfers and vllm:nixl_num_kv_expired_reqs.",
-         [q(f"sum by (model_name) (rate(vllm:nixl_num_failed_transfers_total{{{VSEL}}}[$__rate_interval]))",
+         [q(f"sum by (model_name) (rate({vllm('nixl_num_failed_transfers_total')}[$__rate_interval]))",
             "failed {{model_name}}"),
-          q(f"sum by (model_name) (rate(vllm:nixl_num_kv_expired_reqs_total{{{VSEL}}}[$__rate_interval]))",
+          q(f"sum by (model_name) (rate({vllm('nixl_num_kv_expired_reqs_total')}[$__rate_interval]))",
             "expired {{model_name}}")], "ops")
 
     def var(name: str, label: str, query: str, all_value: str) -> dict[str, Any]:
@@ -233,7 +240,8 @@ def build() -> dict[str, Any]:
              "current": {}, "hide": 0},
             var("job", "Daemon job", "label_values(kvpushd_info, job)", ".+"),
             var("instance", "Daemon", 'label_values(kvpushd_info{job=~"$job"}, instance)', ".+"),
-            var("vllm_job", "vLLM job", "label_values(vllm:kvpushd_transfer_elapsed_seconds_count, job)", ".+"),
+            var("vllm_job", "vLLM job",
+                'label_values({__name__=~"vllm[:_]kvpushd_transfer_elapsed_seconds_count"}, job)', ".+"),
         ]},
         "panels": b.panels,
     }
