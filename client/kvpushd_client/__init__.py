@@ -1,8 +1,9 @@
-"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request."""
+"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request on
+the worker's stream."""
 
 from .aio import AsyncKVPushClient, AsyncWorker
-from .client import KVPushClient, Worker
-from .reconnect import ReconnectingStreamWorker, ReconnectingWorker
+from .client import KVPushClient
+from .reconnect import ReconnectingStreamWorker
 from .shm import SharedBuffer
 from .stream import StreamWorker
 from .types import (
@@ -20,6 +21,6 @@ from .types import (
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "ReconnectingWorker", "Region", "Role",
-    "SharedBuffer", "ShmMemory", "StreamWorker", "TransferFigures", "Worker",
+    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "Region", "Role", "SharedBuffer",
+    "ShmMemory", "StreamWorker", "TransferFigures",
 ]

@@ -1,4 +1,5 @@
-"""The one converter from errors to gRPC statuses; anything not in the table is INTERNAL, logged.
+"""The one converter from errors to gRPC statuses (of a call, or of one stream item that failed
+alone); anything not in the table is INTERNAL, logged.
 
 Every refusal also carries its structured reason as trailing metadata ``kvpushd-error``: a JSON
 object with the error's kind (its class name), the status code name, and the transfer id and peer
@@ -38,6 +39,15 @@ def code_for(exc: E.KvpushdError) -> grpc.StatusCode | None:
         if cls in CODES:
             return CODES[cls]
     return None
+
+
+def refusal(exc: BaseException) -> tuple[str, str, str]:
+    """(status code name, kind, message) of a stream item that failed alone: what a call of it would
+    have failed with."""
+    if isinstance(exc, E.KvpushdError) and (code := code_for(exc)) is not None:
+        return code.name, exc.kind, str(exc)
+    log.error("unexpected error in a stream item", exc_info=exc)
+    return "INTERNAL", type(exc).__name__, f"internal error: {type(exc).__name__}"
 
 
 def reason_metadata(exc: E.KvpushdError, code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
