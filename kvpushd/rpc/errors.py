@@ -55,12 +55,9 @@ def reason_metadata(exc: E.KvpushdError, code: grpc.StatusCode) -> tuple[tuple[s
     return (("kvpushd-error", json.dumps(reason, separators=(",", ":"))),)
 
 
-async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str,
-                 request: Any = None) -> NoReturn:
+async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> NoReturn:
     code = code_for(exc) if isinstance(exc, E.KvpushdError) else None
     if isinstance(exc, E.KvpushdError) and code is not None:
-        if not exc.transfer_id:  # the request names it when the error does not
-            exc.transfer_id = str(getattr(request, "transfer_id", ""))
         await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc, code))
     log.error("unexpected error in RPC", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
@@ -74,7 +71,7 @@ def unary(fn: Callable[[Any, Any, Any], Awaitable[R]]) -> Callable[[Any, Any, An
         except Exception as e:  # mapped to a status
             if isinstance(e, grpc.aio.AbortError):
                 raise
-            await _abort(e, context, fn.__name__, request)
+            await _abort(e, context, fn.__name__)
 
     return wrapper
 
@@ -88,6 +85,6 @@ def stream(fn: Callable[[Any, Any, Any], AsyncIterator[R]]) -> Callable[[Any, An
         except Exception as e:
             if isinstance(e, grpc.aio.AbortError):
                 raise
-            await _abort(e, context, fn.__name__, request)
+            await _abort(e, context, fn.__name__)
 
     return wrapper

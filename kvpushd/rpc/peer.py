@@ -13,14 +13,9 @@ from ..core import notif
 from ..core.errors import SessionUnknown
 from ..runtime.node import Node
 from .errors import stream, unary
-from .pump import PEER_OPS, Pump, woken
+from .pump import PEER, Pump, woken
 
 Ctx = Any
-
-
-def _result(seq: int) -> tuple[peer_pb2.PeerItem, peer_pb2.PeerResult]:
-    out = peer_pb2.PeerItem(seq=seq)
-    return out, out.result
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
@@ -51,7 +46,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             return SessionUnknown(f"the session of caller instance {instance[:64]!r} ended: handshake again")
 
         wake = asyncio.Event()
-        pump = Pump(self.node, PEER_OPS, instance, "items", "item", _result, wake.set, live)
+        pump = Pump(self.node, PEER, instance, wake.set, live)
         self.node.channel_counts(instance, streams=1)
         try:
             async for results, _ in pump.serve(request_iterator.__aiter__(), woken(wake)):

@@ -7,9 +7,9 @@ stream's worker or calling daemon), and what the answer carries. Every item is a
 (a bad one fails alone with the status a call of it would have had, ``errors.refusal``); an item
 whose method is a coroutine (a Withdraw waits for WRITEs into its blocks) is answered when it ends,
 so answers may come back out of order. A batch that is too big, or that comes after the caller's
-session ended, has every item refused. Answers wait in ``results`` for the stream's writer: at most
-``MAX_UNSENT`` of them, then the pump stops reading (a caller that does not read its answers gets
-no more of them queued).
+session ended, has every item refused; a malformed one ends the stream. Answers wait in ``results``
+for the stream's writer: at most ``MAX_UNSENT`` of them, then the pump stops reading (a caller that
+does not read its answers gets no more of them queued).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
+from kvpushd_client.proto.v1 import peer_pb2, worker_pb2
 
 from ..core.errors import InvalidArgument
 from ..runtime.node import Node
@@ -87,14 +88,38 @@ PEER_OPS: Mapping[str, Op] = {
 }
 
 
+def _command_result(seq: int) -> tuple[worker_pb2.CommandResult, worker_pb2.CommandResult]:
+    r = worker_pb2.CommandResult(seq=seq)
+    return r, r
+
+
+def _peer_result(seq: int) -> tuple[peer_pb2.PeerItem, peer_pb2.PeerResult]:
+    out = peer_pb2.PeerItem(seq=seq)
+    return out, out.result
+
+
+@dataclass(frozen=True, slots=True)
+class Wire(Generic[R]):
+    """One stream's shape: its operations, where a batch keeps its items, the oneof naming an item's
+    operation, and how an answer is made for a seq (the answer item, the message with code, kind, message)."""
+
+    name: str
+    ops: Mapping[str, Op]
+    items: str
+    oneof: str
+    result: Callable[[int], tuple[R, Any]]
+
+
+WORKER: Wire[worker_pb2.CommandResult] = Wire("CommandBatch", WORKER_OPS, "commands", "op", _command_result)
+PEER: Wire[peer_pb2.PeerItem] = Wire("PeerBatch", PEER_OPS, "items", "item", _peer_result)
+
+
 class Pump(Generic[R]):
     """One stream: its request batches through the table, its answers (and ``ticks``' extras) back."""
 
-    def __init__(self, node: Node, ops: Mapping[str, Op], caller: str, field: str, oneof: str,
-                 result: Callable[[int], tuple[R, Any]], wake: Callable[[], None],
+    def __init__(self, node: Node, wire: Wire[R], caller: str, wake: Callable[[], None],
                  admit: Callable[[Any], BaseException | None]) -> None:
-        self.node, self.ops, self.caller, self.field, self.oneof = node, ops, caller, field, oneof
-        self._result = result  # seq -> (the answer item, its message with code, kind and message)
+        self.node, self.wire, self.caller = node, wire, caller
         self._wake = wake      # the writer has something to send
         self._admit = admit    # per batch: why to refuse all its items (None: take them)
         self.results: list[R] = []
@@ -103,7 +128,7 @@ class Pump(Generic[R]):
         self._room.set()
 
     def batch(self, batch: Any) -> None:
-        items = getattr(batch, self.field)
+        items = getattr(batch, self.wire.items)
         refuse = self._admit(batch)
         if refuse is None and len(items) > MAX_BATCH:
             refuse = InvalidArgument(f"{len(items)} items in one batch; at most {MAX_BATCH}")
@@ -112,14 +137,15 @@ class Pump(Generic[R]):
         self._wake()
 
     def _item(self, it: Any, refuse: BaseException | None) -> None:
-        out, res = self._result(it.seq)
+        out, res = self.wire.result(it.seq)
         try:
             if refuse is not None:
                 raise refuse
-            kind = it.WhichOneof(self.oneof)
-            op = self.ops.get(kind or "")
+            kind = it.WhichOneof(self.wire.oneof)
+            op = self.wire.ops.get(kind or "")
             if op is None:
-                raise InvalidArgument(f"item {it.seq}: {kind or 'no operation'}; expected one of {', '.join(self.ops)}")
+                raise InvalidArgument(f"item {it.seq}: {kind or 'no operation'}; expected one of "
+                                      f"{', '.join(self.wire.ops)}")
             got = op.call(self.node, self.caller, *op.args(getattr(it, kind or "")))
             if inspect.isawaitable(got):
                 task = asyncio.get_running_loop().create_task(self._later(got, out, res, op))
@@ -174,7 +200,7 @@ class Pump(Generic[R]):
                     if reader.done() and not self.waiting and not self.results:
                         if not reader.cancelled() and (e := reader.exception()) is not None:
                             if isinstance(e, DecodeError):
-                                raise InvalidArgument(f"malformed batch: {e}") from None
+                                raise InvalidArgument(f"malformed {self.wire.name}: {e}") from None
                             raise e
                         return
         finally:

@@ -12,14 +12,9 @@ from ..core.errors import InvalidArgument
 from ..runtime.node import Node
 from . import convert
 from .errors import stream, unary
-from .pump import WORKER_OPS, Pump
+from .pump import WORKER, Pump
 
 Ctx = Any
-
-
-def _result(seq: int) -> tuple[worker_pb2.CommandResult, worker_pb2.CommandResult]:
-    r = worker_pb2.CommandResult(seq=seq)
-    return r, r
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -58,6 +53,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if batch.commands:  # the first batch may only name the worker
                 self.node.called(wid, len(batch.commands))
 
-        pump = Pump(self.node, WORKER_OPS, wid, "commands", "op", _result, lambda: self.node.wake(wid), counted)
+        pump = Pump(self.node, WORKER, wid, lambda: self.node.wake(wid), counted)
         async for results, completions in pump.serve(requests, self.node.session_batches(wid), first):
             yield worker_pb2.EventBatch(results=results, completions=[convert.completion(c) for c in completions])

@@ -259,12 +259,6 @@ class PeerClient:
             return PeerUnreachable(msg, peer=self.address)
         return PeerRejected(msg, peer=self.address)
 
-    async def register(self, a: SendRegister, w: Worker, traceparent: str = "") -> None:
-        """One registration (the daemon sends a turn's registrations with register_batch)."""
-        (err,) = await self.register_batch([(a, w)], [traceparent])
-        if err is not None:
-            raise err
-
     async def register_batch(self, items: list[tuple[SendRegister, Worker]],
                              traceparents: list[str] | None = None) -> list[KvpushdError | None]:
         """Many registrations, on the stream in this loop turn's batch: per item None (accepted) or why
