@@ -18,6 +18,7 @@ one command from any thread, unordered with the engine thread's step.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -28,7 +29,6 @@ from typing import Any, Protocol
 import grpc
 
 from . import _convert, errors
-from .inbox import Inbox
 from .proto.v1 import worker_pb2
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
@@ -69,7 +69,7 @@ def _command(seq: int, q: _Queued) -> worker_pb2.Command:
 _BEST_EFFORT = ("abort", "decline")
 
 
-class StreamWorker(Inbox):
+class StreamWorker:
     """An attached worker whose session is a WorkerService.Stream."""
 
     def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str) -> None:
@@ -77,7 +77,10 @@ class StreamWorker(Inbox):
         self.worker_id = worker_id
         self.node_id = node_id
         self.peer_address = peer_address
-        super().__init__()
+        # completions delivered by the reader thread, taken by the engine without an RPC
+        self._queue: collections.deque[Completion] = collections.deque()
+        self._cond = threading.Condition()
+        self.session_error: KVPushError | None = None
         # the engine thread's own (no lock): this step's commands, and the seq before them (a
         # command's seq is its place in the worker's stream). What was sent is recorded, and the
         # protobuf messages built, by the stream's sender thread, off the engine thread.
@@ -104,6 +107,26 @@ class StreamWorker(Inbox):
     @property
     def alive(self) -> bool:
         return self.session_error is None and not self._closed
+
+    def completions(self) -> list[Completion]:
+        """Everything delivered so far, without waiting (no RPC). Nothing delivered: no lock taken (the
+        reader thread holds it while it takes a batch; the engine thread need not wait for that)."""
+        if not self._queue:
+            return []
+        with self._cond:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def next_completion(self, timeout_s: float | None = None) -> Completion | None:
+        """Wait for one completion (for tools and tests; engines use completions())."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
+                return None
+            if self._queue:
+                return self._queue.popleft()
+            assert self.session_error is not None
+            raise self.session_error
 
     # -- the engine thread ----------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from kvpushd_client import CompletionKind, Role, StreamWorker
-from kvpushd_client.inbox import Inbox
 
 from .common import (
     POISON,
@@ -67,7 +66,7 @@ def _blocks(n: int, pool: int, fragmented: bool, rng: np.random.Generator) -> tu
     return (rng.permutation(pool)[:n].astype(np.int64), rng.permutation(pool)[:n].astype(np.int64))
 
 
-def _completion(w: Inbox, tid: str, kind: CompletionKind, timeout_s: float = 300.0) -> None:
+def _completion(w: StreamWorker, tid: str, kind: CompletionKind, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         c = w.next_completion(max(0.0, deadline - time.monotonic()))
