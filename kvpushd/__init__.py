@@ -3,4 +3,4 @@
 __version__ = "0.1.0"
 
 # Bumped when the peer protocol or the notification format changes incompatibly.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5

@@ -1,10 +1,10 @@
-"""Control-path cost of the worker API: per-request unary calls vs one Stream message per step.
+"""Control-path cost of the worker API: one Stream message per engine step.
 
 Two real daemons, real NIXL (4 KiB per request). Each round is one "engine step" of B requests on
 each side: decode queues B Expects, prefill queues B Publishes; the round ends when all 2B
 completions are back. Prints one JSON object per mode with rendezvous/s, the engine thread's time
-per step (what queueing the step's calls costs the caller: appends plus step() for the stream;
-B *_nowait calls for the queued unary client) and daemon CPU per rendezvous.
+per step (what queueing the step's calls costs the caller: appends plus step()) and daemon CPU per
+rendezvous. (The unary worker calls it was once compared with are gone: protocol 5.)
 
     python scripts/bench_stream.py [--batch 8] [--rounds 200] [--profile DIR]
 
@@ -54,14 +54,12 @@ def run(mode: str, batch: int, rounds: int, profile: Path | None = None) -> dict
         p = start_daemon(Path(d), "pnode", cfg)
         dn = start_daemon(Path(d), "dnode", cfg)
         src, dst = make_kv("bench-stream-src", num_blocks=2 * batch), make_kv("bench-stream-dst", num_blocks=2 * batch)
-        attach = "attach_stream" if mode == "stream" else "attach"
-        pw = getattr(p.client, attach)("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-        dw = getattr(dn.client, attach)("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = dn.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         step_us: list[float] = []
 
         def step(w) -> None:  # type: ignore[no-untyped-def]
-            if mode == "stream":
-                w.step()
+            w.step()
 
         def one_round(r: int) -> None:
             t0 = time.perf_counter()
@@ -118,12 +116,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=200)
-    ap.add_argument("--modes", default="unary,stream,unary,stream")
+    ap.add_argument("--modes", default="stream,stream", help="runs, comma-separated (stream only)")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy both daemons into this directory")
     a = ap.parse_args()
     if a.profile is not None:
         a.profile.mkdir(parents=True, exist_ok=True)
     for mode in a.modes.split(","):
+        if mode != "stream":
+            ap.error(f"--modes: {mode!r}: only stream is served (protocol 5)")
         print(json.dumps(run(mode, a.batch, a.rounds, a.profile)), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request.
+"""Engine-side client of kvpushd: attach KV memory once, then expect/publish block ids per request on
+the worker's stream.
 
 The classes that talk gRPC are imported on first use, so ``kvpushd_client.types`` and ``.errors``
 (records, enums and error kinds the daemon's core shares) load without grpc."""
@@ -8,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .aio import AsyncKVPushClient, AsyncWorker
-    from .client import KVPushClient, Worker
-    from .reconnect import ReconnectingStreamWorker, ReconnectingWorker
+    from .client import KVPushClient
+    from .reconnect import ReconnectingStreamWorker
     from .shm import SharedBuffer
     from .stream import StreamWorker
 from .types import (
@@ -27,13 +28,12 @@ from .types import (
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "ReconnectingWorker", "Region", "Role",
-    "SharedBuffer", "ShmMemory", "StreamWorker", "TransferFigures", "Worker",
+    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "Region", "Role", "SharedBuffer",
+    "ShmMemory", "StreamWorker", "TransferFigures",
 ]
 
-_LAZY = {"AsyncKVPushClient": "aio", "AsyncWorker": "aio", "KVPushClient": "client", "Worker": "client",
-         "ReconnectingStreamWorker": "reconnect", "ReconnectingWorker": "reconnect", "SharedBuffer": "shm",
-         "StreamWorker": "stream"}
+_LAZY = {"AsyncKVPushClient": "aio", "AsyncWorker": "aio", "KVPushClient": "client",
+         "ReconnectingStreamWorker": "reconnect", "SharedBuffer": "shm", "StreamWorker": "stream"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,15 +1,19 @@
-"""asyncio client of a kvpushd daemon: the same surface as client.py, with coroutines."""
+"""asyncio client of a kvpushd daemon: the same surface as client.py, with coroutines that each
+await their command's answer on the worker's stream."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
 
 import grpc
 
 from . import _convert, errors
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
+from .stream import _command
 from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
 
@@ -53,6 +57,9 @@ class AsyncKVPushClient:
 
 
 class AsyncWorker:
+    """An attached worker on its stream, with coroutines: each call awaits its own answer; the calls
+    made in one turn of the loop go out as one CommandBatch."""
+
     def __init__(self, client: AsyncKVPushClient, worker_id: str, node_id: str, peer_address: str) -> None:
         self.client = client
         self.worker_id = worker_id
@@ -62,50 +69,79 @@ class AsyncWorker:
         self._event = asyncio.Event()
         self.session_error: KVPushError | None = None
         self._closed = False
-        self._call = client.stub.Session(worker_pb2.SessionRequest(worker_id=worker_id))
+        self._seq = 0
+        self._batch: list[worker_pb2.Command] = []
+        self._waiting: dict[int, tuple[str, asyncio.Future[worker_pb2.CommandResult]]] = {}
+        self._out: asyncio.Queue[worker_pb2.CommandBatch | None] = asyncio.Queue()
+        self._out.put_nowait(worker_pb2.CommandBatch(worker_id=worker_id))
+        self._call = client.stub.Stream(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @property
     def alive(self) -> bool:
         return self.session_error is None and not self._closed
 
+    async def _requests(self) -> AsyncIterator[worker_pb2.CommandBatch]:
+        while (batch := await self._out.get()) is not None:
+            yield batch
+
+    def _send(self) -> None:
+        batch, self._batch = self._batch, []
+        self._out.put_nowait(worker_pb2.CommandBatch(commands=batch))
+
     async def _read(self) -> None:
         try:
-            async for msg in self._call:
-                self._queue.append(_convert.completion(msg))
+            async for ev in self._call:
+                for r in ev.results:
+                    _, fut = self._waiting.pop(r.seq, ("", None))
+                    if fut is not None and not fut.done():
+                        fut.set_result(r)
+                self._queue.extend(_convert.completion(c) for c in ev.completions)
                 self._event.set()
-            err: KVPushError = DaemonUnavailable("UNAVAILABLE", "session ended by the daemon")
+            err: KVPushError = DaemonUnavailable("UNAVAILABLE", "stream ended by the daemon")
         except grpc.RpcError as e:
             err = errors.from_rpc_error(e)
         except asyncio.CancelledError:
-            return
+            err = DaemonUnavailable("CANCELLED", "detached")
         if not self._closed:
             self.session_error = err
+        for _, fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._waiting.clear()
         self._event.set()
 
-    async def _unary(self, method: str, req: object) -> object:
-        try:
-            return await getattr(self.client.stub, method)(req, timeout=self.client.timeout_s)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e) from None
+    async def _command(self, q: tuple[Any, ...]) -> worker_pb2.CommandResult:
+        """One command in this loop turn's batch, and its answer; raises the daemon's refusal."""
+        if self.session_error is not None:
+            raise self.session_error
+        self._seq += 1
+        fut: asyncio.Future[worker_pb2.CommandResult] = asyncio.get_running_loop().create_future()
+        self._waiting[self._seq] = (q[1], fut)
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self._send)
+        self._batch.append(_command(self._seq, q))
+        r = await asyncio.wait_for(fut, self.client.timeout_s)
+        if r.code != "OK":
+            raise errors.error_of(r.code, r.message, r.kind, q[1])
+        return r
 
     async def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                      transfer_mode: str = "push", traceparent: str = "") -> None:
-        await self._unary("Expect", worker_pb2.ExpectRequest(
-            worker_id=self.worker_id, transfer_id=transfer_id, block_ids=list(block_ids),
-            producer_address=producer_address, producer_engine_id=producer_engine_id,
-            producer_tp_size=producer_tp_size, skip_tokens=skip_tokens,
-            transfer_mode=_convert.transfer_mode(transfer_mode), traceparent=traceparent))
+        _convert.transfer_mode(transfer_mode)
+        await self._command(("expect", transfer_id, list(block_ids), producer_address, producer_engine_id,
+                             producer_tp_size, skip_tokens, transfer_mode, traceparent))
 
     async def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
-        await self._unary("Publish", worker_pb2.PublishRequest(worker_id=self.worker_id, transfer_id=transfer_id,
-                                                               block_ids=list(block_ids), traceparent=traceparent))
+        await self._command(("publish", transfer_id, list(block_ids), traceparent))
 
     async def abort(self, transfer_id: str) -> bool:
-        resp = await self._unary("Abort", worker_pb2.AbortRequest(worker_id=self.worker_id, transfer_id=transfer_id))
-        assert isinstance(resp, worker_pb2.AbortResponse)
-        return resp.found
+        return (await self._command(("abort", transfer_id, ()))).found
+
+    async def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str,
+                      reason: str = "") -> None:
+        await self._command(("decline", transfer_id, (), producer_address, producer_engine_id, reason))
 
     def completions(self) -> list[Completion]:
         out = list(self._queue)
@@ -124,14 +160,12 @@ class AsyncWorker:
         return self._queue.popleft()
 
     async def detach(self) -> None:
+        """End the stream (the daemon detaches the worker, failing what is pending). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._unary("Detach", worker_pb2.DetachRequest(worker_id=self.worker_id))
-        except KVPushError as e:
-            if e.code not in ("NOT_FOUND", "UNAVAILABLE"):
-                raise
-        finally:
-            self._call.cancel()
-            self._reader.cancel()
+        self._out.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader

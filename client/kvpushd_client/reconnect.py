@@ -1,4 +1,4 @@
-"""Workers that re-attach after a daemon restart (what the vLLM connector uses), on either worker API.
+"""The worker that re-attaches after a daemon restart (what the vLLM connector uses).
 
     rw = ReconnectingStreamWorker("/run/kvpushd/worker.sock", dict(engine_id=..., role=..., tp_rank=...,
                                   tp_size=..., memory=[...], regions=[...]))
@@ -8,16 +8,12 @@
     for ev in rw.poll():                # no RPC: completions, refusals and losses, in order
         ...
 
-``ReconnectingStreamWorker`` carries the commands on one ``WorkerService.Stream`` per attachment
-(``kvpushd_client.stream.StreamWorker``: one CommandBatch per ``step()``); ``ReconnectingWorker`` makes
-one queued unary call per command (``kvpushd_client.calls.CallQueue``, the same queue ``Worker.*_nowait``
-use; ``step()`` does nothing there), for daemons without the stream.
-
-Every attachment is an epoch. When one is lost (its session stream ends, or a call finds the daemon
-gone or the worker forgotten), ``poll`` reports ``lost`` once with that epoch: whatever ran on it will
-not complete and is the caller's to fail. The background thread re-attaches with the same arguments
-every ``reconnect_interval_s`` until the daemon answers. A command made while not attached comes back
-as ``refused`` (``DaemonUnavailable``); the queued worker's calls still queued go to the next attachment.
+The commands ride one ``WorkerService.Stream`` per attachment (``kvpushd_client.stream.StreamWorker``:
+one CommandBatch per ``step()``). Every attachment is an epoch. When one is lost (its stream ends),
+``poll`` reports ``lost`` once with that epoch: whatever ran on it will not complete and is the
+caller's to fail. The background thread re-attaches with the same arguments every
+``reconnect_interval_s`` until the daemon answers. A command made while not attached comes back as
+``refused`` (``DaemonUnavailable``).
 """
 
 from __future__ import annotations
@@ -29,14 +25,26 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-from .calls import Call, CallQueue, CallState, refused
-from .client import KVPushClient, Worker
+from . import _convert
+from .client import KVPushClient
 from .stream import StreamWorker
-from .types import Completion, DaemonUnavailable, KVPushError
+from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
 MAX_DECLINES = 4096  # declines kept while the daemon is away
+
+
+@dataclass(eq=False)
+class Call:
+    """One command handed to the link. ``epoch``: the attachment it went out on (None: it did not go
+    out, it was refused or dropped at once); ``tag``: the caller's own."""
+
+    method: str  # "Expect" | "Publish" | "Abort"
+    transfer_id: str
+    block_ids: tuple[int, ...] = ()
+    tag: Any = None
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +61,7 @@ class LinkEvent:
     reason: str = ""
 
 
-W = TypeVar("W", Worker, StreamWorker)
-
-
-def _close_quietly(client: KVPushClient | None, worker: Worker | StreamWorker | None) -> None:
+def _close_quietly(client: KVPushClient | None, worker: StreamWorker | None) -> None:
     if worker is not None:
         with contextlib.suppress(Exception):  # the daemon is gone or restarted: nothing left there
             worker.detach()
@@ -64,9 +69,15 @@ def _close_quietly(client: KVPushClient | None, worker: Worker | StreamWorker | 
         client.close()
 
 
-class _Reattaching(Generic[W]):
-    """What both reconnecting workers share: attachments as epochs, their loss, re-attaching, and
-    the events ``poll`` hands the engine. Subclasses say how to attach and which thread ticks."""
+class ReconnectingStreamWorker:
+    """The attachment to the local daemon on a worker stream, re-made after a daemon restart.
+
+    The engine thread's ``*_nowait`` append to the current attachment's batch (no lock: the
+    attachment is read as one reference) and ``step()`` hands the batch to the stream's sender; a
+    command the daemon refuses comes back as a FAILED completion with code ``REFUSED`` on its epoch.
+    A command goes out with its step: an Abort after it (in the same batch or a later one) is what
+    withdraws it. A background thread re-attaches and makes the declines.
+    """
 
     def __init__(self, socket_path: str, attach: dict[str, Any], rpc_timeout_s: float = 10.0,
                  reconnect_interval_s: float = 0.5, logger: logging.Logger | None = None) -> None:
@@ -78,25 +89,18 @@ class _Reattaching(Generic[W]):
         self._lock = threading.Lock()
         self._events: collections.deque[LinkEvent] = collections.deque()
         self.client: KVPushClient | None = None
-        self.worker: W | None = None
+        self.worker: StreamWorker | None = None
+        self._live: tuple[StreamWorker, int] | None = None  # (worker, epoch): the engine thread reads it
         self.epoch = 0
         self._lost_epoch = 0
         self._next_attempt = 0.0
         self._failed_attempts = 0
         self._stopped = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
         # Declines not yet made (transfer, producer address, producer engine, reason): made from the
-        # background thread once attached, as unary Declines; the oldest dropped past the cap
+        # background thread once attached; the oldest dropped past the cap
         self._declines: collections.deque[tuple[str, str, str, str]] = collections.deque(maxlen=MAX_DECLINES)
-
-    # what a subclass provides
-    def _open(self, client: KVPushClient) -> W:
-        raise NotImplementedError
-
-    def _start_thread(self) -> None:
-        raise NotImplementedError
-
-    def _stop_thread(self) -> None:
-        raise NotImplementedError
 
     @property
     def connected(self) -> bool:
@@ -115,33 +119,31 @@ class _Reattaching(Generic[W]):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self._start_thread()
+        self._thread = threading.Thread(target=self._run, name="kvpushd-connector", daemon=True)
+        self._thread.start()
 
     def _attach(self) -> None:
         client = KVPushClient(self.socket_path, timeout_s=self.rpc_timeout_s)
         try:
-            worker = self._open(client)
+            worker = client.attach(**self._attach_args)
         except BaseException:
             client.close()
             raise
         with self._lock:
             orphan = self._stopped  # closed while attaching: this attachment is nobody's
             if orphan:
-                old: tuple[KVPushClient | None, W | None] = (client, worker)
+                old: tuple[KVPushClient | None, StreamWorker | None] = (client, worker)
             else:
                 old = (self.client, self.worker)
                 self.client, self.worker = client, worker
                 self.epoch += 1
-                self._attached(worker, self.epoch)
+                self._live = (worker, self.epoch)
             epoch = self.epoch
         _close_quietly(*old)
         if orphan:
             return
         self.log.info("kvpushd: attached to %s as worker %s (attachment %d, peer address %s)",
                       self.socket_path, worker.worker_id, epoch, worker.peer_address)
-
-    def _attached(self, worker: W, epoch: int) -> None:
-        """Under the lock, as attachment ``epoch`` begins."""
 
     def poll(self) -> list[LinkEvent]:
         """Completions and link events since the last poll, in order (no RPC)."""
@@ -161,15 +163,13 @@ class _Reattaching(Generic[W]):
             self._stopped = True
             old = (self.client, self.worker)
             self.client = self.worker = None
-            self._attached_none()
-        self._stop_thread()
+            self._live = None
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.rpc_timeout_s + 5)
         _close_quietly(*old)
 
-    def _attached_none(self) -> None:
-        """Under the lock, once closed."""
-
-    # both threads, under the lock ---------------------------------------------------------------
-    def _mark_lost_locked(self, w: W, reason: str) -> None:
+    def _mark_lost_locked(self, w: StreamWorker, reason: str) -> None:
         if self.epoch <= self._lost_epoch or w is not self.worker:
             return
         self._lost_epoch = self.epoch
@@ -177,9 +177,81 @@ class _Reattaching(Generic[W]):
             self._events.append(LinkEvent("completion", self.epoch, c))
         self._events.append(LinkEvent("lost", self.epoch, reason=reason))
 
-    # the background thread ----------------------------------------------------------------------
+    # the engine thread ---------------------------------------------------------------------------
+    def _current(self, call: Call) -> StreamWorker | None:
+        """The attachment to append ``call`` to, its epoch recorded; None: not attached (an Expect or
+        Publish is then refused at once, an Abort dropped)."""
+        live = self._live
+        if live is None or not live[0].alive or live[1] <= self._lost_epoch:
+            if call.method != "Abort":
+                err = DaemonUnavailable("UNAVAILABLE", "not attached to the daemon")
+                done = Completion(CompletionKind.FAILED, call.transfer_id, _convert.REFUSED,
+                                  f"{call.method} not made: {err}", call.block_ids)
+                with self._lock:
+                    self._events.append(LinkEvent("refused", None, done, call, err))
+            return None
+        call.epoch = live[1]
+        return live[0]
+
+    def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
+                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
+                      transfer_mode: str = "push", tag: Any = None, traceparent: str = "") -> Call:
+        call = Call("Expect", transfer_id, tuple(block_ids), tag=tag)
+        if (w := self._current(call)) is not None:
+            w.expect_nowait(transfer_id, call.block_ids, producer_address, producer_engine_id,
+                            producer_tp_size, skip_tokens, transfer_mode, traceparent)
+        return call
+
+    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None,
+                       traceparent: str = "") -> Call:
+        call = Call("Publish", transfer_id, tuple(block_ids), tag=tag)
+        if (w := self._current(call)) is not None:
+            w.publish_nowait(transfer_id, call.block_ids, traceparent)
+        return call
+
+    def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:
+        """After every earlier command. With ``only_epoch``, sent only on that attachment (the one the
+        transfer's Expect ran on); dropped otherwise, as when not attached."""
+        call = Call("Abort", transfer_id, tag=tag)
+        live = self._live
+        if live is not None and only_epoch is not None and live[1] != only_epoch:
+            return call
+        if (w := self._current(call)) is not None:
+            w.abort_nowait(transfer_id)
+        return call
+
+    def step(self) -> int:
+        """Send this step's commands as one message on the current attachment; returns how many."""
+        live = self._live
+        return live[0].step() if live is not None else 0
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Send the step and wait until the daemon answered every command sent; False on timeout."""
+        live = self._live
+        return live[0].flush(timeout_s) if live is not None else True
+
+    # declines (any thread) -----------------------------------------------------------------------
+    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
+                       reason: str = "") -> None:
+        """This transfer will never be expected here (its Expect was refused while the daemon was
+        unreachable, or died with an attachment): the daemon tells the prefill daemon, which then frees
+        the transfer's source blocks instead of at its publish_timeout_s. Kept while not attached; made
+        from the background thread (within ``reconnect_interval_s``) once attached, whether or not
+        the engine steps."""
+        with self._lock:
+            self._declines.append((transfer_id, producer_address, producer_engine_id, reason[:1000]))
+
+    @property
+    def declines_pending(self) -> int:
+        return len(self._declines)
+
+    # the background thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._wake.wait(self.reconnect_interval_s):
+            self.tick()
+
     def tick(self) -> None:
-        """Report a lost attachment, re-attach when it is time to."""
+        """Report a lost attachment, re-attach when it is time to, make the declines."""
         with self._lock:
             if self._stopped:
                 return
@@ -191,31 +263,16 @@ class _Reattaching(Generic[W]):
         if self._declines and self.connected:
             self._make_declines()
 
-    # declines ------------------------------------------------------------------------------------
-    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
-                       reason: str = "") -> None:
-        """This transfer will never be expected here (its Expect was refused while the daemon was
-        unreachable, or died with an attachment): the daemon tells the prefill daemon, which then frees
-        the transfer's source blocks instead of at its publish_timeout_s. Kept while not attached; made
-        from the background thread (within ``reconnect_interval_s``) once attached, whether or not
-        the engine steps. Any thread."""
-        with self._lock:
-            self._declines.append((transfer_id, producer_address, producer_engine_id, reason[:1000]))
-
-    @property
-    def declines_pending(self) -> int:
-        return len(self._declines)
-
     def _make_declines(self) -> None:
         with self._lock:
-            client, w = self.client, self.worker
+            w = self.worker
             todo = list(self._declines)
             self._declines.clear()
-        if client is None or w is None:
+        if w is None:
             return
         for i, (tid, address, engine, reason) in enumerate(todo):
             try:
-                client.decline(w.worker_id, tid, address, engine, reason)
+                w.call(("decline", tid, (), address, engine, reason))
             except KVPushError as e:
                 if isinstance(e, DaemonUnavailable) or e.code == "NOT_FOUND":  # again once re-attached
                     with self._lock:
@@ -236,176 +293,3 @@ class _Reattaching(Generic[W]):
         if self._failed_attempts or self.epoch > 1:
             self.log.warning("kvpushd: re-attached to the daemon at %s after it restarted", self.socket_path)
         self._failed_attempts = 0
-
-
-class ReconnectingWorker(_Reattaching[Worker]):
-    """The attachment to the local daemon over queued unary calls, re-made after a daemon restart.
-
-    The engine thread calls ``*_nowait``/``cancel``/``poll`` (no RPC: a lock and a queue); the call
-    thread makes the calls and re-attaches.
-    """
-
-    def __init__(self, socket_path: str, attach: dict[str, Any], rpc_timeout_s: float = 10.0,
-                 reconnect_interval_s: float = 0.5, logger: logging.Logger | None = None) -> None:
-        super().__init__(socket_path, attach, rpc_timeout_s, reconnect_interval_s, logger)
-        self._calls = CallQueue(self, name="kvpushd-connector", idle_s=reconnect_interval_s)
-
-    def _open(self, client: KVPushClient) -> Worker:
-        return client.attach(**self._attach_args)
-
-    def _start_thread(self) -> None:
-        self._calls.start()
-
-    def _stop_thread(self) -> None:
-        self._calls.close(join_timeout_s=self.rpc_timeout_s + 5)
-
-    # engine thread -----------------------------------------------------------------------------
-    def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push", tag: Any = None, traceparent: str = "") -> Call:
-        return self._calls.submit(_expect_call(transfer_id, block_ids, producer_address, producer_engine_id,
-                                               producer_tp_size, skip_tokens, transfer_mode, tag, traceparent))
-
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None,
-                       traceparent: str = "") -> Call:
-        return self._calls.submit(Call("Publish", transfer_id, tuple(block_ids), tag=tag, traceparent=traceparent))
-
-    def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:
-        """Queued after every earlier call. With ``only_epoch``, made only on that attachment (the one
-        the transfer's Expect ran on); dropped otherwise, as when not attached."""
-        return self._calls.submit(Call("Abort", transfer_id, only_epoch=only_epoch, tag=tag))
-
-    def cancel(self, call: Call) -> bool:
-        """Withdraw a queued call; False once the thread has started it."""
-        return self._calls.cancel(call)
-
-    def step(self) -> int:
-        """Nothing to send: the call thread makes each call as it comes (the stream worker's step)."""
-        return 0
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        return self._calls.flush(timeout_s)
-
-    # the call thread (CallQueue's target) -------------------------------------------------------
-    def attachment(self, call: Call) -> tuple[Worker, int] | None:
-        with self._lock:
-            w, epoch = self.worker, self.epoch
-            if self._stopped or w is None or not w.alive or epoch <= self._lost_epoch:
-                return None
-            if call.only_epoch is not None and call.only_epoch != epoch:
-                return None  # its Expect died with an earlier attachment: the loss already reported it
-            return w, epoch
-
-    def refused(self, call: Call, completion: Completion, error: KVPushError | None) -> None:
-        with self._lock:
-            self._events.append(LinkEvent("refused", call.epoch, completion, call, error))
-            w = self.worker
-            lost = isinstance(error, DaemonUnavailable) or (error is not None and error.code == "NOT_FOUND")
-            if lost and w is not None and call.epoch == self.epoch:  # daemon gone or it forgot us
-                self._mark_lost_locked(w, str(error))
-
-
-class ReconnectingStreamWorker(_Reattaching[StreamWorker]):
-    """The attachment to the local daemon on a worker stream, re-made after a daemon restart.
-
-    The engine thread's ``*_nowait`` append to the current attachment's batch (no lock: the
-    attachment is read as one reference) and ``step()`` hands the batch to the stream's sender; a
-    command the daemon refuses comes back as a FAILED completion with code ``REFUSED`` on its epoch.
-    ``cancel`` is always False: a command goes out with its step, and an Abort after it (in the same
-    batch or a later one) is what withdraws it. A background thread re-attaches.
-    """
-
-    def __init__(self, socket_path: str, attach: dict[str, Any], rpc_timeout_s: float = 10.0,
-                 reconnect_interval_s: float = 0.5, logger: logging.Logger | None = None) -> None:
-        super().__init__(socket_path, attach, rpc_timeout_s, reconnect_interval_s, logger)
-        self._live: tuple[StreamWorker, int] | None = None  # (worker, epoch): the engine thread reads it
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _open(self, client: KVPushClient) -> StreamWorker:
-        return client.attach_stream(**self._attach_args)
-
-    def _attached(self, worker: StreamWorker, epoch: int) -> None:
-        self._live = (worker, epoch)
-
-    def _attached_none(self) -> None:
-        self._live = None
-
-    def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvpushd-connector", daemon=True)
-        self._thread.start()
-
-    def _stop_thread(self) -> None:
-        self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.rpc_timeout_s + 5)
-
-    def _run(self) -> None:
-        while not self._wake.wait(self.reconnect_interval_s):
-            self.tick()
-
-    # engine thread -----------------------------------------------------------------------------
-    def _current(self, call: Call) -> tuple[StreamWorker, int] | None:
-        """The attachment to append ``call`` to, marked started on it; None: not attached (an Expect
-        or Publish is then refused at once, an Abort dropped)."""
-        live = self._live
-        if live is None or not live[0].alive or live[1] <= self._lost_epoch:
-            if call.method != "Abort":
-                err = DaemonUnavailable("UNAVAILABLE", "not attached to the daemon")
-                with self._lock:
-                    self._events.append(LinkEvent("refused", None, refused(call, f"{call.method} not made: {err}"),
-                                                  call, err))
-            call.state = CallState.CANCELLED
-            return None
-        call.state, call.epoch = CallState.STARTED, live[1]
-        return live
-
-    def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push", tag: Any = None, traceparent: str = "") -> Call:
-        call = _expect_call(transfer_id, block_ids, producer_address, producer_engine_id, producer_tp_size,
-                            skip_tokens, transfer_mode, tag, traceparent)
-        if (live := self._current(call)) is not None:
-            live[0].expect_nowait(transfer_id, call.block_ids, producer_address, producer_engine_id,
-                                  producer_tp_size, skip_tokens, transfer_mode, traceparent)
-        return call
-
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None,
-                       traceparent: str = "") -> Call:
-        call = Call("Publish", transfer_id, tuple(block_ids), tag=tag, traceparent=traceparent)
-        if (live := self._current(call)) is not None:
-            live[0].publish_nowait(transfer_id, call.block_ids, traceparent)
-        return call
-
-    def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:
-        """After every earlier command. With ``only_epoch``, sent only on that attachment (the one the
-        transfer's Expect ran on); dropped otherwise, as when not attached."""
-        call = Call("Abort", transfer_id, only_epoch=only_epoch, tag=tag)
-        live = self._live
-        if live is not None and only_epoch is not None and live[1] != only_epoch:
-            call.state = CallState.CANCELLED
-            return call
-        if (live := self._current(call)) is not None:
-            live[0].abort_nowait(transfer_id)
-        return call
-
-    def cancel(self, call: Call) -> bool:
-        return False
-
-    def step(self) -> int:
-        """Send this step's commands as one message on the current attachment; returns how many."""
-        live = self._live
-        return live[0].step() if live is not None else 0
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Send the step and wait until the daemon answered every command sent; False on timeout."""
-        live = self._live
-        return live[0].flush(timeout_s) if live is not None else True
-
-
-def _expect_call(transfer_id: str, block_ids: Iterable[int], producer_address: str, producer_engine_id: str,
-                 producer_tp_size: int, skip_tokens: int, transfer_mode: str, tag: Any, traceparent: str) -> Call:
-    return Call("Expect", transfer_id, tuple(block_ids), expect_args=dict(
-        producer_address=producer_address, producer_engine_id=producer_engine_id,
-        producer_tp_size=producer_tp_size, skip_tokens=skip_tokens, transfer_mode=transfer_mode), tag=tag,
-        traceparent=traceparent)

@@ -1,18 +1,25 @@
-"""A worker on one stream both ways (WorkerService.Stream): batches of commands, one per engine step.
+"""A worker on its stream (WorkerService.Stream, the daemon's only transfer API): batches of
+commands, one per engine step.
 
-    w = client.attach_stream("decode-0", Role.CONSUMER, 0, 1, memory, regions)
+    w = client.attach("decode-0", Role.CONSUMER, 0, 1, memory, regions)
     w.expect_nowait(...); w.expect_nowait(...)   # the engine thread only appends (no lock a gRPC thread holds)
     w.step()                                      # once per engine step: the batch goes out as one message
     for c in w.completions(): ...                 # results and completions come back on the same stream
 
 The engine thread never waits on the network: ``*_nowait`` append to the step's batch, ``step()``
 hands the batch to the stream's sender (a queue put). A command the daemon refuses comes back as a
-FAILED completion with code ``REFUSED``, its status and message in ``reason`` and its block ids, as
-for ``Worker.*_nowait``. One gRPC message per step instead of one unary call per request.
+FAILED completion with code ``REFUSED``, its status and message in ``reason`` and its block ids, so
+an engine frees the blocks on the same path as any other failed transfer. One gRPC message per step.
+
+Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` send the step
+and one command, and return its answer (raising the daemon's refusal); ``call`` does the same for
+one command from any thread, unordered with the engine thread's step.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import queue
 import threading
 import time
@@ -22,7 +29,6 @@ from typing import Any, Protocol
 import grpc
 
 from . import _convert, errors
-from .inbox import Inbox
 from .proto.v1 import worker_pb2
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
@@ -39,7 +45,8 @@ _END = None
 # ("publish", transfer id, blocks, traceparent), ("abort", transfer id, ()) or
 # ("decline", transfer id, (), address, engine, reason).
 _Queued = tuple[Any, ...]
-_Step = tuple[int, list[_Queued]]  # the seq before the step's first command, its commands
+_Step = tuple[int, list[_Queued]]  # the seq of the step's first command, its commands
+_CALLS = 1 << 62  # seqs of ``call``: their own range, so any thread can number one
 
 
 def _command(seq: int, q: _Queued) -> worker_pb2.Command:
@@ -62,7 +69,7 @@ def _command(seq: int, q: _Queued) -> worker_pb2.Command:
 _BEST_EFFORT = ("abort", "decline")
 
 
-class StreamWorker(Inbox):
+class StreamWorker:
     """An attached worker whose session is a WorkerService.Stream."""
 
     def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str) -> None:
@@ -70,7 +77,10 @@ class StreamWorker(Inbox):
         self.worker_id = worker_id
         self.node_id = node_id
         self.peer_address = peer_address
-        super().__init__()
+        # completions delivered by the reader thread, taken by the engine without an RPC
+        self._queue: collections.deque[Completion] = collections.deque()
+        self._cond = threading.Condition()
+        self.session_error: KVPushError | None = None
         # the engine thread's own (no lock): this step's commands, and the seq before them (a
         # command's seq is its place in the worker's stream). What was sent is recorded, and the
         # protobuf messages built, by the stream's sender thread, off the engine thread.
@@ -79,8 +89,9 @@ class StreamWorker(Inbox):
         self._recorded = 0  # the sender thread has recorded every command up to this seq in _sent
         self._sent: dict[int, tuple[str, tuple[int, ...], str]] = {}  # seq -> (transfer, blocks, op), unanswered
         self._out: queue.SimpleQueue[worker_pb2.CommandBatch | _Step | None] = queue.SimpleQueue()
-        self._aborts: dict[int, bool] = {}  # seq -> found, for abort()
-        self._waited: set[int] = set()  # commands of the blocking forms: a refusal is raised, not queued
+        self._calls = itertools.count(_CALLS)
+        self._waited: set[int] = set()  # commands of ``call``: answered here, a refusal raised, not queued
+        self._answers: dict[int, bool] = {}  # seq -> True, or an Abort's found
         self._refusals: dict[int, KVPushError] = {}
         self._closed = False
         # CPU time (time.thread_time_ns) the stream's own Python threads spent so far: the sender
@@ -96,6 +107,26 @@ class StreamWorker(Inbox):
     @property
     def alive(self) -> bool:
         return self.session_error is None and not self._closed
+
+    def completions(self) -> list[Completion]:
+        """Everything delivered so far, without waiting (no RPC). Nothing delivered: no lock taken (the
+        reader thread holds it while it takes a batch; the engine thread need not wait for that)."""
+        if not self._queue:
+            return []
+        with self._cond:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def next_completion(self, timeout_s: float | None = None) -> Completion | None:
+        """Wait for one completion (for tools and tests; engines use completions())."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
+                return None
+            if self._queue:
+                return self._queue.popleft()
+            assert self.session_error is not None
+            raise self.session_error
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -133,7 +164,7 @@ class StreamWorker(Inbox):
             self._batch = []
             base = self._base
             self._base = base + n
-            self._out.put((base, batch))
+            self._out.put((base + 1, batch))
             if self.session_error is not None:  # the stream is gone: nobody will send it
                 with self._cond:
                     self._drain_locked(self.session_error)
@@ -147,34 +178,58 @@ class StreamWorker(Inbox):
             return self._cond.wait_for(
                 lambda: (self._recorded >= last and not self._sent) or self.session_error is not None, timeout_s)
 
-    # blocking forms, for tools: one command, its answer
-    def expect(self, *args: object, **kwargs: object) -> None:
-        self._blocking(self.expect_nowait(*args, **kwargs))  # type: ignore[arg-type]
+    # call and wait (the engine thread's: after this step's commands), for tools and tests
+    def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
+               producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
+               transfer_mode: str = "push", traceparent: str = "") -> None:
+        """Decode side: destination blocks, as soon as they are allocated.
+
+        ``skip_tokens``: the prompt's first tokens this worker already holds (a prefix-cache hit,
+        a whole number of its blocks); ``block_ids`` then hold the prompt from that token on.
+        ``transfer_mode``: "push" (the prefill node's daemon WRITEs) or "pull" (this node's daemon
+        READs once the prefill side has published), vLLM's kv_transfer_params["transfer_mode"].
+        ``traceparent``: the engine request's W3C trace context; a daemon with tracing on continues it."""
+        _convert.transfer_mode(transfer_mode)  # a bad one raises here, not on the stream's thread
+        self.step()
+        self.call(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
+                   skip_tokens, transfer_mode, traceparent))
 
     def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
-        self._blocking(self.publish_nowait(transfer_id, block_ids, traceparent))
+        """Prefill side: the source blocks are complete."""
+        self.step()
+        self.call(("publish", transfer_id, tuple(block_ids), traceparent))
 
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
-        self._blocking(self.decline_nowait(transfer_id, producer_address, producer_engine_id, reason))
+        """Decode side: this transfer will never be expected here (its Expect failed before it
+        reached the daemon); the prefill daemon frees the transfer's source blocks at once."""
+        self.step()
+        self.call(("decline", transfer_id, (), producer_address, producer_engine_id, reason))
 
     def abort(self, transfer_id: str) -> bool:
-        seq = self.abort_nowait(transfer_id)
-        self._blocking(seq)
-        with self._cond:
-            return self._aborts.pop(seq, False)
+        """Whether the transfer was pending; everything for it is released on both nodes."""
+        self.step()
+        return self.call(("abort", transfer_id, ()))
 
-    def _blocking(self, seq: int) -> None:
+    def call(self, q: _Queued, timeout_s: float | None = None) -> bool:
+        """One command (as the engine thread queues it) on its own batch, from any thread, and its
+        answer: True, or an Abort's ``found``; raises the daemon's refusal, or the stream's end."""
+        seq = next(self._calls)
+        timeout = self.client.timeout_s if timeout_s is None else timeout_s
         with self._cond:
             self._waited.add(seq)
-        self.step()
+        self._out.put((seq, [q]))
         with self._cond:
-            self._cond.wait_for(lambda: (self._recorded >= seq and seq not in self._sent)
-                                or self.session_error is not None, self.client.timeout_s)
+            if self.session_error is not None:  # nobody will send it
+                self._drain_locked(self.session_error)
+            self._cond.wait_for(lambda: seq in self._answers or seq in self._refusals
+                                or self.session_error is not None, timeout)
             self._waited.discard(seq)
+            if seq in self._answers:
+                return self._answers.pop(seq)
             if seq in self._refusals:
                 raise self._refusals.pop(seq)
-            if self.session_error is not None:
-                raise self.session_error
+            self._sent.pop(seq, None)
+            raise self.session_error or DaemonUnavailable("DEADLINE_EXCEEDED", f"no answer within {timeout:g}s")
 
     def detach(self) -> None:
         """Answer what was sent, then end the stream (the daemon detaches the worker). Idempotent."""
@@ -201,26 +256,28 @@ class StreamWorker(Inbox):
             self.sender_cpu_ns += now - t
             t = now
 
-    def _record(self, base: int, batch: list[_Queued]) -> worker_pb2.CommandBatch | None:
+    def _record(self, first: int, batch: list[_Queued]) -> worker_pb2.CommandBatch | None:
         """What a step sends, in ``_sent`` until answered; None when the stream is already gone (then
         refused at once)."""
         with self._cond:
             if self.session_error is not None:
-                self._refuse_locked(base, batch, self.session_error)
+                self._refuse_locked(first, batch, self.session_error)
                 return None
-            for i, q in enumerate(batch, base + 1):
+            for i, q in enumerate(batch, first):
                 self._sent[i] = (q[1], q[2], q[0])
-            self._recorded = base + len(batch)
+            if first < _CALLS:
+                self._recorded = first + len(batch) - 1
             self._cond.notify_all()
-        return worker_pb2.CommandBatch(commands=[_command(i, q) for i, q in enumerate(batch, base + 1)])
+        return worker_pb2.CommandBatch(commands=[_command(i, q) for i, q in enumerate(batch, first)])
 
-    def _refuse_locked(self, base: int, batch: list[_Queued], err: KVPushError) -> None:
-        for i, q in enumerate(batch, base + 1):
+    def _refuse_locked(self, first: int, batch: list[_Queued], err: KVPushError) -> None:
+        for i, q in enumerate(batch, first):
             if q[0] not in _BEST_EFFORT and i not in self._waited:  # a blocking form raises the stream's error
                 self._queue.append(Completion(CompletionKind.FAILED, q[1], _convert.REFUSED,
                                               f"{err.code}: stream ended before the command was sent", q[2],
                                               unanswered=True))
-        self._recorded = max(self._recorded, base + len(batch))
+        if first < _CALLS:
+            self._recorded = first + len(batch) - 1
 
     def _drain_locked(self, err: KVPushError) -> None:
         """Refuse the steps still queued for a sender that will send nothing more."""
@@ -243,13 +300,12 @@ class StreamWorker(Inbox):
                 with self._cond:
                     for r in ev.results:
                         tid, blocks, op = self._sent.pop(r.seq, ("", (), ""))
-                        if op == "abort":
-                            self._aborts[r.seq] = r.found
-                        if r.code == "OK":
-                            continue
                         if r.seq in self._waited:
-                            self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind, tid)
-                        elif op not in _BEST_EFFORT:
+                            if r.code == "OK":
+                                self._answers[r.seq] = r.found if op == "abort" else True
+                            else:
+                                self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind, tid)
+                        elif r.code != "OK" and op not in _BEST_EFFORT:
                             self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                                           f"{r.code}: {r.message}", blocks))
                     self._queue.extend(got)
@@ -264,8 +320,8 @@ class StreamWorker(Inbox):
             if not self._closed:
                 self.session_error = err
                 # commands that got no answer end as refused: the engine frees their blocks
-                for _, (tid, blocks, op) in sorted(self._sent.items()):
-                    if op not in _BEST_EFFORT:
+                for seq, (tid, blocks, op) in sorted(self._sent.items()):
+                    if op not in _BEST_EFFORT and seq not in self._waited:  # ``call`` raises the error
                         self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
                                                       f"{err.code}: stream ended before an answer", blocks,
                                                       unanswered=True))

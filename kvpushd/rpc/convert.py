@@ -31,6 +31,11 @@ def failure_code(v: int) -> FailureCode:
         return FailureCode.UNSPECIFIED
 
 
+def notice(n: peer_pb2.FailNotice) -> tuple[str, int, FailureCode, str]:
+    """A Fail or Withdraw item -> (transfer id, registration id, code, reason)."""
+    return n.transfer_id, n.registration_id, failure_code(n.code), n.reason[:2000]
+
+
 def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
     kind = h.WhichOneof("kind")
     if kind == "shm":

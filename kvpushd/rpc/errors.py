@@ -1,4 +1,5 @@
-"""The one converter from errors to gRPC statuses; anything not in the table is INTERNAL, logged.
+"""The one converter from errors to gRPC statuses (of a call, or of one stream item that failed
+alone); anything not in the table is INTERNAL, logged.
 
 Every refusal also carries its structured reason as trailing metadata ``kvpushd-error``: a JSON
 object with the error's kind (its class name), the status code name, and the transfer id and peer
@@ -40,17 +41,23 @@ def code_for(exc: E.KvpushdError) -> grpc.StatusCode | None:
     return None
 
 
+def refusal(exc: BaseException) -> tuple[str, str, str]:
+    """(status code name, kind, message) of a stream item that failed alone: what a call of it would
+    have failed with."""
+    if isinstance(exc, E.KvpushdError) and (code := code_for(exc)) is not None:
+        return code.name, exc.kind, str(exc)
+    log.error("unexpected error in a stream item", exc_info=exc)
+    return "INTERNAL", type(exc).__name__, f"internal error: {type(exc).__name__}"
+
+
 def reason_metadata(exc: E.KvpushdError, code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
     reason = {"kind": exc.kind, "code": code.name, "transfer_id": exc.transfer_id[:256], "peer": exc.peer[:256]}
     return (("kvpushd-error", json.dumps(reason, separators=(",", ":"))),)
 
 
-async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str,
-                 request: Any = None) -> NoReturn:
+async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> NoReturn:
     code = code_for(exc) if isinstance(exc, E.KvpushdError) else None
     if isinstance(exc, E.KvpushdError) and code is not None:
-        if not exc.transfer_id:  # the request names it when the error does not
-            exc.transfer_id = str(getattr(request, "transfer_id", ""))
         await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc, code))
     log.error("unexpected error in RPC", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
@@ -64,7 +71,7 @@ def unary(fn: Callable[[Any, Any, Any], Awaitable[R]]) -> Callable[[Any, Any, An
         except Exception as e:  # mapped to a status
             if isinstance(e, grpc.aio.AbortError):
                 raise
-            await _abort(e, context, fn.__name__, request)
+            await _abort(e, context, fn.__name__)
 
     return wrapper
 
@@ -78,6 +85,6 @@ def stream(fn: Callable[[Any, Any, Any], AsyncIterator[R]]) -> Callable[[Any, An
         except Exception as e:
             if isinstance(e, grpc.aio.AbortError):
                 raise
-            await _abort(e, context, fn.__name__, request)
+            await _abort(e, context, fn.__name__)
 
     return wrapper

@@ -52,7 +52,7 @@ def node_status(v: View) -> status_pb2.NodeStatus:
             memory_kind=w.mem_type, num_regions=len(w.regions), registered_bytes=w.registered_bytes,
             attached_s=now - w.attached_at, description=w.description, regions=region_summary(w.regions),
             pending_transfers=pending[w.worker_id], backends=agent_backends(v, w.worker_id),
-            command_batches=w.command_batches, stream_commands=w.stream_commands, unary_calls=w.unary_calls))
+            command_batches=w.command_batches, stream_commands=w.stream_commands))
     peers = peer_status(v, wall)
     if len(peers) > MAX_PEERS:  # the ones heard from most recently
         peers = sorted(peers, key=lambda p: -p.last_contact_unix)

@@ -199,13 +199,6 @@ class Inbound:
         origin.last_seen = time.monotonic()
         return origin
 
-    def heard_from(self, instance_id: str, token: str) -> bool:
-        """A heartbeat: False when we do not know the caller (we restarted) or its session."""
-        if not self.session_ok(instance_id, token):
-            return False
-        self.origins[instance_id].last_seen = time.monotonic()
-        return True
-
     def origin_of_consumer_agent(self, name: str) -> Origin | None:
         owner = self.consumers.owner_of(name)
         return None if owner is None else self.origins.get(owner)

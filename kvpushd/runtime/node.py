@@ -192,24 +192,12 @@ class Node:
         log.info("transfer declined", transfer_id=transfer_id[:256], worker_id=w.worker_id, peer=producer_address)
         self.ex.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id, reason[:2000])
 
-    def called(self, worker_id: str, batch: int = -1) -> None:
-        """Count a worker's calls for status: a unary Expect/Publish/Abort, or a Stream batch of ``batch``
-        commands."""
+    def called(self, worker_id: str, commands: int) -> None:
+        """Count a worker's Stream batch of ``commands`` commands, for status."""
         w = self.workers.live(worker_id)
-        if w is None:
-            return
-        if batch < 0:
-            w.unary_calls += 1
-        else:
+        if w is not None:
             w.command_batches += 1
-            w.stream_commands += batch
-
-    def poll(self, worker_id: str, max_n: int) -> list[Completion]:
-        return self.workers.poll(worker_id, max_n)
-
-    def session(self, worker_id: str) -> AsyncIterator[Completion]:
-        """The worker's completions until it goes away; the caller's end means detach."""
-        return self.workers.session(worker_id, self.detach)
+            w.stream_commands += commands
 
     def session_batches(self, worker_id: str) -> AsyncIterator[list[Completion]]:
         """The worker's completions in batches (the Stream RPC); the caller's end means detach."""
@@ -252,9 +240,6 @@ class Node:
             o.stream_batches += batches
             if streams < 0 and o.streams == 0:  # its last stream ended: housekeeping gives it a short grace
                 o.stream_ended = time.monotonic()
-
-    def heard_from(self, origin_id: str, token: str) -> bool:
-        return self.inbound.heard_from(origin_id, token)
 
     def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
                  producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,

@@ -175,7 +175,7 @@ class PeerClient:
             raise self._rejected(r)
         return r
 
-    # -- handshake and unary calls --------------------------------------------------------------
+    # -- the handshake and the items on the stream ----------------------------------------------
 
     async def _handshake(self, force: bool = False) -> None:
         async with self._hs_lock:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -84,7 +83,6 @@ class Worker:
     gone: bool = False
     command_batches: int = 0  # Stream batches it sent, and the commands in them
     stream_commands: int = 0
-    unary_calls: int = 0      # Expect, Publish, Abort, Decline as unary calls
 
     @property
     def registered_bytes(self) -> int:
@@ -184,19 +182,6 @@ class Workers:
             return
         w.completions.append(c)
         w.wakeup.set()
-
-    def poll(self, worker_id: str, max_n: int) -> list[Completion]:
-        w = self.get(worker_id)
-        n = len(w.completions) if max_n <= 0 else min(max_n, len(w.completions))
-        return [w.completions.popleft() for _ in range(n)]
-
-    async def session(self, worker_id: str,
-                      on_end: Callable[[str, str], Awaitable[None]]) -> AsyncIterator[Completion]:
-        """Yield the worker's completions until it goes away; the caller's end means detach (``on_end``)."""
-        async with contextlib.aclosing(self.session_batches(worker_id, on_end)) as batches:
-            async for batch in batches:
-                for c in batch:
-                    yield c
 
     async def session_batches(self, worker_id: str, on_end: Callable[[str, str], Awaitable[None]]
                               ) -> AsyncGenerator[list[Completion], None]:

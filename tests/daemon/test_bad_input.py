@@ -93,20 +93,17 @@ def test_request_errors(daemon_pair, kv_pair) -> None:
         got, msg = code_of(fn)
         assert got == code, (got, msg)
         assert words in msg, msg
-    # unknown worker ids, on every per-worker RPC
-    from kvpushd_client.client import Worker
-
-    ghost = object.__new__(Worker)
-    ghost.client, ghost.worker_id = p.client, "w-does-not-exist"
-    for fn in (lambda: ghost.publish("t", [1]), lambda: ghost.abort("t"),
-               lambda: ghost.expect("t", [1], pa, "prefill", 1)):
-        assert code_of(fn)[0] == "NOT_FOUND"
+    # unknown worker ids, on the stream and on Detach
+    first = worker_pb2.CommandBatch(worker_id="nope", commands=[worker_pb2.Command(
+        seq=1, publish=worker_pb2.PublishRequest(transfer_id="t", block_ids=[1]))])
     with pytest.raises(grpc.RpcError) as ei:
-        p.client.stub.PollCompletions(worker_pb2.PollCompletionsRequest(worker_id="nope"), timeout=10)
+        list(p.client.stub.Stream(iter([first]), timeout=10))
     assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+    # a second stream of an attached worker is refused; the first goes on
+    raw = p.client.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=pw.worker_id)]), timeout=10)
     with pytest.raises(grpc.RpcError) as ei:
-        list(p.client.stub.Session(worker_pb2.SessionRequest(worker_id="nope"), timeout=10))
-    assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+        list(raw)
+    assert ei.value.code() is grpc.StatusCode.ALREADY_EXISTS and pw.alive
     with pytest.raises(grpc.RpcError) as ei:
         p.client.stub.Detach(worker_pb2.DetachRequest(worker_id="nope"), timeout=10)
     assert ei.value.code() is grpc.StatusCode.NOT_FOUND

@@ -10,15 +10,15 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import grpc
 import numpy as np
 import pytest
 from kvpushd_client import CompletionKind, Role
+from kvpushd_client.peer import PeerSession
 from kvpushd_client.proto.v1 import peer_pb2, worker_pb2, worker_pb2_grpc
 from support import KV, attach_pair, make_kv, start_daemon, wait_for
-from test_peer_trust import handshake
+from test_peer_trust import session
 
 from kvpushd.runtime.identity import agent_prefix
 
@@ -34,22 +34,21 @@ def _rogue_agent(instance: str) -> tuple[str, bytes]:
     return name, bytes(a.get_agent_metadata())
 
 
-def _register(stub, session, instance: str, tid: str, agent: tuple[str, bytes], blocks: list[int],  # type: ignore[no-untyped-def]
-              rid: int = 1) -> grpc.RpcError | None:
+def _request(tid: str, agent: tuple[str, bytes], blocks: list[int], rid: int = 1) -> peer_pb2.RegisterRequest:
     name, md = agent
-    req = peer_pb2.RegisterRequest(
-        caller_instance_id=instance, transfer_id=tid, registration_id=rid, producer_engine_id="prefill",
+    return peer_pb2.RegisterRequest(
+        transfer_id=tid, registration_id=rid, producer_engine_id="prefill",
         producer_tp_size=1, consumer_engine_id="thief", consumer_tp_rank=0, consumer_tp_size=1,
         consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind="DRAM",
                                           regions=[peer_pb2.RemoteRegion(base_addr=1 << 20, num_blocks=64,
                                                                          block_len=4096, block_stride=4096)
                                                    for _ in range(4)]),
         block_ids=blocks)
-    try:
-        stub.Register(req, timeout=10, metadata=session)
-    except grpc.RpcError as e:
-        return e
-    return None
+
+
+def _register(s: PeerSession, tid: str, agent: tuple[str, bytes], blocks: list[int],
+              rid: int = 1) -> peer_pb2.PeerResult:
+    return s.call("register", _request(tid, agent, blocks, rid))
 
 
 def test_a_rogue_peer_cannot_take_over_or_copy_a_registration(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
@@ -60,11 +59,9 @@ def test_a_rogue_peer_cannot_take_over_or_copy_a_registration(daemon_pair, kv_pa
     pw, dw = attach_pair(p, d, src, dst)
     dw.expect("secret", [1, 2, 3], p.peer_address, "prefill", 1)
     assert wait_for(lambda: any(t.transfer_id == "secret" for t in p.client.status().transfers))
-    rogue = uuid.uuid4().hex
-    stub, session = handshake(p.peer_address, "rogue", rogue)
-    e = _register(stub, session, rogue, "secret", _rogue_agent(rogue), [4, 5, 6])
-    assert e is not None and e.code() is grpc.StatusCode.PERMISSION_DENIED, e
-    assert "another decode daemon" in e.details()
+    rogue = session(p.peer_address, "rogue")
+    e = _register(rogue, "secret", _rogue_agent(rogue.instance_id), [4, 5, 6])
+    assert e.code == "PERMISSION_DENIED" and "another decode daemon" in e.message, e
     pw.publish("secret", [10, 11, 12])
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
@@ -76,15 +73,14 @@ def test_peer_register_is_checked_like_the_worker_api(daemon_pair, kv_pair) -> N
     p, d = daemon_pair
     src, dst = kv_pair
     attach_pair(p, d, src, dst)
-    peer = uuid.uuid4().hex
-    stub, session = handshake(p.peer_address, "rogue", peer)
-    agent = _rogue_agent(peer)
-    e = _register(stub, session, peer, "dups", agent, [1, 1, 2])
-    assert e is not None and e.code() is grpc.StatusCode.INVALID_ARGUMENT and "duplicates" in e.details(), e
-    e = _register(stub, session, peer, "many", agent, list(range(64)) * (1 << 14) + [0])
-    assert e is not None and e.code() is grpc.StatusCode.INVALID_ARGUMENT and "at most" in e.details(), e
-    e = _register(stub, session, peer, "range", agent, [64])
-    assert e is not None and e.code() is grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.details(), e
+    peer = session(p.peer_address, "rogue")
+    agent = _rogue_agent(peer.instance_id)
+    e = _register(peer, "dups", agent, [1, 1, 2])
+    assert e.code == "INVALID_ARGUMENT" and "duplicates" in e.message, e
+    e = _register(peer, "many", agent, list(range(64)) * (1 << 14) + [0])
+    assert e.code == "INVALID_ARGUMENT" and "at most" in e.message, e
+    e = _register(peer, "range", agent, [64])
+    assert e.code == "INVALID_ARGUMENT" and "out of range" in e.message, e
 
 
 def test_a_register_flood_is_rate_limited(workdir, kv_pair) -> None:  # type: ignore[no-untyped-def]
@@ -93,14 +89,11 @@ def test_a_register_flood_is_rate_limited(workdir, kv_pair) -> None:  # type: ig
     src, dst = kv_pair
     try:
         pw, dw = attach_pair(p, d, src, dst)
-        peer = uuid.uuid4().hex
-        stub, session = handshake(p.peer_address, "flood", peer)
-        codes = []
-        for i in range(200):
-            e = _register(stub, session, peer, f"flood-{i}", ("x", b""), [1], rid=i + 1)
-            codes.append(e.code() if e is not None else grpc.StatusCode.OK)
-        refused = sum(c is grpc.StatusCode.RESOURCE_EXHAUSTED for c in codes)
-        assert codes[0] is not grpc.StatusCode.RESOURCE_EXHAUSTED
+        peer = session(p.peer_address, "flood")
+        codes = [r.code for r in peer.batch([("register", _request(f"flood-{i}", ("x", b""), [1], rid=i + 1))
+                                             for i in range(200)])]  # one batch: faster than the limit
+        refused = sum(c == "RESOURCE_EXHAUSTED" for c in codes)
+        assert codes[0] != "RESOURCE_EXHAUSTED"
         assert refused >= 100, codes  # a burst of one second's worth (5), then 5 per second
         # the real decode daemon, a peer of its own, is not limited by the flood
         dw.expect("after-flood", [5], p.peer_address, "prefill", 1)
@@ -232,7 +225,7 @@ def test_status_stays_bounded_under_a_handshake_flood(daemon_pair) -> None:  # t
     """1,500 handshakes, each from a made-up address: the status answer stays small and answers."""
     p, _ = daemon_pair
     for i in range(1500):
-        handshake(p.peer_address, f"flood-{i}", uuid.uuid4().hex, own_address=f"127.0.{i // 250}.{i % 250}:7700")
+        session(p.peer_address, f"flood-{i}", own_address=f"127.0.{i // 250}.{i % 250}:7700").close()
     st = p.client.status()
     assert len(st.peers) <= 256 and st.peers_omitted >= 1500 - 256, (len(st.peers), st.peers_omitted)
     assert st.ByteSize() < 1 << 20
@@ -244,9 +237,10 @@ def test_status_stays_bounded_under_a_handshake_flood(daemon_pair) -> None:  # t
 def test_the_worker_socket_has_its_own_small_message_limit(daemon_pair) -> None:  # type: ignore[no-untyped-def]
     p, _ = daemon_pair
     stub = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(f"unix:{p.sock}"))
-    big = worker_pb2.ExpectRequest(worker_id="w", transfer_id="t", block_ids=[1 << 27] * (3 << 20))
+    big = worker_pb2.CommandBatch(worker_id="w", commands=[worker_pb2.Command(seq=1, expect=worker_pb2.ExpectRequest(
+        transfer_id="t", block_ids=[1 << 27] * (3 << 20)))])
     assert big.ByteSize() > 8 << 20
     with pytest.raises(grpc.RpcError) as ei:
-        stub.Expect(big, timeout=30)
+        list(stub.Stream(iter([big]), timeout=30))
     assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
     assert p.client.status().node_id == "pnode"  # and the daemon goes on

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Role
-from kvpushd_client.reconnect import ReconnectingWorker
+from kvpushd_client.reconnect import ReconnectingStreamWorker
 from support import wait_for
 
 LONG = "[transfer]\npublish_timeout_s = 300.0\nexpect_timeout_s = 300.0\n"
@@ -56,8 +56,8 @@ def test_decline_fails_a_waiting_publish_at_once(daemon_factory, kv_pair) -> Non
 def test_decline_before_publish_and_over_the_stream(daemon_factory, kv_pair) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_factory.pair(LONG + '[metrics]\nlisten = "127.0.0.1:0"\n')
     src, dst = kv_pair
-    pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     dw.decline_nowait("early", p.peer_address, "prefill", "decode daemon was restarting")
     dw.step()
     assert dw.flush(20)
@@ -112,7 +112,7 @@ def test_decode_daemon_down_when_the_request_came(daemon_factory, kv_pair) -> No
     p, d = daemon_factory.pair(LONG)
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    link = ReconnectingWorker(d.sock, dict(engine_id="decode", role=Role.CONSUMER, tp_rank=0, tp_size=1,
+    link = ReconnectingStreamWorker(d.sock, dict(engine_id="decode", role=Role.CONSUMER, tp_rank=0, tp_size=1,
                                            memory=[dst.buf.memory], regions=dst.region_list),
                               rpc_timeout_s=5, reconnect_interval_s=0.2)
     link.start(30)

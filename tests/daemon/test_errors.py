@@ -32,16 +32,14 @@ def test_a_refusal_carries_its_kind_and_transfer(daemon_pair, kv_pair) -> None: 
     src, dst = kv_pair
     _, dw = attach_pair(p, d, src, dst)
     stub = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(f"unix:{d.sock}"))
-    with pytest.raises(grpc.RpcError) as ei:
-        stub.Expect(worker_pb2.ExpectRequest(worker_id=dw.worker_id, transfer_id="bad-blocks", block_ids=[10_000],
-                                             producer_address=p.peer_address, producer_engine_id="prefill",
-                                             producer_tp_size=1), timeout=10)
+    with pytest.raises(grpc.RpcError) as ei:  # a call: its status and trailing metadata
+        stub.Detach(worker_pb2.DetachRequest(worker_id="nobody"), timeout=10)
     e = ei.value
-    assert e.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert e.code() is grpc.StatusCode.NOT_FOUND
     meta = dict(e.trailing_metadata() or ())
     reason = json.loads(meta["kvpushd-error"])
-    assert reason == {"kind": "InvalidArgument", "code": "INVALID_ARGUMENT", "transfer_id": "bad-blocks", "peer": ""}
-    # and the client library gives the same back as a typed error
+    assert reason == {"kind": "NotFound", "code": "NOT_FOUND", "transfer_id": "", "peer": ""}
+    # a command on the stream: its result carries code and kind, the client adds its transfer id
     with pytest.raises(KVPushError) as ki:
         dw.expect("bad-blocks", [10_000], p.peer_address, "prefill", 1)
     assert ki.value.kind == "InvalidArgument" and ki.value.transfer_id == "bad-blocks"

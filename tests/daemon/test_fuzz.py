@@ -2,9 +2,9 @@
 
 Malformed and random requests go to both daemons on the worker API (unix socket: WorkerService,
 StatusService) and the peer API (TCP: PeerService), as raw bytes and as Hypothesis-generated protobuf
-messages built from the .proto descriptors (so new fields and RPCs are fuzzed too): random and 1 MiB
-strings, uint32/uint64 edge values, empty and huge block lists (up to 1 Mi ids), unknown worker and
-caller ids, wrong protocol versions and compatibility hashes, absurd region tables, agent metadata
+messages built from the .proto descriptors (so new fields, RPCs and stream items are fuzzed too):
+random and 1 MiB strings, uint32/uint64 edge values, empty and huge block lists (up to 1 Mi ids),
+unknown worker and caller ids, wrong protocol versions and compatibility hashes, absurd region tables, agent metadata
 garbage, attaches with up to 4096 regions. Meanwhile a background thread keeps running correct transfers
 between the real prefill and decode workers (expect first and publish first) and checks each one
 finishes with the exact bytes.
@@ -19,13 +19,16 @@ NIXL must refuse every descriptor outside that buffer, nothing around it may cha
 real table must land the exact bytes, and the daemon must survive it; and replays of the real decode
 daemon's captured agent by a fake origin, which must be refused with PERMISSION_DENIED).
 
-The peer API's Channel stream is fuzzed as well: raw bytes on a stream with a live session (peer_raw),
-and PeerBatches of items of every kind drawn like their unary requests (peer_msg), with the stream's
-instance in metadata known or not, items naming the stream's caller, none or another, duplicate seqs
-and batches over the item limit: a stream without a session must be refused, and every item of one
-with a session answered once by seq, none INTERNAL.
+The streams are the only transfer APIs (protocol 5): the peer API's Channel gets raw bytes on a
+stream with a live session (peer_raw), and PeerBatches of items of every kind (peer_msg), with the
+stream's instance in metadata known or not, duplicate seqs and batches over the item limit: a stream
+without a session must be refused, and every item of one with a session answered once by seq, none
+INTERNAL. The fuzz workers attach with plain Attach calls and the fuzzer drives their Streams itself
+(``RawWorker``): drawn commands in batches (worker_msg), each answered once by seq, none INTERNAL;
+raw bytes and drawn first batches go on Streams of their own (worker_raw, worker_msg).
 
-Every fuzzed call must come back within 10 s with a status that is not INTERNAL or UNKNOWN. A request
+Every fuzzed call (and stream item) must come back within 10 s with a status that is not INTERNAL or
+UNKNOWN. A request
 that grpc itself cannot parse comes back UNKNOWN ("Unexpected <class ...DecodeError>", logged by grpc
 as "Unexpected [DecodeError] raised by servicer method") before any daemon code runs: that one is
 accepted. At the end the correct traffic must all have succeeded, every Publish and Expect the fuzzer
@@ -36,8 +39,8 @@ stop on SIGTERM within 15 s with exit 0, and their logs may hold no sign of an u
 Helpers of the fuzzer, outside the daemons:
 - a fake peer daemon (a gRPC server in this process) that the fuzzer names as the peer address of its
   handshakes and as a producer address: failure notices, withdrawals and registrations then go
-  somewhere that answers at once, and its Register handler captures a real consumer agent's NIXL
-  metadata (the decode daemon's: what cross_peer and the agent target's replays forge);
+  somewhere that answers at once, and its Channel captures a real consumer agent's NIXL metadata
+  (the decode daemon's: what cross_peer and the agent target's replays forge);
 - a few real NIXL agents in this process (UCX, no progress thread: the agent target drives them), each
   with a registered host buffer between guard bytes, used in turn by the agent target's origins (their
   instance ids share the 8 characters the daemon names a peer's agents by), so that registrations with
@@ -57,8 +60,10 @@ KVPUSHD_FUZZ_TARGETS=peer_msg,agent (comma-separated) runs only some targets.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
+import queue
 import random
 import re
 import resource
@@ -82,8 +87,8 @@ from google.protobuf import message_factory, text_format
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvpushd_client import Completion, CompletionKind, Role
-from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2
+from kvpushd_client import Completion, CompletionKind, Role, _convert
+from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2, worker_pb2_grpc
 from support import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
 
 from kvpushd import PROTOCOL_VERSION
@@ -275,7 +280,7 @@ def region_tables(draw: st.DrawFn) -> list[peer_pb2.RemoteRegion]:
 
 
 class FakePeer(grpc.GenericRpcHandler):
-    """Answers every PeerService call at once; keeps the first consumer agent registered with it."""
+    """Answers a Handshake and every Channel item at once; keeps the first consumer agent registered with it."""
 
     def __init__(self) -> None:
         self.instance = f"fake-{uuid.uuid4().hex}"
@@ -284,9 +289,11 @@ class FakePeer(grpc.GenericRpcHandler):
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         name = details.method.rsplit("/", 1)[-1]
-        if name == "Channel":  # what a daemon uses: every item answered OK at once
+        if name == "Channel":  # every item answered OK at once
             return grpc.stream_stream_rpc_method_handler(self.channel)
-        return grpc.unary_unary_rpc_method_handler(lambda req, ctx: self.answer(name, req))
+        if name == "Handshake":
+            return grpc.unary_unary_rpc_method_handler(lambda req, ctx: self.hello())
+        return None
 
     def channel(self, requests: Any, ctx: Any) -> Any:
         self.calls["Channel"] += 1
@@ -304,29 +311,69 @@ class FakePeer(grpc.GenericRpcHandler):
                     r.heartbeat.knows_caller = True
             yield out.SerializeToString()
 
-    def answer(self, name: str, req: bytes) -> bytes:
-        self.calls[name] += 1
-        if name == "Handshake":
-            return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=HASH, node_id="fuzz-peer",
-                                              instance_id=self.instance).SerializeToString()
-        if name == "Register":
-            agent = peer_pb2.RegisterRequest.FromString(req).consumer_agent
-            if agent.agent_metadata and self.captured is None:
-                self.captured = agent
-        if name == "RegisterBatch":  # what a daemon sends: every registration accepted
-            batch = peer_pb2.RegisterBatchRequest.FromString(req)
-            for r in batch.registrations:
-                if r.consumer_agent.agent_metadata and self.captured is None:
-                    self.captured = r.consumer_agent
-            return peer_pb2.RegisterBatchResponse(
-                results=[peer_pb2.RegisterResult(code="OK") for _ in batch.registrations]).SerializeToString()
-        if name == "Heartbeat" and hasattr(peer_pb2, "HeartbeatResponse"):
-            resp = peer_pb2.HeartbeatResponse()
-            for k, v in (("instance_id", self.instance), ("knows_caller", True)):
-                if k in resp.DESCRIPTOR.fields_by_name:
-                    setattr(resp, k, v)
-            return resp.SerializeToString()
-        return b""  # an empty message of any response type
+    def hello(self) -> bytes:
+        self.calls["Handshake"] += 1
+        return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=HASH, node_id="fuzz-peer",
+                                          instance_id=self.instance).SerializeToString()
+
+
+class RawWorker:
+    """A fuzz worker: attached with a plain Attach, its Stream driven here. The fuzzer's commands go out in
+    batches of its choosing (seqs numbered here, so every answer is matched), the answers by seq, the
+    completions as they come."""
+
+    def __init__(self, chan: grpc.Channel, req: worker_pb2.AttachRequest) -> None:
+        self.stub = stub = worker_pb2_grpc.WorkerServiceStub(chan)
+        self.worker_id = stub.Attach(req, timeout=30).worker_id
+        self._out: queue.SimpleQueue[worker_pb2.CommandBatch | None] = queue.SimpleQueue()
+        self._out.put(worker_pb2.CommandBatch(worker_id=self.worker_id))
+        self._seq = itertools.count(1)
+        self._cond = threading.Condition()
+        self._results: dict[int, worker_pb2.CommandResult] = {}
+        self._done: list[Completion] = []
+        self.error: grpc.RpcError | None = None
+        self._call = stub.Stream(iter(self._out.get, None))
+        self._reader = threading.Thread(target=self._read, name=f"fuzz-{self.worker_id}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for ev in self._call:
+                with self._cond:
+                    self._results.update((r.seq, r) for r in ev.results)
+                    self._done.extend(_convert.completion(c) for c in ev.completions)
+                    self._cond.notify_all()
+        except grpc.RpcError as e:
+            self.error = e
+        with self._cond:
+            self._cond.notify_all()
+
+    def batch(self, cmds: list[worker_pb2.Command],
+              timeout: float = CALL_TIMEOUT) -> list[worker_pb2.CommandResult | None]:
+        """One CommandBatch; each command's answer (None: none within ``timeout``)."""
+        seqs = []
+        for c in cmds:
+            c.seq = next(self._seq)
+            seqs.append(c.seq)
+        self._out.put(worker_pb2.CommandBatch(commands=cmds))
+        with self._cond:
+            self._cond.wait_for(lambda: all(s in self._results for s in seqs) or self.error is not None, timeout)
+            return [self._results.pop(s, None) for s in seqs]
+
+    def command(self, **op: Message) -> worker_pb2.CommandResult | None:
+        return self.batch([worker_pb2.Command(**op)])[0]  # type: ignore[arg-type]
+
+    def completions(self) -> list[Completion]:
+        with self._cond:
+            out, self._done = self._done, []
+        return out
+
+    def detach(self) -> None:
+        """A Detach (done when it returns), then the stream's end."""
+        self.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id), timeout=30)
+        self._out.put(None)
+        self._call.cancel()
+        self._reader.join(10)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,9 +513,9 @@ class Fuzz:
     fake: FakePeer
     fake_addr: str  # the agent target's fake origins
     fake_addr2: str  # the generic targets' fake origins (another address for the same server)
-    fuzzp: Any  # fuzz producer worker on p
-    fuzzd: Any  # fuzz consumer worker on d (worker API fuzzing)
-    fuzzc: Any  # fuzz consumer worker on d whose agent only the fake origins register with p
+    fuzzp: RawWorker  # fuzz producer worker on p
+    fuzzd: RawWorker  # fuzz consumer worker on d (worker API fuzzing)
+    fuzzc: RawWorker  # fuzz consumer worker on d whose agent only the fake origins register with p
     fsrc: KV
     fcap: KV  # fuzzc's memory
     attach_kv: KV
@@ -517,13 +564,11 @@ class Fuzz:
         streaming = service.methods_by_name[method].server_streaming
         chan = self.chans[(daemon, api)]
         data: bytes | None = None
-        # peer calls carry the session token of the instance they name (from its handshake)
-        # (a Channel names it in metadata: ``instance``, with the session of that instance if we have it)
-        inst = getattr(req, "caller_instance_id", "") if not raw and api == "peer" else ""
-        inst = inst if instance is None else instance
-        md: Any = (("kvpushd-session", self.tokens[(daemon, inst)]),) if (daemon, inst) in self.tokens else None
+        # a Channel names its instance in metadata, with the session token of that instance if we have one
+        md: Any = None
         if instance is not None:
-            md = (*(md or ()), ("kvpushd-instance", instance))
+            tok = self.tokens.get((daemon, instance))
+            md = ((("kvpushd-session", tok),) if tok else ()) + (("kvpushd-instance", instance),)
         t0 = time.monotonic()
         try:
             if service.methods_by_name[method].client_streaming:  # one batch, then half-close: all answers
@@ -567,6 +612,53 @@ class Fuzz:
                 self.anomalies[key] = Anomaly(target, f"{daemon}:{path}", problem, code.name, details[:600],
                                               describe(req), dt)
         return code, details, data
+
+    def judge_item(self, target: str, where: str, code: str, message: str, req: Message,
+                   want: tuple[str, Callable[[grpc.StatusCode], bool]] | None = None) -> None:
+        """One stream item's answer (``code`` "" or None-like: no answer): a clean status, and the wanted one."""
+        self.stats[target][f"{where}:{code or 'NO ANSWER'}"] += 1
+        if code != "OK":
+            self.reasons[target][f"{where}: {code}: {re.sub(r'[0-9]+', '#', message)[:70]}"] += 1
+        status = getattr(grpc.StatusCode, code, None) if code else None
+        problem = ""
+        if status is None:
+            problem = f"item answered {code!r}" if code else "item not answered within the call timeout"
+        elif status in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            problem = f"item {code}"
+        elif want is not None and not want[1](status):
+            problem = f"item {code}, wanted {want[0]}"
+        if problem:
+            key = (target, where, problem, re.sub(r"[0-9a-f]{6,}|\d+", "#", message)[:160])
+            if key in self.anomalies:
+                self.anomalies[key].count += 1
+            else:
+                self.anomalies[key] = Anomaly(target, where, problem, code, message[:600], describe(req), 0.0)
+
+    def peer_item(self, target: str, daemon: str, origin: str, kind: str, msg: Message,
+                  want: tuple[str, Callable[[grpc.StatusCode], bool]] | None = None) -> peer_pb2.PeerResult:
+        """One item on a Channel stream of ``origin``'s session; its result (code "" when none came)."""
+        batch = peer_pb2.PeerBatch()
+        getattr(batch.items.add(seq=1), kind).CopyFrom(msg)
+        code, _, data = self.call(target, daemon, "peer", PEER_SVC, "Channel", batch, instance=origin,
+                                  want=("OK", lambda c: c is grpc.StatusCode.OK))
+        out = peer_pb2.PeerBatch.FromString(data or b"") if code is grpc.StatusCode.OK else peer_pb2.PeerBatch()
+        res = out.items[0].result if out.items else peer_pb2.PeerResult()
+        if code is grpc.StatusCode.OK:
+            self.judge_item(target, f"{daemon}:Channel.{kind}", res.code, res.message, msg, want)
+        return res
+
+    def command(self, target: str, w: RawWorker, kind: str, msg: Message,
+                want: tuple[str, Callable[[grpc.StatusCode], bool]] | None = None) -> str:
+        """One command on a fuzz worker's stream; its answer's code (accepted Expects and Publishes counted)."""
+        t0 = time.monotonic()
+        r = w.command(**{kind: msg})
+        self.call_s[target] += time.monotonic() - t0
+        code = r.code if r is not None else ""
+        self.judge_item(target, f"{self.fuzz_ids[w.worker_id]}:Stream.{kind}", code, r.message if r else "", msg,
+                        want)
+        if code == "OK" and kind in ("expect", "publish"):
+            self.accepted[(w.worker_id, msg.transfer_id)] += 1  # type: ignore[attr-defined]
+        return code
 
     def out_of_time(self, target: str) -> bool:
         if time.monotonic() > self.deadline:
@@ -652,12 +744,8 @@ class Fuzz:
 
     def peer_case(self, daemon: str, method: str, req: Message) -> None:
         want = None
-        caller = getattr(req, "caller_instance_id", None)
         if method == "Handshake" and (req.protocol_version != PROTOCOL_VERSION or req.compat_hash != HASH):
             want = ("a refusal of a wrong protocol version or hash", lambda c: c is not grpc.StatusCode.OK)
-        elif method in ("Register", "Fail", "Withdraw", "Offer", "ReadFailed") \
-                and caller not in self.known_origins[daemon]:
-            want = ("a refusal of an unknown caller", lambda c: c is not grpc.StatusCode.OK)
         code, _, _ = self.call("peer_msg", daemon, "peer", PEER_SVC, method, req, want=want)
         if method == "Handshake" and code is grpc.StatusCode.OK:
             self.origins[daemon].append(req.instance_id)
@@ -668,8 +756,6 @@ class Fuzz:
                     "peer_msg", f"{daemon}:Handshake", f"accepted a peer's {big} characters long string(s): kept "
                     "for as long as the peer is known, shown in every GetStatus and written to the log",
                     "OK", "", describe(req), 0.0)
-        if method == "Register" and caller in self.known_origins[daemon]:
-            self.registrations.append(Registration(daemon, caller, req.transfer_id, req.registration_id))
 
     def peer_seeds(self) -> None:
         """Inputs the random search may or may not reach within its budget: they run first."""
@@ -678,11 +764,13 @@ class Fuzz:
             peer_address=self.fake_addr2, instance_id=f"fz-{uuid.uuid4().hex}"))
         table = [peer_pb2.RemoteRegion(base_addr=4096, num_blocks=F_BLOCKS, block_len=F_BLOCK_LEN,
                                        block_stride=F_BLOCK_LEN)] * F_REGIONS
-        self.peer_case("p", "Register", peer_pb2.RegisterRequest(
-            caller_instance_id=self.origins["p"][-1], transfer_id="seed-tp", registration_id=77,
+        origin = self.origins["p"][-1]
+        self.peer_item("peer_msg", "p", origin, "register", peer_pb2.RegisterRequest(
+            transfer_id="seed-tp", registration_id=77,
             producer_engine_id="fuzzp", producer_tp_size=2**32 - 1, consumer_engine_id="x", consumer_tp_size=1,
             consumer_agent=peer_pb2.AgentInfo(agent_name="fz-agent-seed", agent_metadata=b"garbage",
                                               memory_kind="DRAM", regions=table), block_ids=[1]))
+        self.registrations.append(Registration("p", origin, "seed-tp", 77))
 
     def peer_msg(self) -> None:
         self.peer_seeds()
@@ -700,14 +788,14 @@ class Fuzz:
         @given(daemon=st.sampled_from(["p", "p", "d"]), data=st.data())
         def run(daemon: str, data: st.DataObject) -> None:
             method = data.draw(st.sampled_from(methods))
-            if method == "Channel":  # a batch of items of every kind, each drawn like its unary request
+            if method == "Channel":  # a batch of items of every kind
                 instance = data.draw(st.one_of(pool(self.origins[daemon]), pool(self.origins[daemon]), TEXT))
                 batch = peer_pb2.PeerBatch()
                 for _ in range(data.draw(st.sampled_from([0, 1, 1, 2, 3, 6]))):
                     it = batch.items.add(seq=data.draw(st.one_of(st.integers(1, 8), U64)))
                     f = data.draw(st.one_of(st.sampled_from(kinds), st.none()))
                     if f is not None:
-                        getattr(it, f.name).CopyFrom(data.draw(messages(f.message_type, fields(daemon, instance))))
+                        getattr(it, f.name).CopyFrom(data.draw(messages(f.message_type, fields())))
                 if data.draw(st.integers(0, 9)) == 0:  # over the limit of items in one batch
                     batch.items.extend([peer_pb2.PeerItem(seq=1)] * 4097)
                 if self.out_of_time("peer_msg"):
@@ -715,14 +803,13 @@ class Fuzz:
                 self.channel_case(daemon, instance, batch)
                 return
             desc = PEER_SVC.methods_by_name[method].input_type
-            req = data.draw(messages(desc, fields(daemon, None)))
+            req = data.draw(messages(desc, fields()))
             if self.out_of_time("peer_msg"):
                 return
             self.peer_case(daemon, method, req)
 
-        def fields(daemon: str, instance: str | None) -> dict[str, st.SearchStrategy[Any]]:
+        def fields() -> dict[str, st.SearchStrategy[Any]]:
             return {
-                "caller_instance_id": st.one_of(pool(self.origins[daemon]), pool(self.origins[daemon]), TEXT),
                 "instance_id": st.one_of(st.builds(lambda: f"fz-{uuid.uuid4().hex}"), TEXT),
                 "protocol_version": mostly(PROTOCOL_VERSION, U32),
                 "compat_hash": mostly(HASH, TEXT),
@@ -736,10 +823,7 @@ class Fuzz:
                 "consumer_agent": agents,
                 "block_ids": block_lists(),
                 "reason": st.one_of(TEXT, st.just("r" * 100_000)),
-            } | ({} if instance is None else {
-                # in a Channel item: empty (the stream's), the stream's own, or another one
-                "caller_instance_id": st.one_of(st.just(""), st.just(""), st.just(instance),
-                                                pool(self.origins[daemon]), TEXT)})
+            }
 
         run()
 
@@ -876,24 +960,22 @@ class Fuzz:
                     want = ("no PERMISSION_DENIED: the origin's own agent",
                             lambda c: c is not grpc.StatusCode.PERMISSION_DENIED)
                 req = peer_pb2.RegisterRequest(
-                    caller_instance_id=origin, transfer_id=tid, registration_id=rid, producer_engine_id="fuzzp",
+                    transfer_id=tid, registration_id=rid, producer_engine_id="fuzzp",
                     producer_tp_size=1, consumer_engine_id="fuzzd", consumer_tp_rank=0, consumer_tp_size=1,
                     consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind=mem_kind,
                                                       regions=regions), block_ids=dst)
-                code, _, data_ = self.call("agent", "p", "peer", PEER_SVC, "Register", req, want=want)
+                res = self.peer_item("agent", "p", origin, "register", req, want=want)
                 self.registrations.append(Registration("p", origin, tid, rid))
-                if code is not grpc.StatusCode.OK or peer_pb2.RegisterResponse.FromString(data_ or b"").need_metadata:
+                if res.code != "OK" or res.need_metadata:
                     if must_finish:
                         self.anomalies[("agent-seed", tid)] = Anomaly(
-                            "agent", "p:Register", "the registration of a fuzz agent with its real table was not "
-                            "accepted with its metadata", code.name, "", describe(req), 0.0)
+                            "agent", "p:Channel.register", "the registration of a fuzz agent with its real table "
+                            "was not accepted with its metadata", res.code, res.message, describe(req), 0.0)
                     return
-                pub = worker_pb2.PublishRequest(worker_id=self.fuzzp.worker_id, transfer_id=tid, block_ids=src)
-                code, _, _ = self.call("agent", "p", "local", WORKER_SVC, "Publish", pub,
-                                       want=("OK", lambda c: c is grpc.StatusCode.OK))
-                if code is not grpc.StatusCode.OK:
+                pub = worker_pb2.PublishRequest(transfer_id=tid, block_ids=src)
+                if self.command("agent", self.fuzzp, "publish", pub, want=("OK", lambda c: c is grpc.StatusCode.OK)) \
+                        != "OK":
                     return
-                self.accepted[(self.fuzzp.worker_id, tid)] += 1
                 self.stats["agent"]["reached-nixl"] += 1
                 if restart:
                     self.handshake("p", self.fake_addr)
@@ -949,12 +1031,12 @@ class Fuzz:
             origin = self.handshake("p", self.fake_addr)
             name = f"{agent_prefix(ORIGIN_NODE, origin)}x" if own_prefix else cap.agent_name
             req = peer_pb2.RegisterRequest(
-                caller_instance_id=origin, transfer_id=tid, registration_id=3, producer_engine_id="fuzzp",
+                transfer_id=tid, registration_id=3, producer_engine_id="fuzzp",
                 producer_tp_size=1, consumer_engine_id="fuzzc", consumer_tp_rank=0, consumer_tp_size=1,
                 consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind=cap.memory_kind,
                                                   regions=regions), block_ids=[1])
-            self.call("agent", "p", "peer", PEER_SVC, "Register", req,
-                      want=("PERMISSION_DENIED", lambda c: c is grpc.StatusCode.PERMISSION_DENIED))
+            self.peer_item("agent", "p", origin, "register", req,
+                           want=("PERMISSION_DENIED", lambda c: c is grpc.StatusCode.PERMISSION_DENIED))
             self.registrations.append(Registration("p", origin, tid, 3))
 
         shifted = [peer_pb2.RemoteRegion() for _ in cap.regions]
@@ -1011,19 +1093,21 @@ class Fuzz:
             r.CopyFrom(c)
         regions[0].base_addr += F_BLOCK_LEN
         forged = peer_pb2.RegisterRequest(
-            caller_instance_id=origin, transfer_id="cross-forged", registration_id=1, producer_engine_id="fuzzp",
+            transfer_id="cross-forged", registration_id=1, producer_engine_id="fuzzp",
             producer_tp_size=1, consumer_engine_id="fuzzc", consumer_tp_rank=0, consumer_tp_size=1,
             consumer_agent=peer_pb2.AgentInfo(agent_name=cap.agent_name, agent_metadata=cap.agent_metadata,
                                               memory_kind=cap.memory_kind, regions=regions), block_ids=[0])
-        self.call("cross_peer", "p", "peer", PEER_SVC, "Register", forged,
-                  want=("PERMISSION_DENIED: another daemon's agent", lambda c: c is grpc.StatusCode.PERMISSION_DENIED))
+        self.peer_item("cross_peer", "p", origin, "register", forged, want=(
+            "PERMISSION_DENIED: another daemon's agent", lambda c: c is grpc.StatusCode.PERMISSION_DENIED))
         self.registrations.append(Registration("p", origin, "cross-forged", 1))
         self.fcap.arr[:] = POISON
         tid, sb, db = "cross-real", [7, 8], [1, 2]
-        self.fuzzc.expect(tid, db, self.p.peer_address, "fuzzp", 1)
-        self.fuzzp.publish(tid, sb)
-        self.accepted[(self.fuzzc.worker_id, tid)] += 1
-        self.accepted[(self.fuzzp.worker_id, tid)] += 1
+        ok = ("OK", lambda c: c is grpc.StatusCode.OK)
+        self.command("cross_peer", self.fuzzc, "expect", worker_pb2.ExpectRequest(
+            transfer_id=tid, block_ids=db, producer_address=self.p.peer_address, producer_engine_id="fuzzp",
+            producer_tp_size=1), want=ok)
+        self.command("cross_peer", self.fuzzp, "publish", worker_pb2.PublishRequest(transfer_id=tid, block_ids=sb),
+                     want=ok)
         end = time.monotonic() + 20
         while time.monotonic() < end and not (self.got.get((self.fuzzc.worker_id, tid))
                                               and self.got.get((self.fuzzp.worker_id, tid))):
@@ -1057,57 +1141,78 @@ class Fuzz:
 
         run()
 
-    def worker_case(self, daemon: str, svc: Any, method: str, req: Message) -> None:
-        wid = getattr(req, "worker_id", "")
-        home = self.fuzz_ids.get(wid)
-        want = None
-        if svc is WORKER_SVC and wid not in self.fuzz_ids and undefined_enum(req):
-            # a value no enum defines is invalid whatever the state: either refusal is right
-            want = ("NOT_FOUND for an unknown worker or INVALID_ARGUMENT for an undefined enum value",
-                    lambda c: c in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT))
-        elif svc is WORKER_SVC and wid not in self.fuzz_ids:
-            want = ("NOT_FOUND for an unknown worker", lambda c: c is grpc.StatusCode.NOT_FOUND)
-        elif method == "Session" and daemon == home:
-            want = ("ALREADY_EXISTS: the worker has a session", lambda c: c is grpc.StatusCode.ALREADY_EXISTS)
-        elif (method, home) in (("Expect", "d"), ("Publish", "p")) and daemon == home and not req.block_ids:
-            want = ("INVALID_ARGUMENT for no blocks", lambda c: c is grpc.StatusCode.INVALID_ARGUMENT)
-        code, _, _ = self.call("worker_msg", daemon, "local", svc, method, req, want=want,
-                               timeout=1.5 if method == "Watch" else CALL_TIMEOUT, allow_deadline=method == "Watch")
-        if method in ("Expect", "Publish") and code is grpc.StatusCode.OK:
-            self.accepted[(wid, req.transfer_id)] += 1
+    def worker_batch(self, w: RawWorker, cmds: list[worker_pb2.Command]) -> None:
+        """Commands in one batch on a fuzz worker's stream: every one answered, none INTERNAL, each alone."""
+        t0 = time.monotonic()
+        results = w.batch(cmds)
+        self.call_s["worker_msg"] += time.monotonic() - t0
+        home = self.fuzz_ids[w.worker_id]
+        for c, r in zip(cmds, results, strict=True):
+            op = c.WhichOneof("op")
+            msg = getattr(c, op) if op else c
+            want = None
+            if len(cmds) > 4096 or op is None:
+                want = ("INVALID_ARGUMENT", lambda x: x is grpc.StatusCode.INVALID_ARGUMENT)
+            elif (op, home) in (("expect", "d"), ("publish", "p")) and not msg.block_ids and not undefined_enum(msg):
+                want = ("INVALID_ARGUMENT for no blocks", lambda x: x is grpc.StatusCode.INVALID_ARGUMENT)
+            code = r.code if r is not None else ""
+            self.judge_item("worker_msg", f"{home}:Stream.{op}", code, r.message if r else "", msg, want)
+            if code == "OK" and op in ("expect", "publish"):
+                self.accepted[(w.worker_id, msg.transfer_id)] += 1
 
     def worker_msg(self) -> None:
         # first a seed the random search may or may not reach within its budget
-        self.worker_case("d", WORKER_SVC, "Expect", worker_pb2.ExpectRequest(
-            worker_id=self.fuzzd.worker_id, transfer_id="seed-tp", block_ids=[1, 2],
-            producer_address=self.p.peer_address, producer_engine_id="fuzzp", producer_tp_size=2**32 - 1))
+        self.command("worker_msg", self.fuzzd, "expect", worker_pb2.ExpectRequest(
+            transfer_id="seed-tp", block_ids=[1, 2], producer_address=self.p.peer_address,
+            producer_engine_id="fuzzp", producer_tp_size=2**32 - 1))
+        ops = list(worker_pb2.Command.DESCRIPTOR.oneofs_by_name["op"].fields)
         fuzz_ids = [self.fuzzp.worker_id, self.fuzzd.worker_id]
-        calls = [(WORKER_SVC, m) for m in ("Expect", "Expect", "Publish", "Publish", "Abort", "PollCompletions",
-                                           "Detach", "Session")] + [(STATUS_SVC, "GetStatus"), (STATUS_SVC, "Watch")]
+        calls = ["command"] * 6 + ["batch", "batch", "Stream", "Detach", "GetStatus", "Watch"]
         addresses = st.one_of(st.just(self.p.peer_address), st.just(self.p.peer_address), st.just(self.fake_addr2),
                               st.just("127.0.0.1:1"), TEXT)
+        overrides = {
+            "transfer_id": TIDS,
+            "block_ids": block_lists(),
+            "producer_address": addresses,
+            "producer_engine_id": mostly("fuzzp", st.one_of(st.sampled_from(["prefill", "nobody"]), TEXT)),
+            "producer_tp_size": TP,
+        }
 
         @FUZZ_SETTINGS
         @given(data=st.data())
         def run(data: st.DataObject) -> None:
-            svc, method = data.draw(st.sampled_from(calls))
-            req = data.draw(messages(svc.methods_by_name[method].input_type, {
-                "worker_id": mostly(self.fuzzd.worker_id if method == "Expect" else self.fuzzp.worker_id,
-                                    st.one_of(st.sampled_from(fuzz_ids), TEXT)),
-                "transfer_id": TIDS,
-                "block_ids": block_lists(),
-                "producer_address": addresses,
-                "producer_engine_id": mostly("fuzzp", st.one_of(st.sampled_from(["prefill", "nobody"]), TEXT)),
-                "producer_tp_size": TP,
-            }))
-            wid = getattr(req, "worker_id", "")
-            if wid == self.fuzzc.worker_id or (method == "Detach" and wid in self.fuzz_ids):
-                req.worker_id = wid = "not-" + wid  # the fuzz workers stay (a Detach of them is no bug)
-            home = self.fuzz_ids.get(wid)
-            daemon = home if home and data.draw(st.integers(0, 4)) else data.draw(st.sampled_from(["p", "d"]))
+            what = data.draw(st.sampled_from(calls))
+            if what in ("command", "batch"):
+                w = data.draw(st.sampled_from([self.fuzzp, self.fuzzd]))
+                n = 1 if what == "command" else data.draw(st.sampled_from([0, 2, 3, 6, 4097]))
+                cmds = []
+                for _ in range(min(n, 6)):
+                    c = worker_pb2.Command()
+                    f = data.draw(st.one_of(st.sampled_from(ops), st.sampled_from(ops), st.none()))
+                    if f is not None:
+                        getattr(c, f.name).CopyFrom(data.draw(messages(f.message_type, overrides)))
+                    cmds.append(c)
+                cmds += [worker_pb2.Command() for _ in range(n - len(cmds))]  # over the limit of one batch
+                if self.out_of_time("worker_msg"):
+                    return
+                self.worker_batch(w, cmds)
+                return
+            daemon = data.draw(st.sampled_from(["p", "d"]))
+            if what in ("Stream", "Detach"):  # of another worker: the fuzz workers stay (their Detach is no bug)
+                desc = worker_pb2.CommandBatch.DESCRIPTOR if what == "Stream" else worker_pb2.DetachRequest.DESCRIPTOR
+                req = data.draw(messages(desc, {"worker_id": st.one_of(st.sampled_from(fuzz_ids), TEXT)}))
+                if req.worker_id in self.fuzz_ids or req.worker_id == self.fuzzc.worker_id:
+                    req.worker_id = "not-" + req.worker_id
+                want = ("NOT_FOUND for an unknown worker", lambda c: c is grpc.StatusCode.NOT_FOUND)
+                if self.out_of_time("worker_msg"):
+                    return
+                self.call("worker_msg", daemon, "local", WORKER_SVC, what, req, want=want)
+                return
+            req = data.draw(messages(STATUS_SVC.methods_by_name[what].input_type))
             if self.out_of_time("worker_msg"):
                 return
-            self.worker_case(daemon, svc, method, req)
+            self.call("worker_msg", daemon, "local", STATUS_SVC, what, req,
+                      timeout=1.5 if what == "Watch" else CALL_TIMEOUT, allow_deadline=what == "Watch")
 
         run()
 
@@ -1282,15 +1387,20 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
             return None
 
     try:
-        fuzzp = p.client.attach("fuzzp", Role.PRODUCER, 0, 1, [fsrc.buf.memory], fsrc.region_list)
-        fuzzd = d.client.attach("fuzzd", Role.CONSUMER, 0, 1, [fdst.buf.memory], fdst.region_list)
-        fuzzc = d.client.attach("fuzzc", Role.CONSUMER, 0, 1, [fcap.buf.memory], fcap.region_list)
+        def raw(x: DaemonProc, engine: str, role: Role, kv: KV) -> RawWorker:
+            chan = grpc.insecure_channel(f"unix:{x.sock}", options=OPTS)
+            return RawWorker(chan, _convert.attach_request(engine, role, 0, 1, [kv.buf.memory], kv.region_list, 0,
+                                                           "fuzz worker"))
+
+        fuzzp, fuzzd, fuzzc = (raw(p, "fuzzp", Role.PRODUCER, fsrc), raw(d, "fuzzd", Role.CONSUMER, fdst),
+                               raw(d, "fuzzc", Role.CONSUMER, fcap))
         fz = Fuzz(p, d, fake, f"127.0.0.1:{port}", f"localhost:{port}", fuzzp, fuzzd, fuzzc, fsrc, fcap, attach_kv)
         # the decode daemon registers the capture consumer's agent with the fake peer: keep its metadata
-        fuzzc.expect("capture", [0], fz.fake_addr, "fuzzp", 1)
-        fz.accepted[(fuzzc.worker_id, "capture")] += 1
-        assert wait_for(lambda: fake.captured is not None, 30), f"no RegisterBatch reached the fake peer: {fake.calls}"
-        fuzzc.abort("capture")
+        fz.command("setup", fuzzc, "expect", worker_pb2.ExpectRequest(
+            transfer_id="capture", block_ids=[0], producer_address=fz.fake_addr, producer_engine_id="fuzzp",
+            producer_tp_size=1), want=("OK", lambda c: c is grpc.StatusCode.OK))
+        assert wait_for(lambda: fake.captured is not None, 30), f"no registration reached the fake peer: {fake.calls}"
+        fz.command("setup", fuzzc, "abort", worker_pb2.AbortRequest(transfer_id="capture"))
         for daemon in ("p", "d"):
             fz.handshake(daemon, fz.fake_addr2)
         for x in (p, d):
@@ -1313,13 +1423,23 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
     wedged = any("no completion" in a.problem or "hang" in a.problem for a in fz.anomalies.values())
     grace = 5.0 if wedged else 25.0
     # clean up what the fuzzer left pending: its registrations, its workers' transfers
+    by_origin: dict[tuple[str, str], list[Registration]] = collections.defaultdict(list)
     for r in fz.registrations:
-        fz.call("cleanup", r.daemon, "peer", PEER_SVC, "Withdraw", peer_pb2.FailNotice(
-            caller_instance_id=r.origin, transfer_id=r.transfer_id, registration_id=r.registration_id,
-            code=common_pb2.FAILURE_ABORTED, reason="fuzz cleanup"))
-    for wid, tid in list(fz.accepted):
-        fz.call("cleanup", fz.fuzz_ids[wid], "local", WORKER_SVC, "Abort",
-                worker_pb2.AbortRequest(worker_id=wid, transfer_id=tid))
+        by_origin[(r.daemon, r.origin)].append(r)
+    for (daemon, origin), regs in by_origin.items():  # one batch per origin (a forgotten one is refused)
+        batch = peer_pb2.PeerBatch()
+        for i, r in enumerate(regs[:4096], 1):
+            batch.items.add(seq=i, withdraw=peer_pb2.FailNotice(
+                transfer_id=r.transfer_id, registration_id=r.registration_id, code=common_pb2.FAILURE_ABORTED,
+                reason="fuzz cleanup"))
+        fz.call("cleanup", daemon, "peer", PEER_SVC, "Channel", batch, instance=origin)
+    for w in fz.workers.values():
+        aborts = [worker_pb2.Command(abort=worker_pb2.AbortRequest(transfer_id=tid))
+                  for wid, tid in fz.accepted if wid == w.worker_id]
+        for i in range(0, len(aborts), 4096):
+            for r in w.batch(aborts[i:i + 4096]):
+                fz.judge_item("cleanup", "Stream.abort", r.code if r else "", r.message if r else "",
+                              worker_pb2.AbortRequest())
 
     def all_completed() -> bool:
         fz.collect()

@@ -1,4 +1,5 @@
-"""A RegisterBatch that breaks: every registration in it ends once, within its bound."""
+"""A batch of registrations on the peer stream that breaks: every registration in it ends once, within
+its bound."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_a_batch_to_a_stalled_prefill_daemon_fails_each_registration_once(workdi
     stopped = False
     try:
         p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         os.kill(p.proc.pid, signal.SIGSTOP)  # it stops answering: the batch's call cannot complete
         stopped = True
         for i in range(8):

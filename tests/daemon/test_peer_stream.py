@@ -1,5 +1,6 @@
-"""The peer Channel stream (protocol 4): one long-lived stream per calling daemon and peer, batches of
-items answered each on its own by seq, the session checked once when the stream opens.
+"""The peer Channel stream (protocol 5, the only peer API besides Handshake): one long-lived stream per
+calling daemon and peer, batches of items answered each on its own by seq, the session checked once
+when the stream opens.
 
 Real daemons and real NIXL throughout; a fake prefill daemon (a gRPC server in this process) only
 where a test must see the batches a decode daemon writes, and raw streams only where a test must send
@@ -79,12 +80,12 @@ def test_a_stream_without_a_live_session_is_refused_once_at_open(daemon_pair) ->
     assert code is grpc.StatusCode.OK, details
     assert [(it.seq, it.result.code, it.result.heartbeat.knows_caller) for it in got] == [(1, "OK", True)] * 2
     assert got[0].result.heartbeat.instance_id == p.client.status().instance_id
-    # an item naming another caller instance fails alone; the stream's own (or none) is trusted
-    other = peer_pb2.PeerItem(seq=2, heartbeat=peer_pb2.HeartbeatRequest(caller_instance_id="someone-else"))
-    own = peer_pb2.PeerItem(seq=3, heartbeat=peer_pb2.HeartbeatRequest(caller_instance_id=instance))
-    code, _, got = stream(chan, [peer_pb2.PeerBatch(items=[other, own])], session_md(instance, token))
+    # an item without an operation, or a result sent to the callee, fails alone
+    empty, result = peer_pb2.PeerItem(seq=2), peer_pb2.PeerItem(seq=3, result=peer_pb2.PeerResult(code="OK"))
+    own = peer_pb2.PeerItem(seq=4, heartbeat=peer_pb2.HeartbeatRequest())
+    code, _, got = stream(chan, [peer_pb2.PeerBatch(items=[empty, result, own])], session_md(instance, token))
     assert code is grpc.StatusCode.OK
-    assert [(it.seq, it.result.code) for it in got] == [(2, "PERMISSION_DENIED"), (3, "OK")]
+    assert [(it.seq, it.result.code) for it in got] == [(2, "INVALID_ARGUMENT"), (3, "INVALID_ARGUMENT"), (4, "OK")]
     chan.close()
 
 
@@ -160,13 +161,16 @@ def test_malformed_batches_get_a_clear_status_and_the_daemon_goes_on(workdir) ->
         cases = [
             ([b"\xff\xff\xff\xff garbage"], grpc.StatusCode.INVALID_ARGUMENT, "malformed PeerBatch"),
             ([good.SerializeToString(), b"\x0a\xff\xff\xff\xff\x0f"], grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
-            ([peer_pb2.PeerBatch(items=[peer_pb2.PeerItem(seq=i) for i in range(5000)]).SerializeToString()],
-             grpc.StatusCode.INVALID_ARGUMENT, "at most 4096"),
             ([b"\x0a\x00" * (600 << 10)], grpc.StatusCode.RESOURCE_EXHAUSTED, ""),  # over max_message_bytes
         ]
         for batches, want, words in cases:
             code, details, _ = stream(chan, batches, md, raw=True)
             assert code is want and words in details, (want, code, details)
+        # a batch over the item limit has every item refused, and the stream goes on
+        code, details, got = stream(chan, [peer_pb2.PeerBatch(items=[peer_pb2.PeerItem(seq=i) for i in range(5000)])],
+                                    md)
+        assert code is grpc.StatusCode.OK and len(got) == 5000, (code, details)
+        assert {it.result.code for it in got} == {"INVALID_ARGUMENT"} and "at most 4096" in got[0].result.message
         # an item asking for absurd sizes fails alone; an item of no kind too
         huge = peer_pb2.PeerItem(seq=7, register=peer_pb2.RegisterRequest(
             transfer_id="huge", registration_id=9, producer_engine_id="prefill", producer_tp_size=1,
@@ -198,7 +202,7 @@ def test_one_bad_registration_among_good_ones_fails_alone_and_the_rest_land(daem
     p, d = daemon_pair
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     plan = {"g0": ([1, 2], [10, 11]), "g1": ([3], [12]), "g2": ([4, 5, 6], [13, 14, 15])}
     dw.expect_nowait("g0", plan["g0"][0], p.peer_address, "prefill", 1)
     dw.expect_nowait("bad", [7], p.peer_address, "nobody-here", 1)  # no such prefill engine on that node
@@ -277,7 +281,7 @@ def test_a_decode_daemon_writes_one_batch_per_turn_in_order_with_heartbeats_on_t
     d = start_daemon(workdir, "dnode", LONG + "heartbeat_interval_s = 0.2\n")
     dst = make_kv("kvpushd-test-fdst", fill="poison")
     try:
-        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         tids = [f"o{i}" for i in range(16)]
         for i, tid in enumerate(tids):
             dw.expect_nowait(tid, [i], f"127.0.0.1:{port}", "prefill", 1)
@@ -335,7 +339,7 @@ def test_a_peer_killed_mid_batch_ends_every_request_on_the_stream_once(workdir) 
     stopped = False
     try:
         p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         for i in range(6):  # registered, waiting for a publish that never comes
             dw.expect_nowait(f"r{i}", [i], p.peer_address, "prefill", 1)
         dw.step()
@@ -380,7 +384,7 @@ def test_back_pressure_from_a_stopped_peer_is_bounded_and_it_recovers(workdir) -
     stopped = False
     try:
         pw2 = p.client.attach("prefill2", Role.PRODUCER, 0, 1, [dsrc.buf.memory], dsrc.region_list)
-        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         dw.expect_nowait("warm", [0], p.peer_address, "prefill2", 1)  # the stream is open and in use
         dw.step()
         pw2.publish("warm", [1])
@@ -440,8 +444,8 @@ def test_a_decode_daemon_whose_stream_broke_is_dropped_after_a_short_grace(workd
     d = start_daemon(workdir, "dnode", LONG + "peer_timeout_s = 10.0\nheartbeat_interval_s = 1.0\n")
     src, dst = make_kv("kvpushd-test-gsrc"), make_kv("kvpushd-test-gdst", fill="poison")
     try:
-        pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         for i in range(4):
             dw.expect_nowait(f"g{i}", [i], p.peer_address, "prefill", 1)
         dw.step()

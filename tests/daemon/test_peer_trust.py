@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Region, Role
+from kvpushd_client.peer import PeerSession
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import attach_pair, wait_for
 
@@ -31,14 +32,9 @@ def test_metadata_agent_name() -> None:
     assert agent_prefix("node-a", "0123456789abcdef") == "kvpushd.node-a.01234567."
 
 
-def handshake(address: str, node_id: str, instance: str, own_address: str = "127.0.0.1:1",
-              token: str = "") -> tuple[peer_pb2_grpc.PeerServiceStub, tuple[tuple[str, str], ...]]:
-    """A handshake as ``instance``; returns the stub and the session metadata later calls carry."""
-    stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(address))
-    resp = stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
-                                                    node_id=node_id, peer_address=own_address, instance_id=instance),
-                          timeout=10, metadata=(("kvpushd-session", token),) if token else None)
-    return stub, (("kvpushd-session", resp.session_token),)
+def session(address: str, node_id: str, instance: str = "", own_address: str = "127.0.0.1:1") -> PeerSession:
+    """A peer session as ``instance`` (the client's call-and-wait helper over the Channel)."""
+    return PeerSession(address, PROTOCOL_VERSION, notif.compat_hash(), node_id, instance, own_address)
 
 
 def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
@@ -46,30 +42,27 @@ def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
     real_agent = next(w.agent_name for w in d.client.status().workers)
-    evil = uuid.uuid4().hex
-    stub, session = handshake(p.peer_address, "evil", evil)
+    evil = session(p.peer_address, "evil")
 
-    def register(name: str, md: bytes) -> grpc.RpcError:
+    def register(name: str, md: bytes) -> peer_pb2.PeerResult:
         req = peer_pb2.RegisterRequest(
-            caller_instance_id=evil, transfer_id="forged", registration_id=1, producer_engine_id="prefill",
+            transfer_id="forged", registration_id=1, producer_engine_id="prefill",
             producer_tp_size=1, consumer_engine_id="x", consumer_tp_rank=0, consumer_tp_size=1,
             consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind="DRAM",
                                               regions=[peer_pb2.RemoteRegion(base_addr=4096, num_blocks=8,
                                                                              block_len=64, block_stride=64)]),
             block_ids=[0])
-        with pytest.raises(grpc.RpcError) as ei:
-            stub.Register(req, timeout=10, metadata=session)
-        return ei.value
+        return evil.call("register", req)
 
     # another daemon's agent (name of the real decode worker), with or without metadata
     e = register(real_agent, b"")
-    assert e.code() is grpc.StatusCode.PERMISSION_DENIED and "not one of the calling daemon's" in e.details()
+    assert e.code == "PERMISSION_DENIED" and "not one of the calling daemon's" in e.message
     # our own prefix, but metadata that names another agent (loading it would replace that agent)
     nixl_api = pytest.importorskip("nixl._api")
     other = nixl_api.nixl_agent(real_agent + "-twin",
                                 nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    e = register(agent_prefix("evil", evil) + "a", bytes(other.get_agent_metadata()))
-    assert e.code() is grpc.StatusCode.PERMISSION_DENIED and "metadata names agent" in e.details(), e.details()
+    e = register(agent_prefix("evil", evil.instance_id) + "a", bytes(other.get_agent_metadata()))
+    assert e.code == "PERMISSION_DENIED" and "metadata names agent" in e.message, e.message
     # the real pair still moves exact bytes
     dw.expect("after-forgery", [1, 2], p.peer_address, "prefill", 1)
     pw.publish("after-forgery", [5, 6])
@@ -90,22 +83,8 @@ class FakePrefill(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                           node_id="fakep", instance_id=self.instance)
 
-    def Register(self, request, context):  # type: ignore[no-untyped-def]
-        self.registrations.append(request)
-        self.got.set()
-        return peer_pb2.RegisterResponse()
-
-    def RegisterBatch(self, request, context):  # type: ignore[no-untyped-def]
-        self.registrations.extend(request.registrations)
-        self.got.set()
-        return peer_pb2.RegisterBatchResponse(results=[peer_pb2.RegisterResult(code="OK")
-                                                       for _ in request.registrations])
-
-    def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
-        return peer_pb2.HeartbeatResponse(instance_id=self.instance, knows_caller=True)
-
     def Channel(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        """What a daemon uses (protocol 4): items on one stream, each answered OK."""
+        """Items on one stream, each answered OK."""
         for batch in request_iterator:
             out = peer_pb2.PeerBatch()
             for it in batch.items:
@@ -119,9 +98,6 @@ class FakePrefill(peer_pb2_grpc.PeerServiceServicer):
                     r.heartbeat.instance_id = self.instance
                     r.heartbeat.knows_caller = True
             yield out
-
-    def Withdraw(self, request, context):  # type: ignore[no-untyped-def]
-        return peer_pb2.FailAck()
 
 
 def test_failure_notice_only_from_the_producer(daemon_pair, kv_pair) -> None:
@@ -138,31 +114,26 @@ def test_failure_notice_only_from_the_producer(daemon_pair, kv_pair) -> None:
         assert fake.got.wait(20)
         rid = fake.registrations[0].registration_id
 
-        def notice(stub, md, instance: str, tid: str, rid: int = rid):  # type: ignore[no-untyped-def]
-            return stub.Fail(peer_pb2.FailNotice(caller_instance_id=instance, transfer_id=tid, registration_id=rid,
-                                                 reason="forged"), timeout=10, metadata=md)
+        def notice(s: PeerSession, tid: str, rid: int = rid, md=None) -> peer_pb2.PeerResult:  # type: ignore[no-untyped-def]
+            item = peer_pb2.FailNotice(transfer_id=tid, registration_id=rid, reason="forged")
+            return s.batch([("fail", item)], md)[0]
 
         # a third daemon that knows the registration id may not fail it
-        evil = uuid.uuid4().hex
-        stub, md = handshake(d.peer_address, "evil", evil)
-        with pytest.raises(grpc.RpcError) as ei:
-            notice(stub, md, evil, "t-notice")
-        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED, ei.value.details()
+        r = notice(session(d.peer_address, "evil"), "t-notice")
+        assert r.code == "PERMISSION_DENIED", r.message
         # nor may the right daemon under another transfer id, or with a guessed registration id
-        stub, md = handshake(d.peer_address, "fakep", fake.instance, f"127.0.0.1:{port}")
-        with pytest.raises(grpc.RpcError) as ei:
-            notice(stub, md, fake.instance, "t-other")
-        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
-        notice(stub, md, fake.instance, "t-notice", rid ^ 1)  # no such registration: ignored
+        right = session(d.peer_address, "fakep", fake.instance, f"127.0.0.1:{port}")
+        assert notice(right, "t-other").code == "PERMISSION_DENIED"
+        assert notice(right, "t-notice", rid ^ 1).code == "OK"  # no such registration: ignored
         # a third party naming the right daemon's instance id, without its session token
         with pytest.raises(grpc.RpcError) as ei:
-            notice(stub, (("kvpushd-session", "guess"),), fake.instance, "t-notice")
+            notice(right, "t-notice", md=(("kvpushd-session", "guess"), ("kvpushd-instance", fake.instance)))
         assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         # or claiming that instance id in a handshake of its own while it has transfers pending: d
         # holds none for fakep here, so the claim starts a new session and the old token is void
         assert dw.completions() == []
         # the daemon it was sent to may
-        notice(stub, md, fake.instance, "t-notice")
+        assert notice(right, "t-notice").code == "OK"
         c = dw.next_completion(20)
         assert c is not None and c.kind is CompletionKind.FAILED and "forged" in c.reason
         assert sorted(c.block_ids) == [3, 4]
@@ -192,17 +163,15 @@ def test_instance_id_is_not_a_credential(daemon_pair, kv_pair) -> None:
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
     # learn d's instance id the way anyone can: handshake with d
-    _, _ = handshake(d.peer_address, "nosy", uuid.uuid4().hex)
-    d_instance = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address)).Handshake(
-        peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(), node_id="nosy2",
-                                  peer_address="127.0.0.1:2", instance_id=uuid.uuid4().hex), timeout=10).instance_id
+    d_instance = session(d.peer_address, "nosy").hello.instance_id
     dw.expect("pending", [1, 2], p.peer_address, "prefill", 1)  # d now has a session at p, with a registration
     assert wait_for(lambda: any(t.transfer_id == "pending" for t in p.client.status().transfers))
     stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(p.peer_address))
-    forged = peer_pb2.FailNotice(caller_instance_id=d_instance, transfer_id="pending", registration_id=1)
-    for md in (None, (("kvpushd-session", "0" * 32),)):
+    forged = peer_pb2.PeerBatch(items=[peer_pb2.PeerItem(seq=1, withdraw=peer_pb2.FailNotice(
+        transfer_id="pending", registration_id=1))])
+    for md in ((("kvpushd-instance", d_instance),), (("kvpushd-session", "0" * 32), ("kvpushd-instance", d_instance))):
         with pytest.raises(grpc.RpcError) as ei:
-            stub.Withdraw(forged, timeout=10, metadata=md)
+            list(stub.Channel(iter([forged]), timeout=10, metadata=md))
         assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as ei:  # claiming d's instance id in a handshake
         stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),

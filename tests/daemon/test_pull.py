@@ -179,11 +179,8 @@ def test_decode_abort_before_publish_ends_both_sides(daemon_pair, kv_pair) -> No
 def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> None:
     """A peer may only make the decode daemon READ into blocks registered for that very transfer,
     and only the prefill daemon the registration went to may offer; refused offers change nothing."""
-    import grpc
-    from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
-
-    from kvpushd import PROTOCOL_VERSION
-    from kvpushd.core import notif
+    from kvpushd_client.proto.v1 import peer_pb2
+    from test_peer_trust import session
 
     p, d = daemon_pair
     src, dst = kv_pair
@@ -193,43 +190,32 @@ def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> No
     rid = next(t.registration_id for t in d.client.status().transfers if t.transfer_id == "sec")
     assert next(t.mode for t in d.client.status().transfers if t.transfer_id == "sec") == "pull"
     p_instance = p.client.status().instance_id
-    stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address))
-
-    tokens: dict[str, str] = {}
+    sessions = {}
 
     def handshake(node_id: str, address: str, instance: str) -> None:
-        r = stub.Handshake(peer_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION,
-                                                     compat_hash=notif.compat_hash(), node_id=node_id,
-                                                     peer_address=address, instance_id=instance))
-        tokens[instance] = r.session_token
+        sessions[instance] = session(d.peer_address, node_id, instance, address)
 
-    def offer(instance: str, node_id: str, tid: str, blocks: list[int], reg: int = rid,
-              rank: int = 0) -> grpc.StatusCode:
+    def offer(instance: str, node_id: str, tid: str, blocks: list[int], reg: int = rid, rank: int = 0) -> str:
         name = f"kvpushd.{node_id}.{instance[:8]}.prefill.tp0.pp0.w1-fake"
         md = b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name.encode()
         agent = peer_pb2.AgentInfo(agent_name=name, agent_metadata=md, memory_kind="DRAM",
                                    regions=[peer_pb2.RemoteRegion(base_addr=4096, num_blocks=src.num_blocks,
                                                                   block_len=src.block_len,
                                                                   block_stride=src.block_len)] * src.regions)
-        try:
-            stub.Offer(peer_pb2.OfferRequest(caller_instance_id=instance, transfer_id=tid, registration_id=reg,
-                                             producer_rank=rank, producer_tp_size=1, producer_agent=agent,
-                                             block_ids=blocks), timeout=10,
-                        metadata=(("kvpushd-session", tokens.get(instance, "")),))
-        except grpc.RpcError as e:
-            return e.code()
-        return grpc.StatusCode.OK
+        return sessions[instance].call("offer", peer_pb2.OfferRequest(
+            transfer_id=tid, registration_id=reg, producer_rank=rank, producer_tp_size=1, producer_agent=agent,
+            block_ids=blocks)).code
 
     # a daemon the registration was not sent to
     handshake("evil", "127.0.0.1:9", "e" * 32)
-    assert offer("e" * 32, "evil", "sec", [0, 1]) == grpc.StatusCode.PERMISSION_DENIED
+    assert offer("e" * 32, "evil", "sec", [0, 1]) == "PERMISSION_DENIED"
     # posing as the prefill daemon (its instance id): the registration's own terms still hold
     handshake("pnode", p.peer_address, p_instance)
-    assert offer(p_instance, "pnode", "other", [0, 1]) == grpc.StatusCode.PERMISSION_DENIED  # transfer id
-    assert offer(p_instance, "pnode", "sec", [0, 1], reg=rid + 1) == grpc.StatusCode.NOT_FOUND  # registration
-    assert offer(p_instance, "pnode", "sec", [0, 1, 2]) == grpc.StatusCode.INVALID_ARGUMENT  # block count
-    assert offer(p_instance, "pnode", "sec", [0, 1], rank=1) == grpc.StatusCode.INVALID_ARGUMENT  # rank
-    assert offer(p_instance, "pnode", "sec", [0, 10**6]) == grpc.StatusCode.INVALID_ARGUMENT  # out of range
+    assert offer(p_instance, "pnode", "other", [0, 1]) == "PERMISSION_DENIED"  # transfer id
+    assert offer(p_instance, "pnode", "sec", [0, 1], reg=rid + 1) == "NOT_FOUND"  # registration
+    assert offer(p_instance, "pnode", "sec", [0, 1, 2]) == "INVALID_ARGUMENT"  # block count
+    assert offer(p_instance, "pnode", "sec", [0, 1], rank=1) == "INVALID_ARGUMENT"  # rank
+    assert offer(p_instance, "pnode", "sec", [0, 10**6]) == "INVALID_ARGUMENT"  # out of range
     assert d.client.status().counters.reads_posted == 0 and np.all(dst.arr == POISON)
     # the real offer still lands
     pw.publish("sec", [5, 6])

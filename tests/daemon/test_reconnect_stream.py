@@ -9,9 +9,9 @@ from kvpushd_client import CompletionKind, Role
 from support import start_daemon, wait_for
 
 
-def counts(d, engine: str) -> tuple[int, int, int]:  # type: ignore[no-untyped-def]
+def counts(d, engine: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     (w,) = [w for w in d.client.status().workers if w.engine_id == engine]
-    return w.command_batches, w.stream_commands, w.unary_calls
+    return w.command_batches, w.stream_commands
 
 
 def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workdir) -> None:
@@ -31,13 +31,13 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
 
     try:
         assert rs.connected and rs.epoch == 1
-        assert counts(d, "decode") == (0, 0, 0)
+        assert counts(d, "decode") == (0, 0)
         # One step: three Expects and a bad one, one message.
         calls = [rs.expect_nowait(f"s-{i}", [2 * i, 2 * i + 1], p.peer_address, "prefill", 1) for i in range(3)]
         bad = rs.expect_nowait("bad", [1, 10**6], p.peer_address, "prefill", 1, tag="mine")
         assert rs.step() == 4 and rs.flush(20)
-        assert [c.epoch for c in (*calls, bad)] == [1] * 4 and not rs.cancel(bad)
-        assert counts(d, "decode") == (1, 4, 0)
+        assert [c.epoch for c in (*calls, bad)] == [1] * 4
+        assert counts(d, "decode") == (1, 4)
         assert until(lambda: any(e.kind == "completion" for e in events)), events
         (ev,) = [e for e in events if e.kind == "completion"]
         assert ev.epoch == 1 and ev.completion.kind is CompletionKind.FAILED and ev.completion.code == "REFUSED"
@@ -47,8 +47,8 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         rs.abort_nowait("s-2", only_epoch=1)
         rs.abort_nowait("s-1", only_epoch=7)  # another attachment's: dropped, never sent
         assert rs.step() == 1 and rs.flush(20)
-        assert counts(d, "decode") == (2, 5, 0)
-        assert rs.step() == 0 and counts(d, "decode") == (2, 5, 0)  # an empty step sends nothing
+        assert counts(d, "decode") == (2, 5)
+        assert rs.step() == 0 and counts(d, "decode") == (2, 5)  # an empty step sends nothing
 
         assert wait_for(lambda: {"s-0", "s-1"} <= {t.transfer_id for t in d.client.status().transfers})
         events.clear()
@@ -78,21 +78,22 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         assert c.epoch == 2 and c.completion.kind is CompletionKind.FINISHED_RECEIVING
         assert (dst.arr[:, 4:6] == src.arr[:, 40:42]).all()
         assert [e.kind for e in events] == ["completion"]
-        assert counts(d, "decode") == (1, 1, 0)
+        assert counts(d, "decode") == (1, 1)
     finally:
         rs.close()
         pw.detach()
 
 
-def test_unary_calls_are_counted(daemon_pair, kv_pair) -> None:
+def test_call_and_wait_rides_the_stream(daemon_pair, kv_pair) -> None:
+    """The call-and-wait forms (for tools) are commands on the worker's stream, one batch each."""
     from support import attach_pair
 
     p, d = daemon_pair
     src, dst = kv_pair
     _, dw = attach_pair(p, d, src, dst)
     dw.expect("u-1", [1], p.peer_address, "prefill", 1)
-    dw.abort("u-1")
-    assert counts(d, "decode") == (0, 0, 2)
+    assert dw.abort("u-1") and not dw.abort("u-1")  # found, then not
+    assert counts(d, "decode") == (3, 3)
 
 
 def test_commands_stepped_after_the_stream_died_are_refused(daemon_pair, kv_pair, workdir) -> None:
@@ -100,7 +101,7 @@ def test_commands_stepped_after_the_stream_died_are_refused(daemon_pair, kv_pair
     blocks), none is left waiting for an answer that cannot come."""
     p, d = daemon_pair
     _, dst = kv_pair
-    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     dw.expect_nowait("before", [1], p.peer_address, "prefill", 1)
     assert dw.flush(20)
     d.proc.kill()

@@ -15,8 +15,8 @@ from support import wait_for
 
 
 def _stream_pair(p, d, src, dst):  # type: ignore[no-untyped-def]
-    pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     return pw, dw
 
 
@@ -100,7 +100,7 @@ import json, os, signal, sys
 from kvpushd_client import KVPushClient, Region, Role, ShmMemory
 a = json.loads(sys.argv[1])
 c = KVPushClient(a["sock"])
-w = c.attach_stream("decode", Role.CONSUMER, 0, 1, [ShmMemory(a["shm"], a["size"])],
+w = c.attach("decode", Role.CONSUMER, 0, 1, [ShmMemory(a["shm"], a["size"])],
                     [Region(0, i * a["nb"] * a["bl"], a["nb"], a["bl"]) for i in range(a["regions"])])
 for i in range(16):
     w.expect_nowait(f"d{i}", [i], a["peer"], "prefill", 1)
@@ -123,26 +123,22 @@ def test_a_worker_that_dies_mid_batch_is_released(daemon_pair, kv_pair) -> None:
     assert wait_for(lambda: not d.client.status().transfers and not p.client.status().transfers, 30)
 
 
-def test_register_batch_one_bad_item_fails_alone(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
-    """A peer's RegisterBatch: good registrations are accepted, a bad one (blocks out of range, or
-    naming another caller) is answered with its own status, the rest go on; the session is checked
-    once for the batch."""
-    import uuid
-
+def test_register_items_of_a_peer_batch_fail_alone(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Registrations in one PeerBatch: good ones are accepted, a bad one (blocks out of range) is
+    answered with its own status, the rest go on; without the session token the stream is refused."""
     from kvpushd_client.proto.v1 import peer_pb2
     from test_closed import _rogue_agent
-    from test_peer_trust import handshake
+    from test_peer_trust import session
 
     p, _ = daemon_pair
     src, _ = kv_pair
     p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    me = uuid.uuid4().hex
-    stub, session = handshake(p.peer_address, "rogue", me)
-    name, md = _rogue_agent(me)
+    me = session(p.peer_address, "rogue")
+    name, md = _rogue_agent(me.instance_id)
 
-    def reg(tid: str, rid: int, blocks: list[int], caller: str = me, with_md: bool = False) -> peer_pb2.RegisterRequest:
-        return peer_pb2.RegisterRequest(
-            caller_instance_id=caller, transfer_id=tid, registration_id=rid, producer_engine_id="prefill",
+    def reg(tid: str, rid: int, blocks: list[int], with_md: bool = False) -> tuple[str, peer_pb2.RegisterRequest]:
+        return "register", peer_pb2.RegisterRequest(
+            transfer_id=tid, registration_id=rid, producer_engine_id="prefill",
             producer_tp_size=1, consumer_engine_id="x", consumer_tp_rank=0, consumer_tp_size=1,
             consumer_agent=peer_pb2.AgentInfo(agent_name=name, agent_metadata=md if with_md else b"",
                                               memory_kind="DRAM", regions=[peer_pb2.RemoteRegion(
@@ -150,17 +146,15 @@ def test_register_batch_one_bad_item_fails_alone(daemon_pair, kv_pair) -> None: 
                                                   block_stride=4096)] * 4),
             block_ids=blocks)
 
-    batch = peer_pb2.RegisterBatchRequest(caller_instance_id=me, registrations=[
-        reg("b1", 1, [1], with_md=True), reg("b2", 2, [99]), reg("b3", 3, [3], caller="someone-else"),
-        reg("b4", 4, [4])])
-    resp = stub.RegisterBatch(batch, timeout=10, metadata=session)
-    assert [r.code for r in resp.results] == ["OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "OK"], resp
-    assert not resp.results[0].need_metadata and not resp.results[3].need_metadata
-    assert resp.results[1].kind == "InvalidArgument" and "out of range" in resp.results[1].message
+    batch = [reg("b1", 1, [1], with_md=True), reg("b2", 2, [99]), reg("b4", 4, [4])]
+    results = me.batch(batch)
+    assert [r.code for r in results] == ["OK", "INVALID_ARGUMENT", "OK"], results
+    assert not results[0].need_metadata and not results[2].need_metadata
+    assert results[1].kind == "InvalidArgument" and "out of range" in results[1].message
     assert sorted(t.transfer_id for t in p.client.status().transfers) == ["b1", "b4"]
-    # without the session token the whole batch is refused
+    # without the session token the whole stream is refused
     with pytest.raises(grpc.RpcError) as ei:
-        stub.RegisterBatch(batch, timeout=10)
+        me.batch(batch, metadata=(("kvpushd-instance", me.instance_id),))
     assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -169,7 +163,7 @@ def test_commands_a_dead_stream_never_answered_end_refused_and_unanswered(daemon
     ``unanswered`` set (the vLLM connector declines those: the daemon may never have seen them)."""
     _, dst = kv_pair
     d = daemon_factory("dnode")
-    dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     dw.expect_nowait("sent", [1], "127.0.0.1:1", "prefill", 1)
     dw.step()
     assert dw.flush(20)  # answered (OK): it waits for its WRITE

@@ -134,8 +134,8 @@ def test_stream_commands_carry_the_context(workdir, kv_pair, receiver, monkeypat
     tp = f"00-{trace_id}-{parent}-01"
     try:
         src, dst = kv_pair
-        pw = p.client.attach_stream("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-        dw = d.client.attach_stream("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         dw.expect_nowait("st", [3, 4], p.peer_address, "prefill", 1, traceparent=tp)
         dw.step()
         pw.publish_nowait("st", [5, 6], traceparent=tp)

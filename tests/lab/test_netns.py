@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvpushd_client import Completion, CompletionKind, KVPushError, Role, Worker
+from kvpushd_client import Completion, CompletionKind, KVPushError, Role, StreamWorker
 from kvpushd_lab import launch
 from kvpushd_lab.netns import VETH, NetnsLab, available, sweep_stale
 from support import KV, POISON, DaemonProc, make_kv, wait_for
@@ -125,7 +125,7 @@ def check_poison_elsewhere(dst: KV, written: set[int]) -> None:
     assert np.all(dst.arr[:, others, :] == POISON), "bytes outside the destination blocks changed"
 
 
-def collect(worker: Worker, ids: set[str], timeout: float = 30.0) -> dict[str, Completion]:
+def collect(worker: StreamWorker, ids: set[str], timeout: float = 30.0) -> dict[str, Completion]:
     """One completion per id, within ``timeout`` overall; any other or duplicate id fails the test."""
     got: dict[str, Completion] = {}
     deadline = time.monotonic() + timeout
@@ -147,7 +147,7 @@ class Req:
     expect_first: bool
 
 
-def run_concurrently(reqs: Sequence[Req], dw: Worker, pws: dict[str, Worker], addrs: dict[str, str],
+def run_concurrently(reqs: Sequence[Req], dw: StreamWorker, pws: dict[str, StreamWorker], addrs: dict[str, str],
                      engines: dict[str, str]) -> None:
     """Each request's Expect and Publish from its own thread, in the request's arrival order."""
     def go(r: Req) -> None:
@@ -247,7 +247,7 @@ def test_2p1d_two_prefill_namespaces_alternating(cluster: Cluster) -> None:
     srcs = {"a": make_kv("kvpushd-netns-srca", regions=4, num_blocks=128, block_len=4096, seed=2),
             "b": make_kv("kvpushd-netns-srcb", regions=4, num_blocks=128, block_len=4096, seed=3)}
     dst = make_kv("kvpushd-netns-dst", regions=4, num_blocks=256, block_len=4096, fill="poison")
-    pws: dict[str, Worker] = {}
+    pws: dict[str, StreamWorker] = {}
     dw = None
     try:
         pws["a"] = pa.client.attach("prefill-a", Role.PRODUCER, 0, 1, [srcs["a"].buf.memory], srcs["a"].region_list)
@@ -297,7 +297,7 @@ def test_kill9_one_prefill_daemon_mid_run(cluster: Cluster) -> None:
     srcs = {"a": make_kv("kvpushd-netns-srca", regions=2, num_blocks=128, block_len=4096, seed=4),
             "b": make_kv("kvpushd-netns-srcb", regions=2, num_blocks=128, block_len=4096, seed=5)}
     dst = make_kv("kvpushd-netns-dst", regions=2, num_blocks=256, block_len=4096, fill="poison")
-    pws: dict[str, Worker] = {}
+    pws: dict[str, StreamWorker] = {}
     addrs = {"a": pa.peer_address, "b": pb.peer_address}
     engines = {"a": "prefill-a", "b": "prefill-b"}
     try:

@@ -1,8 +1,7 @@
 """Host KV the connector moved into shared memory is gone once its worker is gone, however it died.
 
 A real process attaches the way the connector's worker side does (``describe_kv_caches`` with
-``host_kv_to_shm``, then ``ReconnectingStreamWorker``, or ``ReconnectingWorker`` with
-``kvpushd_stream: false``) and is SIGKILLed (with torch's shm manager, should
+``host_kv_to_shm``, then ``ReconnectingStreamWorker``) and is SIGKILLed (with torch's shm manager, should
 one run: the connector no longer uses torch's file_system sharing); the daemon removes its /dev/shm
 object. A restarted daemon still re-attaches the live worker by name,
 and one started after worker and daemon both died removes what they left. Needs torch (the vLLM venvs
@@ -33,14 +32,14 @@ import kvpushd_client
 from kvpushd_client import Role
 from kvpushd_client.vllm.layout import describe_kv_caches
 
-sock, engine, link_class = sys.argv[1], sys.argv[2], getattr(kvpushd_client, sys.argv[3])
+sock, engine = sys.argv[1], sys.argv[2]
 num_blocks = 8
 buf = torch.zeros(2 * num_blocks * 4 * 16 * 32, dtype=torch.float32)  # private memory, like vLLM's CPU runner
 kv = {f"layers.{i}": buf.view(2, num_blocks, 4, 16, 32)[i] for i in range(2)}
 memory, regions = describe_kv_caches(kv, num_blocks, host_kv_to_shm=True)
-link = link_class(sock, {"engine_id": engine, "role": Role.PRODUCER, "tp_rank": 0, "tp_size": 1,
-                                 "memory": memory, "regions": regions, "description": "shm test worker"},
-                          reconnect_interval_s=0.2)
+link = kvpushd_client.ReconnectingStreamWorker(sock, {
+    "engine_id": engine, "role": Role.PRODUCER, "tp_rank": 0, "tp_size": 1, "memory": memory, "regions": regions,
+    "description": "shm test worker"}, reconnect_interval_s=0.2)
 link.start(30)
 kv["layers.0"].fill_(7.0)  # views stay valid after the move: the bytes land in the shm object
 import mmap, os, numpy as np
@@ -69,11 +68,8 @@ def owned() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(OWNED)}
 
 
-LINKS = ["ReconnectingStreamWorker", "ReconnectingWorker"]
-
-
-def start_worker(sock: str, engine: str, link: str = LINKS[0]) -> tuple[subprocess.Popen[str], str]:
-    p = subprocess.Popen([sys.executable, "-c", WORKER, sock, engine, link], stdout=subprocess.PIPE, text=True,
+def start_worker(sock: str, engine: str) -> tuple[subprocess.Popen[str], str]:
+    p = subprocess.Popen([sys.executable, "-c", WORKER, sock, engine], stdout=subprocess.PIPE, text=True,
                          start_new_session=True)
     line = p.stdout.readline() if p.stdout else ""
     if not line.startswith("READY "):
@@ -129,14 +125,13 @@ def test_sigkilled_worker_leaves_no_shm(workdir: Path) -> None:
     assert ours(before, procs) == set()
 
 
-@pytest.mark.parametrize("link", LINKS)
-def test_restarted_daemon_reattaches_a_live_worker_then_cleans_up(workdir: Path, link: str) -> None:
+def test_restarted_daemon_reattaches_a_live_worker_then_cleans_up(workdir: Path) -> None:
     before = set(os.listdir("/dev/shm"))
     d = vs.spawn_daemon(workdir, "node")
     procs: list[subprocess.Popen[str]] = []
     try:
         d.wait_ready()
-        w, name = start_worker(d.sock, "engine-restart", link)
+        w, name = start_worker(d.sock, "engine-restart")
         procs.append(w)
         d.kill()  # SIGKILL: no drain; the worker lives on and retries
         d.start()

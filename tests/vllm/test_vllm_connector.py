@@ -524,14 +524,14 @@ def test_decode_daemon_down_when_the_request_came(model_dir: Path, workdir: Path
             x_.stop()
 
 
-def worker_calls(d: vs.Daemon, engine_id: str) -> tuple[int, int, int]:
-    """(command batches, stream commands, unary calls) of the engine's worker(s) on daemon ``d``."""
+def worker_calls(d: vs.Daemon, engine_id: str) -> tuple[int, int]:
+    """(command batches, stream commands) of the engine's worker(s) on daemon ``d``."""
     from kvpushd_client import KVPushClient
 
     with KVPushClient(d.sock, timeout_s=5.0) as c:
         ws = [w for w in c.status().workers if w.engine_id == engine_id]
     assert ws, f"no worker of {engine_id} on {d.name}"
-    return (sum(w.command_batches for w in ws), sum(w.stream_commands for w in ws), sum(w.unary_calls for w in ws))
+    return sum(w.command_batches for w in ws), sum(w.stream_commands for w in ws)
 
 
 def commands_in(metas: list[KVPushdConnectorMetadata]) -> list[int]:
@@ -540,8 +540,8 @@ def commands_in(metas: list[KVPushdConnectorMetadata]) -> list[int]:
 
 def test_connector_sends_one_command_batch_per_step(engines: tuple[Engine, Engine],
                                                     daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
-    """On the worker stream (the default) a step's Expects, Publishes and Aborts reach the daemon as ONE
-    CommandBatch, sent once per step whichever hooks ran; no unary call at all."""
+    """A step's Expects, Publishes and Aborts reach the daemon as ONE CommandBatch on the worker stream,
+    sent once per step whichever hooks ran."""
     pe, de = engines
     p_daemon, d_daemon = daemons
     assert type(de.conn.worker_side.link).__name__ == "ReconnectingStreamWorker"
@@ -560,7 +560,7 @@ def test_connector_sends_one_command_batch_per_step(engines: tuple[Engine, Engin
     before = worker_calls(d_daemon, D_ENGINE)
     de.step()
     assert len(de.metas[-1].expects) == 3
-    assert vs.wait_for(lambda: worker_calls(d_daemon, D_ENGINE) == (before[0] + 1, before[1] + 3, before[2]))
+    assert vs.wait_for(lambda: worker_calls(d_daemon, D_ENGINE) == (before[0] + 1, before[1] + 3))
     tids = {e.transfer_id for e in de.metas[-1].expects}
     assert vs.wait_for(lambda: tids <= p_daemon.transfer_ids())
     de.sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
@@ -574,35 +574,8 @@ def test_connector_sends_one_command_batch_per_step(engines: tuple[Engine, Engin
     want_pe = sum(1 for n in commands_in(pe.metas[n_pe:]) if n)
     assert want_de >= 3 and want_pe >= 1
     d1, p1 = worker_calls(d_daemon, D_ENGINE), worker_calls(p_daemon, P_ENGINE)
-    assert (d1[0] - d0[0], d1[1] - d0[1], d1[2] - d0[2]) == (want_de, sum(commands_in(de.metas[n_de:])), 0)
-    assert (p1[0] - p0[0], p1[1] - p0[1], p1[2] - p0[2]) == (want_pe, sum(commands_in(pe.metas[n_pe:])), 0)
-
-
-def test_unary_calls_when_the_stream_is_off(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
-    """``kvpushd_stream: false`` (daemons without the worker stream): one queued unary call per command."""
-    p, d = daemons
-    off = {"kvpushd_stream": False}
-    pe = Engine(model_dir, "kv_producer", "prefill-unary", p.sock, num_blocks=40, fill="random", extra=off)
-    de = Engine(model_dir, "kv_consumer", "decode-unary", d.sock, num_blocks=40, fill="poison", extra=off)
-    try:
-        assert type(de.conn.worker_side.link).__name__ == "ReconnectingWorker"
-        run_pd_request(pe, de, p, random_prompt(70), p_engine="prefill-unary")
-        assert vs.wait_for(lambda: worker_calls(d, "decode-unary") == (0, 0, 1))  # one Expect
-        assert vs.wait_for(lambda: worker_calls(p, "prefill-unary") == (0, 0, 1))  # one Publish
-        assert all_poison(de)
-    finally:
-        pe.close()
-        de.close()
-
-
-def test_stream_setting() -> None:
-    from kvpushd_client.vllm.utils import Settings
-
-    assert Settings.from_extra_config({}).stream is True
-    assert Settings.from_extra_config({"kvpushd_stream": False}).stream is False
-    assert Settings.from_extra_config({"kvpushd_stream": "false"}).stream is False
-    with pytest.raises(ValueError, match="kvpushd_stream"):
-        Settings.from_extra_config({"kvpushd_stream": "sometimes"})
+    assert (d1[0] - d0[0], d1[1] - d0[1]) == (want_de, sum(commands_in(de.metas[n_de:])))
+    assert (p1[0] - p0[0], p1[1] - p0[1]) == (want_pe, sum(commands_in(pe.metas[n_pe:])))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -62,7 +62,6 @@ class Settings:
     reconnect_interval_s: float = 0.5
     host_kv_to_shm: bool = False      # move private host KV into POSIX shm at start (one copy)
     peer_address: str | None = None   # what prefill advertises as remote_host:remote_port
-    stream: bool = True               # the worker stream (one CommandBatch per step); False: unary calls
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> Settings:
@@ -71,14 +70,6 @@ class Settings:
             if v <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key} must be positive, got {v}")
             return v
-
-        def flag(key: str, default: bool) -> bool:
-            v = extra.get(key, default)
-            if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-                return v.strip().lower() in ("true", "1", "yes")
-            if not isinstance(v, bool | int):
-                raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {v!r}")
-            return bool(v)
 
         peer = extra.get("kvpushd_peer_address")
         if peer is not None:
@@ -89,6 +80,5 @@ class Settings:
             rpc_timeout_s=num("kvpushd_rpc_timeout_s", cls.rpc_timeout_s),
             reconnect_interval_s=num("kvpushd_reconnect_interval_s", cls.reconnect_interval_s),
             host_kv_to_shm=bool(extra.get("kvpushd_host_kv_to_shm", False)),
-            stream=flag("kvpushd_stream", cls.stream),
             peer_address=str(peer) if peer is not None else None,
         )

@@ -1,10 +1,9 @@
 """Worker side (one per TP rank): hands the daemon this worker's KV memory once, then per request only
 block ids; reports finished sends and receives to vLLM. The engine thread only appends this step's
 commands and reads completions already delivered, so a step never waits on a gRPC call, let alone on
-a transfer. On the worker stream (the default) the step's commands go out as ONE CommandBatch from
+a transfer. The step's commands go out on the worker stream as ONE CommandBatch from
 ``get_finished``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
-decoding defers it, ``wait_for_save``) has handed over the step's metadata; with
-``kvpushd_stream: false`` (daemons without the stream) a background thread makes one unary call each.
+decoding defers it, ``wait_for_save``) has handed over the step's metadata.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..calls import Call
-from ..reconnect import ReconnectingStreamWorker, ReconnectingWorker
+from ..reconnect import Call, ReconnectingStreamWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
 from .layout import describe_kv_caches, layer_specs, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
@@ -55,7 +53,7 @@ class KVPushdConnectorWorker:
         self.num_blocks = kv_cache_config.num_blocks
         self._specs = layer_specs(kv_cache_config)  # each layer's block size, heads: the regions' layout
         self.tp_rank, self.tp_size = _tp_rank_and_size(vllm_config)
-        self._link: ReconnectingStreamWorker | ReconnectingWorker | None = None
+        self._link: ReconnectingStreamWorker | None = None
         self._recv: dict[str, _Pending] = {}          # req id -> pending receive
         self._send: dict[str, _Pending] = {}          # req id -> pending send
         self._recv_by_tid: dict[str, _Pending] = {}
@@ -74,8 +72,7 @@ class KVPushdConnectorWorker:
         self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
-        kind = ReconnectingStreamWorker if self.settings.stream else ReconnectingWorker
-        link = kind(self.settings.socket, {
+        link = ReconnectingStreamWorker(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}"},
             rpc_timeout_s=self.settings.rpc_timeout_s, reconnect_interval_s=self.settings.reconnect_interval_s,
@@ -93,7 +90,7 @@ class KVPushdConnectorWorker:
         self._link = link
 
     @property
-    def link(self) -> ReconnectingStreamWorker | ReconnectingWorker:
+    def link(self) -> ReconnectingStreamWorker:
         if self._link is None:
             raise RuntimeError("kvpushd: register_kv_caches() has not run on this worker")
         return self._link
@@ -114,9 +111,7 @@ class KVPushdConnectorWorker:
                 continue  # already reported
             pend.aborted = True
             assert pend.op is not None
-            if self.link.cancel(pend.op):
-                self._finish(pend, ok=True, why="aborted before the daemon saw it")
-            elif pend.op.epoch is not None:
+            if pend.op.epoch is not None:
                 self._link_abort(pend, pend.op.epoch)
 
     def _start(self, recv: bool, req: ExpectReq | PublishReq, by_req: dict[str, _Pending],
@@ -215,8 +210,7 @@ class KVPushdConnectorWorker:
                 assert ev.epoch is not None
                 self._on_lost(ev.epoch, ev.reason)
             elif ev.kind == "refused":
-                # A call that did not go through (an unsure one was followed by an abort on the
-                # same attachment, in the client library).
+                # A command that did not go out (not attached).
                 call = ev.call
                 assert call is not None and ev.completion is not None
                 pend = call.tag

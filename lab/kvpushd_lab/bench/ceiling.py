@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import CompletionKind, Role, Worker
-from kvpushd_client.inbox import Inbox
+from kvpushd_client import CompletionKind, Role, StreamWorker
 
 from .common import (
     POISON,
@@ -67,7 +66,7 @@ def _blocks(n: int, pool: int, fragmented: bool, rng: np.random.Generator) -> tu
     return (rng.permutation(pool)[:n].astype(np.int64), rng.permutation(pool)[:n].astype(np.int64))
 
 
-def _completion(w: Inbox, tid: str, kind: CompletionKind, timeout_s: float = 300.0) -> None:
+def _completion(w: StreamWorker, tid: str, kind: CompletionKind, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         c = w.next_completion(max(0.0, deadline - time.monotonic()))
@@ -81,7 +80,7 @@ def _completion(w: Inbox, tid: str, kind: CompletionKind, timeout_s: float = 300
     raise BenchError(f"transfer {tid}: no {kind.name} within {timeout_s:g} s")
 
 
-def _daemon_once(p: DaemonProc, pw: Worker, dw: Worker, tid: str, src: IntArray,
+def _daemon_once(p: DaemonProc, pw: StreamWorker, dw: StreamWorker, tid: str, src: IntArray,
                  dst: IntArray) -> tuple[int, int, int]:
     """One request through the daemons: (ns from Publish to FINISHED_RECEIVING, descs requested, posted)."""
     dw.expect(tid, dst.tolist(), p.peer_address, "bench-prefill", 1)
@@ -150,7 +149,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     return _result(args, lay, rows)
 
 
-def _size(args: argparse.Namespace, p: DaemonProc, pw: Worker, dw: Worker, init: Any, src: KVMemory,
+def _size(args: argparse.Namespace, p: DaemonProc, pw: StreamWorker, dw: StreamWorker, init: Any, src: KVMemory,
           dst: KVMemory, tokens: int, pool: int, rng: np.random.Generator) -> dict[str, Any]:
     lay = src.layout
     n = lay.blocks_for(tokens)

@@ -13,9 +13,8 @@ which the source never holds as the poison value. So:
   "posted" by the time to move the first bytes, a few microseconds.
 * (b) = ``FINISHED_RECEIVING`` returned to the decode worker - every region's last byte changed.
 
-``--calls stream`` (the default): both workers on a WorkerService.Stream, as the vLLM connector and the
-reference engine run; the Publish is ``publish_nowait`` + ``step()``. ``--calls unary``: a blocking
-Publish call and a Session stream for completions (tools, old clients).
+Both workers are on a WorkerService.Stream, as the vLLM connector and the reference engine run; the
+Publish is ``publish_nowait`` + ``step()``.
 
 Requests go one at a time, Expect first (in push mode decode registers long before prefill ends),
 so nothing queues. The prefill daemon runs at log level debug, and its per-WRITE ``post_us`` (WRITE
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvpushd_client import CompletionKind, Role, StreamWorker, Worker
+from kvpushd_client import CompletionKind, Role
 
 from .ceiling import _completion
 from .common import (
@@ -62,9 +61,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=64, help="layers (default 64: Qwen3-32B)")
     p.add_argument("--watch-sleep-us", type=float, default=50.0,
                    help="the landing watcher sleeps this long between looks (default 50; 0 spins a CPU)")
-    p.add_argument("--calls", choices=("stream", "unary"), default="stream",
-                   help="stream (default, what engines use): each worker on one Stream, Publish as "
-                        "publish_nowait + step(); unary: a blocking Publish call and a Session stream")
     p.add_argument("--poll-us", type=float, default=0.0,
                    help="both daemons' transfer.poll_interval_s in us (default 0: the daemons' default)")
     p.add_argument("--poll-max-us", type=float, default=0.0,
@@ -168,21 +164,11 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         if getattr(args, "poll_max_us", 0.0) > 0:
             transfer["poll_max_interval_s"] = args.poll_max_us * 1e-6
         with daemon_pair(workdir, prefill_log_level="debug", transfer=transfer) as (p, d):
-            stream = getattr(args, "calls", "stream") == "stream"
-            pc, dc = p.client, d.client
-            pw: Worker | StreamWorker
-            dw: Worker | StreamWorker
             how = "kvpushd bench critical-path"
-            if stream:
-                pw = pc.attach_stream("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
-                                      description=how)
-                dw = dc.attach_stream("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                                      description=how)
-            else:
-                pw = pc.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
-                               description=how)
-                dw = dc.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                               description=how)
+            pw = p.client.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
+                                 description=how)
+            dw = d.client.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
+                                 description=how)
             # (not the bench process: reading /proc is its own CPU time, inside the window)
             pids = {"prefill daemon": p.proc.pid, "decode daemon": d.proc.pid}
             run_us = dict.fromkeys(pids, 0.0)
@@ -200,11 +186,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                     raise BenchError("sentinel watcher failed")
                 s0 = {k: sched_ns(pid) for k, pid in pids.items()}
                 t_pub = time.monotonic_ns()
-                if isinstance(pw, StreamWorker):  # an engine step: append, then one flush (no wait)
-                    pw.publish_nowait(tid, blocks)
-                    pw.step()
-                else:
-                    pw.publish(tid, blocks)
+                pw.publish_nowait(tid, blocks)  # an engine step: append, then one flush (no wait)
+                pw.step()
                 t_rpc = time.monotonic_ns()
                 _completion(dw, tid, CompletionKind.FINISHED_RECEIVING, 30)
                 t_told = time.monotonic_ns()
@@ -260,7 +243,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "target_p99_us": TARGET_P99_US,
         "target_met": {"prefill_done_to_posted": a["p99"] <= TARGET_P99_US,
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
-        "calls": getattr(args, "calls", "stream"), "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
+        "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
         "gap_ms": getattr(args, "gap_ms", 0.0), "poll_max_interval_us": getattr(args, "poll_max_us", 0.0) or 1000.0,
         "poll_hot_s": getattr(args, "poll_hot_s", -1.0),
         "samples": len(a_us), "blocks_per_region": n, "regions": lay.regions,
@@ -274,8 +257,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
          f"{met(a['p99'], TARGET_P99_US, False)}"},
         {"figure": "(b) last byte landed -> decode told", **b, "target": f"p99 <= {TARGET_P99_US:.0f}: "
          f"{met(b['p99'], TARGET_P99_US, False)}"},
-        {"figure": "Publish (engine's view: " + ("publish_nowait + step)" if data["calls"] == "stream"
-                                                 else "blocking call)"), **dist(rpc_us), "target": ""},
+        {"figure": "Publish (engine's view: publish_nowait + step)", **dist(rpc_us), "target": ""},
         {"figure": "daemon post_us (queued -> posted)", **dist(post_us), "target": ""},
         {"figure": "  of which queue_us (queued -> NIXL thread took it)", **dist(queue_us), "target": ""},
         {"figure": "first -> last byte landed", **dist(wire_us), "target": ""},
@@ -297,9 +279,9 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "last block of every region; the source never holds the poison value there).",
         "(a) = first sentinel changed - just before Publish in the prefill worker: the WRITE is in flight. On "
         "this machine's UCX transport the copy runs inside transfer(), so 'posted' (transfer() returned) would "
-        "include the whole copy; (a) includes the Publish (a message on the worker's Stream, or a unary call "
-        "with --calls unary), the daemon's event loop, its NIXL thread queue (daemon queue_us), index "
-        "arrays and make_prepped_xfer, plus the first bytes' wire time.",
+        "include the whole copy; (a) includes the Publish (a message on the worker's Stream), the daemon's "
+        "event loop, its NIXL thread queue (daemon queue_us), index arrays and make_prepped_xfer, plus the first "
+        "bytes' wire time.",
         "(b) = FINISHED_RECEIVING returned to the decode worker (next_completion) - all last sentinels changed: "
         "notification delivery, the decode daemon's NIXL poll (every transfer.poll_interval_s = 200 us), its event "
         "loop, the session stream and the client's reader thread.",

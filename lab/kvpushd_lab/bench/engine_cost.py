@@ -2,11 +2,11 @@
 
 kvpushd: per step a decode engine sends one Expect per new request and reads completions, a
 prefill engine sends one Publish per finished request and reads completions (``completions()``:
-no RPC, what the session stream delivered). Both are timed in the calling thread with
+no RPC, what the worker stream delivered). Both are timed in the calling thread with
 ``time.perf_counter_ns`` around exactly those calls. Clients (``--calls``, several in one run, rounds
-alternating): ``stream`` (``attach_stream``: ``*_nowait`` append, ``step()`` hands the step's batch to
-the stream's sender, one CommandBatch per step), ``queued`` (``Worker.*_nowait``: one unary call each
-on the client's call thread), ``blocking`` (one unary round trip each on the engine thread). Every 8th
+alternating): ``stream`` (``*_nowait`` append, ``step()`` hands the step's batch to the stream's
+sender, one CommandBatch per step), ``blocking`` (the call-and-wait forms: one round trip on the
+stream each, on the engine thread). Every 8th
 step times each call on its own and is left out of the step figures (the timers would add to them).
 The CPU the client's other threads take per step: the process's CPU time minus the engine thread's
 over the client's rounds (gRPC's threads included), and for the stream the sender's and reader's own
@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvpushd_client import Completion, CompletionKind, Role, StreamWorker, Worker
+from kvpushd_client import Completion, CompletionKind, Role, StreamWorker
 
 from .common import POISON, BenchError, DaemonProc, KVMemory, Layout, Result, daemon_pair, dist, met, progress
 
 TARGET_P99_US = 50.0
 IN_FLIGHT_STEPS = 8  # a request's blocks are reused this many steps later
 SAMPLE_EVERY = 8  # every 8th step times each call alone (and is not in the step figures)
-CLIENTS = ("stream", "queued", "blocking")
+CLIENTS = ("stream", "blocking")
 STEP_KEYS = ("prefill_step_us", "decode_step_us", "publish_us", "expect_us", "completions_us",
              "prefill_cpu_us", "decode_cpu_us", "client_threads_cpu_us", "sender_cpu_us", "reader_cpu_us")
 
@@ -53,11 +53,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the copies compete with the engine for this machine's CPUs, so keep them small)")
     p.add_argument("--rounds", type=int, default=4, help="alternations of kvpushd and baseline steps (default 4)")
     p.add_argument("--layers", type=int, default=64, help="layers (default 64: Qwen3-32B)")
-    p.add_argument("--calls", default="stream,queued",
-                   help="clients, comma-separated, alternating in each round (default stream,queued): stream "
-                        "(attach_stream: *_nowait append, step() once per step: one CommandBatch); queued "
-                        "(Worker.*_nowait: the client's call thread makes one unary RPC each); blocking "
-                        "(Worker.expect/publish: one gRPC round trip each on the engine thread)")
+    p.add_argument("--calls", default="stream",
+                   help="clients, comma-separated, alternating in each round (default stream): stream "
+                        "(*_nowait append, step() once per step: one CommandBatch); blocking "
+                        "(expect/publish: one round trip on the stream each, on the engine thread)")
     p.add_argument("--pin", action="store_true",
                    help="this process (the engine thread and the client's threads) on CPU 0, both daemons and "
                         "the baseline's NIXL target process on the other CPUs: the engine with a core of its "
@@ -128,14 +127,12 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                     _pin(pid, set(cpus[1:]))
                 _pin(os.getpid(), {cpus[0]})
                 progress(f"  pinned: this process to CPU {cpus[0]}, the daemons and the NIXL target to {cpus[1:]}")
-            pairs: dict[str, tuple[Worker | StreamWorker, Worker | StreamWorker]] = {}
+            pairs: dict[str, tuple[StreamWorker, StreamWorker]] = {}
             for m in modes:  # one prefill and one decode worker per client, on the same memory
-                attach = p.client.attach_stream if m == "stream" else p.client.attach
-                pw = attach(f"bench-prefill-{m}", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
-                            description="kvpushd bench engine-cost")
-                attach = d.client.attach_stream if m == "stream" else d.client.attach
-                dw = attach(f"bench-decode-{m}", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                            description="kvpushd bench engine-cost")
+                pw = p.client.attach(f"bench-prefill-{m}", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
+                                     description="kvpushd bench engine-cost")
+                dw = d.client.attach(f"bench-decode-{m}", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
+                                     description="kvpushd bench engine-cost")
                 pairs[m] = (pw, dw)
             per_round = max(1, args.steps // args.rounds)
             seq = 0
@@ -164,23 +161,21 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     return _result(args, modes, lay, n, s, counts)
 
 
-def _thread_cpu(*ws: StreamWorker | None) -> tuple[int, int]:
-    """CPU ns so far of the stream workers' sender and reader threads (0 for a client without them)."""
-    return (sum(getattr(w, "sender_cpu_ns", 0) for w in ws if w is not None),
-            sum(getattr(w, "reader_cpu_ns", 0) for w in ws if w is not None))
+def _thread_cpu(*ws: StreamWorker) -> tuple[int, int]:
+    """CPU ns so far of the stream workers' sender and reader threads."""
+    return sum(w.sender_cpu_ns for w in ws), sum(w.reader_cpu_ns for w in ws)
 
 
 def _p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else 0.0
 
 
-def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worker | StreamWorker,
-                   dw: Worker | StreamWorker, n: int, slots: int, steps: int, seq: int, s: dict[str, list[float]],
+def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: StreamWorker,
+                   dw: StreamWorker, n: int, slots: int, steps: int, seq: int, s: dict[str, list[float]],
                    counts: dict[str, int], warm: bool) -> int:
     tally = _Tally()
     tag = os.urandom(3).hex()
     queued = mode != "blocking"
-    sp, sd = (pw, dw) if isinstance(pw, StreamWorker) and isinstance(dw, StreamWorker) else (None, None)
     prod = f"bench-prefill-{mode}"
     k = f"{mode}/"
     period = int(args.step_ms * 1e6)
@@ -188,7 +183,7 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worke
     warm_steps = 5 if warm else 0
     issued = 0
     cpu0 = time.process_time_ns() - time.thread_time_ns()  # every thread of this process but this one
-    threads0 = _thread_cpu(sp, sd)
+    threads0 = _thread_cpu(pw, dw)
     t_next = time.perf_counter_ns()
     for step in range(warm_steps + steps + 1):
         _sleep_until(t_next)
@@ -212,8 +207,8 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worke
                 dw.expect(tid, blocks, p.peer_address, prod, 1)
             if sample:
                 s[k + "expect_us"].append((time.perf_counter_ns() - t) / 1e3)
-        if sd is not None:
-            sd.step()
+        if queued:
+            dw.step()
         dc = dw.completions()
         t1 = time.perf_counter_ns()
         c1 = time.thread_time_ns()
@@ -227,8 +222,8 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worke
                 pw.publish(tid, blocks)
             if sample:
                 s[k + "publish_us"].append((time.perf_counter_ns() - t) / 1e3)
-        if sp is not None:
-            sp.step()
+        if queued:
+            pw.step()
         t2 = time.perf_counter_ns()
         pc = pw.completions()
         t3 = time.perf_counter_ns()
@@ -246,8 +241,8 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Worke
         prev = batch
     n_steps = warm_steps + steps + 1
     s[k + "client_threads_cpu_us"].append((time.process_time_ns() - time.thread_time_ns() - cpu0) / 1e3 / n_steps)
-    if sp is not None and sd is not None:
-        threads1 = _thread_cpu(sp, sd)
+    if queued:
+        threads1 = _thread_cpu(pw, dw)
         s[k + "sender_cpu_us"].append((threads1[0] - threads0[0]) / 1e3 / n_steps)
         s[k + "reader_cpu_us"].append((threads1[1] - threads0[1]) / 1e3 / n_steps)
     deadline = time.monotonic() + 120
@@ -400,10 +395,9 @@ def _result(args: argparse.Namespace, modes: list[str], lay: Layout, n: int, s: 
         "are for the previous step's requests, whose Expects have reached the daemons. Transfers run in the "
         f"daemons meanwhile. Every {SAMPLE_EVERY}th step times each call alone instead and is left out of the "
         "step figures. Clients: " + "; ".join({
-            "stream": "stream: attach_stream, *_nowait append to the step's batch, step() hands it to the "
-                      "stream's sender thread (one CommandBatch per step)",
-            "queued": "queued: Worker.*_nowait, the client's call thread makes one unary RPC each",
-            "blocking": "blocking: one gRPC round trip each on the engine thread"}[m] for m in modes) + ".",
+            "stream": "stream: *_nowait append to the step's batch, step() hands it to the stream's sender "
+                      "thread (one CommandBatch per step)",
+            "blocking": "blocking: one round trip on the stream each, on the engine thread"}[m] for m in modes) + ".",
         "client's other threads: process CPU time minus the engine thread's over each client round, per step "
         "(one prefill and one decode step), gRPC's own threads included; for the stream also the sender's and "
         "reader's own thread_time.",

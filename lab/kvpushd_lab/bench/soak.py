@@ -1,6 +1,7 @@
 """``soak``: many small requests through one pair of daemons with faults injected at random.
 
-Two daemons (prefill node, decode node) and, in this process, the workers (``AsyncKVPushClient``).
+Two daemons (prefill node, decode node) and, in this process, the workers (``AsyncKVPushClient``:
+every worker on its WorkerService.Stream).
 ``--requests`` requests of one 4 KiB block each run ``--concurrency`` at a time; each gets a fault
 with probability ``--fault-rate``, picked evenly from: an abort by the prefill engine, an abort by
 the decode engine (each after a random delay of up to 2 ms, so they race the WRITE), a publish
@@ -10,7 +11,8 @@ with ``KVPUSHD_FAULTS`` (test-only, see kvpushd/transfer/faults.py) so that a sh
 ``--write-fault-rate`` of WRITEs fail (half refused at post, half completed in error without
 their notification). Beside them a "churn" pair of workers runs batches of requests and has one
 side (or both) detached mid-flight, then attaches afresh, and a rogue peer of the prefill daemon
-tries to take registrations of the real decode daemon over, floods Registers and floods handshakes.
+tries to take registrations of the real decode daemon over, floods Registers (on its Channel stream)
+and floods handshakes.
 
 What must hold, and is reported: every side of every request ends with exactly one completion
 (requests that never ended: 0; a detached worker's own requests end with its detach), and at the
@@ -46,7 +48,7 @@ from .common import (
 
 FAULTS = ("abort_prefill", "abort_decode", "no_registration", "no_publish")
 REGISTERS_PER_S = 300.0  # the prefill daemon's per-peer limit here: above the real decode daemon's rate
-FLOOD = 2000  # Registers a flood sends, 200 in flight at a time
+FLOOD = 2000  # Registers a flood sends, in one PeerBatch
 CHURN_BATCH = 8
 
 
@@ -280,7 +282,7 @@ class Soak:
             r = await stub.Handshake(peer_pb2.HandshakeRequest(
                 protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(), node_id=node,
                 peer_address=address, instance_id=instance), timeout=10)
-            return (("kvpushd-session", r.session_token),)
+            return (("kvpushd-session", r.session_token), ("kvpushd-instance", instance))
 
         rogue = uuid.uuid4().hex
         session = await handshake("rogue", rogue, "127.0.0.1:1")
@@ -292,24 +294,23 @@ class Soak:
                                       block_stride=self.lay.block_len)])
         rid = 1
 
-        async def register(tid: str) -> grpc.StatusCode:
+        async def register(tids: list[str]) -> list[str]:
+            """Registrations as one PeerBatch on a Channel stream of the rogue's session: per item its code."""
             nonlocal rid
-            rid += 1
-            req = peer_pb2.RegisterRequest(
-                caller_instance_id=rogue, transfer_id=tid, registration_id=rid, producer_engine_id="soak-prefill",
-                producer_tp_size=1, consumer_engine_id="rogue", consumer_tp_rank=0, consumer_tp_size=1,
-                consumer_agent=info, block_ids=[0])
+            batch = peer_pb2.PeerBatch()
+            for tid in tids:
+                rid += 1
+                batch.items.add(seq=rid, register=peer_pb2.RegisterRequest(
+                    transfer_id=tid, registration_id=rid, producer_engine_id="soak-prefill", producer_tp_size=1,
+                    consumer_engine_id="rogue", consumer_tp_rank=0, consumer_tp_size=1, consumer_agent=info,
+                    block_ids=[0]))
+            codes = {it.seq: "UNANSWERED" for it in batch.items}
             try:
-                await stub.Register(req, timeout=10, metadata=session)
+                async for out in stub.Channel(iter([batch]), timeout=10, metadata=session):
+                    codes.update((it.seq, it.result.code) for it in out.items)
             except grpc.aio.AioRpcError as e:
-                return e.code()
-            return grpc.StatusCode.OK
-
-        gate = asyncio.Semaphore(200)  # a flood's Registers in flight at once
-
-        async def gated(sem: asyncio.Semaphore, tid: str) -> grpc.StatusCode:
-            async with sem:
-                return await register(tid)
+                return [e.code().name] * len(tids)
+            return list(codes.values())
 
         try:
             while self.issued < self.args.requests:
@@ -321,15 +322,13 @@ class Soak:
                     held = [t.transfer_id for t in st.transfers if t.side == "send"
                             and t.waiting_for == "prefill publish" and t.transfer_id.startswith("soak-")][:4]
                     for tid in held:
-                        code = await register(tid)
-                        self.attacks[f"takeover:{code.name}"] += 1
-                        if code is grpc.StatusCode.OK:  # harmless only if that transfer had ended already
+                        (code,) = await register([tid])
+                        self.attacks[f"takeover:{code}"] += 1
+                        if code == "OK":  # harmless only if that transfer had ended already
                             self.rogue_accepted.add(tid)
-                elif kind == "register_flood":  # all at once: faster than the per-peer rate limit
-                    codes = await asyncio.gather(*(gated(gate, f"rogue-flood-{self.tag}-{k}-{rid}")
-                                                   for k in range(FLOOD)))
-                    for code in codes:
-                        self.attacks[f"flood:{code.name}"] += 1
+                elif kind == "register_flood":  # all in one batch: faster than the per-peer rate limit
+                    for code in await register([f"rogue-flood-{self.tag}-{k}-{rid}" for k in range(FLOOD)]):
+                        self.attacks[f"flood:{code}"] += 1
                 else:
                     for k in range(100):
                         await handshake(f"flood-{k}", uuid.uuid4().hex, f"127.1.{k % 250}.{self.rng.randrange(250)}:7")

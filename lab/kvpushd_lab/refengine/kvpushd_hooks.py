@@ -2,7 +2,7 @@
 
 One engine drives one worker per TP rank (each rank's ``PagedKV`` is attached as its own worker
 with its ``tp_rank``/``tp_size``, as the ranks of a real TP engine would be). Each worker's session
-is one ``WorkerService.Stream`` (``KVPushClient.attach_stream`` -> ``StreamWorker``): the engine
+is one ``WorkerService.Stream`` (``KVPushClient.attach`` -> ``StreamWorker``): the engine
 thread only appends commands to the step's batch, and ``end_step()``, which the engine calls once
 per step, sends each rank's batch as one ``CommandBatch``. Per request:
 
@@ -18,9 +18,6 @@ per step, sends each rank's batch as one ``CommandBatch``. Per request:
 A command the daemon refuses comes back as that rank's FAILED completion ("REFUSED"); the first failed
 rank aborts the others, and the request is reported failed once every rank's completion is in. A
 worker whose session ended (``alive`` false) fails whatever it still had pending.
-
-``attach(..., stream=False)`` attaches unary ``Worker``s instead (queued calls, one sender thread
-per worker; ``end_step`` then has nothing to send): the same hooks, for comparisons.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpushd_client import CompletionKind, KVPushClient, KVPushError, Role, StreamWorker, Worker
+from kvpushd_client import CompletionKind, KVPushClient, KVPushError, Role, StreamWorker
 
 from .engine import KVEvents
 from .model import PagedKV, as_caches
@@ -47,7 +44,7 @@ class _Pending:
 class KVPushdHooks:
     """Connector hooks for one engine: ``workers[r]`` is TP rank r's attached worker."""
 
-    def __init__(self, workers: Sequence[StreamWorker | Worker], engine_id: str, transfer_mode: str = "push") -> None:
+    def __init__(self, workers: Sequence[StreamWorker], engine_id: str, transfer_mode: str = "push") -> None:
         if not workers:
             raise ValueError("no workers")
         if transfer_mode not in ("push", "pull"):
@@ -62,22 +59,19 @@ class KVPushdHooks:
 
     @classmethod
     def attach(cls, client: KVPushClient | Sequence[KVPushClient], engine_id: str, role: Role,
-               kv: PagedKV | Sequence[PagedKV], description: str = "", transfer_mode: str = "push",
-               stream: bool = True) -> KVPushdHooks:
+               kv: PagedKV | Sequence[PagedKV], description: str = "", transfer_mode: str = "push") -> KVPushdHooks:
         """Attach every rank cache (each must live in shared memory: ``PagedKV.shared``) as a worker.
 
-        ``client`` is one client for all ranks, or one per rank. ``stream``: each worker's session is
-        one ``WorkerService.Stream`` (default); False: unary calls (``Worker``)."""
+        ``client`` is one client for all ranks, or one per rank."""
         caches = as_caches(kv)
         clients = [client] * len(caches) if isinstance(client, KVPushClient) else list(client)
-        workers: list[StreamWorker | Worker] = []
+        workers: list[StreamWorker] = []
         try:
             for c, cl in zip(caches, clients, strict=True):
                 if c.shm is None:
                     raise ValueError("kvpushd needs the KV cache in shared memory (PagedKV.shared)")
-                attach = cl.attach_stream if stream else cl.attach
-                workers.append(attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory], c.regions(),
-                                      description=description or f"refengine {engine_id} rank {c.tp_rank}"))
+                workers.append(cl.attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory], c.regions(),
+                                         description=description or f"refengine {engine_id} rank {c.tp_rank}"))
         except BaseException:
             for w in workers:
                 w.detach()
@@ -142,10 +136,9 @@ class KVPushdHooks:
         return ev
 
     def end_step(self) -> None:
-        """The engine step is scheduled: each rank's batch goes out as one message (stream workers)."""
+        """The engine step is scheduled: each rank's batch goes out as one message."""
         for w in self.workers:
-            if isinstance(w, StreamWorker):
-                w.step()
+            w.step()
 
     # --- helpers ---------------------------------------------------------------------------
 

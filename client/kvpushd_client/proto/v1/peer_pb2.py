@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpushd_client.proto.v1 import common_pb2 as kvpushd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvpushd/v1/peer.proto\x12\nkvpushd.v1\x1a\x17kvpushd/v1/common.proto\"0\n\tPeerBatch\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.kvpushd.v1.PeerItem\"\x8f\x03\n\x08PeerItem\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12/\n\x08register\x18\x02 \x01(\x0b\x32\x1b.kvpushd.v1.RegisterRequestH\x00\x12*\n\x08withdraw\x18\x03 \x01(\x0b\x32\x16.kvpushd.v1.FailNoticeH\x00\x12&\n\x04\x66\x61il\x18\x04 \x01(\x0b\x32\x16.kvpushd.v1.FailNoticeH\x00\x12)\n\x05offer\x18\x05 \x01(\x0b\x32\x18.kvpushd.v1.OfferRequestH\x00\x12\x33\n\x0bread_failed\x18\x06 \x01(\x0b\x32\x1c.kvpushd.v1.ReadFailedNoticeH\x00\x12\x31\n\theartbeat\x18\x07 \x01(\x0b\x32\x1c.kvpushd.v1.HeartbeatRequestH\x00\x12(\n\x06result\x18\x08 \x01(\x0b\x32\x16.kvpushd.v1.PeerResultH\x00\x12,\n\x07\x64\x65\x63line\x18\t \x01(\x0b\x32\x19.kvpushd.v1.DeclineNoticeH\x00\x42\x06\n\x04item\"\x82\x01\n\nPeerResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x15\n\rneed_metadata\x18\x04 \x01(\x08\x12\x30\n\theartbeat\x18\x05 \x01(\x0b\x32\x1d.kvpushd.v1.HeartbeatResponse\".\n\x10HeartbeatRequest\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\">\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0cknows_caller\x18\x02 \x01(\x08\"}\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\x7f\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x15\n\rsession_token\x18\x05 \x01(\t\"w\n\tAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.kvpushd.v1.RemoteRegion\x12\x13\n\x0bmemory_kind\x18\x04 \x01(\t\"\xd9\x01\n\x0cRemoteRegion\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0e\x32\x14.kvpushd.v1.KVLayout\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x12\n\nreplicated\x18\t \x01(\x08\"\xfe\x02\n\x0fRegisterRequest\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x1a\n\x12producer_engine_id\x18\x04 \x01(\t\x12\x18\n\x10producer_tp_size\x18\x05 \x01(\r\x12\x1a\n\x12\x63onsumer_engine_id\x18\x06 \x01(\t\x12\x18\n\x10\x63onsumer_tp_rank\x18\x07 \x01(\r\x12\x18\n\x10\x63onsumer_tp_size\x18\x08 \x01(\r\x12-\n\x0e\x63onsumer_agent\x18\t \x01(\x0b\x32\x15.kvpushd.v1.AgentInfo\x12\x11\n\tblock_ids\x18\n \x03(\r\x12/\n\rtransfer_mode\x18\x0b \x01(\x0e\x32\x18.kvpushd.v1.TransferMode\x12\x13\n\x0bskip_tokens\x18\x0c \x01(\r\x12\x13\n\x0btraceparent\x18\r \x01(\t\")\n\x10RegisterResponse\x12\x15\n\rneed_metadata\x18\x01 \x01(\x08\"f\n\x14RegisterBatchRequest\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\x12\x32\n\rregistrations\x18\x02 \x03(\x0b\x32\x1b.kvpushd.v1.RegisterRequest\"T\n\x0eRegisterResult\x12\x15\n\rneed_metadata\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"D\n\x15RegisterBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.kvpushd.v1.RegisterResult\"\x8d\x01\n\nFailNotice\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12%\n\x04\x63ode\x18\x04 \x01(\x0e\x32\x17.kvpushd.v1.FailureCode\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\t\n\x07\x46\x61ilAck\"\x88\x01\n\rDeclineNotice\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1a\n\x12producer_engine_id\x18\x03 \x01(\t\x12\x1a\n\x12\x63onsumer_engine_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xcb\x01\n\x0cOfferRequest\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x15\n\rproducer_rank\x18\x04 \x01(\r\x12\x18\n\x10producer_tp_size\x18\x05 \x01(\r\x12-\n\x0eproducer_agent\x18\x06 \x01(\x0b\x32\x15.kvpushd.v1.AgentInfo\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"&\n\rOfferResponse\x12\x15\n\rneed_metadata\x18\x01 \x01(\x08\"\x83\x01\n\x10ReadFailedNotice\x12\x1a\n\x12\x63\x61ller_instance_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x15\n\rproducer_rank\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t2\xa3\x05\n\x0bPeerService\x12H\n\tHandshake\x12\x1c.kvpushd.v1.HandshakeRequest\x1a\x1d.kvpushd.v1.HandshakeResponse\x12\x45\n\x08Register\x12\x1b.kvpushd.v1.RegisterRequest\x1a\x1c.kvpushd.v1.RegisterResponse\x12T\n\rRegisterBatch\x12 .kvpushd.v1.RegisterBatchRequest\x1a!.kvpushd.v1.RegisterBatchResponse\x12\x33\n\x04\x46\x61il\x12\x16.kvpushd.v1.FailNotice\x1a\x13.kvpushd.v1.FailAck\x12\x37\n\x08Withdraw\x12\x16.kvpushd.v1.FailNotice\x1a\x13.kvpushd.v1.FailAck\x12\x39\n\x07\x44\x65\x63line\x12\x19.kvpushd.v1.DeclineNotice\x1a\x13.kvpushd.v1.FailAck\x12H\n\tHeartbeat\x12\x1c.kvpushd.v1.HeartbeatRequest\x1a\x1d.kvpushd.v1.HeartbeatResponse\x12<\n\x05Offer\x12\x18.kvpushd.v1.OfferRequest\x1a\x19.kvpushd.v1.OfferResponse\x12?\n\nReadFailed\x12\x1c.kvpushd.v1.ReadFailedNotice\x1a\x13.kvpushd.v1.FailAck\x12;\n\x07\x43hannel\x12\x15.kvpushd.v1.PeerBatch\x1a\x15.kvpushd.v1.PeerBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvpushd/v1/peer.proto\x12\nkvpushd.v1\x1a\x17kvpushd/v1/common.proto\"0\n\tPeerBatch\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.kvpushd.v1.PeerItem\"\x8f\x03\n\x08PeerItem\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12/\n\x08register\x18\x02 \x01(\x0b\x32\x1b.kvpushd.v1.RegisterRequestH\x00\x12*\n\x08withdraw\x18\x03 \x01(\x0b\x32\x16.kvpushd.v1.FailNoticeH\x00\x12&\n\x04\x66\x61il\x18\x04 \x01(\x0b\x32\x16.kvpushd.v1.FailNoticeH\x00\x12)\n\x05offer\x18\x05 \x01(\x0b\x32\x18.kvpushd.v1.OfferRequestH\x00\x12\x33\n\x0bread_failed\x18\x06 \x01(\x0b\x32\x1c.kvpushd.v1.ReadFailedNoticeH\x00\x12\x31\n\theartbeat\x18\x07 \x01(\x0b\x32\x1c.kvpushd.v1.HeartbeatRequestH\x00\x12(\n\x06result\x18\x08 \x01(\x0b\x32\x16.kvpushd.v1.PeerResultH\x00\x12,\n\x07\x64\x65\x63line\x18\t \x01(\x0b\x32\x19.kvpushd.v1.DeclineNoticeH\x00\x42\x06\n\x04item\"\x82\x01\n\nPeerResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x15\n\rneed_metadata\x18\x04 \x01(\x08\x12\x30\n\theartbeat\x18\x05 \x01(\x0b\x32\x1d.kvpushd.v1.HeartbeatResponse\"\x18\n\x10HeartbeatRequestJ\x04\x08\x01\x10\x02\">\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0cknows_caller\x18\x02 \x01(\x08\"}\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\x7f\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x15\n\rsession_token\x18\x05 \x01(\t\"w\n\tAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.kvpushd.v1.RemoteRegion\x12\x13\n\x0bmemory_kind\x18\x04 \x01(\t\"\xd9\x01\n\x0cRemoteRegion\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0e\x32\x14.kvpushd.v1.KVLayout\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x12\n\nreplicated\x18\t \x01(\x08\"\xe8\x02\n\x0fRegisterRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x1a\n\x12producer_engine_id\x18\x04 \x01(\t\x12\x18\n\x10producer_tp_size\x18\x05 \x01(\r\x12\x1a\n\x12\x63onsumer_engine_id\x18\x06 \x01(\t\x12\x18\n\x10\x63onsumer_tp_rank\x18\x07 \x01(\r\x12\x18\n\x10\x63onsumer_tp_size\x18\x08 \x01(\r\x12-\n\x0e\x63onsumer_agent\x18\t \x01(\x0b\x32\x15.kvpushd.v1.AgentInfo\x12\x11\n\tblock_ids\x18\n \x03(\r\x12/\n\rtransfer_mode\x18\x0b \x01(\x0e\x32\x18.kvpushd.v1.TransferMode\x12\x13\n\x0bskip_tokens\x18\x0c \x01(\r\x12\x13\n\x0btraceparent\x18\r \x01(\tJ\x04\x08\x01\x10\x02\"w\n\nFailNotice\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12%\n\x04\x63ode\x18\x04 \x01(\x0e\x32\x17.kvpushd.v1.FailureCode\x12\x0e\n\x06reason\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02\"r\n\rDeclineNotice\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1a\n\x12producer_engine_id\x18\x03 \x01(\t\x12\x1a\n\x12\x63onsumer_engine_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02\"\xb5\x01\n\x0cOfferRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x15\n\rproducer_rank\x18\x04 \x01(\r\x12\x18\n\x10producer_tp_size\x18\x05 \x01(\r\x12-\n\x0eproducer_agent\x18\x06 \x01(\x0b\x32\x15.kvpushd.v1.AgentInfo\x12\x11\n\tblock_ids\x18\x07 \x03(\rJ\x04\x08\x01\x10\x02\"m\n\x10ReadFailedNotice\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x15\n\rproducer_rank\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02\x32\x94\x01\n\x0bPeerService\x12H\n\tHandshake\x12\x1c.kvpushd.v1.HandshakeRequest\x1a\x1d.kvpushd.v1.HandshakeResponse\x12;\n\x07\x43hannel\x12\x15.kvpushd.v1.PeerBatch\x1a\x15.kvpushd.v1.PeerBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,39 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERRESULT']._serialized_start=515
   _globals['_PEERRESULT']._serialized_end=645
   _globals['_HEARTBEATREQUEST']._serialized_start=647
-  _globals['_HEARTBEATREQUEST']._serialized_end=693
-  _globals['_HEARTBEATRESPONSE']._serialized_start=695
-  _globals['_HEARTBEATRESPONSE']._serialized_end=757
-  _globals['_HANDSHAKEREQUEST']._serialized_start=759
-  _globals['_HANDSHAKEREQUEST']._serialized_end=884
-  _globals['_HANDSHAKERESPONSE']._serialized_start=886
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1013
-  _globals['_AGENTINFO']._serialized_start=1015
-  _globals['_AGENTINFO']._serialized_end=1134
-  _globals['_REMOTEREGION']._serialized_start=1137
-  _globals['_REMOTEREGION']._serialized_end=1354
-  _globals['_REGISTERREQUEST']._serialized_start=1357
-  _globals['_REGISTERREQUEST']._serialized_end=1739
-  _globals['_REGISTERRESPONSE']._serialized_start=1741
-  _globals['_REGISTERRESPONSE']._serialized_end=1782
-  _globals['_REGISTERBATCHREQUEST']._serialized_start=1784
-  _globals['_REGISTERBATCHREQUEST']._serialized_end=1886
-  _globals['_REGISTERRESULT']._serialized_start=1888
-  _globals['_REGISTERRESULT']._serialized_end=1972
-  _globals['_REGISTERBATCHRESPONSE']._serialized_start=1974
-  _globals['_REGISTERBATCHRESPONSE']._serialized_end=2042
-  _globals['_FAILNOTICE']._serialized_start=2045
-  _globals['_FAILNOTICE']._serialized_end=2186
-  _globals['_FAILACK']._serialized_start=2188
-  _globals['_FAILACK']._serialized_end=2197
-  _globals['_DECLINENOTICE']._serialized_start=2200
-  _globals['_DECLINENOTICE']._serialized_end=2336
-  _globals['_OFFERREQUEST']._serialized_start=2339
-  _globals['_OFFERREQUEST']._serialized_end=2542
-  _globals['_OFFERRESPONSE']._serialized_start=2544
-  _globals['_OFFERRESPONSE']._serialized_end=2582
-  _globals['_READFAILEDNOTICE']._serialized_start=2585
-  _globals['_READFAILEDNOTICE']._serialized_end=2716
-  _globals['_PEERSERVICE']._serialized_start=2719
-  _globals['_PEERSERVICE']._serialized_end=3394
+  _globals['_HEARTBEATREQUEST']._serialized_end=671
+  _globals['_HEARTBEATRESPONSE']._serialized_start=673
+  _globals['_HEARTBEATRESPONSE']._serialized_end=735
+  _globals['_HANDSHAKEREQUEST']._serialized_start=737
+  _globals['_HANDSHAKEREQUEST']._serialized_end=862
+  _globals['_HANDSHAKERESPONSE']._serialized_start=864
+  _globals['_HANDSHAKERESPONSE']._serialized_end=991
+  _globals['_AGENTINFO']._serialized_start=993
+  _globals['_AGENTINFO']._serialized_end=1112
+  _globals['_REMOTEREGION']._serialized_start=1115
+  _globals['_REMOTEREGION']._serialized_end=1332
+  _globals['_REGISTERREQUEST']._serialized_start=1335
+  _globals['_REGISTERREQUEST']._serialized_end=1695
+  _globals['_FAILNOTICE']._serialized_start=1697
+  _globals['_FAILNOTICE']._serialized_end=1816
+  _globals['_DECLINENOTICE']._serialized_start=1818
+  _globals['_DECLINENOTICE']._serialized_end=1932
+  _globals['_OFFERREQUEST']._serialized_start=1935
+  _globals['_OFFERREQUEST']._serialized_end=2116
+  _globals['_READFAILEDNOTICE']._serialized_start=2118
+  _globals['_READFAILEDNOTICE']._serialized_end=2227
+  _globals['_PEERSERVICE']._serialized_start=2230
+  _globals['_PEERSERVICE']._serialized_end=2378
 # @@protoc_insertion_point(module_scope)

@@ -55,23 +55,53 @@ class PeerItem(_message.Message):
     seq: _builtins.int
     """chosen by the sender of the request item; its result carries the same"""
     @_builtins.property
-    def register(self) -> Global___RegisterRequest: ...
+    def register(self) -> Global___RegisterRequest:
+        """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
+
     @_builtins.property
-    def withdraw(self) -> Global___FailNotice: ...
+    def withdraw(self) -> Global___FailNotice:
+        """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
+        replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
+        """
+
     @_builtins.property
-    def fail(self) -> Global___FailNotice: ...
+    def fail(self) -> Global___FailNotice:
+        """Prefill side -> decode side: this registration will not be written (WRITE failed, timeout,
+        prefill worker gone or aborted). The decode daemon fails the Expect with the reason.
+        """
+
     @_builtins.property
-    def offer(self) -> Global___OfferRequest: ...
+    def offer(self) -> Global___OfferRequest:
+        """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
+        source blocks of this producer agent into the registration's blocks. The READ's notification
+        ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
+        """
+
     @_builtins.property
-    def read_failed(self) -> Global___ReadFailedNotice: ...
+    def read_failed(self) -> Global___ReadFailedNotice:
+        """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
+        posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
+        """
+
     @_builtins.property
-    def heartbeat(self) -> Global___HeartbeatRequest: ...
+    def heartbeat(self) -> Global___HeartbeatRequest:
+        """Liveness, both ways while transfers are pending between two daemons: a peer that stops
+        answering (killed, stopped, cut off) has everything pending with it failed within
+        transfer.peer_timeout_s; a changed instance id means it restarted.
+        """
+
     @_builtins.property
     def result(self) -> Global___PeerResult:
         """callee -> caller: the answer to the item with this seq"""
 
     @_builtins.property
-    def decline(self) -> Global___DeclineNotice: ...
+    def decline(self) -> Global___DeclineNotice:
+        """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
+        worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
+        publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
+        (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
+        """
+
     def __init__(
         self,
         *,
@@ -105,12 +135,14 @@ class PeerResult(_message.Message):
     NEED_METADATA_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     code: _builtins.str
-    """"OK", or the status code name the unary call would have failed with"""
+    """"OK", or the status code name of why it was refused"""
     message: _builtins.str
     kind: _builtins.str
     """the error's kind (as in the kvpushd-error metadata)"""
     need_metadata: _builtins.bool
-    """Register and Offer: as RegisterResponse / OfferResponse"""
+    """Register and Offer: the callee does not know the agent (consumer_agent, producer_agent):
+    send it again with its metadata.
+    """
     @_builtins.property
     def heartbeat(self) -> Global___HeartbeatResponse:
         """Heartbeat: the answer"""
@@ -136,16 +168,12 @@ Global___PeerResult: _TypeAlias = PeerResult  # noqa: Y015
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
     def __init__(
         self,
-        *,
-        caller_instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -159,7 +187,7 @@ class HeartbeatResponse(_message.Message):
     KNOWS_CALLER_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     knows_caller: _builtins.bool
-    """false after the callee restarted: the caller must handshake again"""
+    """false: the callee forgot the caller's session; handshake again"""
     def __init__(
         self,
         *,
@@ -222,8 +250,8 @@ class HandshakeResponse(_message.Message):
     node_id: _builtins.str
     instance_id: _builtins.str
     session_token: _builtins.str
-    """Secret of this caller's session: every later call carries it as gRPC metadata
-    "kvpushd-session". An instance id is public (any handshake answer tells it), so it alone
+    """Secret of this caller's session: its Channel streams (and a repeated handshake) carry it as
+    gRPC metadata "kvpushd-session". An instance id is public (any handshake answer tells it), so it alone
     must not let a third party act for that daemon.
     """
     def __init__(
@@ -325,7 +353,6 @@ Global___RemoteRegion: _TypeAlias = RemoteRegion  # noqa: Y015
 class RegisterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     PRODUCER_ENGINE_ID_FIELD_NUMBER: _builtins.int
@@ -338,8 +365,6 @@ class RegisterRequest(_message.Message):
     TRANSFER_MODE_FIELD_NUMBER: _builtins.int
     SKIP_TOKENS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
-    """from the handshake"""
     transfer_id: _builtins.str
     registration_id: _builtins.int
     """unique on the caller; rides back in the WRITE's notification"""
@@ -367,7 +392,6 @@ class RegisterRequest(_message.Message):
     def __init__(
         self,
         *,
-        caller_instance_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         registration_id: _builtins.int = ...,
         producer_engine_id: _builtins.str = ...,
@@ -383,119 +407,20 @@ class RegisterRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consumer_agent", b"consumer_agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "skip_tokens", b"skip_tokens", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_agent", b"consumer_agent", "consumer_engine_id", b"consumer_engine_id", "consumer_tp_rank", b"consumer_tp_rank", "consumer_tp_size", b"consumer_tp_size", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "skip_tokens", b"skip_tokens", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
 
 @_typing.final
-class RegisterResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NEED_METADATA_FIELD_NUMBER: _builtins.int
-    need_metadata: _builtins.bool
-    """the callee does not know consumer_agent: send it again with metadata"""
-    def __init__(
-        self,
-        *,
-        need_metadata: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["need_metadata", b"need_metadata"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RegisterResponse: _TypeAlias = RegisterResponse  # noqa: Y015
-
-@_typing.final
-class RegisterBatchRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    REGISTRATIONS_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
-    """every registration's caller_instance_id must be this one"""
-    @_builtins.property
-    def registrations(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisterRequest]: ...
-    def __init__(
-        self,
-        *,
-        caller_instance_id: _builtins.str = ...,
-        registrations: _abc.Iterable[Global___RegisterRequest] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "registrations", b"registrations"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RegisterBatchRequest: _TypeAlias = RegisterBatchRequest  # noqa: Y015
-
-@_typing.final
-class RegisterResult(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NEED_METADATA_FIELD_NUMBER: _builtins.int
-    CODE_FIELD_NUMBER: _builtins.int
-    MESSAGE_FIELD_NUMBER: _builtins.int
-    KIND_FIELD_NUMBER: _builtins.int
-    need_metadata: _builtins.bool
-    """as RegisterResponse"""
-    code: _builtins.str
-    """"OK", or the status code name a Register of it alone would have failed with"""
-    message: _builtins.str
-    kind: _builtins.str
-    """the error's kind (as in the kvpushd-error metadata)"""
-    def __init__(
-        self,
-        *,
-        need_metadata: _builtins.bool = ...,
-        code: _builtins.str = ...,
-        message: _builtins.str = ...,
-        kind: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "kind", b"kind", "message", b"message", "need_metadata", b"need_metadata"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RegisterResult: _TypeAlias = RegisterResult  # noqa: Y015
-
-@_typing.final
-class RegisterBatchResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    RESULTS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisterResult]:
-        """one per registration, in order"""
-
-    def __init__(
-        self,
-        *,
-        results: _abc.Iterable[Global___RegisterResult] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RegisterBatchResponse: _TypeAlias = RegisterBatchResponse  # noqa: Y015
-
-@_typing.final
 class FailNotice(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
     transfer_id: _builtins.str
     registration_id: _builtins.int
     code: _common_pb2.FailureCode.ValueType
@@ -503,7 +428,6 @@ class FailNotice(_message.Message):
     def __init__(
         self,
         *,
-        caller_instance_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         registration_id: _builtins.int = ...,
         code: _common_pb2.FailureCode.ValueType = ...,
@@ -511,37 +435,20 @@ class FailNotice(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "code", b"code", "reason", b"reason", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "reason", b"reason", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FailNotice: _TypeAlias = FailNotice  # noqa: Y015
 
 @_typing.final
-class FailAck(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___FailAck: _TypeAlias = FailAck  # noqa: Y015
-
-@_typing.final
 class DeclineNotice(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     PRODUCER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     CONSUMER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
     transfer_id: _builtins.str
     producer_engine_id: _builtins.str
     consumer_engine_id: _builtins.str
@@ -549,7 +456,6 @@ class DeclineNotice(_message.Message):
     def __init__(
         self,
         *,
-        caller_instance_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         producer_engine_id: _builtins.str = ...,
         consumer_engine_id: _builtins.str = ...,
@@ -557,7 +463,7 @@ class DeclineNotice(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "consumer_engine_id", b"consumer_engine_id", "producer_engine_id", b"producer_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_engine_id", b"consumer_engine_id", "producer_engine_id", b"producer_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,15 +473,12 @@ Global___DeclineNotice: _TypeAlias = DeclineNotice  # noqa: Y015
 class OfferRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     PRODUCER_RANK_FIELD_NUMBER: _builtins.int
     PRODUCER_TP_SIZE_FIELD_NUMBER: _builtins.int
     PRODUCER_AGENT_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
-    """the prefill daemon the registration was sent to"""
     transfer_id: _builtins.str
     registration_id: _builtins.int
     """the decode daemon's registration being offered to"""
@@ -592,7 +495,6 @@ class OfferRequest(_message.Message):
     def __init__(
         self,
         *,
-        caller_instance_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         registration_id: _builtins.int = ...,
         producer_rank: _builtins.int = ...,
@@ -602,42 +504,20 @@ class OfferRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["producer_agent", b"producer_agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "caller_instance_id", b"caller_instance_id", "producer_agent", b"producer_agent", "producer_rank", b"producer_rank", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_agent", b"producer_agent", "producer_rank", b"producer_rank", "producer_tp_size", b"producer_tp_size", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OfferRequest: _TypeAlias = OfferRequest  # noqa: Y015
 
 @_typing.final
-class OfferResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NEED_METADATA_FIELD_NUMBER: _builtins.int
-    need_metadata: _builtins.bool
-    """the callee does not know producer_agent: send it again with metadata"""
-    def __init__(
-        self,
-        *,
-        need_metadata: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["need_metadata", b"need_metadata"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___OfferResponse: _TypeAlias = OfferResponse  # noqa: Y015
-
-@_typing.final
 class ReadFailedNotice(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     PRODUCER_RANK_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
-    caller_instance_id: _builtins.str
     transfer_id: _builtins.str
     registration_id: _builtins.int
     producer_rank: _builtins.int
@@ -645,7 +525,6 @@ class ReadFailedNotice(_message.Message):
     def __init__(
         self,
         *,
-        caller_instance_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         registration_id: _builtins.int = ...,
         producer_rank: _builtins.int = ...,
@@ -653,7 +532,7 @@ class ReadFailedNotice(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_instance_id", b"caller_instance_id", "producer_rank", b"producer_rank", "reason", b"reason", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_rank", b"producer_rank", "reason", b"reason", "registration_id", b"registration_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,50 +33,15 @@ class PeerServiceStub:
     def __new__(cls, channel: _aio.Channel) -> PeerServiceAsyncStub: ...
     Handshake: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]
     """Exchanged once per pair of daemons (and again after either restarts)."""
-    Register: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RegisterRequest, _peer_pb2.RegisterResponse]
-    """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
-    RegisterBatch: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RegisterBatchRequest, _peer_pb2.RegisterBatchResponse]
-    """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
-    is checked and answered on its own, a bad one fails alone; the session is checked once.
-    """
-    Fail: _grpc.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]
-    """Prefill side -> decode side: this registration will not be written (WRITE failed, timeout,
-    prefill worker gone or aborted). The decode daemon fails the Expect with the reason.
-    """
-    Withdraw: _grpc.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]
-    """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
-    replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
-    """
-    Decline: _grpc.UnaryUnaryMultiCallable[_peer_pb2.DeclineNotice, _peer_pb2.FailAck]
-    """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
-    worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
-    publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
-    (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
-    """
-    Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
-    """Liveness, both ways while transfers are pending between two daemons: a peer that stops
-    answering (killed, stopped, cut off) has everything pending with it failed within
-    transfer.peer_timeout_s; a changed instance id means it restarted.
-    """
-    Offer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.OfferRequest, _peer_pb2.OfferResponse]
-    """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
-    source blocks of this producer agent into the registration's blocks. The READ's notification
-    ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
-    """
-    ReadFailed: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReadFailedNotice, _peer_pb2.FailAck]
-    """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
-    posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
-    """
     Channel: _grpc.StreamStreamMultiCallable[_peer_pb2.PeerBatch, _peer_pb2.PeerBatch]
-    """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+    """Everything else (protocol 5): one long-lived stream per calling daemon and callee, opened
     after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
     (the caller's instance id), checked once when the stream opens: a stream without a live
     session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
-    of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
-    ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
-    result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
-    answered once no WRITE into it is in flight, so results may come back out of order). The
-    unary calls above stay served for tools and older daemons.
+    of items (what one turn of its loop produced for this peer); the callee checks and answers
+    each item on its own with a result item carrying the same seq (a bad item fails alone, the
+    others go on; a Withdraw is answered once no WRITE into it is in flight, so results may come
+    back out of order). Every item acts for the stream's caller.
     """
 
 @_typing.type_check_only
@@ -84,50 +49,15 @@ class PeerServiceAsyncStub(PeerServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Handshake: _aio.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]  # type: ignore[assignment]
     """Exchanged once per pair of daemons (and again after either restarts)."""
-    Register: _aio.UnaryUnaryMultiCallable[_peer_pb2.RegisterRequest, _peer_pb2.RegisterResponse]  # type: ignore[assignment]
-    """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
-    RegisterBatch: _aio.UnaryUnaryMultiCallable[_peer_pb2.RegisterBatchRequest, _peer_pb2.RegisterBatchResponse]  # type: ignore[assignment]
-    """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
-    is checked and answered on its own, a bad one fails alone; the session is checked once.
-    """
-    Fail: _aio.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
-    """Prefill side -> decode side: this registration will not be written (WRITE failed, timeout,
-    prefill worker gone or aborted). The decode daemon fails the Expect with the reason.
-    """
-    Withdraw: _aio.UnaryUnaryMultiCallable[_peer_pb2.FailNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
-    """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
-    replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
-    """
-    Decline: _aio.UnaryUnaryMultiCallable[_peer_pb2.DeclineNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
-    """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
-    worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
-    publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
-    (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
-    """
-    Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Liveness, both ways while transfers are pending between two daemons: a peer that stops
-    answering (killed, stopped, cut off) has everything pending with it failed within
-    transfer.peer_timeout_s; a changed instance id means it restarted.
-    """
-    Offer: _aio.UnaryUnaryMultiCallable[_peer_pb2.OfferRequest, _peer_pb2.OfferResponse]  # type: ignore[assignment]
-    """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
-    source blocks of this producer agent into the registration's blocks. The READ's notification
-    ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
-    """
-    ReadFailed: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReadFailedNotice, _peer_pb2.FailAck]  # type: ignore[assignment]
-    """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
-    posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
-    """
     Channel: _aio.StreamStreamMultiCallable[_peer_pb2.PeerBatch, _peer_pb2.PeerBatch]  # type: ignore[assignment]
-    """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+    """Everything else (protocol 5): one long-lived stream per calling daemon and callee, opened
     after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
     (the caller's instance id), checked once when the stream opens: a stream without a live
     session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
-    of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
-    ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
-    result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
-    answered once no WRITE into it is in flight, so results may come back out of order). The
-    unary calls above stay served for tools and older daemons.
+    of items (what one turn of its loop produced for this peer); the callee checks and answers
+    each item on its own with a result item carrying the same seq (a bad item fails alone, the
+    others go on; a Withdraw is answered once no WRITE into it is in flight, so results may come
+    back out of order). Every item acts for the stream's caller.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -140,102 +70,19 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Exchanged once per pair of daemons (and again after either restarts)."""
 
     @_abc_1.abstractmethod
-    def Register(
-        self,
-        request: _peer_pb2.RegisterRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.RegisterResponse, _abc.Awaitable[_peer_pb2.RegisterResponse]]:
-        """Decode side -> prefill side: destination blocks of one consumer rank for one transfer."""
-
-    @_abc_1.abstractmethod
-    def RegisterBatch(
-        self,
-        request: _peer_pb2.RegisterBatchRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.RegisterBatchResponse, _abc.Awaitable[_peer_pb2.RegisterBatchResponse]]:
-        """Many registrations in one call (a decode daemon sends what one turn of its loop produced): each
-        is checked and answered on its own, a bad one fails alone; the session is checked once.
-        """
-
-    @_abc_1.abstractmethod
-    def Fail(
-        self,
-        request: _peer_pb2.FailNotice,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
-        """Prefill side -> decode side: this registration will not be written (WRITE failed, timeout,
-        prefill worker gone or aborted). The decode daemon fails the Expect with the reason.
-        """
-
-    @_abc_1.abstractmethod
-    def Withdraw(
-        self,
-        request: _peer_pb2.FailNotice,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
-        """Decode side -> prefill side: the registration is withdrawn (abort, timeout, worker gone,
-        replaced by a newer one). The prefill daemon drops it and fails publishes that wrote to it.
-        """
-
-    @_abc_1.abstractmethod
-    def Decline(
-        self,
-        request: _peer_pb2.DeclineNotice,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
-        """Decode side -> prefill side: this transfer will never be registered by the caller (a decode
-        worker's Expect failed before it reached its daemon). The prefill daemon fails the transfer's
-        publishes now, and one that comes later at once (remembered for publish_timeout_s). Refused
-        (PERMISSION_DENIED) when another decode daemon registered a consumer rank of it.
-        """
-
-    @_abc_1.abstractmethod
-    def Heartbeat(
-        self,
-        request: _peer_pb2.HeartbeatRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
-        """Liveness, both ways while transfers are pending between two daemons: a peer that stops
-        answering (killed, stopped, cut off) has everything pending with it failed within
-        transfer.peer_timeout_s; a changed instance id means it restarted.
-        """
-
-    @_abc_1.abstractmethod
-    def Offer(
-        self,
-        request: _peer_pb2.OfferRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.OfferResponse, _abc.Awaitable[_peer_pb2.OfferResponse]]:
-        """Pull mode, prefill side -> decode side: a pull registration met its publish; READ these
-        source blocks of this producer agent into the registration's blocks. The READ's notification
-        ("kvp1r:<registration id>:<producer rank>") tells the prefill daemon it completed.
-        """
-
-    @_abc_1.abstractmethod
-    def ReadFailed(
-        self,
-        request: _peer_pb2.ReadFailedNotice,
-        context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.FailAck, _abc.Awaitable[_peer_pb2.FailAck]]:
-        """Pull mode, decode side -> prefill side: the READ of an accepted offer failed (could not be
-        posted, or completed in error); the prefill daemon fails the publish and releases its blocks.
-        """
-
-    @_abc_1.abstractmethod
     def Channel(
         self,
         request_iterator: _MaybeAsyncIterator[_peer_pb2.PeerBatch],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_peer_pb2.PeerBatch], _abc.AsyncIterator[_peer_pb2.PeerBatch]]:
-        """What a daemon uses (protocol 4): one long-lived stream per calling daemon and callee, opened
+        """Everything else (protocol 5): one long-lived stream per calling daemon and callee, opened
         after Handshake with the metadata "kvpushd-session" (the session token) and "kvpushd-instance"
         (the caller's instance id), checked once when the stream opens: a stream without a live
         session is refused (FAILED_PRECONDITION, kind SessionUnknown). The caller then sends batches
-        of items (what one turn of its loop produced for this peer: Register, Withdraw, Fail, Offer,
-        ReadFailed, Heartbeat, Decline); the callee checks and answers each item on its own, in order, with a
-        result item carrying the same seq (a bad item fails alone, the others go on; a Withdraw is
-        answered once no WRITE into it is in flight, so results may come back out of order). The
-        unary calls above stay served for tools and older daemons.
+        of items (what one turn of its loop produced for this peer); the callee checks and answers
+        each item on its own with a result item carrying the same seq (a bad item fails alone, the
+        others go on; a Withdraw is answered once no WRITE into it is in flight, so results may come
+        back out of order). Every item acts for the stream's caller.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -34,13 +34,24 @@ class Command(_message.Message):
     seq: _builtins.int
     """the worker's own number for the command, echoed in its result"""
     @_builtins.property
-    def expect(self) -> Global___ExpectRequest: ...
+    def expect(self) -> Global___ExpectRequest:
+        """Decode side: destination blocks for a transfer, as soon as they are allocated."""
+
     @_builtins.property
-    def publish(self) -> Global___PublishRequest: ...
+    def publish(self) -> Global___PublishRequest:
+        """Prefill side: the source blocks are complete ("prefill done")."""
+
     @_builtins.property
-    def abort(self) -> Global___AbortRequest: ...
+    def abort(self) -> Global___AbortRequest:
+        """The engine gave up on a request: release everything for it, on both nodes."""
+
     @_builtins.property
-    def decline(self) -> Global___DeclineRequest: ...
+    def decline(self) -> Global___DeclineRequest:
+        """Decode side: this transfer will never be expected here (its Expect failed before it reached
+        the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
+        fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
+        """
+
     def __init__(
         self,
         *,
@@ -95,7 +106,7 @@ class CommandResult(_message.Message):
     FOUND_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     code: _builtins.str
-    """"OK", or the gRPC status code name the unary call would have failed with"""
+    """"OK", or the gRPC status code name of why it was refused"""
     message: _builtins.str
     """why, when refused"""
     kind: _builtins.str
@@ -217,25 +228,6 @@ class AttachResponse(_message.Message):
 Global___AttachResponse: _TypeAlias = AttachResponse  # noqa: Y015
 
 @_typing.final
-class SessionRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    WORKER_ID_FIELD_NUMBER: _builtins.int
-    worker_id: _builtins.str
-    def __init__(
-        self,
-        *,
-        worker_id: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
-
-@_typing.final
 class Completion(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -329,7 +321,6 @@ Global___Completion: _TypeAlias = Completion  # noqa: Y015
 class ExpectRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    WORKER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     PRODUCER_ADDRESS_FIELD_NUMBER: _builtins.int
@@ -338,7 +329,6 @@ class ExpectRequest(_message.Message):
     TRANSFER_MODE_FIELD_NUMBER: _builtins.int
     SKIP_TOKENS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
-    worker_id: _builtins.str
     transfer_id: _builtins.str
     producer_address: _builtins.str
     """the prefill node's daemon, host:port"""
@@ -361,7 +351,6 @@ class ExpectRequest(_message.Message):
     def __init__(
         self,
         *,
-        worker_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         producer_address: _builtins.str = ...,
@@ -373,36 +362,19 @@ class ExpectRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "skip_tokens", b"skip_tokens", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "producer_tp_size", b"producer_tp_size", "skip_tokens", b"skip_tokens", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "transfer_mode", b"transfer_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExpectRequest: _TypeAlias = ExpectRequest  # noqa: Y015
 
 @_typing.final
-class ExpectResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ExpectResponse: _TypeAlias = ExpectResponse  # noqa: Y015
-
-@_typing.final
 class PublishRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    WORKER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
-    worker_id: _builtins.str
     transfer_id: _builtins.str
     traceparent: _builtins.str
     """optional W3C trace context, as in ExpectRequest"""
@@ -413,128 +385,45 @@ class PublishRequest(_message.Message):
     def __init__(
         self,
         *,
-        worker_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "traceparent", b"traceparent", "transfer_id", b"transfer_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PublishRequest: _TypeAlias = PublishRequest  # noqa: Y015
 
 @_typing.final
-class PublishResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___PublishResponse: _TypeAlias = PublishResponse  # noqa: Y015
-
-@_typing.final
-class PollCompletionsRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    WORKER_ID_FIELD_NUMBER: _builtins.int
-    MAX_FIELD_NUMBER: _builtins.int
-    worker_id: _builtins.str
-    max: _builtins.int
-    """0: all that are ready"""
-    def __init__(
-        self,
-        *,
-        worker_id: _builtins.str = ...,
-        max: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max", b"max", "worker_id", b"worker_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___PollCompletionsRequest: _TypeAlias = PollCompletionsRequest  # noqa: Y015
-
-@_typing.final
-class PollCompletionsResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    COMPLETIONS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def completions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Completion]: ...
-    def __init__(
-        self,
-        *,
-        completions: _abc.Iterable[Global___Completion] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completions", b"completions"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___PollCompletionsResponse: _TypeAlias = PollCompletionsResponse  # noqa: Y015
-
-@_typing.final
 class AbortRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    WORKER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
-    worker_id: _builtins.str
     transfer_id: _builtins.str
     def __init__(
         self,
         *,
-        worker_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortRequest: _TypeAlias = AbortRequest  # noqa: Y015
 
 @_typing.final
-class AbortResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    FOUND_FIELD_NUMBER: _builtins.int
-    found: _builtins.bool
-    def __init__(
-        self,
-        *,
-        found: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
-
-@_typing.final
 class DeclineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    WORKER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     PRODUCER_ADDRESS_FIELD_NUMBER: _builtins.int
     PRODUCER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
-    worker_id: _builtins.str
     transfer_id: _builtins.str
     producer_address: _builtins.str
     """the prefill node's daemon, host:port (as in the Expect)"""
@@ -544,7 +433,6 @@ class DeclineRequest(_message.Message):
     def __init__(
         self,
         *,
-        worker_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         producer_address: _builtins.str = ...,
         producer_engine_id: _builtins.str = ...,
@@ -552,26 +440,11 @@ class DeclineRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "reason", b"reason", "transfer_id", b"transfer_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_address", b"producer_address", "producer_engine_id", b"producer_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeclineRequest: _TypeAlias = DeclineRequest  # noqa: Y015
-
-@_typing.final
-class DeclineResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___DeclineResponse: _TypeAlias = DeclineResponse  # noqa: Y015
 
 @_typing.final
 class DetachRequest(_message.Message):

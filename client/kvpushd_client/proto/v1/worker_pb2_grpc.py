@@ -39,40 +39,10 @@ class WorkerServiceStub:
                 request_serializer=kvpushd_dot_v1_dot_worker__pb2.AttachRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_worker__pb2.AttachResponse.FromString,
                 _registered_method=True)
-        self.Session = channel.unary_stream(
-                '/kvpushd.v1.WorkerService/Session',
-                request_serializer=kvpushd_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
-                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.Completion.FromString,
-                _registered_method=True)
-        self.Expect = channel.unary_unary(
-                '/kvpushd.v1.WorkerService/Expect',
-                request_serializer=kvpushd_dot_v1_dot_worker__pb2.ExpectRequest.SerializeToString,
-                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.ExpectResponse.FromString,
-                _registered_method=True)
-        self.Publish = channel.unary_unary(
-                '/kvpushd.v1.WorkerService/Publish',
-                request_serializer=kvpushd_dot_v1_dot_worker__pb2.PublishRequest.SerializeToString,
-                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.PublishResponse.FromString,
-                _registered_method=True)
-        self.PollCompletions = channel.unary_unary(
-                '/kvpushd.v1.WorkerService/PollCompletions',
-                request_serializer=kvpushd_dot_v1_dot_worker__pb2.PollCompletionsRequest.SerializeToString,
-                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.PollCompletionsResponse.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/kvpushd.v1.WorkerService/Abort',
-                request_serializer=kvpushd_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.Detach = channel.unary_unary(
                 '/kvpushd.v1.WorkerService/Detach',
                 request_serializer=kvpushd_dot_v1_dot_worker__pb2.DetachRequest.SerializeToString,
                 response_deserializer=kvpushd_dot_v1_dot_worker__pb2.DetachResponse.FromString,
-                _registered_method=True)
-        self.Decline = channel.unary_unary(
-                '/kvpushd.v1.WorkerService/Decline',
-                request_serializer=kvpushd_dot_v1_dot_worker__pb2.DeclineRequest.SerializeToString,
-                response_deserializer=kvpushd_dot_v1_dot_worker__pb2.DeclineResponse.FromString,
                 _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/kvpushd.v1.WorkerService/Stream',
@@ -85,43 +55,7 @@ class WorkerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Attach(self, request, context):
-        """Hand the daemon this worker's KV memory. Returns the worker id used in every other call.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Session(self, request, context):
-        """The session: the daemon streams completions; the end of this stream (the worker's
-        process exits, or it cancels) means the worker is gone and everything it holds is released.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Expect(self, request, context):
-        """Decode side: destination blocks for a transfer, as soon as they are allocated.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Publish(self, request, context):
-        """Prefill side: the source blocks are complete ("prefill done").
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PollCompletions(self, request, context):
-        """Read completions without waiting (for workers that do not consume the Session stream).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """The engine gave up on a request: release everything for it, on both nodes.
+        """Hand the daemon this worker's KV memory. Returns the worker id its Stream names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,20 +68,12 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decline(self, request, context):
-        """Decode side: this transfer will never be expected here (its Expect failed before it reached
-        the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
-        fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Stream(self, request_iterator, context):
-        """The session as one stream both ways (instead of Session plus a unary call per request): the
+        """The worker's session, one stream both ways and the only way to hand over transfers: the
         worker sends batches of commands (one batch per engine step), the daemon answers each command
-        (in order) and sends the worker's completions on the same stream. The first batch names the
-        worker; the end of the stream means the worker is gone, as for Session.
+        on its own (a bad one fails alone) and sends the worker's completions on the same stream. The
+        first batch names the worker; the end of the stream (the worker's process exits, it cancels or
+        half-closes) means the worker is gone and everything it holds is released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,40 +87,10 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=kvpushd_dot_v1_dot_worker__pb2.AttachRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_worker__pb2.AttachResponse.SerializeToString,
             ),
-            'Session': grpc.unary_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.SessionRequest.FromString,
-                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.Completion.SerializeToString,
-            ),
-            'Expect': grpc.unary_unary_rpc_method_handler(
-                    servicer.Expect,
-                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.ExpectRequest.FromString,
-                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.ExpectResponse.SerializeToString,
-            ),
-            'Publish': grpc.unary_unary_rpc_method_handler(
-                    servicer.Publish,
-                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.PublishRequest.FromString,
-                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.PublishResponse.SerializeToString,
-            ),
-            'PollCompletions': grpc.unary_unary_rpc_method_handler(
-                    servicer.PollCompletions,
-                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.PollCompletionsRequest.FromString,
-                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.PollCompletionsResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
-            ),
             'Detach': grpc.unary_unary_rpc_method_handler(
                     servicer.Detach,
                     request_deserializer=kvpushd_dot_v1_dot_worker__pb2.DetachRequest.FromString,
                     response_serializer=kvpushd_dot_v1_dot_worker__pb2.DetachResponse.SerializeToString,
-            ),
-            'Decline': grpc.unary_unary_rpc_method_handler(
-                    servicer.Decline,
-                    request_deserializer=kvpushd_dot_v1_dot_worker__pb2.DeclineRequest.FromString,
-                    response_serializer=kvpushd_dot_v1_dot_worker__pb2.DeclineResponse.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
@@ -240,141 +136,6 @@ class WorkerService:
             _registered_method=True)
 
     @staticmethod
-    def Session(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvpushd.v1.WorkerService/Session',
-            kvpushd_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
-            kvpushd_dot_v1_dot_worker__pb2.Completion.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Expect(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpushd.v1.WorkerService/Expect',
-            kvpushd_dot_v1_dot_worker__pb2.ExpectRequest.SerializeToString,
-            kvpushd_dot_v1_dot_worker__pb2.ExpectResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Publish(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpushd.v1.WorkerService/Publish',
-            kvpushd_dot_v1_dot_worker__pb2.PublishRequest.SerializeToString,
-            kvpushd_dot_v1_dot_worker__pb2.PublishResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PollCompletions(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpushd.v1.WorkerService/PollCompletions',
-            kvpushd_dot_v1_dot_worker__pb2.PollCompletionsRequest.SerializeToString,
-            kvpushd_dot_v1_dot_worker__pb2.PollCompletionsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpushd.v1.WorkerService/Abort',
-            kvpushd_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            kvpushd_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Detach(request,
             target,
             options=(),
@@ -391,33 +152,6 @@ class WorkerService:
             '/kvpushd.v1.WorkerService/Detach',
             kvpushd_dot_v1_dot_worker__pb2.DetachRequest.SerializeToString,
             kvpushd_dot_v1_dot_worker__pb2.DetachResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decline(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpushd.v1.WorkerService/Decline',
-            kvpushd_dot_v1_dot_worker__pb2.DeclineRequest.SerializeToString,
-            kvpushd_dot_v1_dot_worker__pb2.DeclineResponse.FromString,
             options,
             channel_credentials,
             insecure,

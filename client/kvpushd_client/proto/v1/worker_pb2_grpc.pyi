@@ -34,62 +34,30 @@ class WorkerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkerServiceAsyncStub: ...
     Attach: _grpc.UnaryUnaryMultiCallable[_worker_pb2.AttachRequest, _worker_pb2.AttachResponse]
-    """Hand the daemon this worker's KV memory. Returns the worker id used in every other call."""
-    Session: _grpc.UnaryStreamMultiCallable[_worker_pb2.SessionRequest, _worker_pb2.Completion]
-    """The session: the daemon streams completions; the end of this stream (the worker's
-    process exits, or it cancels) means the worker is gone and everything it holds is released.
-    """
-    Expect: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ExpectRequest, _worker_pb2.ExpectResponse]
-    """Decode side: destination blocks for a transfer, as soon as they are allocated."""
-    Publish: _grpc.UnaryUnaryMultiCallable[_worker_pb2.PublishRequest, _worker_pb2.PublishResponse]
-    """Prefill side: the source blocks are complete ("prefill done")."""
-    PollCompletions: _grpc.UnaryUnaryMultiCallable[_worker_pb2.PollCompletionsRequest, _worker_pb2.PollCompletionsResponse]
-    """Read completions without waiting (for workers that do not consume the Session stream)."""
-    Abort: _grpc.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortResponse]
-    """The engine gave up on a request: release everything for it, on both nodes."""
+    """Hand the daemon this worker's KV memory. Returns the worker id its Stream names."""
     Detach: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DetachRequest, _worker_pb2.DetachResponse]
     """Orderly goodbye: fails what is pending and releases the worker's memory."""
-    Decline: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DeclineRequest, _worker_pb2.DeclineResponse]
-    """Decode side: this transfer will never be expected here (its Expect failed before it reached
-    the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
-    fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
-    """
     Stream: _grpc.StreamStreamMultiCallable[_worker_pb2.CommandBatch, _worker_pb2.EventBatch]
-    """The session as one stream both ways (instead of Session plus a unary call per request): the
+    """The worker's session, one stream both ways and the only way to hand over transfers: the
     worker sends batches of commands (one batch per engine step), the daemon answers each command
-    (in order) and sends the worker's completions on the same stream. The first batch names the
-    worker; the end of the stream means the worker is gone, as for Session.
+    on its own (a bad one fails alone) and sends the worker's completions on the same stream. The
+    first batch names the worker; the end of the stream (the worker's process exits, it cancels or
+    half-closes) means the worker is gone and everything it holds is released.
     """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Attach: _aio.UnaryUnaryMultiCallable[_worker_pb2.AttachRequest, _worker_pb2.AttachResponse]  # type: ignore[assignment]
-    """Hand the daemon this worker's KV memory. Returns the worker id used in every other call."""
-    Session: _aio.UnaryStreamMultiCallable[_worker_pb2.SessionRequest, _worker_pb2.Completion]  # type: ignore[assignment]
-    """The session: the daemon streams completions; the end of this stream (the worker's
-    process exits, or it cancels) means the worker is gone and everything it holds is released.
-    """
-    Expect: _aio.UnaryUnaryMultiCallable[_worker_pb2.ExpectRequest, _worker_pb2.ExpectResponse]  # type: ignore[assignment]
-    """Decode side: destination blocks for a transfer, as soon as they are allocated."""
-    Publish: _aio.UnaryUnaryMultiCallable[_worker_pb2.PublishRequest, _worker_pb2.PublishResponse]  # type: ignore[assignment]
-    """Prefill side: the source blocks are complete ("prefill done")."""
-    PollCompletions: _aio.UnaryUnaryMultiCallable[_worker_pb2.PollCompletionsRequest, _worker_pb2.PollCompletionsResponse]  # type: ignore[assignment]
-    """Read completions without waiting (for workers that do not consume the Session stream)."""
-    Abort: _aio.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortResponse]  # type: ignore[assignment]
-    """The engine gave up on a request: release everything for it, on both nodes."""
+    """Hand the daemon this worker's KV memory. Returns the worker id its Stream names."""
     Detach: _aio.UnaryUnaryMultiCallable[_worker_pb2.DetachRequest, _worker_pb2.DetachResponse]  # type: ignore[assignment]
     """Orderly goodbye: fails what is pending and releases the worker's memory."""
-    Decline: _aio.UnaryUnaryMultiCallable[_worker_pb2.DeclineRequest, _worker_pb2.DeclineResponse]  # type: ignore[assignment]
-    """Decode side: this transfer will never be expected here (its Expect failed before it reached
-    the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
-    fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
-    """
     Stream: _aio.StreamStreamMultiCallable[_worker_pb2.CommandBatch, _worker_pb2.EventBatch]  # type: ignore[assignment]
-    """The session as one stream both ways (instead of Session plus a unary call per request): the
+    """The worker's session, one stream both ways and the only way to hand over transfers: the
     worker sends batches of commands (one batch per engine step), the daemon answers each command
-    (in order) and sends the worker's completions on the same stream. The first batch names the
-    worker; the end of the stream means the worker is gone, as for Session.
+    on its own (a bad one fails alone) and sends the worker's completions on the same stream. The
+    first batch names the worker; the end of the stream (the worker's process exits, it cancels or
+    half-closes) means the worker is gone and everything it holds is released.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -99,49 +67,7 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.AttachRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.AttachResponse, _abc.Awaitable[_worker_pb2.AttachResponse]]:
-        """Hand the daemon this worker's KV memory. Returns the worker id used in every other call."""
-
-    @_abc_1.abstractmethod
-    def Session(
-        self,
-        request: _worker_pb2.SessionRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_worker_pb2.Completion], _abc.AsyncIterator[_worker_pb2.Completion]]:
-        """The session: the daemon streams completions; the end of this stream (the worker's
-        process exits, or it cancels) means the worker is gone and everything it holds is released.
-        """
-
-    @_abc_1.abstractmethod
-    def Expect(
-        self,
-        request: _worker_pb2.ExpectRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.ExpectResponse, _abc.Awaitable[_worker_pb2.ExpectResponse]]:
-        """Decode side: destination blocks for a transfer, as soon as they are allocated."""
-
-    @_abc_1.abstractmethod
-    def Publish(
-        self,
-        request: _worker_pb2.PublishRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.PublishResponse, _abc.Awaitable[_worker_pb2.PublishResponse]]:
-        """Prefill side: the source blocks are complete ("prefill done")."""
-
-    @_abc_1.abstractmethod
-    def PollCompletions(
-        self,
-        request: _worker_pb2.PollCompletionsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.PollCompletionsResponse, _abc.Awaitable[_worker_pb2.PollCompletionsResponse]]:
-        """Read completions without waiting (for workers that do not consume the Session stream)."""
-
-    @_abc_1.abstractmethod
-    def Abort(
-        self,
-        request: _worker_pb2.AbortRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.AbortResponse, _abc.Awaitable[_worker_pb2.AbortResponse]]:
-        """The engine gave up on a request: release everything for it, on both nodes."""
+        """Hand the daemon this worker's KV memory. Returns the worker id its Stream names."""
 
     @_abc_1.abstractmethod
     def Detach(
@@ -152,26 +78,16 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Orderly goodbye: fails what is pending and releases the worker's memory."""
 
     @_abc_1.abstractmethod
-    def Decline(
-        self,
-        request: _worker_pb2.DeclineRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.DeclineResponse, _abc.Awaitable[_worker_pb2.DeclineResponse]]:
-        """Decode side: this transfer will never be expected here (its Expect failed before it reached
-        the daemon, e.g. while the daemon was restarting). The daemon tells the prefill daemon, which
-        fails the transfer's publishes at once instead of holding their blocks for publish_timeout_s.
-        """
-
-    @_abc_1.abstractmethod
     def Stream(
         self,
         request_iterator: _MaybeAsyncIterator[_worker_pb2.CommandBatch],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.EventBatch], _abc.AsyncIterator[_worker_pb2.EventBatch]]:
-        """The session as one stream both ways (instead of Session plus a unary call per request): the
+        """The worker's session, one stream both ways and the only way to hand over transfers: the
         worker sends batches of commands (one batch per engine step), the daemon answers each command
-        (in order) and sends the worker's completions on the same stream. The first batch names the
-        worker; the end of the stream means the worker is gone, as for Session.
+        on its own (a bad one fails alone) and sends the worker's completions on the same stream. The
+        first batch names the worker; the end of the stream (the worker's process exits, it cancels or
+        half-closes) means the worker is gone and everything it holds is released.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
