@@ -278,7 +278,6 @@ class WorkerStatus(_message.Message):
     BACKENDS_FIELD_NUMBER: _builtins.int
     COMMAND_BATCHES_FIELD_NUMBER: _builtins.int
     STREAM_COMMANDS_FIELD_NUMBER: _builtins.int
-    UNARY_CALLS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     engine_id: _builtins.str
     role: _common_pb2.Role.ValueType
@@ -297,8 +296,6 @@ class WorkerStatus(_message.Message):
     """CommandBatches with commands its Stream carried (one per engine step)"""
     stream_commands: _builtins.int
     """commands in them"""
-    unary_calls: _builtins.int
-    """Expect, Publish and Abort unary calls it made"""
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegionSummary]: ...
     @_builtins.property
@@ -325,11 +322,10 @@ class WorkerStatus(_message.Message):
         backends: _abc.Iterable[Global___AgentBackend] | None = ...,
         command_batches: _builtins.int = ...,
         stream_commands: _builtins.int = ...,
-        unary_calls: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "attached_s", b"attached_s", "backends", b"backends", "command_batches", b"command_batches", "description", b"description", "engine_id", b"engine_id", "memory_kind", b"memory_kind", "num_regions", b"num_regions", "pending_transfers", b"pending_transfers", "pp_rank", b"pp_rank", "regions", b"regions", "registered_bytes", b"registered_bytes", "role", b"role", "stream_commands", b"stream_commands", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "unary_calls", b"unary_calls", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "attached_s", b"attached_s", "backends", b"backends", "command_batches", b"command_batches", "description", b"description", "engine_id", b"engine_id", "memory_kind", b"memory_kind", "num_regions", b"num_regions", "pending_transfers", b"pending_transfers", "pp_rank", b"pp_rank", "regions", b"regions", "registered_bytes", b"registered_bytes", "role", b"role", "stream_commands", b"stream_commands", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
