@@ -48,13 +48,7 @@ D_ENGINE = "decode-engine-001"
 DAEMON_CONFIG = "[transfer]\npublish_timeout_s = 3.0\nexpect_timeout_s = 60.0\ndrain_timeout_s = 3.0\n"
 
 
-def x_request_id() -> str:
-    return str(uuid.uuid4())
-
-
-def engine_request_id(x: str) -> str:
-    """vLLM's internal id for a completion: cmpl-<X-Request-Id>-<i>-<8 random hex>."""
-    return f"cmpl-{x}-0-{uuid.uuid4().hex[:8]}"
+x_request_id, engine_request_id = vs.x_request_id, vs.engine_request_id
 
 
 # ------------------------------------------------------------------------------------------------

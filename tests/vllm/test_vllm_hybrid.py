@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,7 @@ WINDOW = 48   # tokens of the sliding-window layers (engine tests: 32-token bloc
 BS = 16       # scheduler-only tests
 
 
-def x_request_id() -> str:
-    return str(uuid.uuid4())
-
-
-def engine_request_id(x: str) -> str:
-    return f"cmpl-{x}-0-{uuid.uuid4().hex[:8]}"
+x_request_id, engine_request_id = vs.x_request_id, vs.engine_request_id
 
 
 @pytest.fixture(scope="module")

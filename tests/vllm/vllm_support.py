@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,3 +289,13 @@ def prefill_params() -> dict[str, Any]:
     """What disagg_proxy_pushconnector_demo.py sends to prefill."""
     return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def x_request_id() -> str:
+    """A router's X-Request-Id: the transfer id vLLM's push proxy hands both legs."""
+    return str(uuid.uuid4())
+
+
+def engine_request_id(x: str) -> str:
+    """vLLM's internal id for a completion: cmpl-<X-Request-Id>-<i>-<8 random hex>."""
+    return f"cmpl-{x}-0-{uuid.uuid4().hex[:8]}"
