@@ -118,8 +118,8 @@ class PeerApiConfig(Section, frozen=True):
     rpc_timeout_s: Annotated[float, Positive, Meta(description="Seconds one call to another daemon may take")] = 10.0
     max_message_bytes: Annotated[int, Positive, Meta(description=(
         "Largest message between daemons; at least 5 bytes per block id of worker_api.max_blocks_per_request "
-        "plus 3 MiB, or the largest registration is refused. gRPC refuses a larger one from its length "
-        "prefix, before buffering it"))] = DEFAULT_MAX_MESSAGE_BYTES
+        "plus 3 MiB, or the largest registration is refused. A larger one is refused RESOURCE_EXHAUSTED "
+        "unparsed"))] = DEFAULT_MAX_MESSAGE_BYTES
     max_streams_per_connection: Annotated[int, Positive, Meta(description=(
         "Calls open at once on one connection from another daemon (it needs one Channel, a Handshake and a "
         "health check); with max_message_bytes it bounds what one connection can make this daemon buffer"))] = 16
