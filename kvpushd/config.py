@@ -55,6 +55,23 @@ def default_advertise_host() -> str:
     return "127.0.0.1"
 
 
+# The largest legal message on either port carries one Register, Offer, Publish or Expect of
+# max_blocks_per_request block ids: a packed uint32 varint is at most 5 bytes, so 5 MiB at the default 1 Mi
+# ids, plus headroom for the agent's NIXL metadata and regions and the batch's other (small) items.
+# Anything bigger is junk; gRPC buffers a whole message before it is parsed, so this bound is also what
+# one call can make the daemon hold (the default is 8 MiB; it was 64 MiB on the peer port).
+BLOCK_ID_MAX_BYTES = 5
+MESSAGE_HEADROOM_BYTES = 3 << 20
+DEFAULT_MAX_BLOCKS_PER_REQUEST = 1 << 20
+
+
+def largest_legal_message(max_blocks_per_request: int) -> int:
+    return BLOCK_ID_MAX_BYTES * max_blocks_per_request + MESSAGE_HEADROOM_BYTES
+
+
+DEFAULT_MAX_MESSAGE_BYTES = largest_legal_message(DEFAULT_MAX_BLOCKS_PER_REQUEST)  # 8 MiB
+
+
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A table of the file: unknown keys are errors."""
 
@@ -79,13 +96,15 @@ class WorkerApiConfig(Section, frozen=True):
         "Permission bits of the socket file, in decimal: 432 = 0o660, the daemon's user and group (engine "
         "workers join the group)"))] = 0o660
     max_workers: Annotated[int, Positive, Meta(description="Workers attached at once")] = 256
-    max_blocks_per_request: Annotated[int, Positive, Meta(description="Block ids in one Publish or Expect")] = 1 << 20
+    max_blocks_per_request: Annotated[int, Positive, Meta(description="Block ids in one Publish or Expect")] = (
+        DEFAULT_MAX_BLOCKS_PER_REQUEST)
     max_attach_descriptors: Annotated[int, Positive, Meta(description=(
         "Regions x blocks of one worker (the NIXL descriptors it needs)"))] = 1 << 23
     session_grace_s: Annotated[float, Positive, Meta(description=(
         "Seconds an attached worker may take to open its session before it is reaped"))] = 30.0
     max_message_bytes: Annotated[int, Positive, Meta(description=(
-        "Largest message on the worker socket (an Expect of max_blocks_per_request ids is ~3 MiB)"))] = 8 << 20
+        "Largest message on the worker socket; at least 5 bytes per block id of max_blocks_per_request "
+        "plus 3 MiB, or the largest Expect is refused"))] = DEFAULT_MAX_MESSAGE_BYTES
 
 
 class PeerApiConfig(Section, frozen=True):
@@ -97,7 +116,13 @@ class PeerApiConfig(Section, frozen=True):
     listen: Annotated[HostPort, Meta(description="Address this daemon accepts other daemons on")] = "0.0.0.0:7700"
     connect_timeout_s: Annotated[float, Positive, Meta(description="Seconds to connect to another daemon")] = 5.0
     rpc_timeout_s: Annotated[float, Positive, Meta(description="Seconds one call to another daemon may take")] = 10.0
-    max_message_bytes: Annotated[int, Positive, Meta(description="Largest message between daemons")] = 64 << 20
+    max_message_bytes: Annotated[int, Positive, Meta(description=(
+        "Largest message between daemons; at least 5 bytes per block id of worker_api.max_blocks_per_request "
+        "plus 3 MiB, or the largest registration is refused. A larger one is refused RESOURCE_EXHAUSTED "
+        "unparsed"))] = DEFAULT_MAX_MESSAGE_BYTES
+    max_streams_per_connection: Annotated[int, Positive, Meta(description=(
+        "Calls open at once on one connection from another daemon (it needs one Channel, a Handshake and a "
+        "health check); with max_message_bytes it bounds what one connection can make this daemon buffer"))] = 16
     max_registers_per_s: Annotated[float, Positive, Meta(description=(
         "Registrations one decode daemon may make per second (a token bucket with one second's burst)"))] = 20000.0
     max_registrations_per_peer: Annotated[int, Positive, Meta(description=(

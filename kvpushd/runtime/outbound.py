@@ -61,7 +61,10 @@ class PeerClient:
         self.cfg = cfg
         self._on_restart = on_restart
         size = cfg.max_message_bytes
-        opts = [*KEEPALIVE, ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        # the answers a peer sends are bounded as its calls are here (app.py): the derived message size,
+        # metadata, and no BDP probing, so a peer cannot widen the window this side buffers for it
+        opts = [*KEEPALIVE, ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+                ("grpc.max_metadata_size", 16 << 10), ("grpc.http2.bdp_probe", 0)]
         if tls_enabled(cfg):
             self.channel = grpc.aio.secure_channel(address, channel_credentials(cfg),
                                                    options=[*opts, *channel_options(cfg)])
