@@ -124,8 +124,10 @@ class SendSide:
         transfer_id: str,
         block_ids: Iterable[int],
         layouts: tuple[Shape, ...] = (),
+        consumer: str = "",
     ) -> list[Action]:
-        """A producer rank's source blocks are complete (``layouts``: its regions, if known)."""
+        """A producer rank's source blocks are complete (``layouts``: its regions, if known).
+        ``consumer``: the node id of the only decode daemon whose registrations are accepted."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
@@ -139,6 +141,7 @@ class SendSide:
                 return [Deliver(worker_id, Completion(CompletionKind.FAILED, transfer_id, FailureCode.ABORTED,
                                                       why, blocks))]
             t = self._transfers[key] = SendTransfer(engine_id, transfer_id, now)
+        t.check_binding(consumer)
         old = t.publishes.get(rank)
         if step(PUB_TABLE, old.state if old else None, "publish", transfer_id) is Move.STAY:
             assert old is not None
@@ -149,9 +152,12 @@ class SendSide:
                 f"{rank} with other blocks; abort it first"
             )
         self._now = max(self._now, now)
+        # bound: registrations held from other daemons (they came before the publish) are failed back
+        actions = [a for r in (t.bind(consumer) if consumer else ()) for a in self._drop_registration(
+            t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
         t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts)
         self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
-        return self._match(t, now)
+        return actions + self._match(t, now)
 
     def register(self, now: float, reg: Registration) -> list[Action]:
         """The decode side's destination blocks for one consumer rank (forwarded by its daemon)."""
@@ -163,6 +169,8 @@ class SendSide:
             return []  # a retried Register: idempotent
         key = (reg.producer_engine_id, reg.transfer_id)
         t = self._transfers.get(key)
+        if t is not None and t.consumer and reg.node_id != t.consumer:
+            raise PermissionDenied(t.refusal(reg), transfer_id=reg.transfer_id)
         if t is None:
             t = self._transfers[key] = SendTransfer(reg.producer_engine_id, reg.transfer_id, now)
         if t.consumer_tp is not None and t.consumer_tp != reg.consumer_tp_size:

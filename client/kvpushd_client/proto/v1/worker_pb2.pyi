@@ -375,9 +375,16 @@ class PublishRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    CONSUMER_NODE_ID_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     traceparent: _builtins.str
     """optional W3C trace context, as in ExpectRequest"""
+    consumer_node_id: _builtins.str
+    """Optional registration binding: the node id of the decode daemon that is to receive this
+    transfer (the router names it). Set: only a registration from that daemon is accepted; one
+    from any other daemon is refused (PERMISSION_DENIED), also one that arrived before this
+    publish. Empty: the first registration wins (the default).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """source blocks, in token order"""
@@ -388,10 +395,11 @@ class PublishRequest(_message.Message):
         transfer_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         traceparent: _builtins.str = ...,
+        consumer_node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_node_id", b"consumer_node_id", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
