@@ -158,16 +158,20 @@ class Node:
                               len(block_ids) * w.block_bytes, producer_address, traceparent))
         self.run(actions)
 
-    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "") -> None:
+    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "",
+                consumer_node_id: str = "") -> None:
+        """``consumer_node_id``: the only decode daemon whose registration is accepted ("": the first)."""
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
         check_blocks(w, block_ids, self.cfg)
         check_transfer_id(transfer_id)
+        if len(consumer_node_id) > 256:
+            raise InvalidArgument(f"consumer_node_id is {len(consumer_node_id)} characters; at most 256")
         self.rv.bounded()
         actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
-                                       transfer_id, block_ids, layouts=w.regions)
+                                       transfer_id, block_ids, layouts=w.regions, consumer=consumer_node_id)
         self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))
         self.run(actions)
 
@@ -264,7 +268,8 @@ class Node:
         self.rv.bounded()
         reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
                            agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
-                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions)
+                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions,
+                           node_id=origin.node_id)
         try:
             actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one

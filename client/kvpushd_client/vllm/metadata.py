@@ -143,6 +143,9 @@ class PublishReq:
     transfer_id: str
     block_ids: tuple[int, ...]
     traceparent: str = ""
+    # kv_transfer_params["kvpushd_consumer_node"]: the decode daemon's node id, set by a router
+    # that binds the transfer to it ("": the first registration wins)
+    consumer_node_id: str = ""
 
 
 @dataclass(frozen=True)

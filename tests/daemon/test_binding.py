@@ -1,0 +1,60 @@
+"""Registration binding: a prefill-side publish that names its decode node (the router's
+``kvpushd_consumer_node``) accepts that daemon's registration only. Real daemons, real NIXL WRITE;
+a second admitted caller (loopback) speaks the peer API with a NIXL agent of its own."""
+
+from __future__ import annotations
+
+from kvpushd_client import CompletionKind
+from support import attach_pair, wait_for
+from test_closed import _register, _rogue_agent
+from test_peer_trust import session
+
+
+def test_bound_a_second_caller_registering_after_the_publish_is_refused(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    pw.publish("bound-after", [10, 11, 12], consumer_node_id="dnode")
+    rogue = session(p.peer_address, "rogue")
+    e = _register(rogue, "bound-after", _rogue_agent(rogue.instance_id), [4, 5, 6])
+    assert e.code == "PERMISSION_DENIED" and "bound to decode node 'dnode'" in e.message, e
+    assert "'rogue'" in e.message, e
+    dw.expect("bound-after", [1, 2, 3], p.peer_address, "prefill", 1)
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+    assert (dst.arr[:, [1, 2, 3]] == src.arr[:, [10, 11, 12]]).all()
+    assert "registration refused" in p.logs()
+
+
+def test_bound_a_second_caller_registering_before_the_publish_is_failed_back(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Push mode's usual order (the decode side registers while prefill computes): the other
+    caller's registration is held until the publish names the binding, then dropped; the named
+    decode daemon, registering later, gets the exact bytes."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    rogue = session(p.peer_address, "rogue")
+    e = _register(rogue, "bound-before", _rogue_agent(rogue.instance_id), [4, 5, 6])
+    assert e.code == "OK", e  # nothing names the decode node yet: held
+    assert wait_for(lambda: any(t.transfer_id == "bound-before" for t in p.client.status().transfers))
+    pw.publish("bound-before", [20, 21, 22], consumer_node_id="dnode")
+    dw.expect("bound-before", [7, 8, 9], p.peer_address, "prefill", 1)
+    assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
+    assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
+    assert (dst.arr[:, [7, 8, 9]] == src.arr[:, [20, 21, 22]]).all()
+    assert wait_for(lambda: not any(t.transfer_id == "bound-before" for t in p.client.status().transfers))
+
+
+def test_unbound_the_first_registration_still_wins(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Without a name (vLLM's unchanged proxy) behaviour is as before: the caller that registered
+    first holds the consumer rank, and the decode daemon's registration is refused."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = attach_pair(p, d, src, dst)
+    rogue = session(p.peer_address, "rogue")
+    e = _register(rogue, "unbound", _rogue_agent(rogue.instance_id), [4, 5, 6])
+    assert e.code == "OK", e
+    dw.expect("unbound", [1, 2, 3], p.peer_address, "prefill", 1)
+    c = dw.next_completion(20)
+    assert c is not None and c.kind is CompletionKind.FAILED and "another decode daemon" in c.reason, c
+    assert pw.abort("unbound") is False  # nothing published on this worker
