@@ -16,6 +16,7 @@ from .sendstate import (
     LEG_TABLE,
     PUB_TABLE,
     REG_TABLE,
+    Binding,
     Declined,
     LegState,
     Publish,
@@ -34,6 +35,7 @@ from .topology import check_tp_pair, consumer_targets, writer_sources, writer_ta
 from .types import Completion, CompletionKind, FailureCode, TransferMode
 
 MAX_DECLINED = 65536  # transfers remembered as declined (the oldest are forgotten first)
+UNBOUND = Binding()
 
 class SendSide:
     """Prefill-node rendezvous: publishes x registrations -> legs."""
@@ -124,10 +126,10 @@ class SendSide:
         transfer_id: str,
         block_ids: Iterable[int],
         layouts: tuple[Shape, ...] = (),
-        consumer: str = "",
+        consumer: Binding = UNBOUND,
     ) -> list[Action]:
-        """A producer rank's source blocks are complete (``layouts``: its regions, if known).
-        ``consumer``: the node id of the only decode daemon whose registrations are accepted."""
+        """A producer rank's source blocks are complete (``layouts``: its regions, if known; ``consumer``:
+        the only decode daemon whose registrations are accepted, if named)."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
@@ -147,12 +149,9 @@ class SendSide:
             assert old is not None
             if old.block_ids == blocks and old.worker_id == worker_id:
                 return []  # a retried Publish: idempotent
-            raise AlreadyExists(
-                f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
-                f"{rank} with other blocks; abort it first"
-            )
+            raise AlreadyExists(f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
+                                f"{rank} with other blocks; abort it first")
         self._now = max(self._now, now)
-        # bound: registrations held from other daemons (they came before the publish) are failed back
         actions = [a for r in (t.bind(consumer) if consumer else ()) for a in self._drop_registration(
             t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
         t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts)
@@ -169,7 +168,7 @@ class SendSide:
             return []  # a retried Register: idempotent
         key = (reg.producer_engine_id, reg.transfer_id)
         t = self._transfers.get(key)
-        if t is not None and t.consumer and reg.node_id != t.consumer:
+        if t is not None and t.consumer and not t.consumer.admits(reg):
             raise PermissionDenied(t.refusal(reg), transfer_id=reg.transfer_id)
         if t is None:
             t = self._transfers[key] = SendTransfer(reg.producer_engine_id, reg.transfer_id, now)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvpushd.core.errors import InvalidArgument, PermissionDenied
-from kvpushd.core.rendezvous import Action, Deliver, Registration, SendFailNotice, SendSide, StartWrite
+from kvpushd.core.rendezvous import Action, Binding, Deliver, Registration, SendFailNotice, SendSide, StartWrite
 from kvpushd.core.types import CompletionKind, FailureCode
 
 T0 = 1000.0
@@ -16,16 +16,17 @@ SRC, DST = (11, 12, 13), (21, 22, 23)
 GOOD, BAD = "decode-a", "decode-b"
 
 
-def reg(rid: int, node: str, crank: int = 0, ctp: int = 1) -> Registration:
-    return Registration(rid, f"instance-{node}", TID, ENGINE, 1, f"agent-{node}", crank, ctp, DST, node_id=node)
+def reg(rid: int, node: str, crank: int = 0, ctp: int = 1, tls: tuple[str, ...] = ()) -> Registration:
+    return Registration(rid, f"instance-{node}", TID, ENGINE, 1, f"agent-{node}", crank, ctp, DST, node_id=node,
+                        tls_names=tls)
 
 
 def writes(actions: list[Action]) -> list[StartWrite]:
     return [a for a in actions if isinstance(a, StartWrite)]
 
 
-def publish(s: SendSide, consumer: str = GOOD, rank: int = 0, tp: int = 1) -> list[Action]:
-    return s.publish(T0, f"pw{rank}", ENGINE, rank, tp, TID, SRC, consumer=consumer)
+def publish(s: SendSide, consumer: str = GOOD, rank: int = 0, tp: int = 1, tls: str = "") -> list[Action]:
+    return s.publish(T0, f"pw{rank}", ENGINE, rank, tp, TID, SRC, consumer=Binding(consumer, tls))
 
 
 def test_after_the_publish_another_node_is_refused_and_the_named_one_written() -> None:
@@ -80,3 +81,21 @@ def test_every_rank_must_name_the_same_node() -> None:
     publish(s, consumer="", rank=1, tp=2)  # a rank naming none keeps the binding
     with pytest.raises(PermissionDenied):
         s.register(T0, reg(3, BAD, crank=0, ctp=2))
+
+
+def test_bound_by_tls_name_a_caller_claiming_the_node_id_is_refused() -> None:
+    """A node id is what the caller says; a TLS name is what its certificate says."""
+    s = SendSide(30.0, 20.0)
+    publish(s, consumer="", tls="decode-a.example")
+    with pytest.raises(PermissionDenied, match=r"TLS name 'decode-a.example'.*TLS names 'intruder'"):
+        s.register(T0, reg(1, GOOD, tls=("intruder",)))  # claims node id decode-a
+    assert len(writes(s.register(T0, reg(2, BAD, tls=("decode-a.example", "localhost"))))) == 1
+
+
+def test_bound_by_both_each_must_match() -> None:
+    s = SendSide(30.0, 20.0)
+    publish(s, consumer=GOOD, tls="decode-a.example")
+    for wrong in (reg(1, BAD, tls=("decode-a.example",)), reg(2, GOOD, tls=("other",))):
+        with pytest.raises(PermissionDenied):
+            s.register(T0, wrong)
+    assert len(writes(s.register(T0, reg(3, GOOD, tls=("decode-a.example",))))) == 1
