@@ -133,8 +133,10 @@ class AsyncWorker:
         await self._command(("expect", transfer_id, list(block_ids), producer_address, producer_engine_id,
                              producer_tp_size, skip_tokens, transfer_mode, traceparent))
 
-    async def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
-        await self._command(("publish", transfer_id, list(block_ids), traceparent))
+    async def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
+                      consumer_node_id: str = "", consumer_tls_name: str = "") -> None:
+        await self._command(("publish", transfer_id, list(block_ids), traceparent, consumer_node_id,
+                             consumer_tls_name))
 
     async def abort(self, transfer_id: str) -> bool:
         return (await self._command(("abort", transfer_id, ()))).found

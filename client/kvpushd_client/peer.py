@@ -21,8 +21,10 @@ class PeerSession:
     """One caller's session with a peer daemon (``instance_id``: made up when not given)."""
 
     def __init__(self, address: str, protocol_version: int, compat_hash: str, node_id: str = "tool",
-                 instance_id: str = "", peer_address: str = "127.0.0.1:1", timeout_s: float = 10.0) -> None:
-        self.channel = grpc.insecure_channel(address)
+                 instance_id: str = "", peer_address: str = "127.0.0.1:1", timeout_s: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        """``credentials``: a TLS channel's (the daemon's peer API under mutual TLS); None: plaintext."""
+        self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
         self.stub = peer_pb2_grpc.PeerServiceStub(self.channel)
         self.instance_id = instance_id or uuid.uuid4().hex
         self.timeout_s = timeout_s

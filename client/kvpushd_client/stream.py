@@ -42,7 +42,7 @@ class _Client(Protocol):
 _END = None
 # One command as the engine thread appends it (one tuple, nothing else built on that thread):
 # ("expect", transfer id, blocks, address, engine, tp size, skip, mode, traceparent),
-# ("publish", transfer id, blocks, traceparent), ("abort", transfer id, ()) or
+# ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name), ("abort", transfer id, ()) or
 # ("decline", transfer id, (), address, engine, reason).
 _Queued = tuple[Any, ...]
 _Step = tuple[int, list[_Queued]]  # the seq of the step's first command, its commands
@@ -59,7 +59,8 @@ def _command(seq: int, q: _Queued) -> worker_pb2.Command:
             transfer_mode=_convert.transfer_mode(str(mode)), traceparent=str(tp_ctx)))
     if op == "publish":
         return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
-            transfer_id=tid, block_ids=blocks, traceparent=str(q[3])))
+            transfer_id=tid, block_ids=blocks, traceparent=str(q[3]), consumer_node_id=str(q[4]),
+            consumer_tls_name=str(q[5])))
     if op == "decline":
         return worker_pb2.Command(seq=seq, decline=worker_pb2.DeclineRequest(
             transfer_id=tid, producer_address=str(q[3]), producer_engine_id=str(q[4]), reason=str(q[5])))
@@ -138,9 +139,10 @@ class StreamWorker:
                   skip_tokens, transfer_mode, traceparent))
         return self._base + len(b)
 
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> int:
+    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
+                       consumer_node_id: str = "", consumer_tls_name: str = "") -> int:
         b = self._batch
-        b.append(("publish", transfer_id, tuple(block_ids), traceparent))
+        b.append(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name))
         return self._base + len(b)
 
     def abort_nowait(self, transfer_id: str) -> int:
@@ -194,10 +196,13 @@ class StreamWorker:
         self.call(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
                    skip_tokens, transfer_mode, traceparent))
 
-    def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "") -> None:
-        """Prefill side: the source blocks are complete."""
+    def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
+                consumer_node_id: str = "", consumer_tls_name: str = "") -> None:
+        """Prefill side: the source blocks are complete. ``consumer_node_id`` / ``consumer_tls_name``:
+        the only decode daemon whose registration the prefill daemon accepts, by its node id and/or
+        its client certificate's name (the router names it; both "": the first registration wins)."""
         self.step()
-        self.call(("publish", transfer_id, tuple(block_ids), traceparent))
+        self.call(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name))
 
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
         """Decode side: this transfer will never be expected here (its Expect failed before it

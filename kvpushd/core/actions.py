@@ -33,6 +33,8 @@ class Registration:
     by_tokens: bool = False  # blocks do not map one to one (block sizes differ, or skip_tokens): send all
     mla: bool = False       # every consumer region is replicated: one producer rank per consumer writes
     layouts: tuple[Shape, ...] = ()  # the consumer's regions (block size, layout, replication), if known
+    node_id: str = ""       # the registering decode daemon's node id (checked against a publish's binding)
+    tls_names: tuple[str, ...] = ()  # the CN and SANs of the client certificate it called with (TLS)
 
     def __post_init__(self) -> None:
         # What the regions say decides; the flags may also be set directly (tests, older peers).

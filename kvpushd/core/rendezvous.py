@@ -60,6 +60,7 @@ from .sendstate import (
     LEG_TABLE,
     PUB_TABLE,
     REG_TABLE,
+    Binding,
     LegState,
     PublishLease,
     PubState,
@@ -71,8 +72,8 @@ from .sendstate import (
 from .table import Move, step
 
 __all__ = [
-    "LEG_TABLE", "PUB_TABLE", "RECV_TABLE", "REG_TABLE", "Action", "Deliver", "Dropped", "ExpectLease", "LegKey",
-    "LegState", "Move", "Part", "PubState", "PublishLease", "PullLease", "ReadKey", "RecvSide", "RecvState",
+    "LEG_TABLE", "PUB_TABLE", "RECV_TABLE", "REG_TABLE", "Action", "Binding", "Deliver", "Dropped", "ExpectLease",
+    "LegKey", "LegState", "Move", "Part", "PubState", "PublishLease", "PullLease", "ReadKey", "RecvSide", "RecvState",
     "RecvView", "RegState", "Registration", "RegistrationLease", "SendFailNotice", "SendOffer", "SendReadFailed",
     "SendRegister", "SendSide", "SendView", "SendWithdraw", "StartRead", "StartWrite", "recv_step", "step",
 ]

@@ -16,6 +16,7 @@ from .sendstate import (
     LEG_TABLE,
     PUB_TABLE,
     REG_TABLE,
+    Binding,
     Declined,
     LegState,
     Publish,
@@ -34,6 +35,7 @@ from .topology import check_tp_pair, consumer_targets, writer_sources, writer_ta
 from .types import Completion, CompletionKind, FailureCode, TransferMode
 
 MAX_DECLINED = 65536  # transfers remembered as declined (the oldest are forgotten first)
+UNBOUND = Binding()
 
 class SendSide:
     """Prefill-node rendezvous: publishes x registrations -> legs."""
@@ -124,8 +126,10 @@ class SendSide:
         transfer_id: str,
         block_ids: Iterable[int],
         layouts: tuple[Shape, ...] = (),
+        consumer: Binding = UNBOUND,
     ) -> list[Action]:
-        """A producer rank's source blocks are complete (``layouts``: its regions, if known)."""
+        """A producer rank's source blocks are complete (``layouts``: its regions, if known; ``consumer``:
+        the only decode daemon whose registrations are accepted, if named)."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
@@ -139,19 +143,20 @@ class SendSide:
                 return [Deliver(worker_id, Completion(CompletionKind.FAILED, transfer_id, FailureCode.ABORTED,
                                                       why, blocks))]
             t = self._transfers[key] = SendTransfer(engine_id, transfer_id, now)
+        t.check_binding(consumer)
         old = t.publishes.get(rank)
         if step(PUB_TABLE, old.state if old else None, "publish", transfer_id) is Move.STAY:
             assert old is not None
             if old.block_ids == blocks and old.worker_id == worker_id:
                 return []  # a retried Publish: idempotent
-            raise AlreadyExists(
-                f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
-                f"{rank} with other blocks; abort it first"
-            )
+            raise AlreadyExists(f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
+                                f"{rank} with other blocks; abort it first")
         self._now = max(self._now, now)
+        actions = [a for r in (t.bind(consumer) if consumer else ()) for a in self._drop_registration(
+            t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
         t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts)
         self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
-        return self._match(t, now)
+        return actions + self._match(t, now)
 
     def register(self, now: float, reg: Registration) -> list[Action]:
         """The decode side's destination blocks for one consumer rank (forwarded by its daemon)."""
@@ -163,6 +168,8 @@ class SendSide:
             return []  # a retried Register: idempotent
         key = (reg.producer_engine_id, reg.transfer_id)
         t = self._transfers.get(key)
+        if t is not None and t.consumer and not t.consumer.admits(reg):
+            raise PermissionDenied(t.refusal(reg), transfer_id=reg.transfer_id)
         if t is None:
             t = self._transfers[key] = SendTransfer(reg.producer_engine_id, reg.transfer_id, now)
         if t.consumer_tp is not None and t.consumer_tp != reg.consumer_tp_size:

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .actions import Registration, SendFailNotice
+from .errors import InvalidArgument
 from .layout import Shape
 from .table import Move
 from .topology import writer_targets
@@ -51,8 +52,10 @@ PUB_FAILURES = ("abort", "worker_gone", "timeout", "leg_failed", "mismatch", "ta
                 "shutdown")
 # How a held registration ends early: withdrawn by its decode side, replaced by a newer one of its
 # consumer rank, expired, voided (a publish that writes it failed, or a WRITE into it failed), its
-# layout does not fit a publish, declined, its decode daemon lost, the daemon stopping.
-REG_ENDS = ("withdraw", "replaced", "timeout", "void", "mismatch", "decline", "origin_lost", "shutdown")
+# layout does not fit a publish, declined, its decode daemon lost, the daemon stopping, or (held
+# before the publish came) a publish bound the transfer to another decode daemon.
+REG_ENDS = ("withdraw", "replaced", "timeout", "void", "mismatch", "decline", "origin_lost", "shutdown",
+            "unbound")
 
 LEG_TABLE: dict[tuple[LegState | None, str], LegState | Move] = {
     (None, "start"): LegState.POSTED,
@@ -117,6 +120,25 @@ class PullLease:
 SendDeadline = PublishLease | RegistrationLease | PullLease
 
 
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """The decode daemon a transfer is bound to, by node id and/or TLS name (empty: unbound)."""
+
+    node_id: str = ""
+    tls_name: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.node_id or self.tls_name)
+
+    def __str__(self) -> str:
+        return " with ".join(x for x in (repr(self.node_id[:256]) if self.node_id else "",
+                                          f"TLS name {self.tls_name[:256]!r}" if self.tls_name else "") if x)
+
+    def admits(self, reg: Registration) -> bool:
+        return ((not self.node_id or reg.node_id == self.node_id)
+                and (not self.tls_name or self.tls_name in reg.tls_names))
+
+
 @dataclass(slots=True)
 class Publish:
     worker_id: str
@@ -147,6 +169,9 @@ class SendTransfer:
     mla: bool = False  # from the registrations: replicated (MLA) regions, fewer writers
     # consumer rank -> the decode daemon (origin) that registered it: only it may replace it
     rank_origin: dict[int, str] = field(default_factory=dict)
+    # the decode daemon a publish bound the transfer to: only its registrations are accepted
+    # (unbound: the first registration wins)
+    consumer: Binding = field(default_factory=lambda: Binding())
     # failure notices held until no WRITE into their registration is in flight (reg id -> notice):
     # a decode engine told FAILED frees its blocks, so it must not be told while bytes may land
     notices: dict[int, SendFailNotice] = field(default_factory=dict)
@@ -173,6 +198,31 @@ class SendTransfer:
         if self.consumer_tp is None:
             return False
         return all(c in self.reg_ids for c in writer_targets(pub.rank, pub.tp_size, self.consumer_tp, self.mla))
+
+    def check_binding(self, consumer: Binding) -> None:
+        """Every rank's publish names the same decode node (or none, keeping an earlier one's)."""
+        if consumer and self.consumer and consumer != self.consumer:
+            raise InvalidArgument(f"transfer {self.transfer_id[:256]!r} is bound to decode node "
+                                  f"{self.consumer} by another publish; this one names {consumer}")
+        if consumer and not self.consumer and self.publishes:
+            raise InvalidArgument(f"transfer {self.transfer_id[:256]!r} is already published unbound by another "
+                                  "rank; every rank's publish must name the same decode node")
+
+    def bind(self, consumer: Binding) -> list[Registration]:
+        """Bind to the decode node ``consumer``; the registrations held from other nodes (they came
+        before the publish), to be failed back. Their consumer ranks are free for the named node."""
+        self.consumer = consumer
+        wrong = [r for r in self.registrations.values() if not consumer.admits(r)]
+        for r in wrong:
+            self.rank_origin.pop(r.consumer_rank, None)
+        if len(wrong) == len(self.registrations) and not self.written:
+            self.consumer_tp = None  # what a refused registration said binds nothing
+        return wrong
+
+    def refusal(self, reg: Registration) -> str:
+        names = f" (TLS names {', '.join(repr(n[:256]) for n in reg.tls_names[:8])})" if self.consumer.tls_name else ""
+        return (f"transfer {self.transfer_id[:256]!r} is bound to decode node {self.consumer}; "
+                f"a registration from node {reg.node_id[:256]!r}{names} is not accepted")
 
     def release_notices(self) -> list[SendFailNotice]:
         """Failure notices whose registration has no WRITE in flight any more go out now."""

@@ -11,6 +11,7 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from .. import PROTOCOL_VERSION
 from ..core import notif
 from ..core.errors import SessionUnknown
+from ..peer_security import cert_names
 from ..runtime.node import Node
 from .errors import stream, unary
 from .pump import PEER, Pump, woken
@@ -25,7 +26,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     @unary
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
         token = self.node.handshake(request.protocol_version, request.compat_hash, request.node_id,
-                                    request.peer_address, request.instance_id, session_of(context))
+                                    request.peer_address, request.instance_id, session_of(context),
+                                    tls_names_of(context))
         return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                           node_id=self.node.ident.node_id, instance_id=self.node.ident.instance_id,
                                           session_token=token)
@@ -53,6 +55,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 yield peer_pb2.PeerBatch(items=results)
         finally:
             self.node.channel_counts(instance, streams=-1)
+
+
+def tls_names_of(context: Ctx) -> tuple[str, ...]:
+    """The caller's client certificate CN and SANs (empty without TLS), at most 64 of 256 characters."""
+    auth = {k: list(v) for k, v in (context.auth_context() or {}).items()}
+    return tuple(n[:256] for n in cert_names(auth)[:64])
 
 
 def session_of(context: Ctx) -> str:

@@ -39,6 +39,7 @@ class Origin:
     node_id: str
     address: str
     token: str = ""  # secret of this session (HandshakeResponse.session_token)
+    tls_names: tuple[str, ...] = ()  # CN and SANs of the client certificate it handshook with (TLS)
     last_seen: float = field(default_factory=time.monotonic)
     tokens: float = -1.0  # Register rate limit: a token bucket (-1: full at the first call)
     refilled: float = field(default_factory=time.monotonic)
@@ -157,7 +158,8 @@ class Inbound:
         self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, forget_remote)
 
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str, busy: set[str]) -> tuple[str, list[Origin]]:
+                  instance_id: str, presented_token: str, busy: set[str],
+                  tls_names: tuple[str, ...] = ()) -> tuple[str, list[Origin]]:
         """A peer daemon introduces itself; returns the secret token of its session, and the sessions
         it replaces (the same address, another instance: a restarted daemon, whose pending transfers
         the caller fails).
@@ -175,6 +177,7 @@ class Inbound:
         if known is not None:
             if presented_token and secrets.compare_digest(presented_token, known.token):
                 known.last_seen = time.monotonic()
+                known.tls_names = tls_names
                 return known.token, []  # the same session again
             if instance_id in busy:
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
@@ -183,7 +186,8 @@ class Inbound:
             # without the agents the old session introduced.
             self.drop(known)
         replaced = [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]
-        origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16))
+        origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16),
+                                                    tls_names=tls_names)
         log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
         return origin.token, replaced
 

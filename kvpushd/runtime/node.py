@@ -23,7 +23,7 @@ from ..core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ..core.rendezvous import Registration
+from ..core.rendezvous import Binding, Registration
 from ..core.types import Completion, FailureCode, Role, TransferMode
 from ..events import EventHub
 from ..tracing import Tracing
@@ -158,16 +158,21 @@ class Node:
                               len(block_ids) * w.block_bytes, producer_address, traceparent))
         self.run(actions)
 
-    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "") -> None:
+    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "",
+                consumer_node_id: str = "", consumer_tls_name: str = "") -> None:
+        """``consumer_*``: the only decode daemon whose registration is accepted (both "": the first)."""
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
         check_blocks(w, block_ids, self.cfg)
         check_transfer_id(transfer_id)
+        if max(len(consumer_node_id), len(consumer_tls_name)) > 256:
+            raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
         self.rv.bounded()
         actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
-                                       transfer_id, block_ids, layouts=w.regions)
+                                       transfer_id, block_ids, layouts=w.regions,
+                                       consumer=Binding(consumer_node_id, consumer_tls_name))
         self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))
         self.run(actions)
 
@@ -220,10 +225,11 @@ class Node:
     # -- peer API (we are the prefill side) -----------------------------------------------------
 
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str = "") -> str:
-        """A peer daemon introduces itself; returns the secret token of its session."""
+                  instance_id: str, presented_token: str = "", tls_names: tuple[str, ...] = ()) -> str:
+        """A peer daemon introduces itself (``tls_names``: its client certificate's CN and SANs, under
+        TLS); returns the secret token of its session."""
         token, replaced = self.inbound.handshake(protocol_version, compat_hash, node_id, peer_address, instance_id,
-                                                 presented_token, self.rv.send.origins())
+                                                 presented_token, self.rv.send.origins(), tls_names)
         for old in replaced:
             self.ex.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
         self.obs.emit(PeerHeard(peer_address, node_id, inbound=True))
@@ -264,7 +270,8 @@ class Node:
         self.rv.bounded()
         reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
                            agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
-                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions)
+                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions,
+                           node_id=origin.node_id, tls_names=origin.tls_names)
         try:
             actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one

@@ -26,6 +26,7 @@ from kvpushd.core.rendezvous import (
     RECV_TABLE,
     REG_TABLE,
     Action,
+    Binding,
     Deliver,
     Dropped,
     LegKey,
@@ -241,6 +242,8 @@ def reg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
         "decline": lambda x: x.run(x.s.decline(T0, ORIGIN, ENGINE, TID, "no")),
         "origin_lost": lambda x: x.run(x.s.origin_lost(ORIGIN, "restarted")),
         "shutdown": lambda x: x.run(x.s.shutdown("stopping")),
+        # the publish binds the transfer to another decode node than the one that registered
+        "unbound": lambda x: x.run(x.s.publish(T0, "pw", ENGINE, 0, 1, TID, SRC, consumer=Binding("decode-b"))),
     }
 
     def ends(event: str) -> Callable[[list[Any]], None]:

@@ -593,3 +593,25 @@ def test_client_installs_into_a_clean_venv(tmp_path: Path) -> None:
     names = {line.split("==")[0] for line in listed.split()}
     assert "kvpushd-client" in names
     assert not {n for n in names if n.startswith(("nixl", "torch", "vllm"))}, names
+
+
+def test_prefill_leg_names_its_decode_node(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+    """A router that binds the transfer puts the decode daemon's node id in the prefill leg's
+    kv_transfer_params["kvpushd_consumer_node"] (and/or "kvpushd_consumer_tls_name"); the publish
+    carries them (vLLM's proxy sets neither: "")."""
+    p, _ = daemons
+    cfg = vs.make_vllm_config(model_dir, "kv_producer", P_ENGINE, p.sock)
+    s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
+    req = vs.create_request(engine_request_id(x_request_id()), 40, 1,
+                            {**vs.prefill_params(), "kvpushd_consumer_node": "decode-7",
+                             "kvpushd_consumer_tls_name": "decode-7.example"}, 16)
+    s.add_request(req)
+    so = s.schedule()
+    s.update_from_output(so, vs.model_output([req]))
+    so = s.schedule()
+    (pub,) = so.kv_connector_metadata.publishes
+    assert pub.consumer_node_id == "decode-7" and pub.consumer_tls_name == "decode-7.example"
+    s.update_from_output(so, vs.model_output([]))
+    so = s.schedule()
+    s.update_from_output(so, vs.model_output([], vs.kv_output(finished_sending={req.request_id})))
+    assert not s.connector.has_pending_push_work() and not s.has_requests()

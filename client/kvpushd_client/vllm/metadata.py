@@ -143,6 +143,10 @@ class PublishReq:
     transfer_id: str
     block_ids: tuple[int, ...]
     traceparent: str = ""
+    # kv_transfer_params["kvpushd_consumer_node"] / ["kvpushd_consumer_tls_name"]: the decode daemon's
+    # node id / client certificate name, set by a router that binds the transfer to it ("": unbound)
+    consumer_node_id: str = ""
+    consumer_tls_name: str = ""
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,9 @@ class KVPushdConnectorScheduler:
             remote_ids = list(blocks)
         if blocks:
             tid = transfer_id_for(rid, params)
-            self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request)))
+            self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request),
+                                              str(params.get("kvpushd_consumer_node") or ""),
+                                              str(params.get("kvpushd_consumer_tls_name") or "")))
             self._sending[rid] = tid
         host, port = self._advertised_address()
         return bool(blocks), {

@@ -137,7 +137,9 @@ class KVPushdConnectorWorker:
                                               req.producer_engine_id, req.producer_tp_size,
                                               transfer_mode=req.transfer_mode, tag=pend, traceparent=req.traceparent)
         else:
-            pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent)
+            pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent,
+                                               consumer_node_id=req.consumer_node_id,
+                                               consumer_tls_name=req.consumer_tls_name)
 
     # results -------------------------------------------------------------------------------------
     def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True,

@@ -375,9 +375,19 @@ class PublishRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    CONSUMER_NODE_ID_FIELD_NUMBER: _builtins.int
+    CONSUMER_TLS_NAME_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     traceparent: _builtins.str
     """optional W3C trace context, as in ExpectRequest"""
+    consumer_node_id: _builtins.str
+    """Optional registration binding: the decode daemon that is to receive this transfer (the router
+    names it) by its node id (as it says in its handshake) and/or its TLS name (a CN or SAN of the
+    client certificate it called with). Set: only a registration from that daemon is accepted; one
+    from any other daemon is refused (PERMISSION_DENIED), also one that arrived before this
+    publish. Both empty: the first registration wins (the default).
+    """
+    consumer_tls_name: _builtins.str
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """source blocks, in token order"""
@@ -388,10 +398,12 @@ class PublishRequest(_message.Message):
         transfer_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         traceparent: _builtins.str = ...,
+        consumer_node_id: _builtins.str = ...,
+        consumer_tls_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_node_id", b"consumer_node_id", "consumer_tls_name", b"consumer_tls_name", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
