@@ -13,7 +13,7 @@ import grpc
 
 from . import _convert, errors
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
-from .stream import _command
+from .stream import _GONE, _command
 from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
 
@@ -162,12 +162,19 @@ class AsyncWorker:
         return self._queue.popleft()
 
     async def detach(self) -> None:
-        """End the stream (the daemon detaches the worker, failing what is pending). Idempotent."""
+        """Detach (the daemon fails what is pending and releases the memory), then end the stream. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._out.put_nowait(None)
-        self._call.cancel()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        try:  # detached when this returns, so the same engine may attach again at once
+            await self.client.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id),
+                                          timeout=self.client.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() not in _GONE:
+                raise errors.from_rpc_error(e) from None
+        finally:
+            self._out.put_nowait(None)
+            self._call.cancel()
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader

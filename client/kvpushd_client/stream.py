@@ -40,6 +40,8 @@ class _Client(Protocol):
     timeout_s: float
 
 _END = None
+# Detach's answers that mean the worker is already gone (the daemon restarted, or the stream ended first)
+_GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 # One command as the engine thread appends it (one tuple, nothing else built on that thread):
 # ("expect", transfer id, blocks, address, engine, tp size, skip, mode, traceparent),
 # ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name), ("abort", transfer id, ()) or
@@ -237,14 +239,21 @@ class StreamWorker:
             raise self.session_error or DaemonUnavailable("DEADLINE_EXCEEDED", f"no answer within {timeout:g}s")
 
     def detach(self) -> None:
-        """Answer what was sent, then end the stream (the daemon detaches the worker). Idempotent."""
+        """Answer what was sent, detach (the daemon fails what is pending and releases the memory), then end
+        the stream. Idempotent."""
         if self._closed:
             return
         self.flush(self.client.timeout_s)
         self._closed = True
-        self._out.put(_END)
-        self._call.cancel()
-        self._reader.join(timeout=5)
+        try:  # detached when this returns, so the same engine may attach again at once
+            self.client.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id), timeout=self.client.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() not in _GONE:
+                raise errors.from_rpc_error(e) from None
+        finally:
+            self._out.put(_END)
+            self._call.cancel()
+            self._reader.join(timeout=5)
 
     # -- the stream's threads -------------------------------------------------------------------
 
