@@ -71,19 +71,8 @@ def model_dir(workdir: Path) -> Path:
 @pytest.fixture(scope="module")
 def daemons(workdir: Path) -> Iterator[tuple[vs.Daemon, vs.Daemon]]:
     """A prefill-node daemon and a decode-node daemon, started together."""
-    p = vs.spawn_daemon(workdir, "pnode", DAEMON_CONFIG)
-    d = vs.spawn_daemon(workdir, "dnode", DAEMON_CONFIG)
-    try:
-        p.wait_ready()
-        d.wait_ready()
-    except BaseException:
-        p.stop()
-        d.stop()
-        raise
-    yield p, d
-    rcs = [(x, x.stop()) for x in (p, d)]
-    for x, rc in rcs:
-        assert rc == 0, f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}"
+    with vs.daemon_pair(workdir, DAEMON_CONFIG) as pair:
+        yield pair
 
 
 # ------------------------------------------------------------------------------------------------

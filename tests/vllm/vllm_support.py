@@ -8,6 +8,7 @@ tests/v1/kv_connector/unit/utils.py and /tmp/vllmwork/sched_smoke.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,24 @@ def spawn_daemon(workdir: Path, name: str, extra_config: str = "") -> Daemon:
         f'[peer_api]\nlisten = "127.0.0.1:0"\n' + extra_config)
     log = workdir / f"{name}.log"
     return Daemon(name, sock, cfg, log, _spawn(cfg, log))
+
+
+@contextlib.contextmanager
+def daemon_pair(workdir: Path, extra_config: str = "") -> Iterator[tuple[Daemon, Daemon]]:
+    """A prefill-node daemon and a decode-node daemon, started together; both must exit 0 at the end."""
+    p = spawn_daemon(workdir, "pnode", extra_config)
+    d = spawn_daemon(workdir, "dnode", extra_config)
+    try:
+        p.wait_ready()
+        d.wait_ready()
+    except BaseException:
+        p.stop()
+        d.stop()
+        raise
+    yield p, d
+    rcs = [(x, x.stop()) for x in (p, d)]
+    for x, rc in rcs:
+        assert rc == 0, f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}"
 
 
 def wait_for(pred: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.02) -> bool:
