@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import grpc
 
 from . import _convert, errors
+from .doorbell import Doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .stream import StreamWorker
 from .types import DaemonUnavailable, Memory, Region, Role
@@ -53,16 +54,22 @@ class KVPushClient:
             raise errors.from_rpc_error(e) from None
 
     def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
-               regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> StreamWorker:
+               regions: Sequence[Region], pp_rank: int = 0, description: str = "",
+               doorbell: Doorbell | bool = False) -> StreamWorker:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
         both ways (commands batched per engine step: ``*_nowait`` then ``step()``; results and
-        completions on the same stream)."""
+        completions on the same stream). ``doorbell``: progressive push (True: a new one, closed at
+        detach; or one the caller keeps across attachments, e.g. after a daemon restart)."""
+        bell = Doorbell() if doorbell is True else doorbell or None
         req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description)
+        req.doorbell = bell.name if bell is not None else ""
         try:
             resp = self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
+            if doorbell is True and bell is not None:
+                bell.close()
             raise errors.from_rpc_error(e) from None
-        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address)
+        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True)
 
     def close(self) -> None:
         self.channel.close()

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import grpc
 
 from . import _convert, errors
+from .doorbell import Doorbell
 from .proto.v1 import worker_pb2
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
@@ -44,7 +45,8 @@ _END = None
 _GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 # One command as the engine thread appends it (one tuple, nothing else built on that thread):
 # ("expect", transfer id, blocks, address, engine, tp size, skip, mode, traceparent),
-# ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name), ("abort", transfer id, ()) or
+# ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name, step, layers),
+# ("abort", transfer id, ()) or
 # ("decline", transfer id, (), address, engine, reason).
 _Queued = tuple[Any, ...]
 _Step = tuple[int, list[_Queued]]  # the seq of the step's first command, its commands
@@ -62,7 +64,8 @@ def _command(seq: int, q: _Queued) -> worker_pb2.Command:
     if op == "publish":
         return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
             transfer_id=tid, block_ids=blocks, traceparent=str(q[3]), consumer_node_id=str(q[4]),
-            consumer_tls_name=str(q[5])))
+            consumer_tls_name=str(q[5]),
+            step=int(q[6]) if len(q) > 7 else 0, layers=int(q[7]) if len(q) > 7 else 0))
     if op == "decline":
         return worker_pb2.Command(seq=seq, decline=worker_pb2.DeclineRequest(
             transfer_id=tid, producer_address=str(q[3]), producer_engine_id=str(q[4]), reason=str(q[5])))
@@ -75,8 +78,11 @@ _BEST_EFFORT = ("abort", "decline")
 class StreamWorker:
     """An attached worker whose session is a WorkerService.Stream."""
 
-    def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str) -> None:
+    def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str,
+                 doorbell: Doorbell | None = None, owns_doorbell: bool = False) -> None:
         self.client = client
+        self.doorbell = doorbell  # progressive push: the engine thread rings it (kvpushd_client.doorbell)
+        self._owns_doorbell = owns_doorbell
         self.worker_id = worker_id
         self.node_id = node_id
         self.peer_address = peer_address
@@ -142,9 +148,14 @@ class StreamWorker:
         return self._base + len(b)
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
-                       consumer_node_id: str = "", consumer_tls_name: str = "") -> int:
+                       consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0,
+                       layers: int = 0) -> int:
+        """Prefill side: the source blocks are complete, or (``step``, ``layers``: progressive push)
+        will be, layer group by layer group, as the doorbell's step ``step`` goes (declare it in
+        that step, before its forward: the batch must go out first)."""
         b = self._batch
-        b.append(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name))
+        b.append(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
+                  step, layers))
         return self._base + len(b)
 
     def abort_nowait(self, transfer_id: str) -> int:
@@ -199,12 +210,13 @@ class StreamWorker:
                    skip_tokens, transfer_mode, traceparent))
 
     def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "") -> None:
+                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0) -> None:
         """Prefill side: the source blocks are complete. ``consumer_node_id`` / ``consumer_tls_name``:
         the only decode daemon whose registration the prefill daemon accepts, by its node id and/or
         its client certificate's name (the router names it; both "": the first registration wins)."""
         self.step()
-        self.call(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name))
+        self.call(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
+                   step, layers))
 
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
         """Decode side: this transfer will never be expected here (its Expect failed before it
@@ -254,6 +266,8 @@ class StreamWorker:
             self._out.put(_END)
             self._call.cancel()
             self._reader.join(timeout=5)
+            if self._owns_doorbell and self.doorbell is not None:
+                self.doorbell.close()
 
     # -- the stream's threads -------------------------------------------------------------------
 

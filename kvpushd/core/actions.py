@@ -64,6 +64,19 @@ class StartWrite:
     skip_replicated: bool = False
     planned: bool = False
     waited_s: float = 0.0  # first arrival of publish or registration -> this, the second
+    # progressive push: the source is complete layer group by layer group as the producer worker's
+    # doorbell passes step ``step`` (``layers`` groups, each with its own notification); 0: now
+    step: int = 0
+    layers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StopWrite:
+    """Progressive push: post no more layer groups of this leg (its publish failed, or its
+    registration ended); the leg still settles (write_done) once what was posted has."""
+
+    leg: LegKey
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +191,7 @@ class Dropped:
     why: str
 
 
-Action = (StartWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw | SendOffer | StartRead
+Action = (StartWrite | StopWrite | Deliver | SendFailNotice | SendRegister | SendWithdraw | SendOffer | StartRead
           | SendReadFailed | Dropped)
 
 

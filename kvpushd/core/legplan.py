@@ -51,4 +51,6 @@ def leg_action(t: SendTransfer, pub: Publish, reg: Registration, now: float, tok
         skip_replicated=skip_rep,
         planned=tokens or needs_plan(pub.layouts, reg.layouts, reg.skip_tokens, skip_rep, src_part, dst_part),
         waited_s=max(now - t.created, 0.0),
+        step=0 if pub.ready else pub.step,
+        layers=0 if pub.ready else pub.layers,
     )

@@ -86,6 +86,8 @@ class _Recv:
     consumer_rank: int = 0
     consumer_tp_size: int = 1
     reading: set[int] = field(default_factory=set)  # pull: producer ranks whose READ is posted
+    # progressive push: producer rank -> (its layer groups, bitmask of those notified so far)
+    layers: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,8 +248,11 @@ class RecvSide:
         r.state = nxt
         return []
 
-    def notified(self, registration_id: int, producer_rank: int) -> list[Action]:
-        """A WRITE's notification arrived: that producer rank's bytes have landed."""
+    def notified(self, registration_id: int, producer_rank: int, first: int = 0, count: int = 1,
+                 total: int = 1) -> list[Action]:
+        """A WRITE's notification arrived: that producer rank's bytes have landed, or (progressive
+        push) its layers ``first`` to ``first + count`` of ``total``; the rank has landed once every
+        one of its layers has, so decode never takes a partial KV for a complete one."""
         r = self._by_reg.get(registration_id)
         mine = r if r is not None and producer_rank in r.expected else None
         if recv_step(*self._key(mine), "notified", r.transfer_id if r else "") is Move.DROP:
@@ -255,6 +260,19 @@ class RecvSide:
             return [Dropped("notified", r.transfer_id if r else "", f"no pending push registration "
                             f"{registration_id} expects producer rank {producer_rank}")]
         assert mine is not None
+        if total == 1 or producer_rank in mine.landed:
+            return self._landed(mine, producer_rank)  # (again: counts once)
+        want, got = mine.layers.get(producer_rank, (total, 0))
+        bits = ((1 << count) - 1) << first
+        if want != total or got & bits or first < 0 or count < 1 or first + count > total:
+            self.stray_notifications += 1
+            return [Dropped("notified", mine.transfer_id, f"layers {first}+{count} of {total} from producer rank "
+                            f"{producer_rank} do not fit those notified ({got:#x} of {want})")]
+        got |= bits
+        if got != (1 << total) - 1:
+            mine.layers[producer_rank] = (total, got)
+            return []
+        mine.layers.pop(producer_rank, None)
         return self._landed(mine, producer_rank)
 
     def producer_address_of(self, registration_id: int) -> str | None:

@@ -53,6 +53,7 @@ from .actions import (
     SendWithdraw,
     StartRead,
     StartWrite,
+    StopWrite,
 )
 from .recv import RECV_TABLE, ExpectLease, RecvSide, RecvState, RecvView, recv_step
 from .send import SendSide
@@ -75,5 +76,5 @@ __all__ = [
     "LEG_TABLE", "PUB_TABLE", "RECV_TABLE", "REG_TABLE", "Action", "Binding", "Deliver", "Dropped", "ExpectLease",
     "LegKey", "LegState", "Move", "Part", "PubState", "PublishLease", "PullLease", "ReadKey", "RecvSide", "RecvState",
     "RecvView", "RegState", "Registration", "RegistrationLease", "SendFailNotice", "SendOffer", "SendReadFailed",
-    "SendRegister", "SendSide", "SendView", "SendWithdraw", "StartRead", "StartWrite", "recv_step", "step",
+    "SendRegister", "SendSide", "SendView", "SendWithdraw", "StartRead", "StartWrite", "StopWrite", "recv_step", "step",
 ]

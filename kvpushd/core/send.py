@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .actions import Action, Deliver, Dropped, LegKey, Registration, SendFailNotice
+from .actions import Action, Deliver, Dropped, LegKey, Registration, SendFailNotice, StartWrite, StopWrite
 from .deadlines import Deadlines
 from .errors import AlreadyExists, InvalidArgument, PermissionDenied
 from .layout import Shape
@@ -127,9 +127,13 @@ class SendSide:
         block_ids: Iterable[int],
         layouts: tuple[Shape, ...] = (),
         consumer: Binding = UNBOUND,
+        at_step: int = 0,
+        layers: int = 0,
     ) -> list[Action]:
         """A producer rank's source blocks are complete (``layouts``: its regions, if known; ``consumer``:
-        the only decode daemon whose registrations are accepted, if named)."""
+        the only decode daemon whose registrations are accepted, if named), or, progressive push
+        (``layers`` > 0), will be once engine step ``at_step`` of its worker has computed them: push legs
+        start now and are written layer group by layer group, pull legs wait for ``sealed``."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
@@ -147,14 +151,15 @@ class SendSide:
         old = t.publishes.get(rank)
         if step(PUB_TABLE, old.state if old else None, "publish", transfer_id) is Move.STAY:
             assert old is not None
-            if old.block_ids == blocks and old.worker_id == worker_id:
+            if old.block_ids == blocks and old.worker_id == worker_id and (old.step, old.layers) == (at_step, layers):
                 return []  # a retried Publish: idempotent
             raise AlreadyExists(f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
                                 f"{rank} with other blocks; abort it first")
         self._now = max(self._now, now)
         actions = [a for r in (t.bind(consumer) if consumer else ()) for a in self._drop_registration(
             t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
-        t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts)
+        t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts, step=at_step, layers=layers,
+                                    ready=layers == 0)
         self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
         return actions + self._match(t, now)
 
@@ -218,6 +223,7 @@ class SendSide:
             return [Dropped("write_done", leg.transfer_id, f"leg {leg.producer_rank}->{leg.registration_id} "
                             f"is {state.value if state else 'gone'}")]
         assert t is not None and pub is not None
+        pub.staged.discard(leg.registration_id)
         actions: list[Action] = []
         if nxt is LegState.DONE:
             pub.legs[leg.registration_id] = LegState.DONE
@@ -229,10 +235,22 @@ class SendSide:
             msg = f"{what} from producer rank {leg.producer_rank} failed: {reason}"
             if reg is not None:
                 actions += self._drop_registration(t, reg, "void", (FailureCode.TRANSFER_ERROR, msg))
-            self._fail_publish(t, pub, "leg_failed", FailureCode.TRANSFER_ERROR, msg)
+            actions += self._fail_publish(t, pub, "leg_failed", FailureCode.TRANSFER_ERROR, msg)
         actions += t.release_notices()
         # A WRITE held back for this rank (a replacement registration) may start now.
         actions += self._match(t, self._now)
+        return actions
+
+    def sealed(self, worker_id: str, at_step: int) -> list[Action]:
+        """Progressive push: the worker's doorbell says engine step ``at_step`` is complete: its
+        publishes declared up to that step are whole (pull legs may be offered now)."""
+        actions: list[Action] = []
+        for t in list(self._transfers.values()):
+            pubs = [p for p in t.publishes.values() if not p.ready and p.worker_id == worker_id and p.step <= at_step]
+            for p in pubs:
+                p.ready = True
+            if pubs:
+                actions += self._match(t, self._now)
         return actions
 
     def read_done(self, origin: str, registration_id: int, producer_rank: int, ok: bool,
@@ -282,7 +300,7 @@ class SendSide:
         for reg in list(t.registrations.values()):
             actions += self._drop_registration(t, reg, "decline", (FailureCode.ABORTED, msg))
         for pub in t.publishes.values():
-            self._fail_publish(t, pub, "decline", FailureCode.ABORTED, msg)
+            actions += self._fail_publish(t, pub, "decline", FailureCode.ABORTED, msg)
         return actions + self._settle(t)
 
     def abort(self, worker_id: str, engine_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
@@ -393,6 +411,8 @@ class SendSide:
                     continue  # started by this publish, or written by an earlier publish of this rank
                 if reg.consumer_rank not in writer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size, reg.mla):
                     continue
+                if reg.mode is TransferMode.PULL and not pub.ready:
+                    continue  # a READ needs the whole KV: offered once the step is sealed
                 if any(pub.leg_ranks.get(rid) == reg.consumer_rank for rid, st in pub.legs.items()
                        if st is LegState.POSTED):
                     continue  # one WRITE in flight per publish and consumer rank: this one follows it
@@ -407,6 +427,8 @@ class SendSide:
                 pub.legs[reg.registration_id] = nxt
                 pub.leg_ranks[reg.registration_id] = reg.consumer_rank
                 action = leg_action(t, pub, reg, now, tokens)
+                if isinstance(action, StartWrite) and action.layers:
+                    pub.staged.add(reg.registration_id)
                 if reg.mode is TransferMode.PULL:
                     pk = PullLease(reg.origin, reg.registration_id, pub.rank)
                     self._pulls[pk] = action.leg
@@ -416,10 +438,13 @@ class SendSide:
         return actions + self._settle(t)
 
     @staticmethod
-    def _fail_publish(t: SendTransfer, pub: Publish, event: str, code: FailureCode, reason: str) -> None:
-        if step(PUB_TABLE, pub.state, event, t.transfer_id) is PubState.FAILING:
-            pub.state = PubState.FAILING
-            pub.failure = (code, reason)
+    def _fail_publish(t: SendTransfer, pub: Publish, event: str, code: FailureCode, reason: str) -> list[Action]:
+        """The publish fails (its first cause stands); its layer groups not yet posted never will be."""
+        if step(PUB_TABLE, pub.state, event, t.transfer_id) is not PubState.FAILING:
+            return []
+        pub.state = PubState.FAILING
+        pub.failure = (code, reason)
+        return _stop(t, pub, pub.staged, reason)
 
     def _fail(self, t: SendTransfer, pub: Publish, event: str, code: FailureCode, reason: str,
               told: str = "") -> list[Action]:
@@ -429,8 +454,7 @@ class SendSide:
         for reg in list(t.registrations.values()):
             if reg.consumer_rank in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
                 actions += self._drop_registration(t, reg, "void", (code, told or reason))
-        self._fail_publish(t, pub, event, code, reason)
-        return actions
+        return actions + self._fail_publish(t, pub, event, code, reason)
 
     def _drop_registration(
         self,
@@ -440,7 +464,8 @@ class SendSide:
         notice: tuple[FailureCode, str] | None,
         fail_publishes: tuple[FailureCode, str] | None = None,
     ) -> list[Action]:
-        actions: list[Action] = []
+        actions: list[Action] = [a for pub in t.publishes.values()
+                                 for a in _stop(t, pub, {reg.registration_id}, f"registration {event}")]
         self._consume(t, reg, event)
         if t.reg_ids.get(reg.consumer_rank) == reg.registration_id:
             del t.reg_ids[reg.consumer_rank]
@@ -451,7 +476,7 @@ class SendSide:
         if fail_publishes is not None:
             for pub in t.publishes.values():
                 if reg.consumer_rank in consumer_targets(pub.rank, pub.tp_size, reg.consumer_tp_size):
-                    self._fail_publish(t, pub, "target_failed", *fail_publishes)
+                    actions += self._fail_publish(t, pub, "target_failed", *fail_publishes)
         return actions
 
     def _settle(self, t: SendTransfer) -> list[Action]:
@@ -497,3 +522,13 @@ class SendSide:
                 table.pop(reg.origin, None)
         self._deadlines.disarm(RegistrationLease(t.engine_id, t.transfer_id, reg.consumer_rank))
         self._by_reg.pop((reg.origin, reg.registration_id), None)
+
+
+def _stop(t: SendTransfer, pub: Publish, reg_ids: set[int], reason: str) -> list[Action]:
+    """StopWrite for the legs of ``pub`` into ``reg_ids`` still written layer group by layer group."""
+    out: list[Action] = []
+    for rid in [r for r in reg_ids if r in pub.staged]:
+        pub.staged.discard(rid)
+        if pub.legs.get(rid) is LegState.POSTED:
+            out.append(StopWrite(LegKey(t.engine_id, t.transfer_id, pub.rank, rid), reason))
+    return out

@@ -150,6 +150,12 @@ class Publish:
     leg_ranks: dict[int, int] = field(default_factory=dict)  # registration id -> its consumer rank
     state: PubState = PubState.WAITING
     failure: tuple[FailureCode, str] | None = None  # the first cause, while posted legs settle
+    # progressive push: declared before engine step ``step`` computes it, in ``layers`` groups;
+    # ready once the worker's doorbell says that step is complete (pull legs wait for that)
+    step: int = 0
+    layers: int = 0
+    ready: bool = True
+    staged: set[int] = field(default_factory=set)  # registration ids whose leg is written by layer groups
 
     def posted(self) -> bool:
         return any(s is LegState.POSTED for s in self.legs.values())

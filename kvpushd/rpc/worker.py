@@ -26,7 +26,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         w = await self.node.attach(request.engine_id, convert.role(request.role), request.tp_rank,
                                    request.tp_size, request.pp_rank,
                                    [convert.memory(m) for m in request.memory],
-                                   [convert.region(r) for r in request.regions], request.description)
+                                   [convert.region(r) for r in request.regions], request.description,
+                                   request.doorbell[:256])
         return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
                                          peer_address=self.node.ident.peer_address)
 

@@ -19,6 +19,7 @@ import structlog
 
 from ..config import Config, backend_init_params
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
+from ..core.notif import Notified
 from ..core.rendezvous import (
     Action,
     Deliver,
@@ -30,6 +31,7 @@ from ..core.rendezvous import (
     SendWithdraw,
     StartRead,
     StartWrite,
+    StopWrite,
 )
 from ..core.types import Completion, FailureCode
 from ..tracing import Tracing
@@ -82,7 +84,7 @@ class Executor:
                                    params_for=lambda b, dev: backend_init_params(t, b, dev),
                                    param_devices=tuple(t.device_params),
                                    on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs,
-                                   write_timeout_s=t.write_timeout_s)
+                                   write_timeout_s=t.write_timeout_s, on_sealed=self._on_sealed)
         self.xfer.start()
         return self.xfer
 
@@ -103,6 +105,9 @@ class Executor:
                 self._deliver(a.worker_id, a.completion)
             elif isinstance(a, StartWrite):
                 self._start_write(a)
+            elif isinstance(a, StopWrite):
+                if self.xfer is not None:
+                    self.xfer.stop_write(a.leg, a.reason)
             elif isinstance(a, StartRead):
                 self._start_read(a)
             elif isinstance(a, SendRegister):
@@ -169,7 +174,7 @@ class Executor:
             return
         self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, reg.block_ids, a.notif, a.src_part,
                              a.dst_part, skip_tokens=reg.skip_tokens, skip_replicated=a.skip_replicated,
-                             planned=a.planned)
+                             planned=a.planned, step=a.step, layers=a.layers)
 
     def _start_read(self, a: StartRead) -> None:
         assert self.xfer is not None
@@ -193,10 +198,21 @@ class Executor:
                       xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
         self.run(actions)
 
-    def _on_notifs(self, notifs: list[tuple[int, int]]) -> None:
+    def watch_step(self, worker_id: str, step: int) -> None:
+        """Progressive push: tell the core when the worker's engine step ``step`` is complete."""
+        if self.xfer is not None:
+            self.xfer.watch_step(worker_id, step)
+
+    def _on_sealed(self, steps: list[tuple[str, int]]) -> None:
         actions: list[Action] = []
-        for rid, rank in notifs:
-            actions += self.rv.recv.notified(rid, rank)
+        for worker_id, step in steps:
+            actions += self.rv.send.sealed(worker_id, step)
+        self.run(actions)
+
+    def _on_notifs(self, notifs: list[Notified]) -> None:
+        actions: list[Action] = []
+        for n in notifs:
+            actions += self.rv.recv.notified(*n)
         self.obs.emit(o.Counted("notifications_received", len(notifs)))
         self.run(actions)
 

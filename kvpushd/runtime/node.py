@@ -44,6 +44,7 @@ from .workers import (
     Workers,
     check_block_ids,
     check_blocks,
+    check_progressive,
     check_skip,
     check_transfer_id,
 )
@@ -131,9 +132,11 @@ class Node:
     # -- worker API -----------------------------------------------------------------------------
 
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str) -> Worker:
+                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
+                     doorbell: str = "") -> Worker:
         self._not_draining()
-        return await self.workers.attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description)
+        return await self.workers.attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
+                                         doorbell)
 
     def worker(self, worker_id: str) -> Worker:
         return self.workers.get(worker_id)
@@ -159,8 +162,9 @@ class Node:
         self.run(actions)
 
     def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "") -> None:
-        """``consumer_*``: the only decode daemon whose registration is accepted (both "": the first)."""
+                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0) -> None:
+        """``consumer_*``: the only decode daemon whose registration is accepted (both "": the first).
+        ``step``, ``layers``: progressive push (declared before that engine step computes the blocks)."""
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
@@ -169,10 +173,14 @@ class Node:
         check_transfer_id(transfer_id)
         if max(len(consumer_node_id), len(consumer_tls_name)) > 256:
             raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
+        check_progressive(w, step, layers)
         self.rv.bounded()
         actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
                                        transfer_id, block_ids, layouts=w.regions,
-                                       consumer=Binding(consumer_node_id, consumer_tls_name))
+                                       consumer=Binding(consumer_node_id, consumer_tls_name), at_step=step,
+                                       layers=layers)
+        if layers:
+            self.ex.watch_step(w.worker_id, step)
         self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))
         self.run(actions)
 

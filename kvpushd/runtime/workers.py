@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import structlog
 
 from ..config import Config
-from ..core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from ..core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from ..core.notif import MAX_LAYERS
 from ..core.types import Completion, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
+from ..memory.doorbell import Doorbell
 from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
@@ -81,6 +83,7 @@ class Worker:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     session_open: bool = False
     gone: bool = False
+    bell: Doorbell | None = None  # progressive push: its engine steps' progress (read-only)
     command_batches: int = 0  # Stream batches it sent, and the commands in them
     stream_commands: int = 0
 
@@ -110,7 +113,8 @@ class Workers:
         return len(self.by_id)
 
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str) -> Worker:
+                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
+                     doorbell: str = "") -> Worker:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
         for w in self.by_id.values():
@@ -124,7 +128,9 @@ class Workers:
             raise ResourceExhausted(f"at most {self.cfg.worker_api.max_workers} workers may attach")
         loop = asyncio.get_running_loop()
         mappings = await loop.run_in_executor(None, open_all, memory)
+        bell: Doorbell | None = None
         try:
+            bell = Doorbell(doorbell) if doorbell else None
             kinds = {m.mem_type for m in mappings}
             if len(kinds) != 1:
                 raise InvalidArgument("a worker's memory must be all host (shm) or all GPU (CUDA IPC)")
@@ -144,14 +150,16 @@ class Workers:
             agent = f"{prefix}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
             w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
                        tuple(specs), description, time.monotonic(),
-                       min(r.layout.num_blocks for r in regions))
+                       min(r.layout.num_blocks for r in regions), bell=bell)
             assert self.xfer is not None
             w.metadata = await self.xfer.attach(wid, agent, mem_type,
                                                 [(m.addr, m.size, m.device_id) for m in mappings],
-                                                specs, role.can_receive)
+                                                specs, role.can_receive, bell)
         except BaseException:
             for m in mappings:
                 m.close()
+            if bell is not None:
+                bell.close()
             raise
         self.by_id[wid] = w
         log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
@@ -222,7 +230,11 @@ class Workers:
         finally:
             for m in w.mappings:
                 m.close()
-            reap_when_unused(m.name for m in w.mappings if isinstance(m, ShmMapping))  # gone with its worker
+            names = [m.name for m in w.mappings if isinstance(m, ShmMapping)]
+            if w.bell is not None:
+                w.bell.close()
+                names.append(w.bell.name)
+            reap_when_unused(names)  # gone with its worker
             self.by_id.pop(w.worker_id, None)
             log.info("worker detached", worker_id=w.worker_id, reason=why)
             self.events.emit(EventKind.WORKER_DETACHED, worker_id=w.worker_id, engine_id=w.engine_id, detail=why)
@@ -325,6 +337,18 @@ def check_geometry(layouts: Sequence[RegionLayout]) -> None:
         if lay.block_len % units:
             raise InvalidArgument(f"region {i}: block_len {lay.block_len} is not a whole number of bytes per "
                                   f"head and token ({lay.num_heads or 1} heads x {lay.block_tokens or 1} tokens)")
+
+
+def check_progressive(w: Worker, step: int, layers: int) -> None:
+    """A progressive publish needs the worker's doorbell and layer groups that split its regions evenly."""
+    if not layers and not step:
+        return
+    if w.bell is None:
+        raise FailedPrecondition(f"worker {w.worker_id} attached without a doorbell: it cannot publish progressively "
+                                 "(step/layers); attach with one, or publish once the blocks are complete")
+    if step < 1 or layers < 1 or layers > MAX_LAYERS or len(w.regions) % layers:
+        raise InvalidArgument(f"progressive publish: step {step} and layers {layers} must be positive, with layers "
+                              f"at most {MAX_LAYERS} and dividing the worker's {len(w.regions)} regions")
 
 
 def check_skip(w: Worker, skip_tokens: int) -> None:

@@ -11,11 +11,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import structlog
 
-from ..core.errors import FailedPrecondition
+from ..core.errors import FailedPrecondition, InvalidArgument
+from ..core.layout import check_block_ids, plan_write
 from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, memory_device
-from .descs import WHOLE, IntArray, PairPlan, Part, RegionSpec, RemoteAgent, block_descs, pair_plan, region_bases
+from .descs import (
+    WHOLE,
+    IntArray,
+    PairPlan,
+    Part,
+    RegionSpec,
+    RemoteAgent,
+    block_descs,
+    pair_plan,
+    plan_leg,
+    region_bases,
+)
 from .records import Local
 
 log = structlog.get_logger(__name__)
@@ -83,7 +96,7 @@ class AgentBook:
         del probe
 
     def attach(self, worker_id: str, agent_name: str, mem_type: str, mappings: Sequence[tuple[int, int, int]],
-               regions: Sequence[RegionSpec], receives: bool) -> bytes:
+               regions: Sequence[RegionSpec], receives: bool, bell: Any = None) -> bytes:
         """Create the worker's agent, register its memory, prepare its descriptors; -> its metadata."""
         nx = self._nixl
         # No NIXL progress thread: it spins a whole core per agent (pthrDelay is 0 in the Python
@@ -110,7 +123,7 @@ class AgentBook:
             agent.deregister_memory(reg_descs)
             raise
         self.locals[worker_id] = Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
-                                       region_bases(regions), receives)
+                                       region_bases(regions), receives, bell=bell)
         self.agent_backends[worker_id] = tuple(used)
         return bytes(agent.get_agent_metadata())
 
@@ -183,3 +196,43 @@ class AgentBook:
         loc.dlist.release()
         loc.agent.deregister_memory(loc.reg_descs)
         del loc.agent
+
+    # -- one transfer's descriptors -------------------------------------------------------
+
+    def xfer_maker(self, loc: Local, write: bool, remote: RemoteAgent, src: Sequence[int], dst: Sequence[int],
+               src_part: Part, dst_part: Part, plan: tuple[int, bool] | None,
+               ) -> tuple[Callable[..., Any], int, int, int]:
+        """(make the transfer handle given its notification, bytes, descriptors requested, posted).
+        For the prepared lists, ``make(notif, lo, hi)`` posts index ``lo`` to ``hi`` only (region-major:
+        a run of whole regions) and ``make.indices`` says how many there are."""
+        book, op = self, "WRITE" if write else "READ"
+        if plan is not None:
+            skip_tokens, skip_replicated = plan
+            s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+            check_block_ids(s, min(r.num_blocks for r in loc.regions), d, min(r.num_blocks for r in remote.regions))
+            tp = plan_write(loc.regions, remote.regions, s, d, skip_tokens, src_part, dst_part, skip_replicated)
+            if not len(tp.src):
+                raise InvalidArgument("nothing to write: every region is written by another producer rank")
+            book.load_remote(loc, remote)
+            ldescs = loc.agent.get_xfer_descs(tp.src, loc.mem_type)
+            rdescs = loc.agent.get_xfer_descs(tp.dst, remote.mem_type)
+            return (lambda n, lo=0, hi=0: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
+                    tp.nbytes, tp.requested, len(tp.src))
+        local_part, remote_part = (src_part, dst_part) if write else (dst_part, src_part)
+        rdlist, rbases = book.remote_view(loc, remote, remote_part)
+        ldlist = book.local_list(loc, local_part)
+        p = plan_leg(book.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
+        lidx, ridx = (p.src_idx, p.dst_idx) if write else (p.dst_idx, p.src_idx)
+        return _Prepped(loc.agent, op, ldlist, lidx, rdlist, ridx), p.nbytes, p.requested, p.merged
+
+
+class _Prepped:
+    """A prepared transfer of index lists, whole or a slice of them (a run of layer groups)."""
+
+    def __init__(self, agent: Any, op: str, ldlist: Any, lidx: Any, rdlist: Any, ridx: Any) -> None:
+        self.agent, self.op, self.ldlist, self.lidx, self.rdlist, self.ridx = agent, op, ldlist, lidx, rdlist, ridx
+        self.indices = len(lidx)
+
+    def __call__(self, notif: bytes, lo: int = 0, hi: int = 0) -> Any:
+        li, ri = (self.lidx[lo:hi], self.ridx[lo:hi]) if hi else (self.lidx, self.ridx)
+        return self.agent.make_prepped_xfer(self.op, self.ldlist, li, self.rdlist, ri, notif)

@@ -53,6 +53,7 @@ class Local:
     # (remote agent, source slice, destination slice, "w" or "r") -> the pair's checked plan
     pairs: dict[tuple[str, Part, Part, str], PairPlan] = field(default_factory=dict)
     inflight: int = 0
+    bell: Any = None  # memory.doorbell.Doorbell: progressive push (read on this thread only)
 
 
 @dataclass(slots=True)
@@ -65,6 +66,7 @@ class Inflight:
     t_post: float
     remote: str = ""
     fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
+    stage: Any = None  # staged.Staged: one layer group WRITE of a leg written progressively
 
     @property
     def what(self) -> str:

@@ -22,19 +22,19 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import numpy as np
 import structlog
 
 from ..core.errors import InvalidArgument
-from ..core.layout import check_block_ids, plan_write
+from ..core.notif import Notified
 from ..core.notif import decode as decode_notif
 from ..core.notif import decode_read as decode_read_notif
 from ..core.rendezvous import LegKey, ReadKey
 from .agents import AgentBook
 from .backends import AgentBackend
-from .descs import WHOLE, Part, RegionSpec, RemoteAgent, plan_leg
+from .descs import WHOLE, Part, RegionSpec, RemoteAgent
 from .faults import Faults
 from .records import Inflight, Local, ReadResult, WriteResult, transfer_id_of
+from .staged import Stages
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -48,7 +48,7 @@ class TransferThread:
         loop: asyncio.AbstractEventLoop,
         backends: Sequence[str],
         on_write_done: Callable[[list[WriteResult]], None],
-        on_notifications: Callable[[list[tuple[int, int]]], None],
+        on_notifications: Callable[[list[Notified]], None],
         poll_interval_s: float = 0.0002,
         poll_max_interval_s: float = 0.001,
         nixl_threads: int = 0,
@@ -58,6 +58,7 @@ class TransferThread:
         on_read_notifications: Callable[[list[tuple[str, int, int]]], None] | None = None,
         write_timeout_s: float = 60.0,
         poll_hot_s: float = 0.0,
+        on_sealed: Callable[[list[tuple[str, int]]], None] | None = None,
     ) -> None:
         self._loop = loop
         self._book = AgentBook(backends, params_for, param_devices, nixl_threads)
@@ -74,6 +75,8 @@ class TransferThread:
         self._hot_until = 0.0  # time.monotonic(): written by the loop, read by the thread (a float: atomic)
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._inflight: list[Inflight] = []
+        # progressive push: legs written layer group by layer group, steps watched for completion
+        self._stages = Stages(on_sealed and (lambda steps: loop.call_soon_threadsafe(on_sealed, steps)))
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
@@ -109,10 +112,12 @@ class TransferThread:
         deadline = time.monotonic() + timeout_s
 
         def shutdown() -> None:
+            self._stages.stop("the daemon is stopping")
             while self._inflight and time.monotonic() < deadline:
                 self._poll_inflight()
                 time.sleep(0.001)
             self._cancel_inflight("the daemon is stopping")
+            self._advance()
             for wid in list(self._book.locals):
                 self._release(wid)
 
@@ -126,17 +131,20 @@ class TransferThread:
 
     def attach(self, worker_id: str, agent_name: str, mem_type: str,
                mappings: Sequence[tuple[int, int, int]], regions: Sequence[RegionSpec],
-               receives: bool) -> asyncio.Future[bytes]:
-        """Create the worker's agent, register its memory, prepare its descriptors; -> metadata."""
+               receives: bool, bell: Any = None) -> asyncio.Future[bytes]:
+        """Create the worker's agent, register its memory, prepare its descriptors; -> metadata.
+        ``bell``: the worker's doorbell (memory.doorbell), read by this thread for progressive push."""
         return asyncio.wrap_future(self._call(
-            lambda: self._book.attach(worker_id, agent_name, mem_type, mappings, regions, receives)))
+            lambda: self._book.attach(worker_id, agent_name, mem_type, mappings, regions, receives, bell)))
 
     def detach(self, worker_id: str) -> asyncio.Future[None]:
         """Wait for the worker's in-flight WRITEs, then release its agent and registrations."""
         fut: Future[None] = Future()
 
         def run() -> None:
+            self._stages.stop("the producer worker detached", worker_id=worker_id)
             self._drained.append((worker_id, fut))
+            self._advance()
             self._check_drained()
 
         self._q.put(run)
@@ -144,15 +152,31 @@ class TransferThread:
 
     def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
                    dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE,
-                   skip_tokens: int = 0, skip_replicated: bool = False, planned: bool = False) -> None:
+                   skip_tokens: int = 0, skip_replicated: bool = False, planned: bool = False, step: int = 0,
+                   layers: int = 0) -> None:
         """Queue a WRITE as the core planned it; its WriteResult comes back through on_write_done.
 
         ``planned`` False: blocks map one to one, through the prepared lists. True (other block
         sizes, ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``):
-        the descriptors are planned per request by ``core.layout.plan_write``."""
+        the descriptors are planned per request by ``core.layout.plan_write``. ``layers`` > 0:
+        progressive push, written layer group by layer group as the worker's doorbell passes
+        engine step ``step`` (staged.py)."""
         t0 = time.perf_counter()
         plan = (skip_tokens, skip_replicated) if planned else None
-        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, plan))
+        staged = (step, layers) if layers else None
+        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, plan, staged))
+
+    def stop_write(self, leg: LegKey, why: str) -> None:
+        """Progressive push: post no more layer groups of ``leg`` (it settles once what was posted has)."""
+        self._q.put(lambda: self._stages.stop(why, leg=leg))
+
+    def watch_step(self, worker_id: str, step: int) -> None:
+        """Report (on_sealed) when the worker's engine step ``step`` is complete, by its doorbell."""
+        def run() -> None:
+            loc = self._book.locals.get(worker_id)
+            if loc is not None:
+                self._stages.watched.append((loc, step))
+        self._q.put(run)
 
     def post_read(self, key: ReadKey, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
                   src: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
@@ -218,7 +242,7 @@ class TransferThread:
         wait = self._poll_s
         hot_until = 0.0
         while True:
-            busy = bool(self._inflight) or self.expecting > 0 or self.pulling > 0
+            busy = bool(self._inflight) or self.expecting > 0 or self.pulling > 0 or bool(self._stages)
             try:
                 cmd = self._q.get(timeout=wait) if busy else self._q.get()
             except queue.Empty:
@@ -240,19 +264,21 @@ class TransferThread:
                     worked = self._poll_inflight() or worked
                 if self.expecting > 0 or self.pulling > 0:
                     worked = self._poll_notifs() or worked
+                if self._stages:
+                    worked = self._advance() or worked
             except Exception:
                 log.exception("transfer thread poll failed")
             now = time.monotonic()
             if worked:
                 hot_until = now + HOT_S
-            hot = worked or now < hot_until or now < self._hot_until
+            hot = worked or now < hot_until or now < self._hot_until or bool(self._stages)
             wait = self._poll_s if hot else min(wait * 2, self._poll_max_s)
 
     # -- the one post path, for WRITE and READ -------------------------------------------------
 
     def _post(self, key: LegKey | ReadKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
               dst: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
-              plan: tuple[int, bool] | None = None) -> None:
+              plan: tuple[int, bool] | None = None, staged: tuple[int, int] | None = None) -> None:
         """Post one WRITE (``key`` a LegKey: the local worker holds the source) or READ (a ReadKey:
         the local worker holds the destination) and track it. The descriptors come from the
         prepared lists, or, for a WRITE with ``plan`` (skip_tokens, skip_replicated), are planned
@@ -274,16 +300,19 @@ class TransferThread:
         loc = self._book.locals.get(worker_id)
         if loc is None:
             return fail(f"{'producer' if write else 'decode'} worker detached")
-        try:
-            make, nbytes, requested, merged = self._descs(loc, write, remote, src, dst, src_part, dst_part, plan)
-        except InvalidArgument as e:
-            return fail(f"layout mismatch: {e}" if plan is not None and "mismatch" not in str(e) else str(e))
-        except Exception as e:
-            log.warning("preparing descriptors failed", transfer_id=key.transfer_id, exc_info=True)
-            return fail(f"cannot prepare descriptors: {e}")
+        planned = self._plan(key, loc, write, remote, src, dst, src_part, dst_part, plan)
+        if isinstance(planned, str):
+            return fail(planned)
+        make, nbytes, requested, merged = planned
         fault = self.faults.on_post() if write and self.faults.active else ""
         if fault == "write_post":
             return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
+        if staged is not None:  # progressive push: its layer groups go as they become ready
+            r = result(True, "")
+            assert isinstance(r, WriteResult)
+            self._stages.add(r.leg, loc, remote.name, make, r, t0, *staged, self._write_timeout_s, fault)
+            self._advance()
+            return None
         if fault == "write_complete":
             notif = b""  # the WRITE runs without its notification, then reports an error
         try:
@@ -303,30 +332,24 @@ class TransferThread:
             self._poll_inflight()
         return None
 
-    def _descs(self, loc: Local, write: bool, remote: RemoteAgent, src: Sequence[int], dst: Sequence[int],
-               src_part: Part, dst_part: Part, plan: tuple[int, bool] | None,
-               ) -> tuple[Callable[[bytes], Any], int, int, int]:
-        """(make the transfer handle given its notification, bytes, descriptors requested, posted)."""
-        book, op = self._book, "WRITE" if write else "READ"
-        if plan is not None:
-            skip_tokens, skip_replicated = plan
-            s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-            check_block_ids(s, min(r.num_blocks for r in loc.regions), d, min(r.num_blocks for r in remote.regions))
-            tp = plan_write(loc.regions, remote.regions, s, d, skip_tokens, src_part, dst_part, skip_replicated)
-            if not len(tp.src):
-                raise InvalidArgument("nothing to write: every region is written by another producer rank")
-            book.load_remote(loc, remote)
-            ldescs = loc.agent.get_xfer_descs(tp.src, loc.mem_type)
-            rdescs = loc.agent.get_xfer_descs(tp.dst, remote.mem_type)
-            return (lambda n: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
-                    tp.nbytes, tp.requested, len(tp.src))
-        local_part, remote_part = (src_part, dst_part) if write else (dst_part, src_part)
-        rdlist, rbases = book.remote_view(loc, remote, remote_part)
-        ldlist = book.local_list(loc, local_part)
-        p = plan_leg(book.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
-        lidx, ridx = (p.src_idx, p.dst_idx) if write else (p.dst_idx, p.src_idx)
-        return (lambda n: loc.agent.make_prepped_xfer(op, ldlist, lidx, rdlist, ridx, n),
-                p.nbytes, p.requested, p.merged)
+    def _plan(self, key: LegKey | ReadKey, loc: Local, write: bool, remote: RemoteAgent, src: Sequence[int],
+              dst: Sequence[int], src_part: Part, dst_part: Part, plan: tuple[int, bool] | None,
+              ) -> tuple[Callable[..., Any], int, int, int] | str:
+        """The transfer's descriptors (agents.AgentBook.xfer_maker), or why they cannot be built."""
+        try:
+            return self._book.xfer_maker(loc, write, remote, src, dst, src_part, dst_part, plan)
+        except InvalidArgument as e:
+            return f"layout mismatch: {e}" if plan is not None and "mismatch" not in str(e) else str(e)
+        except Exception as e:
+            log.warning("preparing descriptors failed", transfer_id=key.transfer_id, exc_info=True)
+            return f"cannot prepare descriptors: {e}"
+
+    def _advance(self) -> bool:
+        worked, settled = self._stages.advance(self._inflight.append)
+        if settled:
+            self._deliver(settled)
+            self._check_drained()
+        return worked
 
     # -- progress ------------------------------------------------------------------------------
 
@@ -400,7 +423,12 @@ class TransferThread:
             self._report(cancelled)
 
     def _report(self, done: list[Inflight]) -> None:
-        self._deliver([f.result for f in done])
+        staged = [f for f in done if f.stage is not None]
+        for f in staged:
+            self._stages.settled(f)
+        self._deliver([f.result for f in done if f.stage is None])
+        if staged:
+            self._advance()
         self._check_drained()
         busy = {f.remote for f in self._inflight}
         for name in [n for n in self._forget_later if n not in busy]:
@@ -417,7 +445,7 @@ class TransferThread:
     def _poll_notifs(self, locs: Sequence[Local] | None = None) -> bool:
         """Hand new notifications to the loop (of every agent that may get some, or of ``locs``);
         True when there were any."""
-        got: list[tuple[int, int]] = []
+        got: list[Notified] = []
         reads: list[tuple[str, int, int]] = []  # pull mode: (remote agent, registration id, rank)
         for loc in self._book.locals.values() if locs is None else locs:
             if not loc.receives and self.pulling <= 0:

@@ -124,11 +124,23 @@ def test_notif_round_trip(rid: int, rank: int) -> None:
     assert isinstance(msg, bytes)
     assert msg.startswith(notif.PREFIX)
     assert msg.isascii()
-    assert notif.decode(msg) == (rid, rank)
+    assert notif.decode(msg) == (rid, rank, 0, 1, 1)
 
 
 def test_notif_encoding_is_stable() -> None:
     assert notif.encode(42, 3) == b"kvp1:42:3"
+    assert notif.encode(42, 3, 4, 2, 64) == b"kvp1:42:3:4:2:64"
+
+
+@pytest.mark.parametrize(("first", "count", "total"), [(0, 1, 2), (1, 1, 2), (0, 64, 64), (63, 1, 64), (5, 7, 4096)])
+def test_layered_notif_round_trip(first: int, count: int, total: int) -> None:
+    assert notif.decode(notif.encode(9, 2, first, count, total)) == (9, 2, first, count, total)
+
+
+@pytest.mark.parametrize("msg", [b"kvp1:1:2:0:0:4", b"kvp1:1:2:3:2:4", b"kvp1:1:2:0:1:4097", b"kvp1:1:2:0:1",
+                                 b"kvp1:1:2:0:1:2:3"])
+def test_layered_notif_malformed(msg: bytes) -> None:
+    assert notif.decode(msg) is None
 
 
 @pytest.mark.parametrize(
@@ -166,7 +178,7 @@ def test_notif_decode_rejects_malformed(msg: bytes) -> None:
 
 
 def test_notif_decode_accepts_max_width_fields() -> None:
-    assert notif.decode(b"kvp1:" + b"9" * 20 + b":" + b"0" * 20) == (10**20 - 1, 0)
+    assert notif.decode(b"kvp1:" + b"9" * 20 + b":" + b"0" * 20) == (10**20 - 1, 0, 0, 1, 1)
 
 
 def test_compat_hash_is_stable_hex() -> None:

@@ -168,6 +168,7 @@ class AttachRequest(_message.Message):
     MEMORY_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
+    DOORBELL_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: _common_pb2.Role.ValueType
     tp_rank: _builtins.int
@@ -175,6 +176,11 @@ class AttachRequest(_message.Message):
     pp_rank: _builtins.int
     description: _builtins.str
     """Optional: free text the status API shows (e.g. "vllm 0.33.0 pid 1234")."""
+    doorbell: _builtins.str
+    """Optional: the worker's doorbell for progressive push, a POSIX shared memory name (as in
+    ShmHandle) of at least 8 bytes whose first aligned 64-bit word the engine thread stores
+    ``step << 16 | layers`` into (layers 0xFFFF: the step is complete). The daemon only reads it.
+    """
     @_builtins.property
     def memory(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryHandle]: ...
     @_builtins.property
@@ -190,10 +196,11 @@ class AttachRequest(_message.Message):
         memory: _abc.Iterable[_common_pb2.MemoryHandle] | None = ...,
         regions: _abc.Iterable[_common_pb2.Region] | None = ...,
         description: _builtins.str = ...,
+        doorbell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "engine_id", b"engine_id", "memory", b"memory", "pp_rank", b"pp_rank", "regions", b"regions", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "doorbell", b"doorbell", "engine_id", b"engine_id", "memory", b"memory", "pp_rank", b"pp_rank", "regions", b"regions", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -377,6 +384,8 @@ class PublishRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     CONSUMER_NODE_ID_FIELD_NUMBER: _builtins.int
     CONSUMER_TLS_NAME_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     traceparent: _builtins.str
     """optional W3C trace context, as in ExpectRequest"""
@@ -388,6 +397,14 @@ class PublishRequest(_message.Message):
     publish. Both empty: the first registration wins (the default).
     """
     consumer_tls_name: _builtins.str
+    step: _builtins.int
+    """Progressive push: the publish is declared before the forward of engine step ``step`` (the
+    worker's doorbell numbers its steps) computes the blocks. The worker's regions split in order
+    into ``layers`` equal groups; group g is written as soon as a registration is there and the
+    doorbell says step ``step`` has g+1 layers done (or is complete, or a later step began).
+    Needs a doorbell (AttachRequest.doorbell). 0 and 0: the blocks are complete now.
+    """
+    layers: _builtins.int
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """source blocks, in token order"""
@@ -400,10 +417,12 @@ class PublishRequest(_message.Message):
         traceparent: _builtins.str = ...,
         consumer_node_id: _builtins.str = ...,
         consumer_tls_name: _builtins.str = ...,
+        step: _builtins.int = ...,
+        layers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_node_id", b"consumer_node_id", "consumer_tls_name", b"consumer_tls_name", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_node_id", b"consumer_node_id", "consumer_tls_name", b"consumer_tls_name", "layers", b"layers", "step", b"step", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

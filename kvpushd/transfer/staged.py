@@ -1,0 +1,161 @@
+"""Progressive push in the NIXL thread: a leg written layer group by layer group as a doorbell goes.
+
+A staged leg is declared before its prefill step computes the KV. Its descriptor indices are built
+once, region-major (descs.plan_leg), so layer group g is the slice of regions
+``[g * R/L, (g+1) * R/L)`` of every block. Whenever the producer worker's doorbell says more groups
+of the step are complete, the groups not posted yet go out as one WRITE (groups that became ready
+together, or while the thread was behind, merge into one), each WRITE with its own notification
+naming its layers (core/notif.py): the decode daemon counts the rank complete only once every layer
+was notified, so a partial KV is never taken for a complete one, whatever order the WRITEs land in.
+A leg whose descriptors are planned per request (token mapping) is not sliced: it goes as one WRITE
+once the step is complete. The leg reports one WriteResult when every WRITE of it has settled (or,
+stopped by the core or stalled, when what was posted has): its blocks are never freed under a WRITE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ..core import notif as notif_codec
+from ..core.rendezvous import LegKey
+from .records import Inflight, Local, WriteResult
+
+log = structlog.get_logger(__name__)
+MakeXfer = Callable[[bytes, int, int], Any]  # (notification, first index, end index) -> transfer handle
+
+
+@dataclass(slots=True)
+class Staged:
+    key: LegKey
+    loc: Local
+    remote: str
+    make: MakeXfer
+    per_group: int     # descriptor indices per layer group; 0: not sliceable (one WRITE once complete)
+    step: int
+    layers: int
+    result: WriteResult  # the figures, reported once the leg settles
+    t0: float
+    stall_s: float     # no new group within this long: the leg stops (the producer stalled)
+    fault: str = ""
+    sent: int = 0      # layer groups posted
+    inflight: int = 0  # WRITEs of it in flight
+    stop: str = ""     # why no more groups are posted
+    failed: str = ""   # the first WRITE of it that failed, why
+    t_first: float = 0.0
+    t_last: float = 0.0  # the last group posted, or the last WRITE settled
+    writes: int = 0
+
+    def ready(self) -> int:
+        bell = self.loc.bell
+        n = bell.ready(self.step, self.layers) if bell is not None else self.layers
+        return n if self.per_group or n == self.layers else 0
+
+    def finished(self) -> bool:
+        return (self.sent == self.layers or bool(self.stop)) and self.inflight == 0
+
+    def outcome(self) -> WriteResult:
+        ok = not self.stop and not self.failed
+        now = time.perf_counter()
+        return dataclasses.replace(
+            self.result, ok=ok, reason="" if ok else (self.failed or self.stop), nbytes=self.result.nbytes if ok else 0,
+            post_s=(self.t_first or now) - self.t0, xfer_s=(now - self.t_first) if self.t_first else 0.0)
+
+
+class Stages:
+    """The staged legs and watched steps of one NIXL thread (called on that thread only)."""
+
+    def __init__(self, on_sealed: Callable[[list[tuple[str, int]]], object] | None) -> None:
+        self.legs: list[Staged] = []
+        self.watched: list[tuple[Local, int]] = []  # (worker, step): report when that step is complete
+        self._on_sealed = on_sealed
+        self.writes_posted = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.legs or self.watched)
+
+    def add(self, key: LegKey, loc: Local, remote: str, make: MakeXfer, result: WriteResult, t0: float, step: int,
+            layers: int, stall_s: float, fault: str) -> None:
+        count = getattr(make, "indices", 0)  # the prepared lists' indices, region-major (0: planned per request)
+        per_group = count // layers if count and count % layers == 0 else 0
+        self.legs.append(Staged(key, loc, remote, make, per_group, step, layers, result, t0, stall_s, fault))
+
+    def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:
+        for s in self.legs:
+            if ((leg is None or s.key == leg) and (worker_id is None or s.loc.worker_id == worker_id)
+                    and not s.stop and s.sent < s.layers):
+                s.stop = why
+        if worker_id is not None:
+            self.watched = [(loc, st) for loc, st in self.watched if loc.worker_id != worker_id]
+
+    def settled(self, f: Inflight) -> None:
+        """One WRITE of a staged leg ended (completed, failed or cancelled)."""
+        s = f.stage
+        assert isinstance(s, Staged)
+        s.inflight -= 1
+        s.t_last = time.perf_counter()
+        if not f.result.ok and not s.failed:
+            s.failed = f.result.reason
+            s.stop = s.stop or "an earlier layer group's WRITE failed"
+
+    @staticmethod
+    def _post(s: Staged, lo: int, hi: int, msg: bytes, track: Callable[[Inflight], None]) -> bool:
+        """Post one WRITE of a staged leg: descriptor indices ``lo`` to ``hi`` (0, 0: all of them)."""
+        try:
+            handle = s.make(msg, lo, hi)
+            state = s.loc.agent.transfer(handle)
+        except Exception as e:
+            log.warning("posting a layer group WRITE failed", transfer_id=s.key.transfer_id, exc_info=True)
+            s.stop = f"NIXL could not post the WRITE: {e}"
+            return False
+        if state == "ERR":
+            handle.release()
+            s.stop = "NIXL returned ERR when posting the WRITE"
+            return False
+        s.loc.inflight += 1
+        s.inflight += 1
+        track(Inflight(handle, s.loc, s.result, time.perf_counter(), s.remote, s.fault, stage=s))
+        return True
+
+    def advance(self, track: Callable[[Inflight], None]) -> tuple[bool, list[WriteResult]]:
+        """Post every layer group that became ready; -> (anything happened, legs that settled)."""
+        worked = False
+        done: list[WriteResult] = []
+        keep: list[Staged] = []
+        now = time.perf_counter()
+        for s in self.legs:
+            if not s.stop and s.sent < s.layers:
+                ready = s.ready()
+                if ready > s.sent:
+                    first, count = s.sent, ready - s.sent
+                    msg = b"" if s.fault == "write_complete" else notif_codec.encode(
+                        s.key.registration_id, s.key.producer_rank, first, count, s.layers)
+                    if self._post(s, first * s.per_group, ready * s.per_group if s.per_group else 0, msg, track):
+                        s.sent = ready
+                        s.writes += 1
+                        s.t_first = s.t_first or time.perf_counter()
+                        s.t_last = time.perf_counter()
+                        self.writes_posted += 1
+                    worked = True
+                elif now - max(s.t_last, s.t0) > s.stall_s:
+                    s.stop = (f"the producer's engine step {s.step} did not complete layer group {s.sent + 1} of "
+                              f"{s.layers} within transfer.write_timeout_s = {s.stall_s:g}s")
+            if s.finished():
+                done.append(s.outcome())
+                worked = True
+            else:
+                keep.append(s)
+        self.legs = keep
+        if self.watched:
+            sealed = [(loc, st) for loc, st in self.watched if loc.bell is None or loc.bell.complete(st)]
+            if sealed:
+                self.watched = [w for w in self.watched if w not in sealed]
+                if self._on_sealed is not None:
+                    self._on_sealed([(loc.worker_id, st) for loc, st in sealed])
+                worked = True
+        return worked, done

@@ -1,0 +1,186 @@
+"""Progressive push: a publish declared before the forward, layer groups written as the doorbell goes.
+
+Real daemons, real NIXL. The "engine" here writes each layer group's KV into its source regions
+only when it gets to that layer, then rings the doorbell: a WRITE posted before its group was
+ready would land the poison that was there before, so every byte checked at the end says that no
+group went early, and the decode side is told only once every group has landed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from kvpushd_client import CompletionKind, KVPushError, Role, _convert
+from support import POISON, make_kv, wait_for
+
+REGIONS, LAYERS, BLOCKS = 8, 4, 64
+
+
+@pytest.fixture
+def kv():  # type: ignore[no-untyped-def]
+    src = make_kv("prog-src", regions=REGIONS, num_blocks=BLOCKS, block_len=4096, fill="poison")
+    dst = make_kv("prog-dst", regions=REGIONS, num_blocks=BLOCKS, block_len=4096, fill="poison")
+    want = np.random.default_rng(3).integers(0, 256, src.arr.shape, dtype=np.uint8)
+    yield src, dst, want
+    src.close()
+    dst.close()
+
+
+def _attach(p, d, src, dst):  # type: ignore[no-untyped-def]
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=True)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    return pw, dw
+
+
+def _compute_layer(src, want, g: int, blocks: list[int]) -> None:  # type: ignore[no-untyped-def]
+    per = REGIONS // LAYERS
+    for r in range(g * per, (g + 1) * per):
+        src.arr[r, blocks] = want[r, blocks]
+
+
+def _counters(dm):  # type: ignore[no-untyped-def]
+    return dm.client.status().counters
+
+
+@pytest.mark.parametrize("registration", ["before", "between", "after"])
+def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: str) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst, want = kv
+    pw, dw = _attach(p, d, src, dst)
+    bell = pw.doorbell
+    assert bell is not None
+    sblocks, dblocks = [3, 4, 5, 9], [10, 11, 12, 30]
+    notifs0 = _counters(d).notifications_received
+
+    def expect() -> None:
+        dw.expect("t1", dblocks, p.peer_address, "prefill", 1)
+
+    if registration == "before":
+        expect()
+    seq = bell.step()
+    pw.publish("t1", sblocks, step=seq, layers=LAYERS)  # declared before the forward
+    for g in range(LAYERS):
+        if registration == "between" and g == 2:
+            expect()
+        _compute_layer(src, want, g, sblocks)
+        bell.layer_done(g + 1)
+        if g < LAYERS - 1:
+            time.sleep(0.15)
+            assert dw.completions() == []  # not complete while a layer group is missing
+    bell.seal()
+    if registration == "after":
+        time.sleep(0.1)
+        expect()
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+    c = pw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FINISHED_SENDING, c
+    assert (dst.arr[:, dblocks] == want[:, sblocks]).all()
+    assert (dst.arr[:, [0, 1, 2, 13]] == POISON).all()  # nothing else written
+    got = _counters(d).notifications_received - notifs0
+    if registration == "before":
+        assert got == LAYERS  # one WRITE (and notification) per group, each as it became ready
+    elif registration == "after":
+        assert got == 1  # the step was complete: one WRITE of everything
+    else:
+        assert 2 <= got <= LAYERS - 1  # what was ready caught up at once (merged), the rest one by one
+    pw.detach()
+    dw.detach()
+    assert wait_for(lambda: not p.client.status().workers and not d.client.status().workers)
+
+
+def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst, want = kv
+    pw, dw = _attach(p, d, src, dst)
+    bell = pw.doorbell
+    assert bell is not None
+    dw.expect("t2", [1, 2], p.peer_address, "prefill", 1)
+    first = bell.step()
+    bell.layer_done(LAYERS)  # an earlier step, complete: says nothing of the next one
+    nxt = first + 1
+    pw.publish("t2", [7, 8], step=nxt, layers=LAYERS)
+    time.sleep(0.3)
+    assert dw.completions() == []
+    for g in range(LAYERS):
+        _compute_layer(src, want, g, [7, 8])
+    assert bell.step() == nxt
+    bell.step()  # the next step began: step nxt is complete
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+    assert (dst.arr[:, [1, 2]] == want[:, [7, 8]]).all()
+    pw.detach()
+    dw.detach()
+
+
+def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst, want = kv
+    pw, dw = _attach(p, d, src, dst)
+    bell = pw.doorbell
+    assert bell is not None
+    dw.expect("t3", [20, 21], p.peer_address, "prefill", 1)
+    seq = bell.step()
+    pw.publish("t3", [40, 41], step=seq, layers=LAYERS)
+    _compute_layer(src, want, 0, [40, 41])
+    bell.layer_done(1)
+    assert wait_for(lambda: (dst.arr[:2, [20, 21]] == want[:2, [40, 41]]).all())  # group 0 landed
+    assert pw.abort("t3")
+    c = pw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FAILED and c.code == "ABORTED", c
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FAILED, c
+    for g in range(1, LAYERS):  # the engine goes on; nothing more is written
+        _compute_layer(src, want, g, [40, 41])
+        bell.layer_done(g + 1)
+    time.sleep(0.3)
+    assert (dst.arr[2:, [20, 21]] == POISON).all()
+    assert wait_for(lambda: not p.client.status().transfers and not d.client.status().transfers)
+    pw.detach()
+    dw.detach()
+
+
+def test_worker_dying_between_layers_fails_the_transfer(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst, want = kv
+    pw, dw = _attach(p, d, src, dst)
+    bell = pw.doorbell
+    assert bell is not None
+    dw.expect("t4", [5, 6], p.peer_address, "prefill", 1)
+    seq = bell.step()
+    pw.publish("t4", [5, 6], step=seq, layers=LAYERS)
+    _compute_layer(src, want, 0, [5, 6])
+    bell.layer_done(1)
+    pw._call.cancel()  # the prefill worker's session ends between layers (its process died)
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FAILED, c
+    assert wait_for(lambda: not p.client.status().workers)
+    assert wait_for(lambda: not p.client.status().transfers and not d.client.status().transfers)
+    dw.detach()
+
+
+def test_bad_progressive_publishes_are_refused(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    src, dst, _ = kv
+    plain = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    with pytest.raises(KVPushError, match="without a doorbell"):
+        plain.publish("b1", [1], step=1, layers=LAYERS)
+    plain.detach()
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=True)
+    for step, layers in ((1, 3), (0, 4), (1, 70000), (2, 0)):  # 3 does not divide 8 regions
+        with pytest.raises(KVPushError, match="progressive publish"):
+            pw.publish("b2", [1], step=step, layers=layers)
+    pw.publish("b3", [1], step=1, layers=REGIONS)  # one region per group is fine
+    assert pw.abort("b3")
+    pw.detach()
+    req = _convert.attach_request("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, 0, "")
+    for name, code in (("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
+                       ("kvpushd-kv-bell-nobody", grpc.StatusCode.NOT_FOUND)):
+        req.doorbell = name
+        with pytest.raises(grpc.RpcError) as e:
+            p.client.stub.Attach(req, timeout=10)
+        assert e.value.code() == code and "doorbell" in (e.value.details() or "")
+    assert not p.client.status().workers
