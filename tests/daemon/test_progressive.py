@@ -163,8 +163,8 @@ def test_worker_dying_between_layers_fails_the_transfer(daemon_pair, kv) -> None
 
 
 def test_bad_progressive_publishes_are_refused(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
-    src, dst, _ = kv
+    p, _ = daemon_pair
+    src, _, _ = kv
     plain = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     with pytest.raises(KVPushError, match="without a doorbell"):
         plain.publish("b1", [1], step=1, layers=LAYERS)
