@@ -117,6 +117,7 @@ class Fleet:
         self.loading = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.error = ""
         self._t_load = 0.0
         self._issued_at_load = 0
         self.inflight: dict[str, Req] = {}
@@ -175,6 +176,13 @@ class Fleet:
     # -- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # the bench stops at the next check, saying why
+            self.error = f"the engine thread failed: {type(e).__name__}: {e}"
+            raise
+
+    def _run(self) -> None:
         next_check = 0.0
         workers = [w for n in self.nodes for w in n.workers]
         while not self._stop:
