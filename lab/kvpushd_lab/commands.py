@@ -31,8 +31,8 @@ def register(sub: Any) -> None:
     d = sub.add_parser("demo", help="local prefill/decode demo: two daemons, reference engines, real NIXL WRITEs")
     add_args(d)
     d.set_defaults(run_command=_run_demo)
-    b = sub.add_parser("bench", add_help=False, help="benchmarks: ceiling, critical-path, engine-cost, rate, sweep "
-                       "(kvpushd bench --help)")
+    b = sub.add_parser("bench", add_help=False, help="benchmarks: ceiling, critical-path, engine-cost, fleet, rate, "
+                       "sweep (kvpushd bench --help)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(run_command=_run_bench, takes_extra=True)
 

@@ -2,11 +2,13 @@
 
 Suites: ``ceiling`` (daemon vs raw NIXL throughput), ``critical-path`` (prefill done -> WRITE
 posted, last byte landed -> decode worker told), ``engine-cost`` (time the engine's own thread
-spends on transfers per step, vs posting NIXL WRITEs in the engine), ``rate`` (rendezvous per
-second) and ``soak`` (many small requests with random faults: every request ends, nothing is held,
-RSS growth), ``sweep`` (TTFT/TPOT with the reference engine) and ``vllm`` (REAL vLLM engines: kvpushd vs
-vLLM's own NIXL connectors). Each starts its own daemons as subprocesses in a temporary directory. Targets are printed
-next to the figures; nothing here asserts on time.
+spends on transfers per step, vs posting NIXL WRITEs in the engine), ``fleet`` (N x M daemons in
+network namespaces under kills, stops and a restart storm: every request ends, nothing is held,
+recovery), ``rate`` (rendezvous per second) and ``soak`` (many small requests with random faults:
+every request ends, nothing is held, RSS growth), ``sweep`` (TTFT/TPOT with the reference engine)
+and ``vllm`` (REAL vLLM engines: kvpushd vs vLLM's own NIXL connectors). Each starts its own
+daemons as subprocesses in a temporary directory. Targets are printed next to the figures; nothing
+here asserts on time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SUITES = {
     "ceiling": ("ceiling", "daemon vs raw NIXL throughput for the Qwen3-32B rank layout"),
     "critical-path": ("critical_path", "prefill done -> WRITE posted, last byte landed -> decode worker told"),
     "engine-cost": ("engine_cost", "engine-thread time per step: kvpushd client vs NIXL in the engine"),
+    "fleet": ("fleet", "N prefill x M decode nodes, each in a network namespace, push and pull under SIGKILL, "
+              "SIGSTOP and a restart storm: every request ends, nothing held, recovery time"),
     "rate": ("rate", "rendezvous per second with small requests"),
     "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
     "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
