@@ -31,6 +31,8 @@ SUITES = {
     "engine-cost": ("engine_cost", "engine-thread time per step: kvpushd client vs NIXL in the engine"),
     "fleet": ("fleet", "N prefill x M decode nodes, each in a network namespace, push and pull under SIGKILL, "
               "SIGSTOP and a restart storm: every request ends, nothing held, recovery time"),
+    "handover": ("handover", "progressive vs whole-request push, one request at a time: forward end -> decode "
+                 "told, per prompt length"),
     "rate": ("rate", "rendezvous per second with small requests"),
     "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
     "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
