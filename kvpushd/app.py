@@ -131,6 +131,7 @@ class Daemon:
             self.node.ident.peer_address = f"{cfg.advertise_host}:{bound}"
         await self.local_server.start()
         await self.peer_server.start()
+        self.node.outbound.preconnect(cfg.peer_api.preconnect)  # peer_api.preconnect: handshakes start now
         os.chmod(sock, cfg.worker_api.socket_mode)
         self.metrics.serve(cfg.metrics)
         self.node.ident.metrics_address = self.metrics.address

@@ -131,6 +131,21 @@ class PeerApiConfig(Section, frozen=True):
         "Destination blocks the pending registrations of one decode daemon may cover"))] = 1 << 24
     max_stream_items: Annotated[int, Positive, Meta(description=(
         "Items queued to or unanswered by one peer's Channel stream; beyond it new ones fail PEER_UNREACHABLE"))] = 8192
+    max_concurrent_handshakes: Annotated[int, Positive, Meta(description=(
+        "Handshakes this daemon makes to other daemons at once; more wait their turn (a fleet restarting "
+        "together does not storm one daemon)"))] = 32
+    handshake_retry_s: Annotated[float, Positive, Meta(description=(
+        "After a daemon did not answer a handshake, calls to it fail at once for this long, doubled per "
+        "failure in a row up to handshake_retry_max_s, each delay drawn at 50-100%"))] = 1.0
+    handshake_retry_max_s: Annotated[float, Positive, Meta(description=(
+        "The longest handshake back-off"))] = 5.0
+    preconnect: Annotated[tuple[HostPort, ...], Meta(description=(
+        "Peer addresses (host:port) to handshake with and open a stream to at start, retried with the "
+        "back-off until they answer, and kept open (never closed as idle)"),
+        examples=[["prefill-1:7700", "prefill-2:7700"]])] = ()
+    idle_close_s: Annotated[float, Positive, Meta(description=(
+        "A peer nothing is pending with, unheard for this long, is closed (outbound: its channel and "
+        "stream) or forgotten (inbound: its session and agents); a peer with transfers in flight never is"))] = 300.0
     tls_cert: Annotated[str, Meta(description=(
         "PEM certificate chain this daemon presents, as server and as client (mutual TLS: set all three tls_* "
         "paths or none)"), examples=["/etc/kvpushd/tls/node.crt"])] = ""
@@ -322,6 +337,15 @@ def validate(cfg: Config) -> None:
             raise InvalidArgument(f"config: [transfer.backend_params.{k}] names no configured backend "
                                   f"(transfer.backends: {list(t.backends)})")
     validate_peer_security(cfg.peer_api)
+    p = cfg.peer_api
+    if p.handshake_retry_max_s < p.handshake_retry_s:
+        raise InvalidArgument(f"config: peer_api.handshake_retry_max_s ({p.handshake_retry_max_s:g}) is below "
+                              f"peer_api.handshake_retry_s ({p.handshake_retry_s:g})")
+    for addr in p.preconnect:
+        try:
+            split_host_port(addr)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"config: peer_api.preconnect: {e}") from None
 
 
 def validate_peer_security(p: PeerApiConfig) -> None:

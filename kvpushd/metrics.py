@@ -245,6 +245,7 @@ class _StateCollector(Collector):
             held.add_metric([side], n)
         yield held
         yield GaugeMetricFamily("kvpushd_workers", "Workers attached", value=sum(1 for _ in v.workers()))
+        yield from _peer_gauges(v)
         yield GaugeMetricFamily("kvpushd_uptime_seconds", "Seconds since the daemon started", value=v.uptime_s)
         yield GaugeMetricFamily("kvpushd_draining", "1 while the daemon drains", value=int(v.draining))
         yield GaugeMetricFamily("kvpushd_watchers", "Watch streams open", value=v.events.subscribers)
@@ -263,3 +264,19 @@ class _StateCollector(Collector):
                                   value=v.stray_notifications)
         yield CounterMetricFamily("kvpushd_events_dropped", "Events dropped for Watch subscribers that fell "
                                   "behind", value=v.events.dropped)
+
+
+def _peer_gauges(v: View) -> Iterator[Metric]:
+    """Connection discipline: handshakes under way (bounded by peer_api.max_concurrent_handshakes) and
+    waiting their turn, and peers connected each way."""
+    in_flight, waiting, outbound, inbound = v.peer_links()
+    hs = GaugeMetricFamily("kvpushd_peer_handshakes", "Handshakes this daemon makes to other daemons: in flight "
+                           "(at most peer_api.max_concurrent_handshakes) and waiting their turn", labels=["state"])
+    hs.add_metric(["in_flight"], in_flight)
+    hs.add_metric(["waiting"], waiting)
+    yield hs
+    peers = GaugeMetricFamily("kvpushd_peers_connected", "Other daemons connected: outbound (our handshake "
+                              "answered) and inbound (sessions of daemons that call us)", labels=["direction"])
+    peers.add_metric(["outbound"], outbound)
+    peers.add_metric(["inbound"], inbound)
+    yield peers

@@ -15,7 +15,18 @@ from dataclasses import dataclass
 
 from .errors import IllegalTransition
 
-HANDSHAKE_BACKOFF_S = 1.0  # after a failed handshake, calls fail at once for this long
+HANDSHAKE_BACKOFF_S = 1.0  # after an unreachable handshake, calls fail at once for this long (the first time)
+HANDSHAKE_BACKOFF_MAX_S = 5.0  # the back-off doubles per failure in a row, up to this
+
+
+def backoff_s(failures: int, jitter: float, base_s: float = HANDSHAKE_BACKOFF_S,
+              max_s: float = HANDSHAKE_BACKOFF_MAX_S) -> float:
+    """How long calls fail at once after ``failures`` unreachable handshakes in a row: ``base_s``
+    doubled per failure after the first, at most ``max_s``, times 0.5-1.0 by ``jitter`` (0-1, drawn
+    by the caller), so daemons that lost one peer together do not all come back at the same instant."""
+    if failures < 1:
+        return 0.0
+    return min(max_s, base_s * 2.0 ** min(failures - 1, 30)) * (0.5 + 0.5 * min(1.0, max(0.0, jitter)))
 
 
 class LinkState(enum.Enum):
@@ -65,9 +76,12 @@ class PeerLink:
     last_ok: float = 0.0  # the last answer from the peer
     failing_since: float = 0.0  # the first failure in a row (0: healthy)
     failed_at: float = 0.0  # the last failed handshake
+    failures: int = 0  # unreachable handshakes in a row
+    retry_at: float = 0.0  # until then calls fail at once (after an unreachable handshake)
     last_beat: float = 0.0  # the last heartbeat sent
     beating: bool = False  # a heartbeat is under way
     calls: int = 0  # calls under way: a peer in use is never idle
+    pinned: bool = False  # a configured pre-connect peer: kept open, never idle
 
     def _go(self, event: LinkEvent) -> None:
         self.state = step(self.state, event)
@@ -79,21 +93,33 @@ class PeerLink:
         return force or self.state is not LinkState.CONNECTED
 
     def backing_off(self, now: float) -> bool:
-        """A handshake failed less than HANDSHAKE_BACKOFF_S ago: calls behind it fail at once,
-        not one connect timeout after another."""
-        return self.state is LinkState.UNREACHABLE and now - self.failed_at < HANDSHAKE_BACKOFF_S
+        """An unreachable handshake's back-off (``backoff_s``) has not passed: calls behind it fail
+        at once, not one connect timeout after another."""
+        return self.state is LinkState.UNREACHABLE and now < self.retry_at
+
+    def retry_in(self, now: float) -> float:
+        """Seconds until a handshake may be tried again (0: now)."""
+        return max(0.0, self.retry_at - now) if self.state is LinkState.UNREACHABLE else 0.0
 
     def handshaking(self) -> None:
         self._go(LinkEvent.HANDSHAKE)
 
-    def handshake_failed(self, now: float, error: str, unreachable: bool) -> None:
+    def handshake_failed(self, now: float, error: str, unreachable: bool, jitter: float = 1.0,
+                         base_s: float = HANDSHAKE_BACKOFF_S, max_s: float = HANDSHAKE_BACKOFF_MAX_S) -> None:
+        """A handshake failed; an unreachable peer backs off (``backoff_s``, ``jitter`` drawn by the
+        caller), a refusing one does not (it answered: the next call tries again)."""
         self.failed(error, unreachable)
         self.failed_at = now
+        if unreachable:
+            self.failures += 1
+            self.retry_at = now + backoff_s(self.failures, jitter, base_s, max_s)
 
     def connected(self, now: float) -> None:
         self._go(LinkEvent.HANDSHAKE_OK)
         self.since = self.last_ok = now
         self.failing_since = 0.0
+        self.failures = 0
+        self.retry_at = 0.0
 
     def failed(self, error: str, unreachable: bool) -> None:
         """A call or the stream failed with ``error``: unreachable (no answer), or refused by the peer."""
@@ -136,5 +162,5 @@ class PeerLink:
 
     def idle(self, now: float, idle_s: float) -> bool:
         """Nothing under way and nothing heard for ``idle_s``: the link may be closed."""
-        return (not self.beating and not self.calls and self.state is not LinkState.HANDSHAKING
+        return (not self.pinned and not self.beating and not self.calls and self.state is not LinkState.HANDSHAKING
                 and now - max(self.last_ok, self.since, self.failed_at, self.created) > idle_s)

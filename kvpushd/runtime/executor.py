@@ -414,8 +414,8 @@ class Executor:
 
     @property
     def idle_s(self) -> float:
-        """A peer unheard for this long is forgotten."""
-        return max(60.0, 6 * self.cfg.transfer.peer_timeout_s)
+        """A peer nothing is pending with, unheard for this long, is closed or forgotten (peer_api.idle_close_s)."""
+        return self.cfg.peer_api.idle_close_s
 
     def live_addresses(self) -> set[str]:
         """Addresses of the peers we have a channel to or a session with."""

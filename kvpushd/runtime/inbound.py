@@ -28,7 +28,6 @@ log = structlog.get_logger(__name__)
 MAX_AGENTS_PER_ORIGIN = 1024   # remote agents of one kind one peer daemon may have loaded here at once
 MAX_AGENT_METADATA = 1 << 20   # bytes of NIXL agent metadata a peer may send
 MAX_AGENT_REGIONS = 4096       # as for Attach
-IDLE_PEER_S = 60.0             # a peer with nothing pending is forgotten after this long unheard
 
 
 @dataclass(slots=True)

@@ -7,12 +7,20 @@ message it sends is built in rpc/outbound.py.
 
 A handshake is repeated whenever a call says the remote does not know us (it restarted), and a
 changed remote instance id means every agent we had sent it must be sent again.
+
+Connection discipline: one PeerClient (one gRPC channel, one Channel stream) per remote daemon,
+shared by every worker on this node; at most ``max_concurrent_handshakes`` handshakes at once
+(``HandshakeGate``: a fleet restarting together does not storm one daemon); an unreachable peer
+backs off exponentially with jitter (core/peerlink.backoff_s); the ``preconnect`` peers are
+handshaken at start, retried until they answer and never closed as idle; other peers are closed
+after ``idle_close_s`` with nothing pending (executor housekeeping).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterable
 
 import grpc
 import structlog
@@ -20,7 +28,7 @@ from google.protobuf.message import Message
 
 from ..config import PeerApiConfig
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable, SessionUnknown
-from ..core.peerlink import PeerLink
+from ..core.peerlink import LinkState, PeerLink
 from ..core.rendezvous import ReadKey, SendOffer, SendRegister
 from ..core.types import FailureCode
 from ..peer_security import channel_credentials, channel_options, tls_enabled
@@ -53,10 +61,33 @@ def _why(e: grpc.aio.AioRpcError) -> str:
     return f"{e.code().name}: {e.details()}"
 
 
+class HandshakeGate:
+    """At most ``limit`` handshakes in flight from this daemon; the others wait their turn (each
+    holder is bounded by connect_timeout_s, so every wait is bounded too)."""
+
+    def __init__(self, limit: int) -> None:
+        self._sem = asyncio.Semaphore(limit)
+        self.in_flight = 0  # holding the gate: a Handshake call under way
+        self.waiting = 0
+
+    async def __aenter__(self) -> None:
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.in_flight += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.in_flight -= 1
+        self._sem.release()
+
+
 class PeerClient:
     def __init__(self, address: str, ident: Identity, cfg: PeerApiConfig,
-                 on_restart: Callable[[str, str], None]) -> None:
+                 on_restart: Callable[[str, str], None], gate: HandshakeGate | None = None) -> None:
         self.address = address
+        self._gate = gate or HandshakeGate(cfg.max_concurrent_handshakes)
         self.ident = ident
         self.cfg = cfg
         self._on_restart = on_restart
@@ -189,24 +220,27 @@ class PeerClient:
                 raise PeerUnreachable(f"prefill daemon {self.address}: {link.last_error}")
             link.handshaking()
             req = pb.handshake(self.ident)
-            try:
-                # wait_for_ready: connect (or reconnect after a restart) within the deadline
-                # instead of failing at once on a channel that last saw the peer down.
-                resp = await self.stub.Handshake(req, timeout=self.cfg.connect_timeout_s,
-                                                 wait_for_ready=True, metadata=self.session)
-            except grpc.aio.AioRpcError as e:
-                err: grpc.aio.AioRpcError | None = e
-                if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # wait_for_ready hides why the channel cannot connect (refused, TLS handshake
-                    # failed): one call without it reports the channel's last connection error.
-                    try:
-                        resp = await self.stub.Handshake(req, timeout=1.0, metadata=self.session)
-                        err = None
-                    except grpc.aio.AioRpcError as e2:
-                        err = e2 if e2.code() is grpc.StatusCode.UNAVAILABLE else e
-                if err is not None:
-                    link.handshake_failed(self._loop.time(), _why(err), err.code() in UNREACHABLE_CODES)
-                    raise self._error(err) from None
+            async with self._gate:
+                try:
+                    # wait_for_ready: connect (or reconnect after a restart) within the deadline
+                    # instead of failing at once on a channel that last saw the peer down.
+                    resp = await self.stub.Handshake(req, timeout=self.cfg.connect_timeout_s,
+                                                     wait_for_ready=True, metadata=self.session)
+                except grpc.aio.AioRpcError as e:
+                    err: grpc.aio.AioRpcError | None = e
+                    if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                        # wait_for_ready hides why the channel cannot connect (refused, TLS handshake
+                        # failed): one call without it reports the channel's last connection error.
+                        try:
+                            resp = await self.stub.Handshake(req, timeout=1.0, metadata=self.session)
+                            err = None
+                        except grpc.aio.AioRpcError as e2:
+                            err = e2 if e2.code() is grpc.StatusCode.UNAVAILABLE else e
+                    if err is not None:
+                        link.handshake_failed(self._loop.time(), _why(err), err.code() in UNREACHABLE_CODES,
+                                              random.random(), self.cfg.handshake_retry_s,
+                                              self.cfg.handshake_retry_max_s)
+                        raise self._error(err) from None
             session = (("kvpushd-session", resp.session_token),)
             if self.stream is not None and (session != self.session or resp.instance_id != self.remote_instance):
                 self.stream.close("closed")  # a stream of the old session: the next item opens one anew
@@ -219,6 +253,11 @@ class PeerClient:
             self.remote_node_id = resp.node_id
             self.session = session
             link.connected(self._loop.time())
+
+    async def connect(self) -> None:
+        """Handshake (unless connected) and open the Channel stream, without sending anything."""
+        await self._handshake()
+        self._channel()
 
     def _error(self, e: grpc.aio.AioRpcError) -> KvpushdError:
         msg = f"prefill daemon {self.address}: {e.code().name}: {e.details()}"
@@ -313,12 +352,43 @@ class Outbound:
         self.cfg = cfg
         self._on_restart = on_restart
         self.peers: dict[str, PeerClient] = {}
+        self.gate = HandshakeGate(cfg.max_concurrent_handshakes)
+        self._preconnecting: set[asyncio.Task[None]] = set()
 
     def peer(self, address: str) -> PeerClient:
+        """The one client of the daemon at ``address``: every worker's calls to it share its channel."""
         p = self.peers.get(address)
         if p is None:
-            p = self.peers[address] = PeerClient(address, self.ident, self.cfg, self._on_restart)
+            p = self.peers[address] = PeerClient(address, self.ident, self.cfg, self._on_restart, self.gate)
         return p
+
+    def connected(self) -> int:
+        return sum(1 for p in self.peers.values() if p.link.state is LinkState.CONNECTED)
+
+    def preconnect(self, addresses: Iterable[str]) -> None:
+        """Handshake with each configured peer now (through the gate), retried with the back-off until
+        it answers; its link is pinned: never closed as idle."""
+        loop = asyncio.get_running_loop()
+        for address in dict.fromkeys(addresses):
+            if address == self.ident.peer_address:
+                continue
+            self.peer(address).link.pinned = True
+            task = loop.create_task(self._preconnect(address))
+            self._preconnecting.add(task)
+            task.add_done_callback(self._preconnecting.discard)
+
+    async def _preconnect(self, address: str) -> None:
+        while True:
+            p = self.peer(address)  # the same client unless it was closed meanwhile
+            p.link.pinned = True
+            try:
+                await p.connect()
+                log.info("peer pre-connected", peer=address, node=p.remote_node_id)
+                return
+            except KvpushdError as e:
+                wait = max(p.link.retry_in(asyncio.get_running_loop().time()), self.cfg.handshake_retry_s)
+                log.info("pre-connect failed; retrying", peer=address, error=str(e), retry_in_s=round(wait, 2))
+                await asyncio.sleep(wait)
 
     def is_instance(self, address: str, instance_id: str) -> bool:
         """Whether ``instance_id`` is the daemon we know at ``address`` (where our registrations went)."""
@@ -335,5 +405,8 @@ class Outbound:
         return out
 
     async def close(self) -> None:
+        for t in list(self._preconnecting):
+            t.cancel()
+        await asyncio.gather(*self._preconnecting, return_exceptions=True)
         for p in self.peers.values():
             await p.close()

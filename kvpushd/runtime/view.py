@@ -123,6 +123,11 @@ class View:
 
     # -- peers ----------------------------------------------------------------------------------
 
+    def peer_links(self) -> tuple[int, int, int, int]:
+        """(handshakes in flight, handshakes waiting, outbound peers connected, inbound sessions)."""
+        out = self._ex.outbound
+        return out.gate.in_flight, out.gate.waiting, out.connected(), len(self._ex.inbound.origins)
+
     def peers(self) -> list[PeerView]:
         """Every other daemon we call (outbound) or that calls us (inbound), by its peer address."""
         wall = time.time()

@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 
 from kvpushd.core.errors import IllegalTransition
-from kvpushd.core.peerlink import HANDSHAKE_BACKOFF_S, TABLE, LinkEvent, LinkState, PeerLink, step
+from kvpushd.core.peerlink import (
+    HANDSHAKE_BACKOFF_MAX_S,
+    HANDSHAKE_BACKOFF_S,
+    TABLE,
+    LinkEvent,
+    LinkState,
+    PeerLink,
+    backoff_s,
+    step,
+)
 
 S, E = LinkState, LinkEvent
 
@@ -56,12 +65,14 @@ def test_handshake_backs_off_after_an_unreachable_peer() -> None:
     link.handshaking()
     link.handshake_failed(100.5, "UNAVAILABLE: connection refused", unreachable=True)
     assert link.state is S.UNREACHABLE and link.last_error.startswith("UNAVAILABLE")
-    assert link.backing_off(100.5 + HANDSHAKE_BACKOFF_S - 0.01)
+    assert link.backing_off(100.5 + HANDSHAKE_BACKOFF_S - 0.01)  # jitter 1.0 (the default): the full delay
     assert not link.backing_off(100.5 + HANDSHAKE_BACKOFF_S)
+    assert link.retry_in(100.5) == HANDSHAKE_BACKOFF_S and link.retry_in(200.0) == 0.0
     link.handshaking()
     assert link.state is S.UNREACHABLE  # until it answers
     link.connected(102.0)
     assert (link.state, link.since, link.last_ok, link.failing_since) == (S.CONNECTED, 102.0, 102.0, 0.0)
+    assert (link.failures, link.retry_at) == (0, 0.0)  # the next failure backs off from the start again
     assert not link.handshake_due() and link.handshake_due(force=True)
 
 
@@ -70,6 +81,35 @@ def test_a_refused_handshake_does_not_back_off() -> None:
     link.handshaking()
     link.handshake_failed(1.0, "FAILED_PRECONDITION: incompatible peer", unreachable=False)
     assert link.state is S.HANDSHAKING and not link.backing_off(1.0) and link.handshake_due()
+    assert link.failures == 0 and link.retry_in(1.0) == 0.0
+
+
+@pytest.mark.parametrize(("failures", "jitter", "delay"), [
+    (0, 1.0, 0.0),  # no failure: no wait
+    (1, 1.0, 1.0),
+    (1, 0.0, 0.5),  # the jitter takes it down to half, never below
+    (2, 1.0, 2.0),
+    (3, 0.5, 3.0),  # 4 s x 0.75
+    (4, 1.0, HANDSHAKE_BACKOFF_MAX_S),  # 8 s capped
+    (1000, 1.0, HANDSHAKE_BACKOFF_MAX_S),  # no overflow however many
+    (1000, 0.0, HANDSHAKE_BACKOFF_MAX_S / 2),
+    (1, 7.0, 1.0),  # a jitter out of 0-1 is clamped
+    (1, -1.0, 0.5),
+])
+def test_backoff_is_exponential_capped_and_jittered(failures: int, jitter: float, delay: float) -> None:
+    assert backoff_s(failures, jitter) == pytest.approx(delay)
+
+
+def test_failures_in_a_row_double_the_backoff() -> None:
+    link = PeerLink(created=0.0)
+    now, waits = 0.0, []
+    for _ in range(5):
+        link.handshaking()
+        link.handshake_failed(now, "UNAVAILABLE", unreachable=True, jitter=1.0, base_s=0.25, max_s=2.0)
+        waits.append(link.retry_in(now))
+        assert link.backing_off(now) and not link.backing_off(now + waits[-1])
+        now += waits[-1]
+    assert waits == [0.25, 0.5, 1.0, 2.0, 2.0] and link.failures == 5
 
 
 @pytest.mark.parametrize(("failing_since", "now", "timeout", "silent"), [
@@ -119,6 +159,7 @@ def test_beat_marks_one_under_way() -> None:
     (PeerLink(created=0.0, calls=1), 1000.0, False),  # in use
     (PeerLink(created=0.0, beating=True), 1000.0, False),
     (PeerLink(created=0.0, state=S.HANDSHAKING), 1000.0, False),
+    (PeerLink(created=0.0, pinned=True), 1000.0, False),  # a configured pre-connect peer stays open
 ])
 def test_idle(link: PeerLink, now: float, idle: bool) -> None:
     assert link.idle(now, 60.0) is idle
