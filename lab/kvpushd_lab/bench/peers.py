@@ -175,10 +175,10 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         "connect_all_s": round(connect_all_s, 2), "connect_retries": sum(x["retries"] for x in done),
         "daemon_cpu_connect_s": round(cpu_connect / 1e3, 2),
         "rss_before_mib": round(rss0 / 1024, 1), "rss_after_mib": round(rss1 / 1024, 1),
-        "rss_per_peer_kib": round((rss1 - rss0) / n, 2),
+        "rss_per_peer_kib": round((rss1 - rss0) / max(1, connected), 2),  # per peer connected
         "status_bytes": status_bytes, "status_ms": round(status_ms, 1),
         "cpu_per_heartbeat_round_ms": round(statistics.median(rounds), 1),
-        "cpu_per_heartbeat_us": round(statistics.median(rounds) * 1e3 / n, 1),
+        "cpu_per_heartbeat_us": round(statistics.median(rounds) * 1e3 / max(1, min(beats)), 1),
         "heartbeat_round_wall_ms": round(statistics.median(walls) * 1e3, 1),
         "heartbeats_answered": min(beats), "idle_cpu_ms_per_s": round(idle_ms_per_s, 1),
         "per_peer": {"regions": args.regions, "blocks": args.blocks, "agent_metadata_bytes": args.metadata_bytes},
