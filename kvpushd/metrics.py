@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from .config import MetricsConfig, split_host_port
+from .core.actions import DROPPED_EVENTS
 from .events import Event, EventKind
 from .runtime.observe import Dropped, Met, Observations, WriteDone
 from .runtime.view import View
@@ -142,7 +143,7 @@ class Metrics:
             "kvpushd_write_post_seconds", "WRITE request reaching the NIXL thread -> WRITE posted")
         self.xfer_time = _Histograms("kvpushd_write_seconds", "WRITE posted -> its completion seen")
         self.late = _Counts("kvpushd_late_events", "Late or repeated events the rendezvous dropped on purpose, "
-                            "by event", ["event"])
+                            "by event", ["event"], *((e,) for e in DROPPED_EVENTS))
         r.register(_EventCollector((self.transfers, self.duration, self.bytes, self.writes, self.descriptors,
                                     self.rendezvous_wait, self.post_time, self.xfer_time, self.late)))
         r.register(_StateCollector(view))

@@ -7,6 +7,7 @@ slices, notification, planned or prepared descriptors), and never decides again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .layout import Shape
 from .types import Completion, FailureCode, TransferMode
@@ -181,12 +182,18 @@ class SendReadFailed:
     reason: str
 
 
+# What ``Dropped.event`` names: every late or repeated event the rendezvous may drop (metrics export
+# each from 0, so a rate over them has data before the first one happens).
+DropEvent = Literal["registered", "notified", "offer", "read_done", "failed", "withdraw", "write_done"]
+DROPPED_EVENTS: tuple[str, ...] = get_args(DropEvent)
+
+
 @dataclass(frozen=True, slots=True)
 class Dropped:
     """A late or repeated event ignored on purpose (a WRITE settling after its transfer ended, a
     notice for a registration already gone): the runtime counts and logs it."""
 
-    event: str
+    event: DropEvent
     transfer_id: str
     why: str
 
