@@ -1,7 +1,9 @@
 """One PeerService.Channel stream to a peer daemon, the caller's side (used by outbound.PeerClient).
 
 Items are queued without waiting (``submit``) and written by one writer task: everything queued in
-one turn of the loop goes out as one PeerBatch, one write per turn (more only past MAX_BATCH items).
+one turn of the loop goes out as one PeerBatch, one write per turn (more only past MAX_BATCH items or
+``max_bytes``: a burst of large registrations is split so that no PeerBatch exceeds the message size
+both daemons accept; an item that alone exceeds it fails at once with RESOURCE_EXHAUSTED).
 Results come back on the same stream and are matched to their items by seq.
 
 Back-pressure: at most ``max_items`` items are queued or unanswered at once (a peer that stops
@@ -26,24 +28,27 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from ..core.errors import KvpushdError, PeerUnreachable
+from ..core.errors import KvpushdError, PeerUnreachable, ResourceExhausted
 from ..rpc import outbound as pb
 
 MAX_BATCH = 4096  # items in one PeerBatch (the callee's limit too)
+ITEM_FRAMING = 8  # bytes a PeerItem adds to its PeerBatch beyond its own size (tag and length)
 
 
 @dataclass(slots=True, eq=False)
 class _Pending:
     item: pb.PeerItem
     fut: asyncio.Future[pb.PeerResult]
+    size: int  # its encoded size in a PeerBatch
 
 
 class PeerChannel:
     def __init__(self, address: str, call: Any, max_items: int, stall_s: float,
-                 on_broken: Callable[[BaseException | str], KvpushdError]) -> None:
+                 on_broken: Callable[[BaseException | str], KvpushdError], max_bytes: int) -> None:
         self.address = address
         self._call = call  # grpc.aio.StreamStreamCall
         self.max_items = max_items
+        self.max_bytes = max_bytes  # a PeerBatch's largest encoded size (peer_api.max_message_bytes)
         self.stall_s = stall_s
         self._on_broken = on_broken
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -73,7 +78,13 @@ class PeerChannel:
                     f"at most {self.max_items}", peer=self.address))
                 return fut
         self._seq += 1
-        self._queue.append(_Pending(pb.item(self._seq, kind, msg), fut))
+        it = pb.item(self._seq, kind, msg)
+        size = it.ByteSize() + ITEM_FRAMING
+        if size > self.max_bytes:
+            fut.set_exception(ResourceExhausted(
+                f"a {kind} item of {size} bytes exceeds peer_api.max_message_bytes = {self.max_bytes}"))
+            return fut
+        self._queue.append(_Pending(it, fut, size))
         self._wake.set()
         return fut
 
@@ -89,12 +100,14 @@ class PeerChannel:
             self._wake.clear()
             while self._queue and self.closed is None:
                 items: list[pb.PeerItem] = []
-                while self._queue and len(items) < MAX_BATCH:
+                nbytes = 0
+                while self._queue and len(items) < MAX_BATCH and nbytes + self._queue[0].size <= self.max_bytes:
                     p = self._queue.popleft()
                     if p.fut.done():
                         continue  # its caller stopped waiting while it was queued
                     self._sent[p.item.seq] = p
                     items.append(p.item)
+                    nbytes += p.size
                 if not items:
                     break
                 stalled = self._loop.call_later(self.stall_s, self.close,

@@ -128,7 +128,7 @@ class PeerClient:
                 self.batches_before += ch.batches
             md = (*self.session, ("kvpushd-instance", self.ident.instance_id))
             ch = self.stream = PeerChannel(self.address, self.stub.Channel(metadata=md), self.cfg.max_stream_items,
-                                           self.cfg.rpc_timeout_s, self._stream_broken)
+                                           self.cfg.rpc_timeout_s, self._stream_broken, self.cfg.max_message_bytes)
             self.streams_opened += 1
         return ch
 
