@@ -15,6 +15,9 @@ from .errors import stream, unary
 from .pump import WORKER, Pump
 
 Ctx = Any
+# An EventBatch's largest encoded size: gRPC's default receive limit (4 MiB), which a worker's client
+# may keep. A burst of completions larger than that goes out as several EventBatches.
+EVENT_BATCH_BYTES = 4 << 20
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -56,4 +59,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
         pump = Pump(self.node, WORKER, wid, lambda: self.node.wake(wid), counted)
         async for results, completions in pump.serve(requests, self.node.session_batches(wid), first):
-            yield worker_pb2.EventBatch(results=results, completions=[convert.completion(c) for c in completions])
+            for batch in event_batches(results, completions):
+                yield batch
+
+
+def event_batches(results: list[Any], completions: list[Any]) -> list[worker_pb2.EventBatch]:
+    """One tick's answers and completions as EventBatches of at most EVENT_BATCH_BYTES each."""
+    out = [worker_pb2.EventBatch(results=results)]
+    size = out[0].ByteSize()
+    for c in completions:
+        pc = convert.completion(c)
+        n = pc.ByteSize() + 8  # the field's tag and length
+        if size + n > EVENT_BATCH_BYTES and (out[-1].completions or out[-1].results):
+            out.append(worker_pb2.EventBatch())
+            size = 0
+        out[-1].completions.append(pc)
+        size += n
+    return out

@@ -4,6 +4,7 @@ results plus the worker's completions down. Real daemons, real NIXL; every byte 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -179,3 +180,38 @@ def test_commands_a_dead_stream_never_answered_end_refused_and_unanswered(daemon
         got[c.transfer_id] = c
     c = got["after"]
     assert (c.kind, c.code, c.unanswered, c.block_ids) == (CompletionKind.FAILED, "REFUSED", True, (2,)), c
+
+
+def test_a_burst_of_completions_larger_than_a_message_reaches_the_worker(workdir) -> None:  # type: ignore[no-untyped-def]
+    """1,500 receives of 1,024 blocks fail in the same moment (their prefill daemon does not exist):
+    ~4.6 MB of completions, more than one gRPC message may carry to a client that keeps gRPC's 4 MiB
+    default. Each reaches the worker once, and the stream stays up."""
+    from support import make_kv, start_daemon
+
+    d = start_daemon(workdir, "dnode", "connect_timeout_s = 2.0\n")
+    dst = make_kv("kvpushd-test-burst", regions=1, num_blocks=101_024, block_len=16, fill="poison")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    try:
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        blocks = list(range(100_000, 101_024))  # 3-byte ids: ~3 KB per completion
+        for i in range(1500):
+            dw.expect_nowait(f"b{i}", blocks, dead, "prefill", 1)
+        assert dw.step() == 1500
+        got = set()
+        while len(got) < 1500:
+            c = dw.next_completion(60)
+            assert c is not None, len(got)
+            assert (c.kind, c.code) == (CompletionKind.FAILED, "PEER_UNREACHABLE"), c
+            assert c.transfer_id not in got
+            got.add(c.transfer_id)
+        assert dw.alive
+        dw.expect_nowait("after", [1], dead, "prefill", 1)  # the same stream still carries commands
+        dw.step()
+        c = dw.next_completion(30)
+        assert c is not None and c.transfer_id == "after"
+    finally:
+        d.client.close()
+        d.stop()
+        dst.close()
