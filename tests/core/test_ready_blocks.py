@@ -270,3 +270,15 @@ def test_units_cover_the_reordered_indices_in_order(blocks: int, ready: int) -> 
         a, b = spans[0]
         assert {int(x) % blocks for x in moved[a:b]} == set(range(ready))  # unit 0: the ready blocks
     assert units(len(idx), blocks, 3, ready) == Units(3, sliced=False)  # 3 groups do not split 8 regions
+
+
+def test_the_client_sends_ready_blocks_under_that_name() -> None:
+    import inspect
+
+    from kvpushd_client import stream
+
+    for fn in (stream.StreamWorker.publish_nowait, stream.StreamWorker.publish):
+        assert inspect.signature(fn).parameters["ready_blocks"].default == 0
+    cmd = stream._command(1, ("publish", "t", (1, 2, 3), "", "", "", 5, LAYERS, 2))
+    assert (cmd.publish.step, cmd.publish.layers, cmd.publish.ready_blocks) == (5, LAYERS, 2)
+    assert stream._command(1, ("publish", "t", (1,), "", "", "")).publish.ready_blocks == 0
