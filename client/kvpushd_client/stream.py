@@ -45,7 +45,8 @@ _END = None
 _GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 # One command as the engine thread appends it (one tuple, nothing else built on that thread):
 # ("expect", transfer id, blocks, address, engine, tp size, skip, mode, traceparent),
-# ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name, step, layers),
+# ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name, step, layers,
+#  ready blocks),
 # ("abort", transfer id, ()) or
 # ("decline", transfer id, (), address, engine, reason).
 _Queued = tuple[Any, ...]
@@ -65,7 +66,8 @@ def _command(seq: int, q: _Queued) -> worker_pb2.Command:
         return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
             transfer_id=tid, block_ids=blocks, traceparent=str(q[3]), consumer_node_id=str(q[4]),
             consumer_tls_name=str(q[5]),
-            step=int(q[6]) if len(q) > 7 else 0, layers=int(q[7]) if len(q) > 7 else 0))
+            step=int(q[6]) if len(q) > 7 else 0, layers=int(q[7]) if len(q) > 7 else 0,
+            ready_blocks=int(q[8]) if len(q) > 8 else 0))
     if op == "decline":
         return worker_pb2.Command(seq=seq, decline=worker_pb2.DeclineRequest(
             transfer_id=tid, producer_address=str(q[3]), producer_engine_id=str(q[4]), reason=str(q[5])))
@@ -149,13 +151,15 @@ class StreamWorker:
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
                        consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0,
-                       layers: int = 0) -> int:
+                       layers: int = 0, ready_blocks: int = 0) -> int:
         """Prefill side: the source blocks are complete, or (``step``, ``layers``: progressive push)
         will be, layer group by layer group, as the doorbell's step ``step`` goes (declare it in
-        that step, before its forward: the batch must go out first)."""
+        that step, before its forward: the batch must go out first). ``ready_blocks``: the first
+        that many of ``block_ids`` are complete already (earlier prefill chunks, prefix-cache hits):
+        they are written at once, before any layer group."""
         b = self._batch
         b.append(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
-                  step, layers))
+                  step, layers, ready_blocks))
         return self._base + len(b)
 
     def abort_nowait(self, transfer_id: str) -> int:
@@ -210,13 +214,15 @@ class StreamWorker:
                    skip_tokens, transfer_mode, traceparent))
 
     def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0) -> None:
+                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
+                ready_blocks: int = 0) -> None:
         """Prefill side: the source blocks are complete. ``consumer_node_id`` / ``consumer_tls_name``:
         the only decode daemon whose registration the prefill daemon accepts, by its node id and/or
-        its client certificate's name (the router names it; both "": the first registration wins)."""
+        its client certificate's name (the router names it; both "": the first registration wins).
+        ``step``, ``layers``, ``ready_blocks``: progressive push, as ``publish_nowait``."""
         self.step()
         self.call(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
-                   step, layers))
+                   step, layers, ready_blocks))
 
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
         """Decode side: this transfer will never be expected here (its Expect failed before it

@@ -66,9 +66,12 @@ class StartWrite:
     planned: bool = False
     waited_s: float = 0.0  # first arrival of publish or registration -> this, the second
     # progressive push: the source is complete layer group by layer group as the producer worker's
-    # doorbell passes step ``step`` (``layers`` groups, each with its own notification); 0: now
+    # doorbell passes step ``step`` (``layers`` groups, each with its own notification); 0: now.
+    # ``ready_blocks``: the first that many of src_blocks are complete now (one WRITE of their every
+    # layer goes first, with a notification unit of its own; core/notif.py)
     step: int = 0
     layers: int = 0
+    ready_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

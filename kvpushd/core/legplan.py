@@ -53,4 +53,6 @@ def leg_action(t: SendTransfer, pub: Publish, reg: Registration, now: float, tok
         waited_s=max(now - t.created, 0.0),
         step=0 if pub.ready else pub.step,
         layers=0 if pub.ready else pub.layers,
+        # the source is the tail of the published blocks: its ready ones are those past what it leaves out
+        ready_blocks=0 if pub.ready or tokens else max(0, pub.ready_blocks - (len(pub.block_ids) - len(src))),
     )

@@ -3,7 +3,11 @@
 Format ``kvp1:<registration id>:<producer rank>`` (ASCII): the rank's whole KV. Progressive push
 writes a rank's KV layer group by layer group, each WRITE with its own notification
 ``kvp1:<registration id>:<producer rank>:<first layer>:<layers>:<of layers>``; the decode side
-counts a rank complete once every layer of it was notified. NIXL delivers a WRITE's notification
+counts a rank complete once every layer of it was notified. A leg whose first blocks were complete
+when it was declared (chunked prefill, prefix-cache hits) writes those, every layer of them, as one
+more unit: unit 0 is that WRITE and units 1 to ``layers`` the layer groups of the other blocks, so its
+notifications count ``layers + 1`` units and the rank is complete only once both kinds landed (the
+decode side needs no more than the count: a unit is a unit). NIXL delivers a WRITE's notification
 after that WRITE's data, on every backend, so each notification stands for its own bytes and no
 order between the WRITEs of one rank is needed (with UCX a WRITE's local completion is not its
 arrival: only its notification is). The registration id is chosen by the decode daemon, so a late
@@ -20,6 +24,7 @@ PREFIX = b"kvp1:"
 
 
 MAX_LAYERS = 4096  # layer groups one rank's KV may be written in
+MAX_UNITS = MAX_LAYERS + 1  # notification units of one rank: its layer groups and its ready blocks
 
 
 def encode(registration_id: int, producer_rank: int, first: int = 0, count: int = 1, total: int = 1) -> bytes:
@@ -41,7 +46,7 @@ def decode(msg: bytes) -> Notified | None:
     if len(parts) == 2:
         return int(parts[0]), int(parts[1]), 0, 1, 1
     first, count, total = int(parts[2]), int(parts[3]), int(parts[4])
-    if not (count >= 1 and first + count <= total <= MAX_LAYERS):
+    if not (count >= 1 and first + count <= total <= MAX_UNITS):
         return None
     return int(parts[0]), int(parts[1]), first, count, total
 

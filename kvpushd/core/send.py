@@ -69,16 +69,22 @@ class SendSide(SendQueries):
         consumer: Binding = UNBOUND,
         at_step: int = 0,
         layers: int = 0,
+        ready_blocks: int = 0,
     ) -> list[Action]:
         """A producer rank's source blocks are complete (``layouts``: its regions, if known; ``consumer``:
         the only decode daemon whose registrations are accepted, if named), or, progressive push
         (``layers`` > 0), will be once engine step ``at_step`` of its worker has computed them: push legs
-        start now and are written layer group by layer group, pull legs wait for ``sealed``."""
+        start now and are written layer group by layer group (the first ``ready_blocks`` blocks, complete
+        already, at once), pull legs wait for ``sealed``."""
         blocks = tuple(block_ids)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
         if not blocks:
             raise InvalidArgument(f"transfer {transfer_id!r}: block_ids must not be empty")
+        if not 0 <= ready_blocks <= len(blocks):
+            raise InvalidArgument(f"transfer {transfer_id!r}: ready_blocks {ready_blocks} is more than the "
+                                  f"{len(blocks)} block ids published (it counts the complete ones among them)")
+        ready_blocks = ready_blocks if layers else 0  # without layers every block is complete now
         key = (engine_id, transfer_id)
         t = self._transfers.get(key)
         if t is None:
@@ -91,7 +97,8 @@ class SendSide(SendQueries):
         old = t.publishes.get(rank)
         if step(PUB_TABLE, old.state if old else None, "publish", transfer_id) is Move.STAY:
             assert old is not None
-            if old.block_ids == blocks and old.worker_id == worker_id and (old.step, old.layers) == (at_step, layers):
+            if old.block_ids == blocks and old.worker_id == worker_id and (
+                    old.step, old.layers, old.ready_blocks) == (at_step, layers, ready_blocks):
                 return []  # a retried Publish: idempotent
             raise AlreadyExists(f"transfer {transfer_id!r} is already published by engine {engine_id!r} rank "
                                 f"{rank} with other blocks; abort it first")
@@ -99,7 +106,7 @@ class SendSide(SendQueries):
         actions = [a for r in (t.bind(consumer) if consumer else ()) for a in self._drop_registration(
             t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
         t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts, step=at_step, layers=layers,
-                                    ready=layers == 0)
+                                    ready=layers == 0, ready_blocks=ready_blocks)
         self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
         return actions + self._match(t, now)
 

@@ -155,6 +155,7 @@ class Publish:
     step: int = 0
     layers: int = 0
     ready: bool = True
+    ready_blocks: int = 0  # the first that many blocks are complete already (earlier chunks, prefix hits)
     staged: set[int] = field(default_factory=set)  # registration ids whose leg is written by layer groups
 
     def posted(self) -> bool:

@@ -68,7 +68,7 @@ WORKER_OPS: Mapping[str, Op] = {
     "expect": Op(lambda r: (r.transfer_id, r.block_ids, r.producer_address, r.producer_engine_id, r.producer_tp_size,
                             convert.transfer_mode(r.transfer_mode), r.skip_tokens, r.traceparent[:128]), Node.expect),
     "publish": Op(lambda r: (r.transfer_id, r.block_ids, r.traceparent[:128], r.consumer_node_id,
-                                r.consumer_tls_name, r.step, r.layers), Node.publish),
+                                r.consumer_tls_name, r.step, r.layers, r.ready_blocks), Node.publish),
     "abort": Op(lambda r: (r.transfer_id,), Node.abort, _found),
     "decline": Op(lambda r: (r.transfer_id, r.producer_address, r.producer_engine_id, r.reason), Node.decline),
 }

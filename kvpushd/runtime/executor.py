@@ -174,7 +174,8 @@ class Executor:
             return
         self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, reg.block_ids, a.notif, a.src_part,
                              a.dst_part, skip_tokens=reg.skip_tokens, skip_replicated=a.skip_replicated,
-                             planned=a.planned, step=a.step, layers=a.layers)
+                             planned=a.planned, step=a.step, layers=a.layers,
+                             ready_blocks=a.ready_blocks)
 
     def _start_read(self, a: StartRead) -> None:
         assert self.xfer is not None

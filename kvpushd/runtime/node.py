@@ -162,9 +162,11 @@ class Node:
         self.run(actions)
 
     def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0) -> None:
+                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
+                ready_blocks: int = 0) -> None:
         """``consumer_*``: the only decode daemon whose registration is accepted (both "": the first).
-        ``step``, ``layers``: progressive push (declared before that engine step computes the blocks)."""
+        ``step``, ``layers``: progressive push (declared before that engine step computes the blocks);
+        ``ready_blocks``: how many of the first blocks are complete already (written at once)."""
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
@@ -178,7 +180,7 @@ class Node:
         actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
                                        transfer_id, block_ids, layouts=w.regions,
                                        consumer=Binding(consumer_node_id, consumer_tls_name), at_step=step,
-                                       layers=layers)
+                                       layers=layers, ready_blocks=ready_blocks)
         if layers:
             self.ex.watch_step(w.worker_id, step)
         self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))

@@ -27,6 +27,7 @@ from .descs import (
     block_descs,
     pair_plan,
     plan_leg,
+    ready_first,
     region_bases,
 )
 from .records import Local
@@ -223,15 +224,19 @@ class AgentBook:
         ldlist = book.local_list(loc, local_part)
         p = plan_leg(book.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
         lidx, ridx = (p.src_idx, p.dst_idx) if write else (p.dst_idx, p.src_idx)
-        return _Prepped(loc.agent, op, ldlist, lidx, rdlist, ridx), p.nbytes, p.requested, p.merged
+        return Prepped(loc.agent, op, ldlist, lidx, rdlist, ridx), p.nbytes, p.requested, p.merged
 
 
-class _Prepped:
+class Prepped:
     """A prepared transfer of index lists, whole or a slice of them (a run of layer groups)."""
 
     def __init__(self, agent: Any, op: str, ldlist: Any, lidx: Any, rdlist: Any, ridx: Any) -> None:
         self.agent, self.op, self.ldlist, self.lidx, self.rdlist, self.ridx = agent, op, ldlist, lidx, rdlist, ridx
         self.indices = len(lidx)
+
+    def ready_first(self, blocks: int, ready: int) -> None:
+        """Move every region's first ``ready`` blocks (of ``blocks``) to the front, on both sides."""
+        self.lidx, self.ridx = ready_first(self.lidx, blocks, ready), ready_first(self.ridx, blocks, ready)
 
     def __call__(self, notif: bytes, lo: int = 0, hi: int = 0) -> Any:
         li, ri = (self.lidx[lo:hi], self.ridx[lo:hi]) if hi else (self.lidx, self.ridx)

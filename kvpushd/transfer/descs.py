@@ -100,6 +100,51 @@ def pair_plan(src_regions: Sequence[RegionSpec], dst_regions: Sequence[RegionSpe
                     tuple(int(b) for b in src_bases), tuple(int(b) for b in dst_bases))
 
 
+def ready_first(idx: Sequence[int] | npt.NDArray[np.int32], blocks: int, ready: int) -> npt.NDArray[np.int32]:
+    """A leg's region-major indices (regions x ``blocks``) with the first ``ready`` blocks of every
+    region moved to the front: those are one contiguous slice (one WRITE of every layer of them), and
+    the rest stays region-major after it, so a layer group of the remaining blocks is a slice too.
+    Built once per leg, in numpy."""
+    a = np.asarray(idx, dtype=np.int32).reshape(-1, blocks)
+    return np.concatenate((a[:, :ready].reshape(-1), a[:, ready:].reshape(-1)))
+
+
+@dataclass(frozen=True, slots=True)
+class Units:
+    """How a staged leg's descriptor indices split into the units its notifications count
+    (core/notif.py): ``lead`` units complete at once (1: the ready blocks of every layer, the first
+    ``head`` indices), then one per layer group, ``per_group`` indices each. ``sliced`` False: the
+    indices are planned per request and cannot be split; the leg is one WRITE once its step is complete."""
+
+    units: int
+    lead: int = 0
+    head: int = 0
+    per_group: int = 0
+    sliced: bool = True
+
+    def ready(self, groups: int, layers: int) -> int:
+        """Units that may be posted once ``groups`` of the ``layers`` layer groups are complete."""
+        if not self.sliced:
+            return self.units if groups >= layers else 0
+        return min(self.units, self.lead + groups)
+
+    def end(self, done: int) -> int:
+        """The index where the first ``done`` units end (0 with ``sliced`` False: all of them)."""
+        return self.head + (done - self.lead) * self.per_group if done and self.sliced else 0
+
+
+def units(indices: int, blocks: int, layers: int, ready: int) -> Units:
+    """The units of a leg of ``indices`` region-major indices over ``blocks`` blocks written in ``layers``
+    groups, whose first ``ready`` blocks are complete (its indices reordered by ``ready_first``)."""
+    if not indices or not blocks or indices % blocks or (indices // blocks) % layers:
+        return Units(layers, sliced=False)  # (a layer group is R/layers whole regions)
+    ready = min(ready, blocks)
+    head = indices // blocks * ready
+    if ready == blocks:
+        return Units(1, 1, head)  # nothing left to wait for: one WRITE of all, at once
+    return Units(layers + (1 if ready else 0), 1 if ready else 0, head, (indices - head) // layers)
+
+
 SMALL_LEG = 128  # descriptors up to which a leg's index lists are built in plain Python (cheaper there)
 
 

@@ -7,6 +7,10 @@ of the step are complete, the groups not posted yet go out as one WRITE (groups 
 together, or while the thread was behind, merge into one), each WRITE with its own notification
 naming its layers (core/notif.py): the decode daemon counts the rank complete only once every layer
 was notified, so a partial KV is never taken for a complete one, whatever order the WRITEs land in.
+Blocks complete when the publish was declared (``ready_blocks``: earlier chunks of a chunked prefill,
+prefix-cache hits) are not a slice of that order: their indices are moved to the front once
+(descs.ready_first) and go out at once as one WRITE of every layer, a notification unit of its own
+before the layer groups (descs.Units), so the decode side counts layers + 1 units for such a leg.
 A leg whose descriptors are planned per request (token mapping) is not sliced: it goes as one WRITE
 once the step is complete. The leg reports one WriteResult when every WRITE of it has settled (or,
 stopped by the core or stalled, when what was posted has): its blocks are never freed under a WRITE.
@@ -24,6 +28,8 @@ import structlog
 
 from ..core import notif as notif_codec
 from ..core.rendezvous import LegKey
+from .agents import Prepped
+from .descs import Units, units
 from .records import Inflight, Local, WriteResult
 
 log = structlog.get_logger(__name__)
@@ -36,14 +42,14 @@ class Staged:
     loc: Local
     remote: str
     make: MakeXfer
-    per_group: int     # descriptor indices per layer group; 0: not sliceable (one WRITE once complete)
+    plan: Units        # which indices each notification unit covers (ready blocks, layer groups)
     step: int
     layers: int
     result: WriteResult  # the figures, reported once the leg settles
     t0: float
     stall_s: float     # no new group within this long: the leg stops (the producer stalled)
     fault: str = ""
-    sent: int = 0      # layer groups posted
+    sent: int = 0      # units posted (the ready blocks, then layer groups)
     inflight: int = 0  # WRITEs of it in flight
     stop: str = ""     # why no more groups are posted
     failed: str = ""   # the first WRITE of it that failed, why
@@ -52,12 +58,12 @@ class Staged:
     writes: int = 0
 
     def ready(self) -> int:
+        """Units that may be posted by now: the ready blocks at once, a layer group as the doorbell says."""
         bell = self.loc.bell
-        n = bell.ready(self.step, self.layers) if bell is not None else self.layers
-        return n if self.per_group or n == self.layers else 0
+        return self.plan.ready(bell.ready(self.step, self.layers) if bell is not None else self.layers, self.layers)
 
     def finished(self) -> bool:
-        return (self.sent == self.layers or bool(self.stop)) and self.inflight == 0
+        return (self.sent == self.plan.units or bool(self.stop)) and self.inflight == 0
 
     def outcome(self) -> WriteResult:
         ok = not self.stop and not self.failed
@@ -80,15 +86,18 @@ class Stages:
         return bool(self.legs or self.watched)
 
     def add(self, key: LegKey, loc: Local, remote: str, make: MakeXfer, result: WriteResult, t0: float, step: int,
-            layers: int, stall_s: float, fault: str) -> None:
-        count = getattr(make, "indices", 0)  # the prepared lists' indices, region-major (0: planned per request)
-        per_group = count // layers if count and count % layers == 0 else 0
-        self.legs.append(Staged(key, loc, remote, make, per_group, step, layers, result, t0, stall_s, fault))
+            layers: int, ready: int, blocks: int, stall_s: float, fault: str) -> None:
+        """A staged leg of ``blocks`` blocks whose first ``ready`` ones are complete already."""
+        prepped = make if isinstance(make, Prepped) else None  # None: planned per request, not sliceable
+        plan = units(prepped.indices if prepped else 0, blocks, layers, ready)
+        if prepped is not None and plan.lead and plan.head < prepped.indices:
+            prepped.ready_first(blocks, ready)
+        self.legs.append(Staged(key, loc, remote, make, plan, step, layers, result, t0, stall_s, fault))
 
     def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:
         for s in self.legs:
             if ((leg is None or s.key == leg) and (worker_id is None or s.loc.worker_id == worker_id)
-                    and not s.stop and s.sent < s.layers):
+                    and not s.stop and s.sent < s.plan.units):
                 s.stop = why
         if worker_id is not None:
             self.watched = [(loc, st) for loc, st in self.watched if loc.worker_id != worker_id]
@@ -129,13 +138,13 @@ class Stages:
         keep: list[Staged] = []
         now = time.perf_counter()
         for s in self.legs:
-            if not s.stop and s.sent < s.layers:
+            if not s.stop and s.sent < s.plan.units:
                 ready = s.ready()
                 if ready > s.sent:
                     first, count = s.sent, ready - s.sent
                     msg = b"" if s.fault == "write_complete" else notif_codec.encode(
-                        s.key.registration_id, s.key.producer_rank, first, count, s.layers)
-                    if self._post(s, first * s.per_group, ready * s.per_group if s.per_group else 0, msg, track):
+                        s.key.registration_id, s.key.producer_rank, first, count, s.plan.units)
+                    if self._post(s, s.plan.end(first), s.plan.end(ready), msg, track):
                         s.sent = ready
                         s.writes += 1
                         s.t_first = s.t_first or time.perf_counter()
@@ -143,7 +152,8 @@ class Stages:
                         self.writes_posted += 1
                     worked = True
                 elif now - max(s.t_last, s.t0) > s.stall_s:
-                    s.stop = (f"the producer's engine step {s.step} did not complete layer group {s.sent + 1} of "
+                    group = max(s.sent - s.plan.lead, 0) + 1  # the next layer group (after the ready blocks)
+                    s.stop = (f"the producer's engine step {s.step} did not complete layer group {group} of "
                               f"{s.layers} within transfer.write_timeout_s = {s.stall_s:g}s")
             if s.finished():
                 done.append(s.outcome())

@@ -153,17 +153,17 @@ class TransferThread:
     def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
                    dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE,
                    skip_tokens: int = 0, skip_replicated: bool = False, planned: bool = False, step: int = 0,
-                   layers: int = 0) -> None:
+                   layers: int = 0, ready_blocks: int = 0) -> None:
         """Queue a WRITE as the core planned it; its WriteResult comes back through on_write_done.
 
         ``planned`` False: blocks map one to one, through the prepared lists. True (other block
         sizes, ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``):
         the descriptors are planned per request by ``core.layout.plan_write``. ``layers`` > 0:
         progressive push, written layer group by layer group as the worker's doorbell passes
-        engine step ``step`` (staged.py)."""
+        engine step ``step`` (staged.py), its first ``ready_blocks`` blocks at once."""
         t0 = time.perf_counter()
         plan = (skip_tokens, skip_replicated) if planned else None
-        staged = (step, layers) if layers else None
+        staged = (step, layers, ready_blocks) if layers else None
         self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, plan, staged))
 
     def stop_write(self, leg: LegKey, why: str) -> None:
@@ -278,7 +278,7 @@ class TransferThread:
 
     def _post(self, key: LegKey | ReadKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
               dst: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
-              plan: tuple[int, bool] | None = None, staged: tuple[int, int] | None = None) -> None:
+              plan: tuple[int, bool] | None = None, staged: tuple[int, int, int] | None = None) -> None:
         """Post one WRITE (``key`` a LegKey: the local worker holds the source) or READ (a ReadKey:
         the local worker holds the destination) and track it. The descriptors come from the
         prepared lists, or, for a WRITE with ``plan`` (skip_tokens, skip_replicated), are planned
@@ -310,7 +310,7 @@ class TransferThread:
         if staged is not None:  # progressive push: its layer groups go as they become ready
             r = result(True, "")
             assert isinstance(r, WriteResult)
-            self._stages.add(r.leg, loc, remote.name, make, r, t0, *staged, self._write_timeout_s, fault)
+            self._stages.add(r.leg, loc, remote.name, make, r, t0, *staged, len(src), self._write_timeout_s, fault)
             self._advance()
             return None
         if fault == "write_complete":

@@ -137,7 +137,7 @@ def test_layered_notif_round_trip(first: int, count: int, total: int) -> None:
     assert notif.decode(notif.encode(9, 2, first, count, total)) == (9, 2, first, count, total)
 
 
-@pytest.mark.parametrize("msg", [b"kvp1:1:2:0:0:4", b"kvp1:1:2:3:2:4", b"kvp1:1:2:0:1:4097", b"kvp1:1:2:0:1",
+@pytest.mark.parametrize("msg", [b"kvp1:1:2:0:0:4", b"kvp1:1:2:3:2:4", b"kvp1:1:2:0:1:4098", b"kvp1:1:2:0:1",
                                  b"kvp1:1:2:0:1:2:3"])
 def test_layered_notif_malformed(msg: bytes) -> None:
     assert notif.decode(msg) is None

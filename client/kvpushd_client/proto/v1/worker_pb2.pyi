@@ -386,6 +386,7 @@ class PublishRequest(_message.Message):
     CONSUMER_TLS_NAME_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
+    READY_BLOCKS_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     traceparent: _builtins.str
     """optional W3C trace context, as in ExpectRequest"""
@@ -405,6 +406,13 @@ class PublishRequest(_message.Message):
     Needs a doorbell (AttachRequest.doorbell). 0 and 0: the blocks are complete now.
     """
     layers: _builtins.int
+    ready_blocks: _builtins.int
+    """Progressive push: the first ``ready_blocks`` entries of block_ids are complete already when the
+    publish is declared (computed by earlier chunks of a chunked prefill, or prefix-cache hits). They
+    go out, every layer of them, as soon as a registration is there, before any layer group; the
+    rest follows layer group by layer group. At most len(block_ids); 0: none. Ignored without
+    step/layers (every block is complete then).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """source blocks, in token order"""
@@ -419,10 +427,11 @@ class PublishRequest(_message.Message):
         consumer_tls_name: _builtins.str = ...,
         step: _builtins.int = ...,
         layers: _builtins.int = ...,
+        ready_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_node_id", b"consumer_node_id", "consumer_tls_name", b"consumer_tls_name", "layers", b"layers", "step", b"step", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "consumer_node_id", b"consumer_node_id", "consumer_tls_name", b"consumer_tls_name", "layers", b"layers", "ready_blocks", b"ready_blocks", "step", b"step", "traceparent", b"traceparent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
