@@ -163,8 +163,8 @@ class GpuDoorbell(Doorbell):
         except BaseException:
             self.close()
             raise
-        log.info("kvpushd doorbell %s: GPU doorbell on CUDA device %d, the stream writes the progress word "
-                 "with %s", self.name, self.device,
+        log.info("kvpushd doorbell %s: GPU doorbell on CUDA device %d, path %s: the stream writes the progress "
+                 "word with %s", self.name, self.device, self.path,
                  "cuStreamWriteValue64 (stream memory operations)" if self.path == STREAM_WRITE else
                  "a stream-ordered copy (cuMemsetD32Async + cuMemcpyDtoHAsync; this device or driver has no "
                  "64-bit stream memory operations)")
