@@ -15,7 +15,7 @@ worker lives (the daemon removes worker-owned names nobody holds, as for host KV
 
 With GPU KV the engine thread runs ahead of the GPU, so a store from it could claim layers not computed
 yet: there the word is written by the CUDA stream (kvpushd_client.gpu_doorbell.GpuDoorbell, same page,
-same word). :func:`make_doorbell` picks the one that fits the KV.
+same word); ``gpu_doorbell.make_doorbell(kv_on_cuda)`` picks the one that fits the KV.
 """
 
 from __future__ import annotations
@@ -91,13 +91,3 @@ class Doorbell:
             os.unlink(os.path.join("/dev/shm", self.name))
         os.close(self._fd)
 
-
-def make_doorbell(kv_on_cuda: bool) -> Doorbell:
-    """The doorbell for a worker's KV: rung by the CUDA stream for GPU KV (raises
-    gpu_doorbell.GpuDoorbellError where that cannot work: never a host doorbell for GPU KV, whose rings
-    would run ahead of the GPU), by the engine thread's stores for host KV."""
-    if kv_on_cuda:
-        from .gpu_doorbell import GpuDoorbell
-
-        return GpuDoorbell()
-    return Doorbell()

@@ -261,3 +261,10 @@ class GpuDoorbell(Doorbell):
             out.append((fns["cuMemFree_v2"](self._scratch), "cuMemFree"))
             self._scratch = 0
         return out
+
+
+def make_doorbell(kv_on_cuda: bool) -> Doorbell:
+    """The doorbell for a worker's KV: rung by the CUDA stream for GPU KV (raises GpuDoorbellError where
+    that cannot work: never a host doorbell for GPU KV, whose stores would run ahead of the GPU), by the
+    engine thread's stores for host KV."""
+    return GpuDoorbell() if kv_on_cuda else Doorbell()

@@ -61,8 +61,8 @@ def _done_soon(ev: Any) -> bool:
 
 @pytest.mark.parametrize("kind", ["auto", "stream_copy", "host"])
 def test_the_word_moves_only_when_the_stream_gets_there(kind: str, record_property: Any) -> None:
-    from kvpushd_client.doorbell import Doorbell, make_doorbell
-    from kvpushd_client.gpu_doorbell import GpuDoorbell
+    from kvpushd_client.doorbell import Doorbell
+    from kvpushd_client.gpu_doorbell import GpuDoorbell, make_doorbell
 
     from kvpushd.memory.doorbell import Doorbell as Reader
 
@@ -120,7 +120,7 @@ WORKER = r"""
 import json, os, sys, time
 import numpy as np, torch
 from kvpushd_client import KVPushClient, Region, Role
-from kvpushd_client.doorbell import make_doorbell
+from kvpushd_client.gpu_doorbell import make_doorbell
 from kvpushd_client.memory import cuda_memory
 a = json.loads(sys.argv[1])
 R, NB, BL, L = a["R"], a["NB"], a["BL"], a["L"]

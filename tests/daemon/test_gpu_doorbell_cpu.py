@@ -19,8 +19,15 @@ from types import SimpleNamespace
 
 import pytest
 from kvpushd_client import gpu_doorbell
-from kvpushd_client.doorbell import PREFIX, SEALED, Doorbell, make_doorbell
-from kvpushd_client.gpu_doorbell import SIGNATURES, STREAM_COPY, STREAM_WRITE, GpuDoorbell, GpuDoorbellError
+from kvpushd_client.doorbell import PREFIX, SEALED, Doorbell
+from kvpushd_client.gpu_doorbell import (
+    SIGNATURES,
+    STREAM_COPY,
+    STREAM_WRITE,
+    GpuDoorbell,
+    GpuDoorbellError,
+    make_doorbell,
+)
 
 from kvpushd.memory.doorbell import Doorbell as Reader
 
