@@ -26,9 +26,15 @@ physical page the daemon has mapped read-only, which the CPU reads coherently. T
 ``step()`` is queued on the stream too: a later step in the word tells the daemon the earlier one is
 complete, which must not be claimed before the GPU finished it either.
 
+The copy path assumes the copy engine writes the aligned 8 bytes as one transaction, as the 64-bit
+stream write does (a torn word could only differ in its upper half, which changes once every 65,536
+steps).
+
 The rings must be queued on the stream that writes the KV (by default the current torch stream, as
 vLLM's forward runs), outside CUDA graph capture (vLLM's piecewise graphs call the per-layer hooks
-eagerly): a captured ring would replay a stale value. Not thread-safe, as the host doorbell.
+eagerly): a captured ring would replay the value of the step it was captured in, an earlier step the
+daemon takes for "nothing yet", so the transfer would wait and time out, never go early. Not
+thread-safe, as the host doorbell.
 """
 
 from __future__ import annotations
