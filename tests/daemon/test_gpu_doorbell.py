@@ -75,6 +75,7 @@ def test_the_word_moves_only_when_the_stream_gets_there(kind: str, record_proper
     kv[0].fill_(0.0)  # every kernel used below loaded before the clock starts (lazy module loading)
     torch.cuda.Event().record()
     torch.cuda.synchronize()
+    seen: list[int] = []  # the layer counts the reader showed, in order
     try:
         seq = bell.step()
         reached = []
@@ -91,7 +92,6 @@ def test_the_word_moves_only_when_the_stream_gets_there(kind: str, record_proper
             assert first == LAYERS  # the CPU's stores ran ahead of the GPU: every layer claimed, none computed
             return
         assert first == 0
-        seen = []
         deadline = time.monotonic() + 30
         while True:
             n = r.ready(seq, LAYERS)  # the word first, then the events: a layer seen must have been reached
@@ -109,8 +109,8 @@ def test_the_word_moves_only_when_the_stream_gets_there(kind: str, record_proper
         torch.cuda.synchronize()
         assert r.complete(seq) and r.ready(nxt, LAYERS) == 0
         assert torch.equal(kv[:, 0].cpu(), torch.arange(1, LAYERS + 1, dtype=torch.float32))
-        record_property("seen", seen)
     finally:
+        record_property("seen", seen)
         torch.cuda.synchronize()
         r.close()
         bell.close()
