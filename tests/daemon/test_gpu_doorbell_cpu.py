@@ -69,6 +69,20 @@ def test_gpu_doorbell_without_cuda_says_so_and_leaves_nothing() -> None:
     assert _bells() == before
 
 
+@pytest.mark.skipif(_has_libcuda(), reason="this machine has a CUDA driver")
+def test_attach_with_gpu_memory_and_a_new_doorbell_asks_for_the_gpu_one(tmp_path: Path) -> None:
+    """doorbell=True with CUDA memory: the stream must ring it, so without CUDA attach refuses before any RPC."""
+    from kvpushd_client import CudaMemory, KVPushClient, Region, Role
+
+    before = _bells()
+    c = KVPushClient(str(tmp_path / "no-daemon.sock"), timeout_s=1)
+    mem = CudaMemory("GPU-0", b"\0" * 66, 1 << 20)
+    with pytest.raises(GpuDoorbellError, match="libcuda"):
+        c.attach("prefill", Role.PRODUCER, 0, 1, [mem], [Region(0, 0, 4, 4096)], doorbell=True)
+    c.close()
+    assert _bells() == before
+
+
 def test_every_driver_function_called_has_its_signature() -> None:
     """Without argtypes ctypes passes Python ints as C int: a 64-bit device address or value would be cut."""
     tree = ast.parse(Path(gpu_doorbell.__file__).read_text())
