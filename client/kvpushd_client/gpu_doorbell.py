@@ -133,10 +133,10 @@ def torch_stream() -> Callable[[], int]:
 class GpuDoorbell(Doorbell):
     """The writer's side for GPU KV: each ring is queued on the CUDA stream (see the module's text).
 
-    Create it on the engine thread once CUDA is in use there (the connector does, after the KV caches
-    are allocated). ``path``: None picks the stream write where the device has it, else the copy;
-    ``STREAM_COPY`` forces the copy (tests). ``lib`` and ``stream`` replace libcuda and torch's
-    current stream (tests without a GPU)."""
+    Create it on the engine thread once CUDA is in use there (in a vLLM worker: once the KV caches are
+    allocated, where they are registered with the daemon). ``path``: None picks the stream write where
+    the device has it, else the copy; ``STREAM_COPY`` forces the copy (tests). ``lib`` and ``stream``
+    replace libcuda and torch's current stream (tests without a GPU)."""
 
     def __init__(self, *, path: str | None = None, lib: Any = None, stream: Callable[[], int] | None = None) -> None:
         if sys.byteorder != "little":
