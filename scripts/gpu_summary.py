@@ -34,8 +34,10 @@ def _tests(xml: Path) -> dict[str, object] | None:
                 break
         else:
             msg = ""
+        props = {p.get("name", ""): (p.get("value") or "")[:300] for p in tc.iter("property")}  # record_property
         cases.append({"test": f"{tc.get('classname', '')}::{tc.get('name', '')}", "outcome": outcome,
-                      "s": round(float(tc.get("time") or 0), 2), **({"message": msg} if msg else {})})
+                      "s": round(float(tc.get("time") or 0), 2), **({"message": msg} if msg else {}),
+                      **({"props": props} if props else {})})
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
     return {**counts, "cases": cases}
 

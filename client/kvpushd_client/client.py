@@ -20,9 +20,10 @@ import grpc
 
 from . import _convert, errors
 from .doorbell import Doorbell
+from .gpu_doorbell import make_doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .stream import StreamWorker
-from .types import DaemonUnavailable, Memory, Region, Role
+from .types import CudaMemory, DaemonUnavailable, Memory, Region, Role
 
 
 class KVPushClient:
@@ -59,8 +60,10 @@ class KVPushClient:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
         both ways (commands batched per engine step: ``*_nowait`` then ``step()``; results and
         completions on the same stream). ``doorbell``: progressive push (True: a new one, closed at
-        detach; or one the caller keeps across attachments, e.g. after a daemon restart)."""
-        bell = Doorbell() if doorbell is True else doorbell or None
+        detach, rung by the CUDA stream when the memory is GPU memory (gpu_doorbell.make_doorbell); or
+        one the caller keeps across attachments, e.g. after a daemon restart)."""
+        gpu = any(isinstance(m, CudaMemory) for m in memory)
+        bell = make_doorbell(kv_on_cuda=gpu) if doorbell is True else doorbell or None
         req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description)
         req.doorbell = bell.name if bell is not None else ""
         try:

@@ -12,6 +12,10 @@ a new step with an old step's layer count. Readers treat a later ``seq`` as "the
 
 The record lives in /dev/shm/kvpushd-kv-bell-<pid>-<hex>, held by a shared flock for as long as the
 worker lives (the daemon removes worker-owned names nobody holds, as for host KV).
+
+With GPU KV the engine thread runs ahead of the GPU, so a store from it could claim layers not computed
+yet: there the word is written by the CUDA stream (kvpushd_client.gpu_doorbell.GpuDoorbell, same page,
+same word); ``gpu_doorbell.make_doorbell(kv_on_cuda)`` picks the one that fits the KV.
 """
 
 from __future__ import annotations
@@ -86,3 +90,4 @@ class Doorbell:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join("/dev/shm", self.name))
         os.close(self._fd)
+
