@@ -361,10 +361,11 @@ class TinyModel:
         o = torch.softmax(s, dim=-1) @ v
         return o.transpose(0, 1).reshape(q.shape[1], c.hidden_size)
 
-    def _forward(self, tokens: Sequence[int],
-                 on_kv: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    def _forward(self, tokens: Sequence[int], on_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+                 on_attn: Callable[[int], None] | None = None) -> torch.Tensor:
         """The causal forward over the whole sequence; ``on_kv(layer, k, v)`` as each layer's K and V
-        ([kv_heads, T, d], after RoPE) are computed. Returns the logits [T, vocab]."""
+        ([kv_heads, T, d], after RoPE) are computed, ``on_attn(n)`` once the n-th layer's attention is
+        done (where vLLM calls ``save_kv_layer``). Returns the logits [T, vocab]."""
         if not tokens:
             raise ValueError("empty sequence")
         if len(tokens) > self.cfg.max_positions:
@@ -378,6 +379,8 @@ class TinyModel:
                 q, k, v = self._qkv(layer, x, pos)
                 on_kv(li, k, v)
                 a = self._window_attend(q, k, v) if window else self._attend(q, k, v, causal=True)
+                if on_attn is not None:
+                    on_attn(li + 1)
                 x = x + a @ layer.wo
                 x = x + self._mlp(layer, x)
             return self._logits(x)
@@ -391,8 +394,9 @@ class TinyModel:
     def prefill(self, tokens: Sequence[int], block_ids: Sequence[int], kv: PagedKV | Sequence[PagedKV],
                 on_layer: Callable[[int], None] | None = None) -> int:
         """Compute the prompt, writing each layer's K and V into ``block_ids`` as soon as that layer has
-        computed them; ``on_layer(n)`` after the n-th layer's are written (progressive push rings its
-        doorbell there). Returns the greedy next token."""
+        computed them (before its attention, as an attention backend writes the cache); ``on_layer(n)``
+        after the n-th layer's attention (progressive push rings its doorbell there). Returns the greedy
+        next token."""
         caches = as_caches(kv)
         c = self.cfg
         n = c.blocks_for(len(tokens))
@@ -406,10 +410,8 @@ class TinyModel:
                                                                         c.head_dim).transpose(0, 1)
                       for t in (k, v))
             scatter_blocks(caches, layer, block_ids[:n], kb, vb)
-            if on_layer is not None:
-                on_layer(layer + 1)
 
-        logits = self._forward(tokens, write)
+        logits = self._forward(tokens, write, on_layer)
         return int(logits[-1].argmax())
 
     # --- paged decode -------------------------------------------------------------------------
