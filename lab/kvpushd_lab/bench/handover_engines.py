@@ -110,11 +110,11 @@ def _engine_main(kind: str, role: str, spec: dict[str, Any], conn: Connection) -
 
     def body() -> None:
         if spec.get("netns"):  # --fabric veth: this engine runs on its node's "host", UCX over TCP there
-            from ..netns import enter
+            from ..netns import enter_host
 
             os.environ["UCX_TLS"] = "tcp"
             os.environ["UCX_NET_DEVICES"] = str(spec["veth"])
-            enter(str(spec["netns"]))
+            enter_host(str(spec["netns"]))  # with its /sys: UCX finds the veth there
         _engine_loop(kind, role, spec, conn)
 
     run_engine_child(f"handover {kind} {role} engine", body, conn)
