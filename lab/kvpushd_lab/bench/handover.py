@@ -21,10 +21,14 @@ Modes (``--modes``; all by default):
 - ``inengine-pull``: NixlConnector-style: decode gets the request after prefill and READs.
 
 Push modes send the decode leg together with the prefill leg (vLLM's push proxy); pull sends it after
-prefill answered. Per prompt length and mode: ``handover_ms`` (the prefill forward's end, every layer
-computed -> the decode engine reads "finished receiving"), ``forward_start_to_told_ms`` and
+prefill answered. Per prompt length and mode: ``handover_ms`` (the prefill forward's end: the last
+layer computed, every layer's KV in the cache -> the decode engine reads "finished receiving"; the
+layers' hook runs after each layer's attention, where vLLM calls ``save_kv_layer``, so the last
+MLP and the logits, ``forward_tail_ms``, come after it), ``forward_start_to_told_ms`` and
 ``ttft_ms`` (the request sent to the engines -> the decode engine's first decode step has produced
-its token; every mode the same way), each {p50, p99}. After every request both engines digest the
+its token; every mode the same way), each {p50, p99}. ``ttft_after_forward_ms`` is TTFT less the
+request's own forward: on a small shared machine the forward's time varies more from request to
+request than the handover does. After every request both engines digest the
 request's blocks in all 128 regions and the bench compares them. ``--fabric veth:10gbit`` runs each
 node (daemon and engines) in its own network namespace, joined by a veth pair shaped with ``tc tbf``,
 UCX over TCP on it.
@@ -158,6 +162,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                                  "handover_ms": dist([x["handover"] for x in s], 2),
                                  "forward_start_to_told_ms": dist([x["start_to_told"] for x in s], 2),
                                  "ttft_ms": dist([x["ttft"] for x in s], 2),
+                                 "ttft_after_forward_ms": dist([x["ttft"] - x["forward"] for x in s], 2),
                                  "forward_ms": dist([x["forward"] for x in s], 2),
                                  "forward_tail_ms": dist([x["tail"] for x in s], 2)})
                     progress(f"  {tokens:6d} tokens {mode:20s} handover p50 {rows[-1]['handover_ms']['p50']:9.2f} ms"
@@ -171,7 +176,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         x: dict[str, Any] = {"tokens": tokens}
         for other, tag in (("kvpushd-whole", "whole"), ("inengine-push", "inengine_push"),
                            ("inengine-pull", "inengine_pull")):
-            for key, name in (("handover_ms", "handover"), ("ttft_ms", "ttft")):
+            for key, name in (("handover_ms", "handover"), ("ttft_ms", "ttft"),
+                              ("ttft_after_forward_ms", "ttft_after_forward")):
                 r = _ratio(rows, tokens, "kvpushd-progressive", other, key)
                 if r is not None:
                     x[f"{name}_p50_progressive_over_{tag}"] = r
