@@ -99,6 +99,27 @@ def enter(name: str) -> None:
         os.close(fd)
 
 
+def enter_host(name: str) -> None:
+    """``enter(name)``, then a private mount namespace with this network namespace's /sys, as ``ip netns
+    exec`` makes: libraries that list network devices under /sys/class/net (UCX) see the namespace's.
+    Call it first thing in a fresh process, while it has one thread."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    enter(name)
+    clone_newns, ms_rec, ms_slave, mnt_detach = 0x00020000, 0x4000, 0x80000, 2
+
+    def check(what: str, rc: int) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} for network namespace {name}: {os.strerror(err)}")
+
+    check("unshare(CLONE_NEWNS)", libc.unshare(clone_newns))
+    check("mount / rslave", libc.mount(b"none", b"/", None, ms_rec | ms_slave, None))
+    check("umount /sys", libc.umount2(b"/sys", mnt_detach))
+    check("mount sysfs", libc.mount(name.encode(), b"/sys", b"sysfs", 0, None))
+
+
 def same_netns(pid: int, name: str) -> bool:
     """Whether process ``pid`` lives in network namespace ``name``."""
     try:

@@ -1,20 +1,52 @@
-"""kvpushd bench handover, one small run: both modes move exact bytes, progressive declared before the forward."""
+"""kvpushd bench handover, small runs: the reference engine in all four modes, every request's blocks equal
+on both engines; the same across two network namespaces on a shaped veth pair where namespaces can be made."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
+
+import pytest
+from kvpushd_lab.netns import available
+
+pytestmark = pytest.mark.timeout(600)
+MODES = {"kvpushd-progressive", "kvpushd-whole", "inengine-push", "inengine-pull"}
 
 
-def test_handover_small_run_reports_both_modes() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "handover", "--prompt-lens", "256",
-                          "--requests", "2", "--json"], capture_output=True, text=True, timeout=240)
+def _bench(*args: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "handover", "--json", *args],
+                         capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     assert data["suite"] == "handover"
-    modes = {r["mode"]: r for r in data["rows"]}
-    assert set(modes) == {"kvpushd-progressive", "kvpushd-whole"}
+    return data
+
+
+def test_handover_small_run_reports_every_mode() -> None:
+    data = _bench("--prompt-lens", "256", "--requests", "2")
+    assert {r["mode"] for r in data["rows"]} == MODES and data["fabric"] == "loopback"
     for r in data["rows"]:
-        assert r["tokens"] == 256 and r["handover_ms"]["n"] == 2 and r["ttft_ms"]["p50"] > 0
-    assert data["ratios"][0]["tokens"] == 256
+        assert r["tokens"] == 256 and r["requests"] == 2 and r["handover_ms"]["n"] == 2
+        assert r["ttft_ms"]["p50"] > 0 and "p99" in r["forward_start_to_told_ms"]
+    assert data["requests_checked"] == 4 * 3  # warm-ups too: each request's blocks digested on both sides
+    assert "handover_p50_progressive_over_inengine_push" in data["ratios"][0]
+    assert data["load_before"]["cpus"] > 0
+
+
+def test_handover_across_namespaces_on_a_shaped_veth() -> None:
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"--fabric veth needs network namespaces: {why}")
+    data = _bench("--prompt-lens", "64", "--requests", "1", "--fabric", "veth:10gbit")
+    assert {r["mode"] for r in data["rows"]} == MODES and data["fabric"] == "veth:10gbit"
+    assert data["requests_checked"] == 4 * 2
+    per_request = 4 * 128 * 4096  # 4 blocks x 128 regions x 4 KiB
+    assert data["veth_bytes"]["decode_rx_bytes"] >= 8 * per_request  # every KV byte crossed the pair
+
+
+def test_handover_refuses_an_unknown_fabric() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "handover", "--fabric", "infiniband"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "--fabric" in out.stderr

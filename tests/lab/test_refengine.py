@@ -253,3 +253,32 @@ def test_disaggregated_through_kvpushd_equals_monolithic(daemon_pair, model: Tin
             h.close()
         for kv in caches:
             kv.close()
+
+
+def test_prefill_writes_each_layer_before_signalling_it() -> None:
+    """Progressive push relies on it: when ``on_layer(n)`` runs, layers 0..n-1 hold their final K and V."""
+    cfg = TinyConfig(num_layers=3, attn_window=8)
+    m = TinyModel(cfg, seed=1)
+    prompt = random_prompt(7, 40)
+    want = PagedKV(cfg, 3)
+    m.prefill(prompt, [0, 1, 2], want)
+    kv = PagedKV(cfg, 3)
+    seen: list[int] = []
+
+    def on_layer(n: int) -> None:
+        seen.append(n)
+        for layer in range(n):
+            assert torch.equal(kv.k[layer], want.k[layer]) and torch.equal(kv.v[layer], want.v[layer])
+        for layer in range(n, cfg.num_layers):
+            assert not kv.k[layer].any()
+
+    m.prefill(prompt, [0, 1, 2], kv, on_layer)
+    assert seen == [1, 2, 3]
+
+
+def test_sliding_window_paged_decode_matches_full_recomputation() -> None:
+    cfg = TinyConfig(attn_window=16)
+    m = TinyModel(cfg, seed=2)
+    prompt = random_prompt(8, 37)
+    assert m.generate_monolithic(prompt, 6) == m.generate_unpaged(prompt, 6)[0]
+    assert m.generate_unpaged(prompt, 6)[0] != TinyModel(TinyConfig(), seed=2).generate_unpaged(prompt, 6)[0]

@@ -81,6 +81,9 @@ class KVHooks(Protocol):
 # Optional on hooks: ``end_step()``, called once per engine step after scheduling (the step's
 # publishes, expects and aborts are all known then) and before the model's decode pass: a connector
 # that batches its calls sends the step's batch there (``KVPushdHooks``: one CommandBatch per step).
+# Prefill side, also optional: ``on_prefill_start(req_id, block_ids)`` just before a prompt's forward
+# (where progressive push declares the publish) and ``on_layer_done(n)`` once the forward has written
+# its first n layers' K and V (where it rings the doorbell); ``on_prefill_done`` follows the forward.
 
 
 class BlockAllocator:
@@ -300,15 +303,23 @@ class Engine:
     def _schedule_prefills(self) -> list[RequestOutput]:
         assert self.hooks is not None
         outputs = []
+        start = getattr(self.hooks, "on_prefill_start", None)
+        on_layer = getattr(self.hooks, "on_layer_done", None)
         for r in self._take_waiting(self.max_prefills_per_step):
-            tok = self.model.prefill(r.prompt, r.block_ids, self.caches)
-            r.output = [tok]
+            tok = -1
             try:
+                if start is not None:  # progressive push: the publish is declared before the forward
+                    start(r.req_id, r.block_ids)
+                tok = self.model.prefill(r.prompt, r.block_ids, self.caches, on_layer)
+                r.output = [tok]
                 params = dict(self.hooks.on_prefill_done(r.req_id, r.block_ids))
             except Exception as e:  # the connector refused: nothing will be sent, free at once
+                abort = getattr(self.hooks, "abort", None)
+                if start is not None and abort is not None:
+                    abort(r.req_id)  # a publish declared before the forward must not go on
                 self.requests.pop(r.req_id, None)
                 self.allocator.free(r.block_ids)
-                outputs.append(RequestOutput(r.req_id, [tok], False, f"publish failed: {e}"))
+                outputs.append(RequestOutput(r.req_id, [tok] if tok >= 0 else [], False, f"publish failed: {e}"))
                 continue
             params["first_token"] = tok
             self.held[r.req_id] = r.block_ids

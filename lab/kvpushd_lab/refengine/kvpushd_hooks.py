@@ -8,6 +8,11 @@ per step, sends each rank's batch as one ``CommandBatch``. Per request:
 
 * prefill: ``on_prefill_done`` -> ``publish_nowait(req_id, blocks)`` on every rank; the returned
   kv_params name this daemon's peer address as ``remote_host``/``remote_port`` (vLLM's names);
+* prefill, progressive push (``progressive``; attached with a doorbell per rank): the publish is
+  declared in ``on_prefill_start``, before the forward, as the doorbell's next step with one layer
+  group per model layer (layer l's K and V are regions 2l and 2l+1, so the model must own every
+  region), and that step goes out at once; ``on_layer_done(n)`` rings each rank's doorbell as the
+  forward writes its layers, and ``on_prefill_done`` seals the step instead of publishing;
 * decode: ``on_blocks_allocated`` -> ``expect_nowait(transfer_id, blocks, remote address,
   remote_engine_id, tp_size)`` on every rank;
 * ``poll`` reads each worker's completions (no RPC: the stream's reader thread delivered them). A
@@ -44,9 +49,12 @@ class _Pending:
 class KVPushdHooks:
     """Connector hooks for one engine: ``workers[r]`` is TP rank r's attached worker."""
 
-    def __init__(self, workers: Sequence[StreamWorker], engine_id: str, transfer_mode: str = "push") -> None:
+    def __init__(self, workers: Sequence[StreamWorker], engine_id: str, transfer_mode: str = "push",
+                 progressive: bool = False, layers: int = 0) -> None:
         if not workers:
             raise ValueError("no workers")
+        if progressive and (layers < 1 or any(w.doorbell is None for w in workers)):
+            raise ValueError("progressive push needs the model's layer count and a doorbell on every rank")
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode {transfer_mode!r}: 'push' or 'pull'")
         self.transfer_mode = transfer_mode  # used when a request's kv_params do not say
@@ -56,14 +64,22 @@ class KVPushdHooks:
         self._pending: dict[str, _Pending] = {}   # transfer id -> what is still due
         self._failed_now: dict[str, str] = {}
         self.unknown_completions = 0
+        self.progressive = progressive  # may be switched per request (kvpushd bench handover does)
+        self.layers = layers
+        self._declared: set[str] = set()   # progressive publishes whose forward has not ended
+        self._ringing = False
 
     @classmethod
     def attach(cls, client: KVPushClient | Sequence[KVPushClient], engine_id: str, role: Role,
-               kv: PagedKV | Sequence[PagedKV], description: str = "", transfer_mode: str = "push") -> KVPushdHooks:
+               kv: PagedKV | Sequence[PagedKV], description: str = "", transfer_mode: str = "push",
+               progressive: bool = False) -> KVPushdHooks:
         """Attach every rank cache (each must live in shared memory: ``PagedKV.shared``) as a worker.
 
-        ``client`` is one client for all ranks, or one per rank."""
+        ``client`` is one client for all ranks, or one per rank. ``progressive``: each rank gets a
+        doorbell, and prefills declare their publish before the forward."""
         caches = as_caches(kv)
+        if progressive and caches[0].extra_regions:
+            raise ValueError("progressive push maps model layers onto regions: no extra_regions")
         clients = [client] * len(caches) if isinstance(client, KVPushClient) else list(client)
         workers: list[StreamWorker] = []
         try:
@@ -71,12 +87,13 @@ class KVPushdHooks:
                 if c.shm is None:
                     raise ValueError("kvpushd needs the KV cache in shared memory (PagedKV.shared)")
                 workers.append(cl.attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory], c.regions(),
-                                         description=description or f"refengine {engine_id} rank {c.tp_rank}"))
+                                         description=description or f"refengine {engine_id} rank {c.tp_rank}",
+                                         doorbell=progressive))
         except BaseException:
             for w in workers:
                 w.detach()
             raise
-        return cls(workers, engine_id, transfer_mode)
+        return cls(workers, engine_id, transfer_mode, progressive, caches[0].cfg.num_layers)
 
     @property
     def peer_address(self) -> str:
@@ -84,8 +101,37 @@ class KVPushdHooks:
 
     # --- KVHooks --------------------------------------------------------------------------
 
+    def on_prefill_start(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """Progressive push: declare the publish as the doorbell's next step and send it now."""
+        if not self.progressive:
+            return
+
+        def declare(w: StreamWorker) -> None:
+            assert w.doorbell is not None
+            w.publish_nowait(req_id, block_ids, step=w.doorbell.step(), layers=self.layers)
+
+        self._start(req_id, req_id, True, declare)
+        if req_id in self._failed_now:
+            raise RuntimeError(self._failed_now.pop(req_id))
+        self.end_step()  # the declaration must reach the daemon before the layers are written
+        self._declared.add(req_id)
+        self._ringing = True
+
+    def on_layer_done(self, n: int) -> None:
+        if self._ringing:
+            for w in self.workers:
+                assert w.doorbell is not None
+                w.doorbell.layer_done(n)
+
     def on_prefill_done(self, req_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
-        self._start(req_id, req_id, True, lambda w: w.publish_nowait(req_id, block_ids))
+        if req_id in self._declared:
+            self._declared.discard(req_id)
+            self._ringing = False
+            for w in self.workers:
+                assert w.doorbell is not None
+                w.doorbell.seal()
+        else:
+            self._start(req_id, req_id, True, lambda w: w.publish_nowait(req_id, block_ids))
         host, _, port = self.peer_address.rpartition(":")
         return {"transfer_id": req_id, "remote_engine_id": self.engine_id, "remote_host": host,
                 "remote_port": int(port), "tp_size": self.tp_size}
@@ -167,6 +213,9 @@ class KVPushdHooks:
 
     def abort(self, req_id: str) -> None:
         """Abort a pending transfer on every rank (its completions still arrive)."""
+        if req_id in self._declared:
+            self._declared.discard(req_id)
+            self._ringing = False
         for tid, p in self._pending.items():
             if p.req_id == req_id:
                 for rank in p.waiting:

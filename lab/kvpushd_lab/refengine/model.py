@@ -31,7 +31,7 @@ bit, not merely within a tolerance. Three choices make that hold by construction
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ class TinyConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     dtype: torch.dtype = torch.float32
+    attn_window: int = 0  # sliding-window attention over this many positions (Mistral-style); 0: full causal
 
     def __post_init__(self) -> None:
         if self.num_heads * self.head_dim != self.hidden_size:
@@ -337,40 +338,80 @@ class TinyModel:
 
     # --- full-sequence forward (prefill, and the unpaged reference) --------------------------
 
-    def forward_full(self, tokens: Sequence[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Plain causal attention over the whole sequence, no cache: logits [T, vocab] and per layer (K, V)."""
+    def _window_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention where query i sees keys i-W+1..i (``attn_window`` W), chunk by chunk of W
+        queries: time and memory grow with the sequence, not with its square."""
+        w, t = self.cfg.attn_window, q.shape[1]
+        out = []
+        for s in range(0, t, w):
+            e = min(t, s + w)
+            lo = max(0, s - w + 1)
+            qi = torch.arange(s, e)[:, None]
+            kj = torch.arange(lo, e)[None, :]
+            o = self._attend_masked(q[:, s:e], k[:, lo:e], v[:, lo:e], (kj <= qi) & (kj > qi - w))
+            out.append(o)
+        return torch.cat(out, dim=0)
+
+    def _attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        g = c.num_heads // c.num_kv_heads
+        k = k.repeat_interleave(g, dim=0)
+        v = v.repeat_interleave(g, dim=0)
+        s = ((q @ k.transpose(1, 2)) * (1.0 / math.sqrt(c.head_dim))).masked_fill(~mask, float("-inf"))
+        o = torch.softmax(s, dim=-1) @ v
+        return o.transpose(0, 1).reshape(q.shape[1], c.hidden_size)
+
+    def _forward(self, tokens: Sequence[int], on_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+                 on_attn: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The causal forward over the whole sequence; ``on_kv(layer, k, v)`` as each layer's K and V
+        ([kv_heads, T, d], after RoPE) are computed, ``on_attn(n)`` once the n-th layer's attention is
+        done (where vLLM calls ``save_kv_layer``). Returns the logits [T, vocab]."""
         if not tokens:
             raise ValueError("empty sequence")
         if len(tokens) > self.cfg.max_positions:
             raise ValueError(f"{len(tokens)} tokens exceed max_positions {self.cfg.max_positions}")
+        window = 0 < self.cfg.attn_window < len(tokens)
         with torch.inference_mode():
             ids = torch.tensor(list(tokens), dtype=torch.long)
             x = self.embed[ids]
             pos = torch.arange(len(tokens))
-            kvs = []
-            for layer in self.layers:
+            for li, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, x, pos)
-                kvs.append((k, v))
-                x = x + self._attend(q, k, v, causal=True) @ layer.wo
+                on_kv(li, k, v)
+                a = self._window_attend(q, k, v) if window else self._attend(q, k, v, causal=True)
+                if on_attn is not None:
+                    on_attn(li + 1)
+                x = x + a @ layer.wo
                 x = x + self._mlp(layer, x)
-            return self._logits(x), kvs
+            return self._logits(x)
 
-    def prefill(self, tokens: Sequence[int], block_ids: Sequence[int], kv: PagedKV | Sequence[PagedKV]) -> int:
-        """Compute the prompt, write every token's K and V into ``block_ids``; return the greedy next token."""
+    def forward_full(self, tokens: Sequence[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Plain causal attention over the whole sequence, no cache: logits [T, vocab] and per layer (K, V)."""
+        kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits = self._forward(tokens, lambda _, k, v: kvs.append((k, v)))
+        return logits, kvs
+
+    def prefill(self, tokens: Sequence[int], block_ids: Sequence[int], kv: PagedKV | Sequence[PagedKV],
+                on_layer: Callable[[int], None] | None = None) -> int:
+        """Compute the prompt, writing each layer's K and V into ``block_ids`` as soon as that layer has
+        computed them (before its attention, as an attention backend writes the cache); ``on_layer(n)``
+        after the n-th layer's attention (progressive push rings its doorbell there). Returns the greedy
+        next token."""
         caches = as_caches(kv)
         c = self.cfg
         n = c.blocks_for(len(tokens))
         if len(block_ids) < n:
             raise ValueError(f"{len(tokens)} tokens need {n} blocks, got {len(block_ids)}")
-        logits, kvs = self.forward_full(tokens)
         pad = n * c.block_size - len(tokens)
-        with torch.inference_mode():
-            for layer, (k, v) in enumerate(kvs):
-                # [kv_heads, T, d] -> [n, kv_heads, block_size, d]; the tail of the last block is zero
-                kb, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)).view(c.num_kv_heads, n, c.block_size,
-                                                                            c.head_dim).transpose(0, 1)
-                          for t in (k, v))
-                scatter_blocks(caches, layer, block_ids[:n], kb, vb)
+
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            # [kv_heads, T, d] -> [n, kv_heads, block_size, d]; the tail of the last block is zero
+            kb, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)).view(c.num_kv_heads, n, c.block_size,
+                                                                        c.head_dim).transpose(0, 1)
+                      for t in (k, v))
+            scatter_blocks(caches, layer, block_ids[:n], kb, vb)
+
+        logits = self._forward(tokens, write, on_layer)
         return int(logits[-1].argmax())
 
     # --- paged decode -------------------------------------------------------------------------
@@ -386,7 +427,10 @@ class TinyModel:
         nb = position // bs + 1
         if len(block_ids) < nb:
             raise ValueError(f"position {position} needs {nb} blocks, got {len(block_ids)}")
-        blocks = list(block_ids[:nb])
+        first = 0  # the first key position attended to (its block's first position)
+        if 0 < c.attn_window <= position:
+            first = (position - c.attn_window + 1) // bs * bs
+        blocks = list(block_ids[first // bs:nb])
         blk, slot = blocks[-1], position % bs
         with torch.inference_mode():
             x = self.embed[torch.tensor([token], dtype=torch.long)]
@@ -397,8 +441,12 @@ class TinyModel:
                     cache.k[li][blk, :, slot] = k[cache.heads, 0]
                     cache.v[li][blk, :, slot] = v[cache.heads, 0]
                 kc, vc = gather_blocks(caches, li, blocks)  # [nb, kv_heads, bs, d]
-                kc = kc.transpose(0, 1).reshape(c.num_kv_heads, nb * bs, c.head_dim)[:, :position + 1].contiguous()
-                vc = vc.transpose(0, 1).reshape(c.num_kv_heads, nb * bs, c.head_dim)[:, :position + 1].contiguous()
+                kc = kc.transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :position + 1 - first]
+                vc = vc.transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :position + 1 - first]
+                if first or c.attn_window:  # the window: keys position-W+1..position
+                    lo = max(0, position + 1 - c.attn_window - first) if c.attn_window else 0
+                    kc, vc = kc[:, lo:], vc[:, lo:]
+                kc, vc = kc.contiguous(), vc.contiguous()
                 x = x + self._attend(q, kc, vc, causal=False) @ layer.wo
                 x = x + self._mlp(layer, x)
             return self._logits(x)[0]
