@@ -1,0 +1,91 @@
+"""Admission on the peer server: calls the event loop has not taken up yet wait in gRPC up to
+peer_api.max_pending_calls per method; beyond it they are refused CANCELLED at once.
+
+gRPC's own default drops such calls from 1,000 on at random (and from 3,000 on always), which is what a
+fleet of thousands of decode daemons handshaking at once ran into. The server here is the daemon's peer
+server options on a Handshake handler; its event loop is held busy while the calls arrive, so every one
+of them waits in gRPC's queue (no timing: the test waits until the refusals came back)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from typing import Any
+
+import grpc
+from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
+
+from kvpushd.app import peer_server_options
+from kvpushd.config import PeerApiConfig
+
+BOUND, CALLS = 200, 260
+
+
+class _Hello(peer_pb2_grpc.PeerServiceServicer):
+    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
+        return peer_pb2.HandshakeResponse(node_id="prefill", instance_id=request.instance_id)
+
+
+def _serve(loop: asyncio.AbstractEventLoop, ready: threading.Event, port: list[int], stop: asyncio.Event) -> None:
+    async def main() -> None:
+        cfg = PeerApiConfig(max_pending_calls=BOUND, max_streams_per_connection=1024)
+        server = grpc.aio.server(options=peer_server_options(cfg))
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(_Hello(), server)
+        port.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        ready.set()
+        await stop.wait()
+        await server.stop(None)
+
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(main())
+
+
+def test_pending_calls_queue_up_to_the_bound_then_are_refused() -> None:
+    assert ("grpc.server.max_pending_requests", BOUND) in peer_server_options(PeerApiConfig(max_pending_calls=BOUND))
+    loop, ready, port, stop = asyncio.new_event_loop(), threading.Event(), [], asyncio.Event()
+    server = threading.Thread(target=_serve, args=(loop, ready, port, stop), daemon=True)
+    server.start()
+    assert ready.wait(30)
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the daemon's loop, busy admitting others: no call is taken up meanwhile
+        busy.set()
+        release.wait(120)
+
+    loop.call_soon_threadsafe(hold)
+    assert busy.wait(30)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port[0]}")
+    stub = peer_pb2_grpc.PeerServiceStub(channel)
+    codes: Counter[grpc.StatusCode] = Counter()
+    refused = threading.Semaphore(0)
+    lock = threading.Lock()
+
+    def done(f: grpc.Future) -> None:
+        code = f.code()
+        with lock:
+            codes[code] += 1
+        if code is grpc.StatusCode.CANCELLED:
+            refused.release()
+
+    try:
+        calls = [stub.Handshake.future(peer_pb2.HandshakeRequest(instance_id=str(i)), timeout=120,
+                                       wait_for_ready=True) for i in range(CALLS)]
+        for f in calls:
+            f.add_done_callback(done)
+        # the calls beyond the bound come back refused while the loop is still held: BOUND + 1 wait in the
+        # queue (gRPC checks its length before adding one), and one more went to the call the aio server
+        # had requested ahead
+        for _ in range(CALLS - BOUND - 2):
+            assert refused.acquire(timeout=120), codes
+        release.set()
+        for f in calls:
+            f.exception(timeout=120)
+    finally:
+        release.set()
+        channel.close()
+        loop.call_soon_threadsafe(stop.set)
+        server.join(30)
+    assert codes[grpc.StatusCode.OK] == BOUND + 2, codes  # every call within the bound was answered
+    assert codes[grpc.StatusCode.OK] + codes[grpc.StatusCode.CANCELLED] == CALLS, codes
