@@ -129,6 +129,10 @@ class PeerApiConfig(Section, frozen=True):
         "refused CANCELLED at once and its daemon retries after its back-off (handshake_retry_s). A call "
         "waits at most 30 s (gRPC's bound). A queued call holds about 16 KiB (10,000 Handshakes: +157 MiB) "
         "until it is answered"))] = 16384
+    max_pending_s: Annotated[int, Meta(ge=1, le=30, description=(
+        "Seconds a call from another daemon may wait in that queue: an older one is dropped (CANCELLED) without "
+        "work when the event loop takes up the next, since its caller gave up on it (a decode daemon's "
+        "Handshake waits connect_timeout_s); the daemon's time goes to calls still awaited"))] = 4
     max_registers_per_s: Annotated[float, Positive, Meta(description=(
         "Registrations one decode daemon may make per second (a token bucket with one second's burst)"))] = 20000.0
     max_registrations_per_peer: Annotated[int, Positive, Meta(description=(

@@ -1,5 +1,6 @@
 """Admission on the peer server: calls the event loop has not taken up yet wait in gRPC up to
-peer_api.max_pending_calls per method; beyond it they are refused CANCELLED at once.
+peer_api.max_pending_calls per method (beyond it they are refused CANCELLED at once), and for at most
+peer_api.max_pending_s (older ones are dropped CANCELLED when the loop takes up the next call).
 
 gRPC's own default drops such calls from 1,000 on at random (and from 3,000 on always), which is what a
 fleet of thousands of decode daemons handshaking at once ran into. The server here is the daemon's peer
@@ -14,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 import grpc
+import pytest
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 
 from kvpushd.app import peer_server_options
@@ -27,9 +29,10 @@ class _Hello(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.HandshakeResponse(node_id="prefill", instance_id=request.instance_id)
 
 
-def _serve(loop: asyncio.AbstractEventLoop, ready: threading.Event, port: list[int], stop: asyncio.Event) -> None:
+def _serve(loop: asyncio.AbstractEventLoop, ready: threading.Event, port: list[int], stop: asyncio.Event,
+           max_pending_s: int) -> None:
     async def main() -> None:
-        cfg = PeerApiConfig(max_pending_calls=BOUND, max_streams_per_connection=1024)
+        cfg = PeerApiConfig(max_pending_calls=BOUND, max_pending_s=max_pending_s, max_streams_per_connection=1024)
         server = grpc.aio.server(options=peer_server_options(cfg))
         peer_pb2_grpc.add_PeerServiceServicer_to_server(_Hello(), server)
         port.append(server.add_insecure_port("127.0.0.1:0"))
@@ -42,10 +45,11 @@ def _serve(loop: asyncio.AbstractEventLoop, ready: threading.Event, port: list[i
     loop.run_until_complete(main())
 
 
-def test_pending_calls_queue_up_to_the_bound_then_are_refused() -> None:
+@pytest.mark.parametrize("max_pending_s", [30, 1])
+def test_pending_calls_queue_up_to_the_bounds_then_are_refused(max_pending_s: int) -> None:
     assert ("grpc.server.max_pending_requests", BOUND) in peer_server_options(PeerApiConfig(max_pending_calls=BOUND))
     loop, ready, port, stop = asyncio.new_event_loop(), threading.Event(), [], asyncio.Event()
-    server = threading.Thread(target=_serve, args=(loop, ready, port, stop), daemon=True)
+    server = threading.Thread(target=_serve, args=(loop, ready, port, stop, max_pending_s), daemon=True)
     server.start()
     assert ready.wait(30)
     busy, release = threading.Event(), threading.Event()
@@ -79,6 +83,8 @@ def test_pending_calls_queue_up_to_the_bound_then_are_refused() -> None:
         # had requested ahead
         for _ in range(CALLS - BOUND - 2):
             assert refused.acquire(timeout=120), codes
+        if max_pending_s == 1:
+            threading.Event().wait(2.0)  # every queued call is now older than max_pending_s
         release.set()
         for f in calls:
             f.exception(timeout=120)
@@ -87,5 +93,8 @@ def test_pending_calls_queue_up_to_the_bound_then_are_refused() -> None:
         channel.close()
         loop.call_soon_threadsafe(stop.set)
         server.join(30)
-    assert codes[grpc.StatusCode.OK] == BOUND + 2, codes  # every call within the bound was answered
+    if max_pending_s == 30:
+        assert codes[grpc.StatusCode.OK] == BOUND + 2, codes  # every call within the bound was answered
+    else:  # only the call the server had requested ahead: the queued ones were dropped unanswered
+        assert codes[grpc.StatusCode.OK] == 1, codes
     assert codes[grpc.StatusCode.OK] + codes[grpc.StatusCode.CANCELLED] == CALLS, codes
