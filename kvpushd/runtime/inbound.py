@@ -157,13 +157,13 @@ class Inbound:
         self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, forget_remote)
 
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str, busy: set[str],
+                  instance_id: str, presented_token: str, busy: Callable[[str], bool],
                   tls_names: tuple[str, ...] = ()) -> tuple[str, list[Origin]]:
         """A peer daemon introduces itself; returns the secret token of its session, and the sessions
         it replaces (the same address, another instance: a restarted daemon, whose pending transfers
         the caller fails).
 
-        ``busy``: instance ids with transfers pending here (their sessions cannot be claimed anew)."""
+        ``busy``: whether an instance id has transfers pending here (its session cannot be claimed anew)."""
         if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
             raise FailedPrecondition(
                 f"incompatible peer {node_id[:64]!r}: protocol {protocol_version}/{compat_hash}, "
@@ -178,7 +178,7 @@ class Inbound:
                 known.last_seen = time.monotonic()
                 known.tls_names = tls_names
                 return known.token, []  # the same session again
-            if instance_id in busy:
+            if busy(instance_id):
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
                                        "pending here; a daemon that lost its session token must wait for them to end")
             # An idle session whose holder lost its token (or a new claimant): it starts afresh,

@@ -98,3 +98,29 @@ def test_pending_calls_queue_up_to_the_bounds_then_are_refused(max_pending_s: in
     else:  # only the call the server had requested ahead: the queued ones were dropped unanswered
         assert codes[grpc.StatusCode.OK] == 1, codes
     assert codes[grpc.StatusCode.OK] + codes[grpc.StatusCode.CANCELLED] == CALLS, codes
+
+
+def test_handshake_asks_only_whether_that_peer_is_busy() -> None:
+    """A handshake asks the send side about the calling instance only (not the set of every decode
+    daemon with registrations here, which made a storm of N handshakes cost O(N) each)."""
+    from kvpushd import PROTOCOL_VERSION
+    from kvpushd.core import notif
+    from kvpushd.core.errors import PermissionDenied
+    from kvpushd.runtime.inbound import Inbound
+
+    asked: list[str] = []
+
+    def busy(instance: str) -> bool:
+        asked.append(instance)
+        return instance == "held"
+
+    inbound = Inbound(lambda name: None)
+    hello = (PROTOCOL_VERSION, notif.compat_hash(), "decode-1")
+    token, _ = inbound.handshake(*hello, "10.0.0.1:7700", "held", "", busy)
+    assert asked == []  # a new instance: nothing to ask
+    assert inbound.handshake(*hello, "10.0.0.1:7700", "held", token, busy)[0] == token  # its own token
+    with pytest.raises(PermissionDenied):  # without it, while transfers are pending: refused
+        inbound.handshake(*hello, "10.0.0.1:7700", "held", "", busy)
+    inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)
+    assert inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)[0]  # idle: claimed anew
+    assert asked == ["held", "idle"]
