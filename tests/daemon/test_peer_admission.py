@@ -124,3 +124,38 @@ def test_handshake_asks_only_whether_that_peer_is_busy() -> None:
     inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)
     assert inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)[0]  # idle: claimed anew
     assert asked == ["held", "idle"]
+
+
+def test_sessions_and_agents_counted_as_they_come_and_go() -> None:
+    """The indexes that spare a handshake or a Register a scan of every session or agent: a restarted
+    daemon (same address, new instance) still replaces its old session; counts follow drops."""
+    from kvpushd import PROTOCOL_VERSION
+    from kvpushd.core import notif
+    from kvpushd.runtime.inbound import AgentTable, Inbound, Origin
+    from kvpushd.transfer.descs import RegionSpec, RemoteAgent
+
+    inbound = Inbound(lambda name: None)
+    hello = (PROTOCOL_VERSION, notif.compat_hash(), "decode-1", "10.0.0.1:7700")
+    inbound.handshake(*hello, "first", "", lambda i: False)
+    _, replaced = inbound.handshake(*hello, "second", "", lambda i: False)
+    assert [o.instance_id for o in replaced] == ["first"]
+    inbound.drop(replaced[0])
+    _, replaced = inbound.handshake(*hello, "third", "", lambda i: False)
+    assert [o.instance_id for o in replaced] == ["second"]
+
+    forgotten: list[str] = []
+    table = AgentTable("consumer", 4, forgotten.append)
+    owner = Origin("abcdef0123456789", "decode-1", "10.0.0.1:7700")
+
+    def agent(k: int) -> RemoteAgent:
+        from kvpushd.runtime.identity import agent_prefix
+
+        name = agent_prefix(owner.node_id, owner.instance_id) + f"w{k}"
+        md = b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name.encode()
+        return RemoteAgent(name, md, "DRAM", (RegionSpec(1 << 30, 16, 4096, 4096, 0),))
+
+    for k in range(6):  # past the cap of 4: the least recently used half goes
+        table.admit(owner, agent(k), set)
+    assert table.count(owner.instance_id) == len(table) <= 4 and len(forgotten) == 6 - len(table)
+    table.drop_owner(owner.instance_id)
+    assert table.count(owner.instance_id) == len(table) == 0 and len(forgotten) == 6
