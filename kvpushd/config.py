@@ -127,7 +127,7 @@ class PeerApiConfig(Section, frozen=True):
         "Calls from other daemons (Handshakes, Channel opens) held per method, unanswered, while this daemon "
         "admits earlier ones: a fleet connecting at once waits here instead of being refused. One more is "
         "refused CANCELLED at once and its daemon retries after its back-off (handshake_retry_s). A call "
-        "waits at most 30 s (gRPC's bound). A queued call holds about 16 KiB (10,000 Handshakes: +157 MiB) "
+        "waits at most max_pending_s. A queued call holds about 16 KiB (10,000 Handshakes: +157 MiB) "
         "until it is answered"))] = 16384
     max_pending_s: Annotated[int, Meta(ge=1, le=30, description=(
         "Seconds a call from another daemon may wait in that queue: an older one is dropped (CANCELLED) without "
