@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from .config import Config
+from .config import Config, PeerApiConfig
 from .core.errors import FailedPrecondition
 from .events import EventKind
 from .metrics import Metrics
@@ -62,6 +62,25 @@ def observe(node: Node, metrics: Metrics | None = None, tracing: Tracing | None 
         metrics.observe(obs)
     if tracing is not None and tracing.enabled:
         tracing_sink(obs, tracing)
+
+
+def peer_server_options(p: PeerApiConfig) -> list[tuple[str, int]]:
+    """gRPC options of the peer server, its bounds on what callers can make it hold.
+
+    Streams per connection and metadata are capped; BDP probing is off, so a sender cannot grow the
+    flow-control window and push tens of MiB per stream before an oversized message is refused (measured:
+    +341 MiB RSS with it on under 8 parallel 60-128 MiB calls, +2 MiB off; docs/results.md). Calls the
+    event loop has not taken up yet queue in gRPC per method up to ``max_pending_calls`` (gRPC's own
+    default drops them CANCELLED from 1,000 on, at random, and from 3,000 on always: a fleet of a few
+    thousand decode daemons handshaking at once lost half its handshakes that way; docs/results.md), for
+    at most ``max_pending_s``: a queue longer than the callers wait would have the loop answer only calls
+    their callers gave up on (10,000 decode daemons retrying 5 s Handshakes: 413k attempts, 4,667 served)."""
+    return [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.max_concurrent_streams", p.max_streams_per_connection),
+            ("grpc.max_metadata_size", 16 << 10), ("grpc.http2.bdp_probe", 0),
+            ("grpc.server.max_pending_requests", p.max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", p.max_pending_calls),
+            ("grpc.server_max_unrequested_time_in_server", p.max_pending_s)]
 
 
 class Daemon:
@@ -108,15 +127,10 @@ class Daemon:
             self.local_server.add_insecure_port(f"unix:{sock}")
         finally:
             os.umask(old)
-        # memory bounds: a message over max_message_bytes is refused; streams per connection and metadata
-        # are capped; BDP probing is off, so a sender cannot grow the flow-control window and push tens of
-        # MiB per stream before an oversized message is refused (measured: +341 MiB RSS with it on under
-        # 8 parallel 60-128 MiB calls, +2 MiB off; docs/results.md)
-        peer_opts = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-                     ("grpc.max_concurrent_streams", cfg.peer_api.max_streams_per_connection),
-                     ("grpc.max_metadata_size", 16 << 10), ("grpc.http2.bdp_probe", 0)]
+        # memory bounds: a message over max_message_bytes is refused; the rest in peer_server_options
         interceptors = peer_interceptors(cfg.peer_api)  # protected mode: loopback only unless TLS/allow/insecure
-        self.peer_server = grpc.aio.server(options=[*opts, *peer_opts], interceptors=interceptors)
+        self.peer_server = grpc.aio.server(options=[*opts, *peer_server_options(cfg.peer_api)],
+                                           interceptors=interceptors)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
         await self._add_health(self.peer_health, [_service(peer_pb2, "PeerService")], self.peer_server)
         host, port = cfg.listen_host_port

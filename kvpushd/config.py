@@ -123,6 +123,16 @@ class PeerApiConfig(Section, frozen=True):
     max_streams_per_connection: Annotated[int, Positive, Meta(description=(
         "Calls open at once on one connection from another daemon (it needs one Channel, a Handshake and a "
         "health check); with max_message_bytes it bounds what one connection can make this daemon buffer"))] = 16
+    max_pending_calls: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "Calls from other daemons (Handshakes, Channel opens) held per method, unanswered, while this daemon "
+        "admits earlier ones: a fleet connecting at once waits here instead of being refused. One more is "
+        "refused CANCELLED at once and its daemon retries after its back-off (handshake_retry_s). A call "
+        "waits at most max_pending_s. A queued call holds about 16 KiB (10,000 Handshakes: +157 MiB) "
+        "until it is answered"))] = 16384
+    max_pending_s: Annotated[int, Meta(ge=1, le=30, description=(
+        "Seconds a call from another daemon may wait in that queue: an older one is dropped (CANCELLED) without "
+        "work when the event loop takes up the next, since its caller gave up on it (a decode daemon's "
+        "Handshake waits connect_timeout_s); the daemon's time goes to calls still awaited"))] = 4
     max_registers_per_s: Annotated[float, Positive, Meta(description=(
         "Registrations one decode daemon may make per second (a token bucket with one second's burst)"))] = 20000.0
     max_registrations_per_peer: Annotated[int, Positive, Meta(description=(

@@ -30,6 +30,11 @@ class SendQueries:
         return {r.origin for t in self._transfers.values() for r in t.registrations.values()} | {
             pk.origin for pk in self._pulls}
 
+    def holds(self, origin: str) -> bool:
+        """Whether ``origin`` is one of ``origins()``, without going through every transfer (a handshake
+        asks it: with 10,000 decode daemons registered, the whole set per handshake cost O(N) each)."""
+        return origin in self._regs or any(pk.origin == origin for pk in self._pulls)
+
     def held_by(self, origin: str) -> tuple[int, int]:
         """(registrations, destination blocks) the decode daemon ``origin`` holds here."""
         return self._regs.get(origin, 0), self._held.get(origin, 0)

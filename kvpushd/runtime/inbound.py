@@ -89,6 +89,7 @@ class AgentTable:
         self.per_owner = per_owner
         self._forget = forget  # unloads an agent from NIXL (deferred there while a transfer uses it)
         self._held: dict[str, _Held] = {}
+        self._owned: dict[str, int] = {}  # agents held per owner (counted, not scanned, per Register)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -102,7 +103,16 @@ class AgentTable:
         return None if h is None else h.owner
 
     def count(self, owner: str) -> int:
-        return sum(1 for h in self._held.values() if h.owner == owner)
+        return self._owned.get(owner, 0)
+
+    def _forget_held(self, name: str) -> None:
+        owner = self._held.pop(name).owner
+        left = self._owned.get(owner, 0) - 1
+        if left > 0:
+            self._owned[owner] = left
+        else:
+            self._owned.pop(owner, None)
+        self._forget(name)
 
     def admit(self, origin: Origin, agent: RemoteAgent, in_use: Callable[[], set[str]]) -> RemoteAgent | None:
         """The agent a call from ``origin`` names, as known here; None when its metadata is needed first."""
@@ -127,13 +137,15 @@ class AgentTable:
             if self.count(origin.instance_id) >= self.per_owner:
                 self._evict(origin, in_use())
             held = self._held[agent.name] = _Held(origin.instance_id, agent, now)
+            self._owned[origin.instance_id] = self._owned.get(origin.instance_id, 0) + 1
         held.last_used = now
         return held.agent
 
     def drop_owner(self, owner: str) -> None:
+        if owner not in self._owned:
+            return
         for name in [n for n, h in self._held.items() if h.owner == owner]:
-            del self._held[name]
-            self._forget(name)
+            self._forget_held(name)
 
     def _evict(self, origin: Origin, in_use: set[str]) -> None:
         """Make room among a peer's agents: forget the least recently used half that no pending
@@ -141,8 +153,7 @@ class AgentTable:
         idle = sorted((h.last_used, n) for n, h in self._held.items()
                       if h.owner == origin.instance_id and n not in in_use)
         for _, name in idle[:max(1, self.count(origin.instance_id) // 2)]:
-            del self._held[name]
-            self._forget(name)
+            self._forget_held(name)
         if self.count(origin.instance_id) >= self.per_owner:
             raise ResourceExhausted(f"peer {origin.node_id} has {self.count(origin.instance_id)} {self.kind} agents "
                                     f"in use here; at most {self.per_owner}")
@@ -153,17 +164,18 @@ class Inbound:
 
     def __init__(self, forget_remote: Callable[[str], None]) -> None:
         self.origins: dict[str, Origin] = {}
+        self._at: dict[str, set[str]] = {}  # peer address -> instance ids of sessions from it (no scan per handshake)
         self.consumers = AgentTable("consumer", MAX_AGENTS_PER_ORIGIN, forget_remote)
         self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, forget_remote)
 
     def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str, busy: set[str],
+                  instance_id: str, presented_token: str, busy: Callable[[str], bool],
                   tls_names: tuple[str, ...] = ()) -> tuple[str, list[Origin]]:
         """A peer daemon introduces itself; returns the secret token of its session, and the sessions
         it replaces (the same address, another instance: a restarted daemon, whose pending transfers
         the caller fails).
 
-        ``busy``: instance ids with transfers pending here (their sessions cannot be claimed anew)."""
+        ``busy``: whether an instance id has transfers pending here (its session cannot be claimed anew)."""
         if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
             raise FailedPrecondition(
                 f"incompatible peer {node_id[:64]!r}: protocol {protocol_version}/{compat_hash}, "
@@ -178,13 +190,14 @@ class Inbound:
                 known.last_seen = time.monotonic()
                 known.tls_names = tls_names
                 return known.token, []  # the same session again
-            if instance_id in busy:
+            if busy(instance_id):
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
                                        "pending here; a daemon that lost its session token must wait for them to end")
             # An idle session whose holder lost its token (or a new claimant): it starts afresh,
             # without the agents the old session introduced.
             self.drop(known)
-        replaced = [o for o in self.origins.values() if o.address == peer_address and o.instance_id != instance_id]
+        replaced = [self.origins[i] for i in self._at.get(peer_address, ()) if i != instance_id]
+        self._at.setdefault(peer_address, set()).add(instance_id)
         origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16),
                                                     tls_names=tls_names)
         log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
@@ -208,7 +221,12 @@ class Inbound:
 
     def drop(self, origin: Origin) -> None:
         """Forget a session and every agent it introduced."""
-        self.origins.pop(origin.instance_id, None)
+        gone = self.origins.pop(origin.instance_id, None)
+        if gone is not None:
+            same = self._at.get(gone.address, set())
+            same.discard(gone.instance_id)
+            if not same:
+                self._at.pop(gone.address, None)
         self.consumers.drop_owner(origin.instance_id)
         self.producers.drop_owner(origin.instance_id)
 

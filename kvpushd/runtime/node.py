@@ -239,7 +239,7 @@ class Node:
         """A peer daemon introduces itself (``tls_names``: its client certificate's CN and SANs, under
         TLS); returns the secret token of its session."""
         token, replaced = self.inbound.handshake(protocol_version, compat_hash, node_id, peer_address, instance_id,
-                                                 presented_token, self.rv.send.origins(), tls_names)
+                                                 presented_token, self.rv.send.holds, tls_names)
         for old in replaced:
             self.ex.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
         self.obs.emit(PeerHeard(peer_address, node_id, inbound=True))

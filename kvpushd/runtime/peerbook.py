@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from ..events import Event, EventHub, EventKind
 
 MAX_PEER_STATS = 1024  # entries kept; the ones with the oldest contact and no live peer go first
+PRUNE_TO = MAX_PEER_STATS * 3 // 4  # a full book drops to this at once (with 10,000 live peers, pruning one
+                                    # entry per new contact went through every session each time)
 
 
 @dataclass(slots=True)
@@ -92,10 +94,11 @@ class PeerBook:
     def _prune(self) -> None:
         live = self._live()
         gone = sorted((p.last_contact, a) for a, p in self.peers.items() if a not in live)
-        for _, a in gone[:max(1, len(self.peers) - MAX_PEER_STATS + 1)]:
+        for _, a in gone[:max(1, len(self.peers) - PRUNE_TO)]:
             del self.peers[a]
-        while len(self.peers) >= MAX_PEER_STATS:  # all live: drop the oldest contact anyway
-            del self.peers[min(self.peers, key=lambda a: self.peers[a].last_contact)]
+        if len(self.peers) > PRUNE_TO:  # mostly live: drop the oldest contacts anyway
+            for _, a in sorted((p.last_contact, a) for a, p in self.peers.items())[:len(self.peers) - PRUNE_TO]:
+                del self.peers[a]
 
     def _on_event(self, ev: Event) -> None:
         if ev.kind not in (EventKind.TRANSFER_FINISHED, EventKind.TRANSFER_FAILED) or not ev.peer:

@@ -1063,12 +1063,12 @@ def test_peers_that_pending_transfers_depend_on() -> None:
     assert s.origins() == set()
     s.register(T0, reg(1, tid="a", origin="d1"))
     s.register(T0, reg(2, tid="b", origin="d2"))
-    assert s.origins() == {"d1", "d2"}
+    assert s.origins() == {"d1", "d2"} and s.holds("d1") and s.holds("d2") and not s.holds("d3")
     s.withdraw("d1", "a", 1, FailureCode.ABORTED, "x")
-    assert s.origins() == {"d2"}
+    assert s.origins() == {"d2"} and not s.holds("d1")
     w = one(publish(s, T0, tid="b"), StartWrite)
     s.write_done(w.leg, True)
-    assert s.origins() == set()
+    assert s.origins() == set() and not s.holds("d2")
     assert_empty(s)
 
     r = new_recv()
@@ -1121,7 +1121,7 @@ def test_pull_offers_instead_of_writing_and_finishes_on_the_read_notification(or
         acts = publish(s, T0 + 1)
     o = one(acts, SendOffer)
     assert o.src_blocks == SRC and o.registration.registration_id == 7 and o.producer_rank == 0
-    assert s.pulling() == 1 and s.pull_pending(ORIGIN, 7, 0) and ORIGIN in s.origins()
+    assert s.pulling() == 1 and s.pull_pending(ORIGIN, 7, 0) and ORIGIN in s.origins() and s.holds(ORIGIN)
     assert ignored(s.read_done("another-decode-daemon", 7, 0, True))  # only the daemon offered to
     assert ignored(s.read_done(ORIGIN, 7, 1, True))  # not an offered rank
     assert s.read_done(ORIGIN, 7, 0, True) == [Deliver(pw(0), finished_sending())]
@@ -1172,7 +1172,7 @@ def test_pull_lost_decode_daemon_settles_its_offered_legs() -> None:
     s.register(T0 + 1, _pull_reg(7))
     acts = s.origin_lost(ORIGIN, "no heartbeat")
     failed(one(of(acts, Deliver), Deliver), FailureCode.PEER_UNREACHABLE, SRC)
-    assert s.pulling() == 0 and ORIGIN not in s.origins()
+    assert s.pulling() == 0 and ORIGIN not in s.origins() and not s.holds(ORIGIN)
     assert_empty(s)
 
 

@@ -595,6 +595,12 @@ class PushPair(RuleBasedStateMachine):
     # -- invariants -----------------------------------------------------------------------------
 
     @invariant()
+    def holds_answers_as_origins(self) -> None:  # the handshake's O(1) question, against the whole set
+        busy = self.send.origins()
+        assert all(self.send.holds(o) for o in busy) and not self.send.holds("nobody")
+        assert self.send.holds(self.origin) == (self.origin in busy)
+
+    @invariant()
     def legs_started_at_most_once(self) -> None:
         assert all(n == 1 for n in self.leg_starts.values())
 

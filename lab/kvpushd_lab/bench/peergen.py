@@ -19,6 +19,7 @@ import random
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif
+from kvpushd.core.peerlink import backoff_s
 from kvpushd.runtime.identity import agent_prefix
 
 MD_PREFIX = b"nixlSerDes|Agent"  # the form of NIXL agent metadata the daemon checks the name in
@@ -69,6 +71,7 @@ class Generator:
         self.channels = [grpc.aio.insecure_channel(spec["target"], options=[*opts, ("kvpushd.bench.conn", k)])
                          for k in range(-(-count // per))]
         self.stubs: list[Any] = [peer_pb2_grpc.PeerServiceStub(c) for c in self.channels]  # aio: untyped stubs
+        self.failures: Counter[str] = Counter()  # failed attempts by what they failed with
 
     def stub(self, p: Peer) -> Any:
         return self.stubs[(p.index - self.spec["first"]) // self.spec["per_connection"]]
@@ -78,23 +81,27 @@ class Generator:
         it = peer_pb2.PeerItem(seq=p.seq)
         getattr(it, kind).CopyFrom(msg)
         await p.call.write(peer_pb2.PeerBatch(items=[it]))
-        batch = await asyncio.wait_for(p.call.read(), self.spec["timeout_s"])
+        batch = await asyncio.wait_for(p.call.read(), self.spec["rpc_timeout_s"])
         if batch is grpc.aio.EOF:
             raise RuntimeError(f"stream ended: {await p.call.code()}")
         (res,) = batch.items
         out: peer_pb2.PeerResult = res.result
         return out
 
-    async def connect_one(self, p: Peer) -> bool:
-        """Handshake, stream, Register; retried (jittered back-off) as a daemon would, a few times."""
+    async def connect_one(self, p: Peer, start_at: float, deadline: float) -> bool:
+        """Handshake, stream, Register, from ``start_at`` on; after a failure it waits the back-off a
+        decode daemon's peer link waits (core.peerlink.backoff_s: handshake_retry_s doubled per failure in
+        a row up to handshake_retry_max_s, drawn at 50-100%) and tries again, until ``deadline``."""
         s = self.spec
-        while p.tries < s["tries"]:
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        while time.monotonic() < deadline:
             p.tries += 1
             stage = "handshake"
             try:
                 hello = await self.stub(p).Handshake(peer_pb2.HandshakeRequest(
                     protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(), node_id=p.node_id,
-                    peer_address=p.address, instance_id=p.instance_id), timeout=s["timeout_s"], wait_for_ready=True)
+                    peer_address=p.address, instance_id=p.instance_id), timeout=s["connect_timeout_s"],
+                    wait_for_ready=True)
                 md = (("kvpushd-session", hello.session_token), ("kvpushd-instance", p.instance_id))
                 stage = "register"
                 p.call = self.stub(p).Channel(metadata=md)
@@ -110,10 +117,11 @@ class Generator:
             except (grpc.aio.AioRpcError, RuntimeError, TimeoutError) as e:
                 p.error = f"{stage}: " + (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
                                           else repr(e))[:300]
+            self.failures[p.error[:120]] += 1
             if p.call is not None:
                 p.call.cancel()
                 p.call = None
-            await asyncio.sleep(random.uniform(0.5, 1.0) * min(4.0, 0.5 * 2 ** p.tries))
+            await asyncio.sleep(backoff_s(p.tries, random.random(), s["retry_s"], s["retry_max_s"]))
         return False
 
     async def beat_one(self, p: Peer) -> bool:
@@ -132,10 +140,14 @@ class Generator:
         while True:
             line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
             if line == "connect":
-                ok = await asyncio.gather(*(self.connect_one(p) for p in self.peers))
+                t0, rate = time.monotonic(), self.spec["connect_rate"]  # peers started per second; 0: all at once
+                deadline = t0 + self.spec["deadline_s"]
+                ok = await asyncio.gather(*(self.connect_one(p, t0 + (k / rate if rate > 0 else 0.0), deadline)
+                                            for k, p in enumerate(self.peers)))
                 errors = sorted({p.error for p, good in zip(self.peers, ok, strict=True) if not good})
                 say({"connected": sum(ok), "failed": len(ok) - sum(ok), "t_done": time.monotonic(),
-                     "retries": sum(p.tries - 1 for p in self.peers), "errors": errors[:5]})
+                     "retries": sum(p.tries - 1 for p in self.peers), "errors": errors[:5],
+                     "failures": dict(self.failures)})
             elif line == "beat":
                 t0 = time.monotonic()
                 ok = await asyncio.gather(*(self.beat_one(p) for p in self.peers))

@@ -24,12 +24,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import IO, Any
 
 import grpc
 from kvpushd_client import KVPushClient, Region, Role
 from kvpushd_client.proto.v1 import status_pb2, status_pb2_grpc
+
+from kvpushd.config import PeerApiConfig
 
 from .. import launch
 from .common import BenchError, KVMemory, Layout, Result, progress, sched_ns
@@ -48,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=16, help="blocks in each peer's registration (default 16)")
     p.add_argument("--metadata-bytes", type=int, default=2048, help="NIXL metadata size of each agent (default 2048)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for all to connect (default 600)")
+    p.add_argument("--connect-rate", type=float, default=0.0,
+                   help="peers that start connecting per second, all generators together (default 0: all at once, "
+                        "as a fleet does when this daemon restarts)")
 
 
 def _gen(spec: dict[str, Any], log: IO[str]) -> subprocess.Popen[str]:
@@ -93,6 +99,18 @@ def _status(sock: str) -> tuple[int, float, int, int]:
             len(resp.transfers) + resp.transfers_omitted)
 
 
+def hwm_kib(pid: int) -> int:
+    """The process's peak RSS (VmHWM)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _cpu_ms(pid: int) -> float:
     return sched_ns(pid)[0] / 1e6
 
@@ -125,11 +143,16 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         client.attach(ENGINE, Role.PRODUCER, 0, 1, [kv.buf.memory],
                       [Region(0, 0, kv.layout.num_blocks, kv.layout.block_len)], description="kvpushd bench peers")
         tag = os.urandom(3).hex()
+        pa = PeerApiConfig()
         first = 0
         for k, count in enumerate(_split(n, g)):
             spec = {"target": d.peer_address, "first": first, "count": count, "per_connection": args.per_connection,
                     "tag": f"peers-{tag}", "engine_id": ENGINE, "regions": args.regions, "blocks": args.blocks,
-                    "metadata_bytes": args.metadata_bytes, "timeout_s": 60.0, "tries": 5}
+                    "metadata_bytes": args.metadata_bytes, "deadline_s": args.timeout,
+                    "connect_rate": args.connect_rate * count / n,
+                    # a decode daemon's defaults: its handshake and item deadlines, its back-off after a failure
+                    "connect_timeout_s": pa.connect_timeout_s, "rpc_timeout_s": pa.rpc_timeout_s,
+                    "retry_s": pa.handshake_retry_s, "retry_max_s": pa.handshake_retry_max_s}
             logs.append(open(workdir / f"peergen-{k}.log", "w"))  # noqa: SIM115 (closed below)
             gens.append(_gen(spec, logs[-1]))
             first += count
@@ -138,13 +161,13 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         rss0, cpu0 = rss_kib(pid), _cpu_ms(pid)
         progress(f"peers: {n} synthetic decode peers from {g} generators over {conns} connections")
         t0 = time.monotonic()
-        done = _ask(gens, "connect", args.timeout)
+        done = _ask(gens, "connect", args.timeout + 60)
         connect_all_s = max(x["t_done"] for x in done) - t0
         connected = sum(x["connected"] for x in done)
         cpu_connect = _cpu_ms(pid) - cpu0
         progress(f"peers: {connected}/{n} connected and registered in {connect_all_s:.1f} s")
         time.sleep(2.0)
-        rss1 = rss_kib(pid)
+        rss1, peak = rss_kib(pid), hwm_kib(pid)
         c0, w0 = _cpu_ms(pid), time.monotonic()
         time.sleep(2.0)
         idle_ms_per_s = (_cpu_ms(pid) - c0) / (time.monotonic() - w0)
@@ -169,12 +192,16 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         launch.stop_all([d])
         kv.close()
     errors = sorted({e for x in done for e in x["errors"]})[:5]
+    failures: Counter[str] = Counter()
+    for x in done:
+        failures.update(x["failures"])
     data = {
         "peers": n, "connected": connected, "transfers_in_status": sends, "peers_in_status": listed,
         "generators": g, "connections": conns, "per_connection": args.per_connection,
         "connect_all_s": round(connect_all_s, 2), "connect_retries": sum(x["retries"] for x in done),
         "daemon_cpu_connect_s": round(cpu_connect / 1e3, 2),
         "rss_before_mib": round(rss0 / 1024, 1), "rss_after_mib": round(rss1 / 1024, 1),
+        "rss_peak_mib": round(peak / 1024, 1),  # the most while connecting: calls queued in gRPC included
         "rss_per_peer_kib": round((rss1 - rss0) / max(1, connected), 2),  # per peer connected
         "status_bytes": status_bytes, "status_ms": round(status_ms, 1),
         "cpu_per_heartbeat_round_ms": round(statistics.median(rounds), 1),
@@ -182,7 +209,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         "heartbeat_round_wall_ms": round(statistics.median(walls) * 1e3, 1),
         "heartbeats_answered": min(beats), "idle_cpu_ms_per_s": round(idle_ms_per_s, 1),
         "per_peer": {"regions": args.regions, "blocks": args.blocks, "agent_metadata_bytes": args.metadata_bytes},
-        "errors": errors,
+        "errors": errors, "failed_attempts": dict(failures.most_common(8)), "connect_rate": args.connect_rate,
     }
     if connected < n:
         progress(f"peers: {n - connected} peers did not connect: {errors}")
@@ -196,8 +223,13 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
               "producer worker; synthetic decode peers in load-generator processes on loopback, each its own node "
               "id, instance id and peer address: Handshake, Channel stream, one Register of its own agent "
               "(metadata never loaded: no publish comes), heartbeats on the stream when told.",
-              "connect_all_s: all generators told to connect at once (channels created but not connected) until "
-              "the last peer's Register was answered; failed attempts are retried with a jittered back-off.",
+              "connect_all_s: all generators told to connect (channels created but not connected; every peer at "
+              "once unless connect_rate is set) until the last peer's Register was answered. Each peer uses a decode "
+              "daemon's defaults: peer_api.connect_timeout_s for its Handshake, rpc_timeout_s for its Register, and "
+              "after a failed attempt the back-off of kvpushd's peer link (handshake_retry_s doubled per failure "
+              "up to handshake_retry_max_s, drawn at 50-100%), retried until --timeout; failed_attempts counts "
+              "them by error.",
+              "rss_peak_mib: the daemon's VmHWM after connecting (what the storm cost at its peak).",
               "RSS from /proc/PID/status; CPU from /proc/PID/task/*/schedstat; the generators share the CPUs."]
     return Result("peers", data, lines=lines, method=method)
 
