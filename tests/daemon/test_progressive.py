@@ -11,28 +11,19 @@ from __future__ import annotations
 import time
 
 import grpc
-import numpy as np
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Role, _convert
-from support import POISON, make_kv, wait_for
+from support import POISON, attach_pair, layered_kv, wait_for
 
 REGIONS, LAYERS, BLOCKS = 8, 4, 64
 
 
 @pytest.fixture
 def kv():  # type: ignore[no-untyped-def]
-    src = make_kv("prog-src", regions=REGIONS, num_blocks=BLOCKS, block_len=4096, fill="poison")
-    dst = make_kv("prog-dst", regions=REGIONS, num_blocks=BLOCKS, block_len=4096, fill="poison")
-    want = np.random.default_rng(3).integers(0, 256, src.arr.shape, dtype=np.uint8)
+    src, dst, want = layered_kv("prog", REGIONS, BLOCKS, 3)
     yield src, dst, want
     src.close()
     dst.close()
-
-
-def _attach(p, d, src, dst):  # type: ignore[no-untyped-def]
-    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=True)
-    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    return pw, dw
 
 
 def _compute_layer(src, want, g: int, blocks: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -49,7 +40,7 @@ def _counters(dm):  # type: ignore[no-untyped-def]
 def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: str) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     sblocks, dblocks = [3, 4, 5, 9], [10, 11, 12, 30]
@@ -95,7 +86,7 @@ def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: st
 def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     dw.expect("t2", [1, 2], p.peer_address, "prefill", 1)
@@ -119,7 +110,7 @@ def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(daemo
 def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     dw.expect("t3", [20, 21], p.peer_address, "prefill", 1)
@@ -146,7 +137,7 @@ def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(daemon_pair, 
 def test_worker_dying_between_layers_fails_the_transfer(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     dw.expect("t4", [5, 6], p.peer_address, "prefill", 1)

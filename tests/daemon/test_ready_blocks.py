@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, KVPushError, Role
-from support import POISON, make_kv, wait_for
+from kvpushd_client import CompletionKind, KVPushError
+from support import POISON, attach_pair, layered_kv, make_kv, wait_for
 
 REGIONS, LAYERS, BLOCKS = 8, 4, 64
 PER = REGIONS // LAYERS
@@ -22,18 +22,10 @@ PER = REGIONS // LAYERS
 
 @pytest.fixture
 def kv():  # type: ignore[no-untyped-def]
-    src = make_kv("ready-src", regions=REGIONS, num_blocks=BLOCKS, block_len=4096, fill="poison")
-    dst = make_kv("ready-dst", regions=REGIONS, num_blocks=BLOCKS, block_len=4096, fill="poison")
-    want = np.random.default_rng(5).integers(0, 256, src.arr.shape, dtype=np.uint8)
+    src, dst, want = layered_kv("ready", REGIONS, BLOCKS, 5)
     yield src, dst, want
     src.close()
     dst.close()
-
-
-def _attach(p, d, src, dst):  # type: ignore[no-untyped-def]
-    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=True)
-    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    return pw, dw
 
 
 def _landed(dst, want, dblocks, sblocks, regions=range(REGIONS)) -> bool:  # type: ignore[no-untyped-def]
@@ -64,7 +56,7 @@ def test_ready_blocks_land_before_any_layer_is_rung_then_the_rest_layer_by_layer
         daemon_pair, kv, registration: str) -> None:
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     sblocks, dblocks = [3, 4, 5, 9, 17, 18], [10, 11, 12, 30, 31, 40]
@@ -122,7 +114,7 @@ def test_ready_blocks_land_before_any_layer_is_rung_then_the_rest_layer_by_layer
 def test_abort_after_the_ready_blocks_fails_both_sides_and_writes_nothing_more(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     sblocks, dblocks = [40, 41, 42], [20, 21, 22]
@@ -155,7 +147,7 @@ def test_abort_after_the_ready_blocks_fails_both_sides_and_writes_nothing_more(d
 def test_bad_ready_blocks_are_refused_and_the_daemon_goes_on(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     src, dst, want = kv
-    pw, dw = _attach(p, d, src, dst)
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
     seq = bell.step()
@@ -191,7 +183,7 @@ def test_many_legs_and_groups_in_flight(daemon_pair) -> None:  # type: ignore[no
     dst = make_kv("ready-many-dst", regions=MANY_REGIONS, num_blocks=BLOCKS, block_len=2048, fill="poison")
     try:
         want = np.random.default_rng(9).integers(0, 256, src.arr.shape, dtype=np.uint8)
-        pw, dw = _attach(p, d, src, dst)
+        pw, dw = attach_pair(p, d, src, dst, doorbell=True)
         bell = pw.doorbell
         assert bell is not None
         per = MANY_REGIONS // MANY_LAYERS

@@ -66,10 +66,18 @@ def make_kv(prefix: str, regions: int = 4, num_blocks: int = 64, block_len: int 
     return kv
 
 
-def attach_pair(p: DaemonProc, d: DaemonProc, src: KV, dst: KV) -> tuple[object, object]:
-    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+def attach_pair(p: DaemonProc, d: DaemonProc, src: KV, dst: KV, doorbell: bool = False) -> tuple[object, object]:
+    """A prefill worker on ``p`` (with a doorbell: progressive push) and a decode worker on ``d``."""
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=doorbell)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     return pw, dw
+
+
+def layered_kv(prefix: str, regions: int, num_blocks: int, seed: int) -> tuple[KV, KV, np.ndarray]:
+    """Source and destination KV, both poison (nothing computed yet), and the bytes prefill will compute."""
+    src = make_kv(f"{prefix}-src", regions=regions, num_blocks=num_blocks, fill="poison")
+    dst = make_kv(f"{prefix}-dst", regions=regions, num_blocks=num_blocks, fill="poison")
+    return src, dst, np.random.default_rng(seed).integers(0, 256, src.arr.shape, dtype=np.uint8)
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 20.0, interval: float = 0.02) -> bool:
