@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pserver = vllm_server("vllm-prefill", vp, model, pport, work, core=0, kv_transfer={
                 "kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                 "kv_role": "kv_producer", "engine_id": P_ENGINE,
-                "kv_connector_extra_config": {"kvpushd_socket": pd.sock, **extra}})
+                "kv_connector_extra_config": {"kvpushd_socket": pd.sock, **extra,
+                                              "kvpushd_progressive": not args.no_progressive}})
             procs.append(pserver)
             dserver = vllm_server("vllm-decode", vp, model, dport, work, core=1, kv_transfer={
                 "kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
@@ -300,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 wait_until(quiet, 30, "both daemons to hold nothing", interval_s=0.5)
             out["pending_and_held_at_end"] = {d.name: dict(zip(("transfers", "held_blocks"), pending_and_held(d),
                                                                strict=True)) for d in (pd, dd)}
+            out["progressive"] = progressive_seen((work / "vllm-prefill.log").read_text(errors="replace"))
             cp, cd = counters(pd), counters(dd)
             out["bytes_moved"] = {"prefill_daemon_bytes_written": cp.get("bytes_written", 0),
                                   "decode_daemon_bytes_received": sum(
@@ -396,6 +398,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+_PROGRESSIVE_ON = re.compile(r"kvpushd: progressive push on: (\d+) layer groups")
+_FIRST_STEP = re.compile(r"kvpushd: first progressive step .*?: (\d+) publish\(es\) declared before the forward; "
+                         r"save_kv_layer rang the doorbell (\d+) time\(s\), (\d+) of (\d+) layer groups")
+
+
+def progressive_seen(prefill_log: str) -> dict[str, Any]:
+    """What the prefill connector logged of progressive push: on (its layer groups), and its first
+    progressive step: publishes declared before the forward, doorbell rings from save_kv_layer."""
+    on, first = _PROGRESSIVE_ON.search(prefill_log), _FIRST_STEP.search(prefill_log)
+    out: dict[str, Any] = {"on": on is not None, "layer_groups": int(on.group(1)) if on else 0}
+    if first:
+        out.update(first_step_declared=int(first.group(1)), first_step_rings=int(first.group(2)),
+                   first_step_groups_rung=int(first.group(3)))
+    return out
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -417,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-kind", choices=KINDS, default="llama",
                     help="hybrid: sliding-window and full-attention layers (two KV cache groups)")
     ap.add_argument("--publish-timeout-s", type=float, default=120.0)
+    ap.add_argument("--no-progressive", action="store_true",
+                    help="kvpushd_progressive false on prefill: publish whole requests once finished")
     ap.add_argument("--restart-prefill-daemon", action="store_true")
     ap.add_argument("--kill-decode-worker", action="store_true")
     ap.add_argument("--probe-decode-failures", action="store_true",
