@@ -378,7 +378,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     (keep / f.name).write_bytes(f.read_bytes())
     new = shm_listing() - shm_before
     # What the connector is answerable for: the names it makes (and torch's, which it used to leave).
-    out["shm_leaked"] = sorted(n for n in new if n.startswith((OWNED_SHM_PREFIX, "torch_")))
+    # (a name whose creator still runs is another program's: this run's engines are all gone by now)
+    out["shm_leaked"] = sorted(n for n in new if n.startswith((OWNED_SHM_PREFIX, "torch_")) and not _creator_alive(n))
     # vLLM's own shm (its message queues psm_*, semaphores sem.*) outlives a SIGKILLed worker: report
     # and remove what our engines mapped; anything else new in /dev/shm belongs to someone else.
     others = sorted(n for n in new & vllm_shm if n not in out["shm_leaked"])
@@ -412,6 +413,12 @@ def progressive_seen(prefill_log: str) -> dict[str, Any]:
         out.update(first_step_declared=int(first.group(1)), first_step_rings=int(first.group(2)),
                    first_step_groups_rung=int(first.group(3)))
     return out
+
+
+def _creator_alive(name: str) -> bool:
+    """kvpushd-kv-[bell-]<pid>-<hex>: whether that pid still runs."""
+    m = re.match(re.escape(OWNED_SHM_PREFIX) + r"(?:bell-)?(\d+)-", name)
+    return m is not None and _pid_alive(int(m.group(1)))
 
 
 def _pid_alive(pid: int) -> bool:
