@@ -5,8 +5,8 @@ a transfer. The step's commands go out on the worker stream as ONE CommandBatch 
 ``get_finished``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
 decoding defers it, ``wait_for_save``) has handed over the step's metadata.
 
-Progressive push (a prefill worker with a doorbell, progress.py): the batch goes out before the
-forward instead, from ``bind_connector_metadata`` (vLLM 0.32/0.33 call ``start_load_kv`` after the
+Progressive push (``kvpushd_progressive``, progress.py): the batch goes out before the forward instead
+(a decode worker's Expects as well), from ``bind_connector_metadata`` (vLLM 0.32/0.33 call ``start_load_kv`` after the
 forward unless a load must precede it), which also begins the doorbell's step; declared publishes
 name that step and the layer groups; ``save_kv_layer`` rings as layers finish; ``wait_for_save``
 seals the step.
@@ -132,11 +132,13 @@ class KVPushdConnectorWorker:
     # progressive push: the engine thread, around the forward -----------------------------------------
     def begin_step(self, meta: KVConnectorMetadata | None) -> None:
         """Before the forward (``bind_connector_metadata``): a new doorbell step, this step's commands
-        (declared publishes with that step) sent at once so the daemon has them before layer 0."""
-        bell = self._bell
-        if bell is None or self._link is None:
+        (declared publishes with that step) sent at once so the daemon has them before layer 0. A
+        decode worker's Expects go out then too: the registration does not wait for decode's forward."""
+        if not self.settings.progressive or self._link is None:
             return
-        bell.step()
+        bell = self._bell
+        if bell is not None:
+            bell.step()
         declared = self.declared
         self.process(meta)
         self._ringing = self.declared > declared
