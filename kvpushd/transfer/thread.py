@@ -308,7 +308,7 @@ class TransferThread:
         if fault == "write_post":
             return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
         if staged is not None:  # progressive push: its layer groups go as they become ready
-            r = result(True, "")
+            r = result(True, "", nbytes, 0.0, requested, merged)  # the leg's figures, whatever WRITEs carry it
             assert isinstance(r, WriteResult)
             self._stages.add(r.leg, loc, remote.name, make, r, t0, *staged, len(src), self._write_timeout_s, fault)
             self._advance()

@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pserver = vllm_server("vllm-prefill", vp, model, pport, work, core=0, kv_transfer={
                 "kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                 "kv_role": "kv_producer", "engine_id": P_ENGINE,
-                "kv_connector_extra_config": {"kvpushd_socket": pd.sock, **extra}})
+                "kv_connector_extra_config": {"kvpushd_socket": pd.sock, **extra,
+                                              "kvpushd_progressive": not args.no_progressive}})
             procs.append(pserver)
             dserver = vllm_server("vllm-decode", vp, model, dport, work, core=1, kv_transfer={
                 "kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
@@ -300,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 wait_until(quiet, 30, "both daemons to hold nothing", interval_s=0.5)
             out["pending_and_held_at_end"] = {d.name: dict(zip(("transfers", "held_blocks"), pending_and_held(d),
                                                                strict=True)) for d in (pd, dd)}
+            out["progressive"] = progressive_seen((work / "vllm-prefill.log").read_text(errors="replace"))
             cp, cd = counters(pd), counters(dd)
             out["bytes_moved"] = {"prefill_daemon_bytes_written": cp.get("bytes_written", 0),
                                   "decode_daemon_bytes_received": sum(
@@ -376,7 +378,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     (keep / f.name).write_bytes(f.read_bytes())
     new = shm_listing() - shm_before
     # What the connector is answerable for: the names it makes (and torch's, which it used to leave).
-    out["shm_leaked"] = sorted(n for n in new if n.startswith((OWNED_SHM_PREFIX, "torch_")))
+    # (a name whose creator still runs is another program's: this run's engines are all gone by now)
+    out["shm_leaked"] = sorted(n for n in new if n.startswith((OWNED_SHM_PREFIX, "torch_")) and not _creator_alive(n))
     # vLLM's own shm (its message queues psm_*, semaphores sem.*) outlives a SIGKILLed worker: report
     # and remove what our engines mapped; anything else new in /dev/shm belongs to someone else.
     others = sorted(n for n in new & vllm_shm if n not in out["shm_leaked"])
@@ -394,6 +397,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      and out.get("prefill_daemon_restart", {}).get("tokens_match", True)
                      and out.get("decode_worker_sigkill", {}).get("ok", True))
     return out
+
+
+_PROGRESSIVE_ON = re.compile(r"kvpushd: progressive push on: (\d+) layer groups")
+_FIRST_STEP = re.compile(r"kvpushd: first progressive step .*?: (\d+) publish\(es\) declared before the forward; "
+                         r"save_kv_layer rang the doorbell (\d+) time\(s\), (\d+) of (\d+) layer groups")
+
+
+def progressive_seen(prefill_log: str) -> dict[str, Any]:
+    """What the prefill connector logged of progressive push: on (its layer groups), and its first
+    progressive step: publishes declared before the forward, doorbell rings from save_kv_layer."""
+    on, first = _PROGRESSIVE_ON.search(prefill_log), _FIRST_STEP.search(prefill_log)
+    out: dict[str, Any] = {"on": on is not None, "layer_groups": int(on.group(1)) if on else 0}
+    if first:
+        out.update(first_step_declared=int(first.group(1)), first_step_rings=int(first.group(2)),
+                   first_step_groups_rung=int(first.group(3)))
+    return out
+
+
+def _creator_alive(name: str) -> bool:
+    """kvpushd-kv-[bell-]<pid>-<hex>: whether that pid still runs."""
+    m = re.match(re.escape(OWNED_SHM_PREFIX) + r"(?:bell-)?(\d+)-", name)
+    return m is not None and _pid_alive(int(m.group(1)))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -417,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-kind", choices=KINDS, default="llama",
                     help="hybrid: sliding-window and full-attention layers (two KV cache groups)")
     ap.add_argument("--publish-timeout-s", type=float, default=120.0)
+    ap.add_argument("--no-progressive", action="store_true",
+                    help="kvpushd_progressive false on prefill: publish whole requests once finished")
     ap.add_argument("--restart-prefill-daemon", action="store_true")
     ap.add_argument("--kill-decode-worker", action="store_true")
     ap.add_argument("--probe-decode-failures", action="store_true",

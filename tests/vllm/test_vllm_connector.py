@@ -119,9 +119,13 @@ def test_decode_request_waits_for_remote_kv(model_dir: Path) -> None:
     assert not s.connector.has_pending_push_work()
 
 
-def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon]) -> None:
+@pytest.mark.parametrize("progressive", [False, True])
+def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple[vs.Daemon, vs.Daemon],
+                                                 progressive: bool) -> None:
+    """Without progressive push the publish goes in the step after the request finished; with it (the
+    default) it is declared in the step that computes the prompt, and never published again."""
     p, _ = daemons
-    cfg = vs.make_vllm_config(model_dir, "kv_producer", P_ENGINE, p.sock)
+    cfg = vs.make_vllm_config(model_dir, "kv_producer", P_ENGINE, p.sock, extra={"kvpushd_progressive": progressive})
     s = vs.create_scheduler(cfg, vs.simple_kv_cache_config(100, 16))
     start_free = vs.num_free_blocks(s)
     x = x_request_id()
@@ -131,7 +135,11 @@ def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple
 
     so = s.schedule()
     (blocks,) = s.kv_cache_manager.get_block_ids(rid)
+    declared = [PublishReq(rid, f"cmpl-{x}-0", tuple(blocks), declared=True)] if progressive else []
+    assert so.kv_connector_metadata.publishes == declared
+    assert s.connector.has_pending_block_frees() is progressive  # no preemption until it finished
     outs = s.update_from_output(so, vs.model_output([req]))
+    assert not s.connector.has_pending_block_frees()
     params = outs[0].outputs[0].kv_transfer_params
     host, port = p.peer_address.rsplit(":", 1)
     assert params["remote_host"] == host and params["remote_port"] == int(port)  # the daemon, not NIXL
@@ -145,7 +153,8 @@ def test_prefill_request_holds_blocks_until_sent(model_dir: Path, daemons: tuple
 
     so = s.schedule()
     meta = so.kv_connector_metadata
-    assert meta.publishes == [PublishReq(rid, f"cmpl-{x}-0", tuple(blocks))] and rid in so.finished_req_ids
+    published = [] if progressive else [PublishReq(rid, f"cmpl-{x}-0", tuple(blocks))]
+    assert meta.publishes == published and rid in so.finished_req_ids
     s.update_from_output(so, vs.model_output([]))
     assert rid in s.requests and s.connector.has_pending_push_work()  # still held: nothing sent yet
 
@@ -596,9 +605,10 @@ def test_prefill_leg_names_its_decode_node(model_dir: Path, daemons: tuple[vs.Da
                              "kvpushd_consumer_tls_name": "decode-7.example"}, 16)
     s.add_request(req)
     so = s.schedule()
+    (pub,) = so.kv_connector_metadata.publishes  # declared with the step that computes the prompt
     s.update_from_output(so, vs.model_output([req]))
     so = s.schedule()
-    (pub,) = so.kv_connector_metadata.publishes
+    assert not so.kv_connector_metadata.publishes
     assert pub.consumer_node_id == "decode-7" and pub.consumer_tls_name == "decode-7.example"
     s.update_from_output(so, vs.model_output([]))
     so = s.schedule()

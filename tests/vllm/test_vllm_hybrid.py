@@ -147,19 +147,25 @@ def test_failed_receive_on_a_two_group_model(policy: str) -> None:
     assert vs.num_free_blocks(s) == start_free
 
 
-def test_prefill_publishes_every_group_and_answers_like_upstream() -> None:
+@pytest.mark.parametrize("progressive", [True, False])
+def test_prefill_publishes_every_group_and_answers_like_upstream(progressive: bool) -> None:
+    """Declared in the step that computes the prompt (progressive push), or published in the next one:
+    the same blocks of both groups either way."""
     cfg = vs.make_vllm_config(_tiny(), "kv_producer", P_ENGINE, "/nonexistent/kvpushd.sock",
-                              extra={"kvpushd_peer_address": "10.0.0.2:7700"})
+                              extra={"kvpushd_peer_address": "10.0.0.2:7700", "kvpushd_progressive": progressive})
     s = vs.create_scheduler(cfg, vs.hybrid_kv_cache_config(100, BS, 32))
     x = x_request_id()
     req = vs.create_request(engine_request_id(x), 100, 1, vs.prefill_params(), BS)
     s.add_request(req)
     so = s.schedule()
+    declared = so.kv_connector_metadata.publishes
     full, swa = (list(b) for b in s.kv_cache_manager.get_block_ids(req.request_id))
     outs = s.update_from_output(so, vs.model_output([req]))
     params = outs[0].outputs[0].kv_transfer_params
     so = s.schedule()
-    (pub,) = so.kv_connector_metadata.publishes
+    (pub,) = declared if progressive else so.kv_connector_metadata.publishes
+    assert not (so.kv_connector_metadata.publishes if progressive else declared)  # once
+    assert pub.declared is progressive and pub.ready_blocks == 0
     assert pub.block_ids == tuple(full[:7]) + tuple(swa[4:7])
     # The keys upstream's NixlPushConnector answers (transfer_mode included), block ids per group.
     upstream = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",

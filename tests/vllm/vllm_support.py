@@ -252,7 +252,8 @@ def create_request(req_id: str, num_tokens: int, max_tokens: int, kv_transfer_pa
 
 
 def model_output(reqs: list[Any], kv: Any = None, eos: bool = False) -> Any:
-    """A ModelRunnerOutput sampling one token for each request."""
+    """A ModelRunnerOutput sampling one token for each request (none for a request still in its
+    prompt: a partial prefill chunk, whose sample the model runner discards)."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
     if not reqs:
@@ -261,7 +262,8 @@ def model_output(reqs: list[Any], kv: Any = None, eos: bool = False) -> Any:
         return out
     ids = [r.request_id for r in reqs]
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[EOS_TOKEN_ID if eos else 7] for _ in ids], logprobs=None,
+                             sampled_token_ids=[[] if r.num_computed_tokens < r.num_tokens
+                                                else [EOS_TOKEN_ID if eos else 7] for r in reqs], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv)
 
 

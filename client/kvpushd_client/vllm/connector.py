@@ -52,6 +52,7 @@ from .metadata import (
     daemon_engine_id,
     transfer_id_for,
 )
+from .progress import progressive_supported
 from .scheduler import KVPushdConnectorScheduler
 from .stats import KVPushdKVConnectorStats, KVPushdPromMetrics
 from .utils import Settings, check_vllm_version
@@ -123,9 +124,9 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """No: no per-layer hook does work (``save_kv_layer``/``wait_for_layer_load`` return at once;
-        a request's KV is published whole once it finished), so full CUDA graphs lose nothing."""
-        return False
+        """With progressive push on a GPU: ``save_kv_layer`` rings the doorbell per layer, which full
+        CUDA graphs would skip. Otherwise no per-layer hook does work (the KV is published whole)."""
+        return Settings.from_extra_config(dict(extra_config or {})).progressive and progressive_supported("cuda")
 
     # scheduler side ------------------------------------------------------------------------------
     @property
@@ -160,6 +161,19 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
 
+    def has_pending_block_frees(self) -> bool:
+        """True while a declared push's request still runs: no preemption may free its blocks then."""
+        return self._sched is not None and self._sched.has_pending_block_frees()
+
+    def on_new_request(self, request: Request) -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
+
     # worker side ---------------------------------------------------------------------------------
     @property
     def worker_side(self) -> KVPushdConnectorWorker:
@@ -169,6 +183,12 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward (vLLM calls ``start_load_kv`` after it): progressive push begins the step here."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_side.process(self._connector_metadata)
 
@@ -177,10 +197,13 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return  # nothing per layer: finished requests are published as a whole
+        """Progressive push: ring the doorbell (a store; nothing when this step declared nothing)."""
+        self.worker_side.layer_done(layer_name)
 
     def wait_for_save(self) -> None:
-        self.worker_side.process(self._connector_metadata)
+        w = self.worker_side
+        w.end_forward()
+        w.process(self._connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         w = self.worker_side

@@ -28,7 +28,7 @@ OWNED_SHM_PREFIX = "kvpushd-kv-"
 _owned: dict[str, int] = {}  # name -> the open fd whose shared flock says "this process still uses it"
 
 
-def _natural_key(name: str) -> list[Any]:
+def natural_key(name: str) -> list[Any]:
     """"layers.2" before "layers.10", so P and D list regions in the same order."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
@@ -245,11 +245,21 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_sh
     """Memory handles (one per backing allocation) and regions (per layer, and once for layers that
     view the same bytes alike) of a worker's KV cache. ``specs`` (layer name -> KV cache spec) let
     the regions say their layout, heads and block size in tokens."""
+    memory, regions, _ = describe_kv_caches_owned(kv_caches, num_blocks, host_kv_to_shm, specs)
+    return memory, regions
+
+
+def describe_kv_caches_owned(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_shm: bool = False,
+                             specs: dict[str, Any] | None = None,
+                             ) -> tuple[list[Memory], list[Region], list[list[str]]]:
+    """``describe_kv_caches`` plus, per region, the layers whose KV it holds (several where layers view
+    one allocation alike): a region is complete in a step once all of them wrote it (progress.py)."""
     memory: list[Memory] = []
     index: dict[Any, int] = {}
     regions: list[Region] = []
-    seen: dict[tuple[int, int, int, int, int], tuple[Geometry, str]] = {}
-    for name in sorted(kv_caches, key=_natural_key):
+    owners: list[list[str]] = []
+    seen: dict[tuple[int, int, int, int, int], tuple[Geometry, str, int]] = {}
+    for name in sorted(kv_caches, key=natural_key):
         t = kv_caches[name]
         what = f"KV cache of layer {name!r}"
         if not isinstance(t, torch.Tensor):
@@ -279,12 +289,14 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_sh
                     raise NotImplementedError(
                         f"kvpushd: layers {seen[r][1]!r} and {name!r} view the same KV memory with different "
                         f"block layouts ({seen[r][0]} vs {geo}); such a model is not supported")
+                owners[seen[r][2]].append(name)
                 continue
-            seen[r] = (geo, name)
+            seen[r] = (geo, name, len(regions))
+            owners.append([name])
             regions.append(Region(mi, first + off, nb, blen, bstride, block_size_tokens=geo.block_tokens,
                                   layout=geo.layout, num_heads=geo.num_heads))
     if not regions:
         raise RuntimeError("kvpushd: no KV cache tensors to register")
     if len(regions) > MAX_REGIONS:
         raise RuntimeError(f"kvpushd: {len(regions)} KV regions; the daemon takes at most {MAX_REGIONS}")
-    return memory, regions
+    return memory, regions, owners

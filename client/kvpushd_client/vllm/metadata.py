@@ -147,12 +147,18 @@ class PublishReq:
     # node id / client certificate name, set by a router that binds the transfer to it ("": unbound)
     consumer_node_id: str = ""
     consumer_tls_name: str = ""
+    # Progressive push: declared in the step that computes the prompt's last tokens, before its
+    # forward (the worker adds the step and its layer groups); else published once the request finished.
+    declared: bool = False
+    ready_blocks: int = 0  # declared: the leading blocks already complete (a prefix-cache hit, earlier chunks)
 
 
 @dataclass(frozen=True)
 class AbortReq:
     req_id: str
     transfer_id: str
+    send: bool = False    # a declared publish (prefill), not an expect
+    report: bool = True   # send: report finished_sending once it settled (False: vLLM already freed the blocks)
 
 
 @dataclass

@@ -1,6 +1,16 @@
 """Scheduler side (engine core process): decides what to expect, publish and abort, and ships it to
 the workers in the connector metadata. Makes no daemon call per request (only one status call, once,
 for the address prefill advertises). Imports vLLM only for type checking and one enum at run time.
+
+Progressive push (``kvpushd_progressive``, on by default): a prefill request is *declared* in the
+metadata of the step that computes its prompt's last tokens, so its workers hand the daemon the
+publish before that step's forward and the daemon writes each layer as it is computed. Only a
+request that this step also finishes is declared (``max_tokens`` reached with the token this step
+samples: a P/D prefill leg asks for one). Its blocks then stay put: vLLM finishes it in this step's
+``update_from_output`` and ``request_finished`` keeps them until the workers report the push done,
+and until then ``has_pending_block_frees`` keeps the scheduler from preempting it (with async
+scheduling the next step is scheduled before this one's output; a preemption would free blocks the
+daemon may be writing from). Any other request is published once finished, as without the setting.
 """
 
 from __future__ import annotations
@@ -24,11 +34,12 @@ from .metadata import (
     transfer_id_for,
     transfer_mode_of,
 )
+from .progress import progressive_supported
 from .utils import Settings, logger, split_host_port
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -55,6 +66,16 @@ class KVPushdConnectorScheduler:
         self._peer: tuple[str, int] | None = split_host_port(settings.peer_address) if settings.peer_address \
             else None
         self._peer_next_try = 0.0
+        # progressive push: prefill requests not declared yet, and those declared but not finished
+        self.progressive = settings.progressive and progressive_supported(vllm_config.device_config.device_type)
+        self._prefills: dict[str, Request] = {}
+        self._declared: dict[str, str] = {}  # req id -> transfer id
+        self.kv_cache_manager: KVCacheManager | None = None  # the scheduler's (bind_kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if self.progressive and params and params.get("do_remote_decode"):
+            self._prefills[request.request_id] = request
 
     # decode side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -114,10 +135,15 @@ class KVPushdConnectorScheduler:
             # the workers report finished_recving; they abort the transfer on both nodes first.
             self._aborts.append(AbortReq(rid, tid))
             return False, None
+        self._prefills.pop(rid, None)
+        declared = self._declared.pop(rid, None)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if declared is not None:  # its layers may be on the wire: stop, free once the daemon let go
+                self._aborts.append(AbortReq(rid, declared, send=True))
+                return True, None
             return False, None  # aborted or failed prefill: nothing to push; decode times out
         if len(self.groups) > 1:
             chosen = transfer_block_ids(self.groups, block_ids, request.num_prompt_tokens)
@@ -130,14 +156,16 @@ class KVPushdConnectorScheduler:
         else:
             blocks = tuple(block_ids[0]) if block_ids else ()
             remote_ids = list(blocks)
-        if blocks:
+        if declared is not None:
+            pass  # declared in the step that computed it (no second publish); held until the push is done
+        elif blocks:
             tid = transfer_id_for(rid, params)
             self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request),
                                               str(params.get("kvpushd_consumer_node") or ""),
                                               str(params.get("kvpushd_consumer_tls_name") or "")))
             self._sending[rid] = tid
         host, port = self._advertised_address()
-        return bool(blocks), {
+        return bool(blocks) or declared is not None, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": remote_ids,
@@ -167,6 +195,8 @@ class KVPushdConnectorScheduler:
         return self._peer if self._peer is not None else (None, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushdConnectorMetadata:
+        if self._prefills or self._declared:
+            self._declare(scheduler_output)
         meta = KVPushdConnectorMetadata(self._expects, self._publishes, self._aborts)
         self._expects, self._publishes, self._aborts = [], [], []
         return meta
@@ -180,6 +210,61 @@ class KVPushdConnectorScheduler:
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while blocks wait to be pushed (their free comes from a worker)."""
         return bool(self._sending or self._expects or self._publishes or self._aborts)
+
+    def has_pending_block_frees(self) -> bool:
+        """While a declared request runs (declared, not finished yet), vLLM must not preempt to make
+        room: that would free blocks the daemon may be writing from. It waits a step instead."""
+        return bool(self._declared)
+
+    # progressive push ----------------------------------------------------------------------------
+    def _declare(self, so: SchedulerOutput) -> None:
+        """Declare the prefills whose prompt this step completes and that this step finishes."""
+        for rid in so.preempted_req_ids or ():
+            tid = self._declared.pop(rid, None)
+            if tid is not None:
+                # Only reset_prefix_cache(reset_running_requests=True) preempts one (has_pending_block_frees
+                # keeps the scheduler from it): vLLM freed its blocks; stop the push, report nothing,
+                # and publish it once finished after its recompute.
+                logger.warning("kvpushd: request %s was preempted after its push was declared; the push is "
+                               "aborted and the request published once it finished again", rid)
+                self._aborts.append(AbortReq(rid, tid, send=True, report=False))
+                self._sending.pop(rid, None)
+        if self.kv_cache_manager is None:
+            return
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self._prefills.get(rid)
+            if req is None or req.num_computed_tokens + n < req.num_tokens:
+                continue  # not a prefill leg, or an earlier chunk
+            del self._prefills[rid]  # decided once
+            if req.num_output_tokens + 1 < req.max_tokens:
+                continue  # decodes on after this step: blocks may move; published once finished
+            blocks, ready = self._declared_blocks(req, req.num_computed_tokens + n)
+            if not blocks:
+                continue
+            params = req.kv_transfer_params or {}
+            tid = transfer_id_for(rid, params)
+            self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(req),
+                                              str(params.get("kvpushd_consumer_node") or ""),
+                                              str(params.get("kvpushd_consumer_tls_name") or ""),
+                                              declared=True, ready_blocks=ready))
+            self._declared[rid] = tid
+            self._sending[rid] = tid
+
+    def _declared_blocks(self, req: Request, tokens: int) -> tuple[tuple[int, ...], int]:
+        """The blocks a declared publish moves (as ``request_finished`` would), and how many leading ones
+        are complete already (computed before this step: a prefix-cache hit, earlier chunks)."""
+        assert self.kv_cache_manager is not None
+        table = self.kv_cache_manager.get_block_ids(req.request_id)
+        done = req.num_computed_tokens
+        if len(self.groups) > 1:
+            chosen = transfer_block_ids(self.groups, table, req.num_prompt_tokens)
+            if isinstance(chosen, str):
+                return (), 0  # request_finished says why
+            pos = self.groups[0].positions(req.num_prompt_tokens)
+            return chosen, max(0, min(done // self.groups[0].block_size, pos.stop) - pos.start)
+        bs = self.groups[0].block_size if self.groups else 1
+        blocks = tuple(table[0][:-(-tokens // bs)]) if table else ()
+        return blocks, min(done // bs, len(blocks))
 
 
 def traceparent_of(request: Request) -> str:

@@ -62,6 +62,7 @@ class Settings:
     reconnect_interval_s: float = 0.5
     host_kv_to_shm: bool = False      # move private host KV into POSIX shm at start (one copy)
     peer_address: str | None = None   # what prefill advertises as remote_host:remote_port
+    progressive: bool = True          # declare a prefill's publish in the step that computes it (progress.py)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> Settings:
@@ -81,4 +82,12 @@ class Settings:
             reconnect_interval_s=num("kvpushd_reconnect_interval_s", cls.reconnect_interval_s),
             host_kv_to_shm=bool(extra.get("kvpushd_host_kv_to_shm", False)),
             peer_address=str(peer) if peer is not None else None,
+            progressive=_flag(extra.get("kvpushd_progressive", True)),
         )
+
+
+def _flag(v: Any) -> bool:
+    """A boolean key; the strings "false", "0", "no", "off" are false (as a command line may pass them)."""
+    if isinstance(v, str):
+        return v.strip().lower() not in ("false", "0", "no", "off", "")
+    return bool(v)

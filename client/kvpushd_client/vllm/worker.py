@@ -4,10 +4,17 @@ commands and reads completions already delivered, so a step never waits on a gRP
 a transfer. The step's commands go out on the worker stream as ONE CommandBatch from
 ``get_finished``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
 decoding defers it, ``wait_for_save``) has handed over the step's metadata.
+
+Progressive push (``kvpushd_progressive``, progress.py): the batch goes out before the forward instead
+(a decode worker's Expects as well), from ``bind_connector_metadata`` (vLLM 0.32/0.33 call ``start_load_kv`` after the
+forward unless a load must precede it), which also begins the doorbell's step; declared publishes
+name that step and the layer groups; ``save_kv_layer`` rings as layers finish; ``wait_for_save``
+seals the step.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 from dataclasses import dataclass
@@ -15,8 +22,9 @@ from typing import TYPE_CHECKING
 
 from ..reconnect import Call, ReconnectingStreamWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
-from .layout import describe_kv_caches, layer_specs, release_owned_shm
+from .layout import describe_kv_caches_owned, layer_specs, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
+from .progress import Bell, LayerProgress, make_doorbell
 from .utils import Settings, logger
 from .xfer_stats import Data, is_empty, new_data, record, record_lost
 
@@ -36,6 +44,11 @@ class _Pending:
     op: Call | None = None  # the Expect or Publish
     aborted: bool = False
     done: bool = False
+    silent: bool = False  # a send vLLM no longer holds blocks for (preempted): reported to nobody
+
+
+# A client whose publish takes ``ready_blocks`` (leading blocks complete at declare time) gets them.
+_READY_BLOCKS = "ready_blocks" in inspect.signature(ReconnectingStreamWorker.publish_nowait).parameters
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,15 +79,36 @@ class KVPushdConnectorWorker:
         self._meta_done: KVConnectorMetadata | None = None
         self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
         self._stats: Data = new_data()  # this interval's figures (vLLM takes them every step)
+        # progressive push (progress.py): this worker's doorbell, its layer groups, this step's state
+        self._bell: Bell | None = None
+        self._progress: LayerProgress | None = None
+        self._ringing = False  # this step declared a publish: save_kv_layer rings
+        self._step_rings = 0
+        self._after_forward: list[PublishReq] = []  # declared, but no doorbell here: published whole
+        self.declared = 0  # publishes declared so far
+        self.rings = 0     # doorbell rings from save_kv_layer so far
+        self._first_step_logged = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        memory, regions = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm, self._specs)
+        memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
+                                                           self._specs)
         self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
+        if self.settings.progressive and self.role in (Role.PRODUCER, Role.BOTH):
+            self._bell = make_doorbell(kv_caches)
+            if self._bell is None:
+                logger.info("kvpushd: no doorbell for this KV (CUDA KV needs a GPU doorbell); requests are "
+                            "published whole once finished")
+            else:
+                self._progress = LayerProgress(owners)
+                logger.info("kvpushd: progressive push on: %d layer groups of %d region(s) each, doorbell %s%s",
+                            self._progress.layers, self._progress.per_group, self._bell.name,
+                            "" if self._progress.in_order else " (regions not in forward order: groups go later)")
         link = ReconnectingStreamWorker(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-            "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}"},
+            "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}",
+            **({"doorbell": self._bell} if self._bell is not None else {})},
             rpc_timeout_s=self.settings.rpc_timeout_s, reconnect_interval_s=self.settings.reconnect_interval_s,
             logger=logger)
         try:
@@ -95,6 +129,56 @@ class KVPushdConnectorWorker:
             raise RuntimeError("kvpushd: register_kv_caches() has not run on this worker")
         return self._link
 
+    # progressive push: the engine thread, around the forward -----------------------------------------
+    def begin_step(self, meta: KVConnectorMetadata | None) -> None:
+        """Before the forward (``bind_connector_metadata``): a new doorbell step, this step's commands
+        (declared publishes with that step) sent at once so the daemon has them before layer 0. A
+        decode worker's Expects go out then too: the registration does not wait for decode's forward."""
+        if not self.settings.progressive or self._link is None:
+            return
+        bell = self._bell
+        if bell is not None:
+            bell.step()
+        declared = self.declared
+        self.process(meta)
+        self._ringing = self.declared > declared
+        if self._ringing:
+            assert self._progress is not None
+            self._progress.reset()
+            self._step_rings = 0
+        self._link.step()
+
+    def layer_done(self, layer_name: str) -> None:
+        """``save_kv_layer``: this layer's KV is written; ring when more leading groups are complete."""
+        if self._ringing:
+            assert self._progress is not None and self._bell is not None
+            n = self._progress.layer_done(layer_name)
+            if n:
+                self._bell.layer_done(n)
+                self._step_rings += 1
+
+    def end_forward(self) -> None:
+        """``wait_for_save``: the forward is complete; seal the step, publish what could not be declared."""
+        if self._bell is not None:
+            self._bell.seal()
+            if self._ringing:
+                self._ringing = False
+                self.rings += self._step_rings
+                if not self._first_step_logged:
+                    self._first_step_logged = True
+                    assert self._progress is not None
+                    (logger.info if self._step_rings else logger.warning)(
+                        "kvpushd: first progressive step (doorbell step %d): %d publish(es) declared before the "
+                        "forward; save_kv_layer rang the doorbell %d time(s), %d of %d layer groups%s",
+                        self._bell.seq, self.declared, self._step_rings, self._progress.groups_done,
+                        self._progress.layers, "" if self._step_rings else
+                        " (save_kv_layer did not fire: each step's KV goes once the step is sealed)")
+        for p in self._after_forward:
+            pend = self._send.get(p.req_id)
+            if pend is not None and not pend.done:
+                self._publish(p, pend)
+        self._after_forward = []
+
     # metadata ------------------------------------------------------------------------------------
     def process(self, meta: KVConnectorMetadata | None) -> None:
         """Queue this step's daemon calls (once per metadata; called from several hooks)."""
@@ -106,12 +190,14 @@ class KVPushdConnectorWorker:
         for p in meta.publishes:
             self._start(False, p, self._send, self._send_by_tid)
         for a in meta.aborts:
-            pend = self._recv.get(a.req_id)
+            pend = (self._send if a.send else self._recv).get(a.req_id)
             if pend is None or pend.aborted:
                 continue  # already reported
             pend.aborted = True
-            assert pend.op is not None
-            if pend.op.epoch is not None:
+            pend.silent = not a.report
+            if pend.op is None:  # a declared publish not made yet (no doorbell here): nothing to stop
+                self._finish(pend, ok=True)
+            elif pend.op.epoch is not None:
                 self._link_abort(pend, pend.op.epoch)
 
     def _start(self, recv: bool, req: ExpectReq | PublishReq, by_req: dict[str, _Pending],
@@ -136,10 +222,25 @@ class KVPushdConnectorWorker:
             pend.op = self.link.expect_nowait(req.transfer_id, req.block_ids, req.producer_address,
                                               req.producer_engine_id, req.producer_tp_size,
                                               transfer_mode=req.transfer_mode, tag=pend, traceparent=req.traceparent)
+        elif req.declared and self._bell is None:
+            if not self._after_forward and not self.declared:
+                logger.warning("kvpushd: a publish was declared but this worker has no doorbell; publishing "
+                               "declared requests whole after the forward")
+            self._after_forward.append(req)
         else:
-            pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent,
-                                               consumer_node_id=req.consumer_node_id,
-                                               consumer_tls_name=req.consumer_tls_name)
+            self._publish(req, pend)
+
+    def _publish(self, req: PublishReq, pend: _Pending) -> None:
+        kw: dict[str, int] = {}
+        if req.declared and self._bell is not None:
+            assert self._progress is not None
+            kw = {"step": self._bell.seq, "layers": self._progress.layers}
+            if _READY_BLOCKS and req.ready_blocks:
+                kw["ready_blocks"] = req.ready_blocks
+            self.declared += 1
+        pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent,
+                                           consumer_node_id=req.consumer_node_id,
+                                           consumer_tls_name=req.consumer_tls_name, **kw)
 
     # results -------------------------------------------------------------------------------------
     def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True,
@@ -163,7 +264,7 @@ class KVPushdConnectorWorker:
                 self._failed_blocks[req.req_id] = req.block_ids
                 logger.error("kvpushd: KV for request %s (transfer %s) did not arrive: %s; vLLM's "
                              "kv_load_failure_policy applies", req.req_id, req.transfer_id, why)
-        else:
+        elif not pend.silent:
             self._done_sending.add(req.req_id)
             if not ok:
                 logger.error("kvpushd: pushing the KV of request %s (transfer %s) failed: %s; its blocks "
@@ -267,6 +368,8 @@ class KVPushdConnectorWorker:
     def shutdown(self) -> None:
         if self._link is not None:
             self._link.close()  # detached first: the daemon no longer needs the names
+        if self._bell is not None:
+            self._bell.close()
         release_owned_shm(self._shm_names)
 
 

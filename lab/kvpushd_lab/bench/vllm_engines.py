@@ -62,13 +62,18 @@ from ..realvllm.servers import (
 )
 from .common import BenchError, Result, progress
 
-CONFIGS = ("kvpushd-push", "kvpushd-pull", "nixl-pull", "nixl-push")
+DEFAULT_CONFIGS = ("kvpushd-push", "kvpushd-pull", "nixl-pull", "nixl-push")
+# kvpushd-whole: kvpushd-push with kvpushd_progressive false (publish once finished, not layer by layer);
+# monolithic: one server, no connector, the same load straight to it (the TTFT a P/D split is held to)
+CONFIGS = (*DEFAULT_CONFIGS, "kvpushd-whole", "monolithic")
+RDV = "kvpushd_rendezvous_wait_seconds"
 MODEL_SCRIPT = Path(__file__).resolve().parents[1] / "realvllm" / "model.py"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma separated, run in this order (default {','.join(CONFIGS)})")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma separated, run in this order, of {','.join(CONFIGS)} (default "
+                        f"{','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--qps", default="1,4", help="request rates (Poisson arrivals), comma separated (default 1,4)")
     p.add_argument("--prompt-lens", default="256,768", help="prompt tokens, comma separated (default 256,768)")
     p.add_argument("--requests", type=int, default=16, help="requests per grid cell (default 16)")
@@ -146,7 +151,8 @@ def _kv_config(name: str, role: str, daemon: Daemon | None) -> dict[str, Any]:
         assert daemon is not None
         cfg: dict[str, Any] = {"kv_connector": "KVPushdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                                "kv_role": role, "kv_connector_extra_config": {
-                                   "kvpushd_socket": daemon.sock, "kvpushd_host_kv_to_shm": True}}
+                                   "kvpushd_socket": daemon.sock, "kvpushd_host_kv_to_shm": True,
+                                   "kvpushd_progressive": name != "kvpushd-whole"}}
     else:
         cfg = {"kv_connector": "NixlPushConnector" if name == "nixl-push" else "NixlConnector",
                "kv_role": role, "kv_buffer_device": "cpu"}
@@ -177,6 +183,12 @@ def _run_config(name: str, args: argparse.Namespace, model: Path, work: Path, pl
         prefill_kv = f"127.0.0.1:{sp}"
     pport, dport = free_port(), free_port()
     t_start = time.monotonic()
+    if name == "monolithic":
+        mono = vllm_server("vllm-mono", vp, model, pport, wd, core=0, max_num_seqs=16)
+        run.procs.append(mono)
+        wait_healthy(mono, pport)
+        _measure(name, args, plan, tokens, run, pport, {"prefill": mono.proc.pid}, None)
+        return
     ps = vllm_server("vllm-prefill", vp, model, pport, wd, core=0, kv_transfer=_kv_config(name, "kv_producer", pd),
                      env_extra=env_p, max_num_seqs=16)
     run.procs.append(ps)
@@ -186,7 +198,7 @@ def _run_config(name: str, args: argparse.Namespace, model: Path, work: Path, pl
     wait_healthy(ps, pport)
     wait_healthy(ds, dport)
     out["servers_up_s"] = round(time.monotonic() - t_start, 1)
-    if name.endswith("push"):
+    if name.endswith(("push", "whole")):
         proxy, port = start_push_proxy(vp, Path(args.proxy), wd, pport, dport, prefill_kv, procs=run.procs)
         out["via"] = f"vLLM push proxy ({Path(args.proxy).name})"
     else:
@@ -195,16 +207,33 @@ def _run_config(name: str, args: argparse.Namespace, model: Path, work: Path, pl
         out["via"] = "P -> D proxy (realvllm/pull_proxy.py, vLLM toy proxy's flow)" + (
             ", prefill kv_transfer_params transfer_mode=pull" if extra else "")
 
+    roots = {"prefill": ps.proc.pid, "decode": ds.proc.pid, "proxy": proxy.proc.pid}
+    for d in run.daemons:
+        assert d.proc is not None
+        roots[f"daemon-{d.name}"] = d.proc.proc.pid
+    _measure(name, args, plan, tokens, run, port, roots, pd)
+    if pd is not None and dd is not None:
+        sts = [pd.status(), dd.status()]
+        out["daemons"] = {k: [int(st.get("counters", {}).get(k, 0)) for st in sts]
+                          for k in ("transfers_finished", "transfers_failed", "bytes_written")}
+        out["daemons"]["pending_at_end"] = [len(st.get("transfers", [])) for st in sts]
+
+
+def _rendezvous(pd: Daemon | None) -> tuple[float, float]:
+    """(sum of seconds, count) of the prefill daemon's rendezvous waits so far."""
+    m = pd.metrics() if pd is not None else {}
+    return m.get(f"{RDV}_sum", 0.0), m.get(f"{RDV}_count", 0.0)
+
+
+def _measure(name: str, args: argparse.Namespace, plan: list[Any], tokens: load.TokensCheck, run: _Run, port: int,
+             roots: dict[str, int], pd: Daemon | None) -> None:
+    """Warm-up, the idle CPU window, then every cell of the grid against ``port``."""
+    out = run.out
     warm, _ = load.run_cell(port, [prompt_text(64, seed=-1), prompt_text(64, seed=-2)], [0.0, 0.0],
                             args.max_tokens, args.request_timeout_s, run.stop)
     out["warmup"] = load.summarize(warm)
     if out["warmup"]["completed"] == 0:
         raise BenchError(f"warm-up failed: {out['warmup'].get('errors')}")
-
-    roots = {"prefill": ps.proc.pid, "decode": ds.proc.pid, "proxy": proxy.proc.pid}
-    for d in run.daemons:
-        assert d.proc is not None
-        roots[f"daemon-{d.name}"] = d.proc.proc.pid
     time.sleep(2.0)  # let the warm-up's last steps and OpenMP's spin-wait end before the idle window
     labels = tree_pids(roots)
     b, t0 = cpu_snapshot(labels), time.monotonic()
@@ -218,21 +247,19 @@ def _run_config(name: str, args: argparse.Namespace, model: Path, work: Path, pl
     for cell, offsets, prompt_list in plan:
         progress(f"  {name} {cell.key}: {len(prompt_list)} requests")
         labels = tree_pids(roots)
-        b = cpu_snapshot(labels)
+        b, rdv = cpu_snapshot(labels), _rendezvous(pd)
         outs, wall = load.run_cell(port, prompt_list, offsets, args.max_tokens, args.request_timeout_s, run.stop)
         per = cpu_percent(b, cpu_snapshot(labels), labels, wall)
+        rdv_s, rdv_n = (x - y for x, y in zip(_rendezvous(pd), rdv, strict=True))
         c = {"qps": cell.qps, "prompt_len": cell.prompt_len, **load.summarize(outs), "wall_s": round(wall, 2),
              "tokens_match": tokens.check(prompt_list, outs), "cpu_pct": {"per_tree": group_percent(per),
                                                                           "per_process": per},
              "uptime": uptime_text()}
+        if pd is not None:  # the prefill daemon's average first arrival -> second arrival
+            c["rendezvous_wait_ms_avg"] = round(1e3 * rdv_s / rdv_n, 2) if rdv_n else None
         cells[cell.key] = c
         if c["failed"] * 2 > len(outs) or run.stop.is_set():
             raise BenchError(f"{cell.key}: {c['failed']} of {len(outs)} requests failed: {c.get('errors')}")
-    if pd is not None and dd is not None:
-        sts = [pd.status(), dd.status()]
-        out["daemons"] = {k: [int(st.get("counters", {}).get(k, 0)) for st in sts]
-                          for k in ("transfers_finished", "transfers_failed", "bytes_written")}
-        out["daemons"]["pending_at_end"] = [len(st.get("transfers", [])) for st in sts]
 
 
 def _log_findings(work: Path, name: str) -> dict[str, Any]:
@@ -361,7 +388,8 @@ def _guarded(name: str, args: argparse.Namespace, model: Path, work: Path, plan:
 def ratios(configs: dict[str, Any]) -> dict[str, Any]:
     """kvpushd over vLLM NIXL, per cell (TTFT and TPOT p50 and p99) and idle CPU of the engine trees."""
     out: dict[str, Any] = {}
-    for mine, theirs in (("kvpushd-push", "nixl-push"), ("kvpushd-pull", "nixl-pull")):
+    for mine, theirs in (("kvpushd-push", "nixl-push"), ("kvpushd-pull", "nixl-pull"), ("kvpushd-push", "monolithic"),
+                         ("kvpushd-whole", "monolithic"), ("kvpushd-push", "kvpushd-whole")):
         a, b = configs.get(mine, {}), configs.get(theirs, {})
         per: dict[str, Any] = {}
         for key, ca in a.get("cells", {}).items():
