@@ -204,12 +204,13 @@ class ReconnectingStreamWorker:
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None,
                        traceparent: str = "", consumer_node_id: str = "", consumer_tls_name: str = "",
-                       step: int = 0, layers: int = 0) -> Call:
-        """``step``, ``layers``: progressive push (declared before that step's forward; ``StreamWorker``)."""
+                       step: int = 0, layers: int = 0, ready_blocks: int = 0) -> Call:
+        """``step``, ``layers``, ``ready_blocks``: progressive push (declared before that step's forward;
+        ``StreamWorker.publish_nowait``)."""
         call = Call("Publish", transfer_id, tuple(block_ids), tag=tag)
         if (w := self._current(call)) is not None:
             w.publish_nowait(transfer_id, call.block_ids, traceparent, consumer_node_id, consumer_tls_name,
-                             step, layers)
+                             step, layers, ready_blocks)
         return call
 
     def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:

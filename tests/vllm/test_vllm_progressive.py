@@ -24,6 +24,7 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 import torch
 import vllm_support as vs
 from engine_support import POISON, Engine
+from kvpushd_client.vllm.connector import KVPushdConnector
 from kvpushd_client.vllm.metadata import AbortReq, PublishReq
 from kvpushd_client.vllm.progress import LayerProgress
 from vllm.v1.request import RequestStatus
@@ -321,3 +322,9 @@ def test_progressive_off_attaches_without_a_doorbell(model_dir: Path, daemons: t
         assert pe.metas[-1].publishes and not pe.metas[-1].publishes[0].declared
     finally:
         pe.close()
+
+
+def test_piecewise_cuda_graphs_while_progressive() -> None:
+    """Full CUDA graphs would skip save_kv_layer, the doorbell's ring: vLLM must run piecewise ones."""
+    assert KVPushdConnector.requires_piecewise_for_cudagraph({})
+    assert not KVPushdConnector.requires_piecewise_for_cudagraph({"kvpushd_progressive": False})

@@ -52,7 +52,6 @@ from .metadata import (
     daemon_engine_id,
     transfer_id_for,
 )
-from .progress import progressive_supported
 from .scheduler import KVPushdConnectorScheduler
 from .stats import KVPushdKVConnectorStats, KVPushdPromMetrics
 from .utils import Settings, check_vllm_version
@@ -124,9 +123,9 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """With progressive push on a GPU: ``save_kv_layer`` rings the doorbell per layer, which full
-        CUDA graphs would skip. Otherwise no per-layer hook does work (the KV is published whole)."""
-        return Settings.from_extra_config(dict(extra_config or {})).progressive and progressive_supported("cuda")
+        """With progressive push on (the default): ``save_kv_layer`` rings the doorbell per layer (the GPU
+        doorbell queues each ring on the forward's stream), which full CUDA graphs would skip."""
+        return Settings.from_extra_config(dict(extra_config or {})).progressive
 
     # scheduler side ------------------------------------------------------------------------------
     @property

@@ -14,9 +14,10 @@ groups are done. So a ring must count whole groups whose every region is written
 * a ring says how many LEADING groups are complete, whatever order the layers ran in.
 
 The doorbell is chosen in one place (``make_doorbell``): host KV rings a ``Doorbell`` in shared
-memory from the engine thread. CUDA KV needs one the GPU stream writes (the engine thread runs
-ahead of the GPU); until the client has one, CUDA engines publish whole requests once finished
-(``progressive_supported``, which the scheduler asks too).
+memory from the engine thread; CUDA KV a ``GpuDoorbell`` (kvpushd_client.gpu_doorbell) whose rings
+the forward's CUDA stream writes when it gets there (the engine thread runs ahead of the GPU). Where
+the GPU doorbell cannot be made (no CUDA driver, no stream memory operations nor copy), the worker
+publishes declared requests whole after the forward.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..doorbell import Doorbell
+from .utils import logger
 
 
 class Bell(Protocol):
@@ -39,30 +41,20 @@ class Bell(Protocol):
     def close(self) -> None: ...
 
 
-def gpu_doorbell_factory() -> Any:
-    """The GPU doorbell class, once ``kvpushd_client.cuda`` has one (same step/layer_done/seal/close and
-    ``name``; made with the KV's torch device); None until then.
-
-    TODO(gpu doorbell): the name it lands under; nothing else changes here."""
-    from .. import cuda
-
-    return getattr(cuda, "GpuDoorbell", None)
-
-
-def progressive_supported(device_type: str) -> bool:
-    """Whether an engine whose KV lives on ``device_type`` can ring a doorbell per layer."""
-    return device_type != "cuda" or gpu_doorbell_factory() is not None
-
-
 def make_doorbell(kv_caches: dict[str, Any]) -> Bell | None:
-    """The doorbell this worker rings, or None (progressive push not possible here)."""
+    """The doorbell this worker rings, or None (progressive push not possible here: why is logged)."""
     first = next(iter(kv_caches.values()), None)
     if first is None:
         return None
-    if getattr(first, "is_cuda", False):
-        factory = gpu_doorbell_factory()
-        return factory(first.device) if factory is not None else None
-    return Doorbell()
+    if not getattr(first, "is_cuda", False):
+        return Doorbell()
+    from ..gpu_doorbell import GpuDoorbell, GpuDoorbellError
+
+    try:
+        return GpuDoorbell()  # rings on torch's current stream: the one the forward writes the KV on
+    except GpuDoorbellError as e:
+        logger.warning("kvpushd: no GPU doorbell for this CUDA KV (%s)", e)
+        return None
 
 
 class LayerProgress:

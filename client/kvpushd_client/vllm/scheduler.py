@@ -34,7 +34,6 @@ from .metadata import (
     transfer_id_for,
     transfer_mode_of,
 )
-from .progress import progressive_supported
 from .utils import Settings, logger, split_host_port
 
 if TYPE_CHECKING:
@@ -67,7 +66,7 @@ class KVPushdConnectorScheduler:
             else None
         self._peer_next_try = 0.0
         # progressive push: prefill requests not declared yet, and those declared but not finished
-        self.progressive = settings.progressive and progressive_supported(vllm_config.device_config.device_type)
+        self.progressive = settings.progressive
         self._prefills: dict[str, Request] = {}
         self._declared: dict[str, str] = {}  # req id -> transfer id
         self.kv_cache_manager: KVCacheManager | None = None  # the scheduler's (bind_kv_cache_manager)

@@ -14,7 +14,6 @@ seals the step.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 from dataclasses import dataclass
@@ -47,8 +46,6 @@ class _Pending:
     silent: bool = False  # a send vLLM no longer holds blocks for (preempted): reported to nobody
 
 
-# A client whose publish takes ``ready_blocks`` (leading blocks complete at declare time) gets them.
-_READY_BLOCKS = "ready_blocks" in inspect.signature(ReconnectingStreamWorker.publish_nowait).parameters
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,8 +232,7 @@ class KVPushdConnectorWorker:
         if req.declared and self._bell is not None:
             assert self._progress is not None
             kw = {"step": self._bell.seq, "layers": self._progress.layers}
-            if _READY_BLOCKS and req.ready_blocks:
-                kw["ready_blocks"] = req.ready_blocks
+            kw["ready_blocks"] = req.ready_blocks
             self.declared += 1
         pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent,
                                            consumer_node_id=req.consumer_node_id,
