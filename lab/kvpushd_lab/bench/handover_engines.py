@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Mapping, Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
-from .common import BenchError
+from .procpair import ProcPair
 from .sweep.shape import model_config
 
 LAYERS = 64  # Qwen3-32B: the published shape's 128 regions are exactly the tiny model's 64 x (K, V)
@@ -192,58 +191,18 @@ def _engine_loop(kind: str, role: str, spec: dict[str, Any], conn: Connection) -
             client.close()
 
 
-class EnginePair:
+class EnginePair(ProcPair):
     """The prefill and the decode engine of one kind, as child processes."""
 
     def __init__(self, kind: str, spec: Mapping[str, Any], per_role: Mapping[str, Mapping[str, Any]]) -> None:
-        ctx = mp.get_context("spawn")
-        self.kind = kind
-        self.procs: dict[str, Any] = {}
-        self.conns: dict[str, Connection] = {}
-        for role in ("prefill", "decode"):
-            mine, theirs = ctx.Pipe()
-            pr = ctx.Process(target=_engine_main, args=(kind, role, {**spec, **per_role[role]}, theirs),
-                             daemon=True, name=f"kvpushd-handover-{kind}-{role}")
-            pr.start()
-            theirs.close()
-            self.procs[role], self.conns[role] = pr, mine
+        super().__init__(kind, _engine_main, lambda role, conn: (kind, role, {**spec, **per_role[role]}, conn),
+                         lambda role: f"kvpushd-handover-{kind}-{role}")
 
     def send(self, role: str, msg: tuple[Any, ...]) -> None:
         self.conns[role].send(msg)
-
-    def recv(self, timeout_s: float) -> list[tuple[str, tuple[Any, ...]]]:
-        out = []
-        for ready in wait(list(self.conns.values()), max(0.0, timeout_s)):
-            role = "prefill" if ready is self.conns["prefill"] else "decode"
-            try:
-                msg = tuple(self.conns[role].recv())
-            except EOFError:
-                raise BenchError(f"{self.kind}: the {role} engine exited (code {self.procs[role].exitcode})") from None
-            if msg[0] == "error":
-                raise BenchError(str(msg[1]))
-            out.append((role, msg))
-        return out
-
-    def ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        static: dict[str, Any] = {}
-        pending = {"prefill", "decode"}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise BenchError(f"{self.kind}: engines {sorted(pending)} not ready after {timeout_s:g} s")
-            for role, msg in self.recv(0.5):
-                if msg[0] == "ready":
-                    pending.discard(role)
-                    if role == "prefill":
-                        static = dict(msg[1])
-        return static
 
     def stop(self) -> None:
         for role in self.conns:
             with contextlib.suppress(OSError):
                 self.send(role, ("finish",))
-        for pr in self.procs.values():
-            pr.join(20)
-            if pr.is_alive():
-                pr.terminate()
-                pr.join(10)
+        self.join(20)

@@ -4,16 +4,15 @@ process with its KV cache in shared memory, driven over a pipe by the sweep (``c
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ..common import BenchError
+from ..procpair import ProcPair
 from .shape import extra_regions, model_config
 
 
@@ -119,27 +118,21 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
             client.close()
 
 
-class Engines:
+class Engines(ProcPair):
     """The prefill and decode engine processes of one mode; a writer thread per engine."""
 
     def __init__(self, mode: str, spec: dict[str, Any], socks: dict[str, str]) -> None:
-        ctx = mp.get_context("spawn")
+        def args_of(role: str, conn: Connection) -> tuple[Any, ...]:
+            return role, mode, {**spec, "sock": socks.get(role, ""), "num_blocks": spec[f"{role}_blocks"]}, conn
+
+        super().__init__(mode, _engine_main, args_of, lambda role: f"kvpushd-sweep-{role}")
         self.mode = mode
-        self.procs: dict[str, Any] = {}
-        self.conns: dict[str, Connection] = {}
         self.outboxes: dict[str, queue.SimpleQueue[tuple[Any, ...] | None]] = {}
         self.stats: dict[str, dict[str, Any]] = {}
-        for role in ("prefill", "decode"):
-            mine, theirs = ctx.Pipe()
-            s = {**spec, "sock": socks.get(role, ""), "num_blocks": spec[f"{role}_blocks"]}
-            pr = ctx.Process(target=_engine_main, args=(role, mode, s, theirs), daemon=True,
-                             name=f"kvpushd-sweep-{role}")
-            pr.start()
-            theirs.close()
-            self.procs[role], self.conns[role] = pr, mine
+        for role, conn in self.conns.items():
             q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
             self.outboxes[role] = q
-            threading.Thread(target=self._writer, args=(mine, q), daemon=True).start()
+            threading.Thread(target=self._writer, args=(conn, q), daemon=True).start()
 
     @staticmethod
     def _writer(conn: Connection, q: queue.SimpleQueue[tuple[Any, ...] | None]) -> None:
@@ -152,36 +145,11 @@ class Engines:
     def send(self, role: str, msg: tuple[Any, ...]) -> None:
         self.outboxes[role].put(msg)
 
-    def recv(self, timeout_s: float) -> Iterator[tuple[str, tuple[Any, ...]]]:
-        for ready in wait(list(self.conns.values()), max(0.0, timeout_s)):
-            role = "prefill" if ready is self.conns["prefill"] else "decode"
-            try:
-                msg = tuple(self.conns[role].recv())
-            except EOFError:
-                raise BenchError(f"{self.mode}: the {role} engine exited (code {self.procs[role].exitcode})") from None
-            if msg[0] == "error":
-                raise BenchError(str(msg[1]))
-            if msg[0] == "stats":
-                self.stats[role] = msg[1]
-                continue
-            yield role, msg
-
-    def ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        static: dict[str, Any] = {}
-        pending = {"prefill", "decode"}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise BenchError(f"{self.mode}: engines {sorted(pending)} not ready after {timeout_s:g} s")
-            for role, msg in self.recv(0.5):
-                if msg[0] == "ready":
-                    pending.discard(role)
-                    if role == "prefill":
-                        static = dict(msg[1])
-            for role in pending:
-                if not self.procs[role].is_alive() and not self.conns[role].poll(0):
-                    raise BenchError(f"{self.mode}: the {role} engine exited while starting")
-        return static
+    def taken(self, role: str, msg: tuple[Any, ...]) -> bool:
+        if msg[0] == "stats":
+            self.stats[role] = msg[1]
+            return True
+        return False
 
     def stop(self) -> None:
         for role in self.conns:
@@ -195,10 +163,6 @@ class Engines:
                 break
         for q in self.outboxes.values():
             q.put(None)
-        for pr in self.procs.values():
-            pr.join(10)
-            if pr.is_alive():
-                pr.terminate()
-                pr.join(10)
+        self.join(10)
 
 
