@@ -1,6 +1,7 @@
 """CPU of two kvpushd daemons: idle, with one Expect waiting (the decode daemon polling NIXL) during
-its first ``transfer.poll_hot_s`` (the short period) and after it (backed off), and with a new Expect
-every 100 ms (a decode node in use: always hot).
+its first ``transfer.poll_hot_s`` (the short period) and after it (backed off), with a new Expect
+every 100 ms (a decode node in use: always hot), and with a progressive publish declared and met whose
+prefill step is still computing (the prefill daemon's NIXL thread watching the worker's doorbell).
 
 Run from the repository root: ``python scripts/bench_poll_cpu.py [POLL_HOT_S]``; prints one JSON object.
 """
@@ -49,7 +50,7 @@ def main() -> None:
         dn = start_daemon(Path(d), "dnode", cfg)
         src, dst = make_kv("poll-cpu-src"), make_kv("poll-cpu-dst", fill="poison")
         try:
-            p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+            pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=True)
             dw = dn.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
             time.sleep(2)
             idle = percent([p.proc.pid, dn.proc.pid], 10)
@@ -61,7 +62,16 @@ def main() -> None:
             # a decode node in use: a new Expect every 100 ms
             busy = percent([p.proc.pid, dn.proc.pid], 10, lambda: dw.expect(
                 f"more-{(i := next(n))}", [2 + i % 60], p.peer_address, "prefill", 1))
+            # a long forward: the publish is declared and its registration there, no layer rung yet
+            assert pw.doorbell is not None
+            dw.expect_nowait("bell", [62], p.peer_address, "prefill", 1)
+            dw.step()
+            pw.publish("bell", [62], step=pw.doorbell.step(), layers=4)
+            time.sleep(1)
+            bell = percent([p.proc.pid, dn.proc.pid], 10)
+            pw.doorbell.seal()
             print(json.dumps({"poll_hot_s": hot, "idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
+                              "declared_watching_doorbell_cpu_pct": {"prefill": bell[0], "decode": bell[1]},
                               "one_expect_hot_window_cpu_pct": {"prefill": hot_window[0], "decode": hot_window[1]},
                               "one_expect_waiting_cpu_pct": {"prefill": waiting[0], "decode": waiting[1]},
                               "new_expect_every_100ms_cpu_pct": {"prefill": busy[0], "decode": busy[1]},

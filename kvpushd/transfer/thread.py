@@ -238,7 +238,10 @@ class TransferThread:
         then backs off (doubling) to ``poll_max_interval_s``: a completion right after activity, or
         for a prefill shorter than ``poll_hot_s``, is seen within the short interval, one after a
         long quiet wait within the max interval, and a long wait costs ~1/max_interval wakeups a
-        second instead of 1/min."""
+        second instead of 1/min. A doorbell watched through a long forward is such a wait: each ring
+        that posts a layer group keeps the short interval for ``HOT_S``, layers further apart than
+        that are seen within the max interval (measured: a declared publish waiting on its doorbell
+        cost the prefill daemon 10.5% of a core at the short interval; scripts/bench_poll_cpu.py)."""
         wait = self._poll_s
         hot_until = 0.0
         while True:
@@ -271,7 +274,7 @@ class TransferThread:
             now = time.monotonic()
             if worked:
                 hot_until = now + HOT_S
-            hot = worked or now < hot_until or now < self._hot_until or bool(self._stages)
+            hot = worked or now < hot_until or now < self._hot_until
             wait = self._poll_s if hot else min(wait * 2, self._poll_max_s)
 
     # -- the one post path, for WRITE and READ -------------------------------------------------
