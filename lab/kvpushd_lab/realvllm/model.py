@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kind", choices=KINDS, default="llama")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     args = ap.parse_args(argv)
-    print(make_model(Path(args.dir), seed=args.seed, kind=args.kind))
+    print(make_model(Path(args.dir), seed=args.seed, layers=args.layers, kind=args.kind))
     return 0
 
 
