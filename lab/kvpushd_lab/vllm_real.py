@@ -233,8 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         out["workdir_logs"] = str(work) if args.keep_logs else None
         try:
-            model = make_model(work / "model", seed=args.seed, kind=args.model_kind)
-            out["model_kind"] = args.model_kind
+            model = make_model(work / "model", seed=args.seed, kind=args.model_kind, layers=args.layers)
+            out["model_kind"], out["layers"] = args.model_kind, args.layers
             vp = args.vllm_python
 
             # 1. monolithic, then stopped (CPU for the pair)
@@ -438,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM's disagg_proxy_pushconnector_demo.py; missing: the same two legs sent from here")
     ap.add_argument("--prompt-lengths", default="37,130,300,600", help="tokens per prompt, comma separated")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=16,
+                    help="the model's layers (default 16: 8 KiB of KV a token, each layer pushed as it is computed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-kind", choices=KINDS, default="llama",
                     help="hybrid: sliding-window and full-attention layers (two KV cache groups)")
