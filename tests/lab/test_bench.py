@@ -37,6 +37,8 @@ def test_ceiling() -> None:
     assert row["descriptors_requested"] == 128 * 64
     assert row["descriptors_posted"] == 128  # contiguous blocks merge into one descriptor per region
     assert out["efficiency"] == row["efficiency"] and out["fragmented"] is False
+    # progressive push's path: declared for a doorbell step, timed from the seal, bytes verified too
+    positive(row, "declared_ms", "efficiency_declared", "efficiency_declared_paired")
 
 
 def test_ceiling_fragmented() -> None:
