@@ -215,6 +215,10 @@ class TransferConfig(Section, frozen=True):
         "The interval polling backs off to while nothing happens (idle: no polling)"))] = 0.001
     poll_hot_s: Annotated[float, Meta(ge=0, le=3600, description=(
         "Seconds a new receive keeps the short interval (decode registers while prefill computes)"))] = 2.0
+    progressive_min_write_bytes: Annotated[int, Meta(ge=0, le=1 << 30, description=(
+        "Progressive push: layer groups ready together or one after another gather into WRITEs of at least "
+        "this many bytes (the last one of a request excepted); 0: each group goes alone as soon as it is ready"))] = (
+        1 << 20)
     nixl_threads: Annotated[int, Meta(ge=0, description="NIXL agent threads (0: NIXL's default)")] = 0
     max_pending: Annotated[int, Positive, Meta(description="Transfers pending at once")] = 100_000
     drain_timeout_s: Annotated[float, Positive, Meta(description=(

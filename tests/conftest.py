@@ -42,6 +42,16 @@ def daemon_pair(daemon_factory: DaemonFactory) -> Iterator[tuple[DaemonProc, Dae
 
 
 @pytest.fixture
+def group_pair(daemon_factory: DaemonFactory) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """``daemon_pair`` with each progressive layer group its own WRITE, however small
+    (``transfer.progressive_min_write_bytes = 0``): the per-group behaviour the layered tests check."""
+    p, d = daemon_factory.pair("[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n"
+                               "progressive_min_write_bytes = 0\n")
+    yield p, d
+    daemon_factory.close(check=(p, d))
+
+
+@pytest.fixture
 def kv_pair() -> Iterator[tuple[KV, KV]]:
     src = make_kv("kvpushd-test-src", fill="random")
     dst = make_kv("kvpushd-test-dst", fill="poison")

@@ -84,7 +84,8 @@ class Executor:
                                    params_for=lambda b, dev: backend_init_params(t, b, dev),
                                    param_devices=tuple(t.device_params),
                                    on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs,
-                                   write_timeout_s=t.write_timeout_s, on_sealed=self._on_sealed)
+                                   write_timeout_s=t.write_timeout_s, on_sealed=self._on_sealed,
+                                   min_write_bytes=t.progressive_min_write_bytes)
         self.xfer.start()
         return self.xfer
 

@@ -56,6 +56,7 @@ class Staged:
     t_first: float = 0.0
     t_last: float = 0.0  # the last group posted, or the last WRITE settled
     writes: int = 0
+    batch: int = 1     # layer groups gathered into one WRITE (the ready blocks and the last group excepted)
 
     def ready(self) -> int:
         """Units that may be posted by now: the ready blocks at once, a layer group as the doorbell says."""
@@ -76,8 +77,9 @@ class Staged:
 class Stages:
     """The staged legs and watched steps of one NIXL thread (called on that thread only)."""
 
-    def __init__(self, on_sealed: Callable[[list[tuple[str, int]]], object] | None) -> None:
+    def __init__(self, on_sealed: Callable[[list[tuple[str, int]]], object] | None, min_write_bytes: int = 0) -> None:
         self.legs: list[Staged] = []
+        self.min_write_bytes = min_write_bytes  # a WRITE gathers layer groups until it has this many bytes
         self.watched: list[tuple[Local, int]] = []  # (worker, step): report when that step is complete
         self._on_sealed = on_sealed
         self.writes_posted = 0
@@ -92,7 +94,10 @@ class Stages:
         plan = units(prepped.indices if prepped else 0, blocks, layers, ready)
         if prepped is not None and plan.lead and plan.head < prepped.indices:
             prepped.ready_first(blocks, ready)
-        self.legs.append(Staged(key, loc, remote, make, plan, step, layers, result, t0, stall_s, fault))
+        per_group = result.nbytes // max(layers, 1)
+        batch = -(-self.min_write_bytes // per_group) if per_group and self.min_write_bytes > 0 else 1
+        self.legs.append(Staged(key, loc, remote, make, plan, step, layers, result, t0, stall_s, fault,
+                                batch=max(1, min(batch, layers))))
 
     def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:
         for s in self.legs:
@@ -140,7 +145,7 @@ class Stages:
         for s in self.legs:
             if not s.stop and s.sent < s.plan.units:
                 ready = s.ready()
-                if ready > s.sent:
+                if ready > s.sent and (ready - s.sent >= s.batch or ready == s.plan.units or s.sent < s.plan.lead):
                     first, count = s.sent, ready - s.sent
                     msg = b"" if s.fault == "write_complete" else notif_codec.encode(
                         s.key.registration_id, s.key.producer_rank, first, count, s.plan.units)

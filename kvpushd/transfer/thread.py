@@ -59,6 +59,7 @@ class TransferThread:
         write_timeout_s: float = 60.0,
         poll_hot_s: float = 0.0,
         on_sealed: Callable[[list[tuple[str, int]]], None] | None = None,
+        min_write_bytes: int = 0,
     ) -> None:
         self._loop = loop
         self._book = AgentBook(backends, params_for, param_devices, nixl_threads)
@@ -76,7 +77,8 @@ class TransferThread:
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._inflight: list[Inflight] = []
         # progressive push: legs written layer group by layer group, steps watched for completion
-        self._stages = Stages(on_sealed and (lambda steps: loop.call_soon_threadsafe(on_sealed, steps)))
+        self._stages = Stages(on_sealed and (lambda steps: loop.call_soon_threadsafe(on_sealed, steps)),
+                              min_write_bytes)
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)

@@ -37,8 +37,8 @@ def _counters(dm):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("registration", ["before", "between", "after"])
-def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: str) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
+def test_layer_groups_go_as_the_doorbell_rings(group_pair, kv, registration: str) -> None:  # type: ignore[no-untyped-def]
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -85,8 +85,38 @@ def test_layer_groups_go_as_the_doorbell_rings(daemon_pair, kv, registration: st
     assert wait_for(lambda: not p.client.status().workers and not d.client.status().workers)
 
 
-def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
+@pytest.mark.parametrize(("min_write", "writes"), [(None, 1), (64 << 10, 2), (0, LAYERS)])
+def test_small_layer_groups_gather_into_writes_of_min_write_bytes(daemon_factory, kv, min_write, writes) -> None:  # type: ignore[no-untyped-def]
+    """A layer group here is 2 regions x 4 blocks x 4 KiB = 32 KiB: the default (1 MiB) sends the whole
+    leg as one WRITE once the step is complete, 64 KiB two groups a WRITE, 0 every group alone; the
+    bytes are the same and no WRITE goes before its groups are ready."""
+    p, d = daemon_factory.pair("[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n" + (
+        "" if min_write is None else f"progressive_min_write_bytes = {min_write}\n"))
+    src, dst, want = kv
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
+    bell = pw.doorbell
+    assert bell is not None
+    sblocks, dblocks = [3, 4, 5, 9], [10, 11, 12, 30]
+    notifs0 = _counters(d).notifications_received
+    dw.expect("g1", dblocks, p.peer_address, "prefill", 1)
+    pw.publish("g1", sblocks, step=bell.step(), layers=LAYERS)
+    for g in range(LAYERS):
+        _compute_layer(src, want, g, sblocks)
+        bell.layer_done(g + 1)
+        time.sleep(0.1)
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+    c = pw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FINISHED_SENDING, c
+    assert (dst.arr[:, dblocks] == want[:, sblocks]).all()
+    assert _counters(d).notifications_received - notifs0 == writes
+    pw.detach()
+    dw.detach()
+    daemon_factory.close(check=(p, d))
+
+
+def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(group_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -109,8 +139,8 @@ def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(daemo
     dw.detach()
 
 
-def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
+def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(group_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -136,8 +166,8 @@ def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(daemon_pair, 
     dw.detach()
 
 
-def test_worker_dying_between_layers_fails_the_transfer(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
+def test_worker_dying_between_layers_fails_the_transfer(group_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -155,8 +185,8 @@ def test_worker_dying_between_layers_fails_the_transfer(daemon_pair, kv) -> None
     dw.detach()
 
 
-def test_bad_progressive_publishes_are_refused(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, _ = daemon_pair
+def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, _ = group_pair
     src, _, _ = kv
     plain = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     with pytest.raises(KVPushError, match="without a doorbell"):

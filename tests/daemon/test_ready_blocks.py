@@ -53,8 +53,8 @@ def _quiet(dw) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("registration", ["before", "between", "after"])
 def test_ready_blocks_land_before_any_layer_is_rung_then_the_rest_layer_by_layer(  # type: ignore[no-untyped-def]
-        daemon_pair, kv, registration: str) -> None:
-    p, d = daemon_pair
+        group_pair, kv, registration: str) -> None:
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -111,8 +111,8 @@ def test_ready_blocks_land_before_any_layer_is_rung_then_the_rest_layer_by_layer
     assert wait_for(lambda: not p.client.status().workers and not d.client.status().workers)
 
 
-def test_abort_after_the_ready_blocks_fails_both_sides_and_writes_nothing_more(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
+def test_abort_after_the_ready_blocks_fails_both_sides_and_writes_nothing_more(group_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -144,8 +144,8 @@ def test_abort_after_the_ready_blocks_fails_both_sides_and_writes_nothing_more(d
     dw.detach()
 
 
-def test_bad_ready_blocks_are_refused_and_the_daemon_goes_on(daemon_pair, kv) -> None:  # type: ignore[no-untyped-def]
-    p, d = daemon_pair
+def test_bad_ready_blocks_are_refused_and_the_daemon_goes_on(group_pair, kv) -> None:  # type: ignore[no-untyped-def]
+    p, d = group_pair
     src, dst, want = kv
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
@@ -176,9 +176,9 @@ def test_bad_ready_blocks_are_refused_and_the_daemon_goes_on(daemon_pair, kv) ->
 MANY_REGIONS, MANY_LAYERS = 32, 16
 
 
-def test_many_legs_and_groups_in_flight(daemon_pair) -> None:  # type: ignore[no-untyped-def]
+def test_many_legs_and_groups_in_flight(group_pair) -> None:  # type: ignore[no-untyped-def]
     """Several declared publishes with different ready counts in one step, the layers rung back to back."""
-    p, d = daemon_pair
+    p, d = group_pair
     src = make_kv("ready-many-src", regions=MANY_REGIONS, num_blocks=BLOCKS, block_len=2048, fill="poison")
     dst = make_kv("ready-many-dst", regions=MANY_REGIONS, num_blocks=BLOCKS, block_len=2048, fill="poison")
     try:
