@@ -23,6 +23,8 @@ stream's sender thread takes it). Daemon: daemon_batch (the worker stream's pump
 daemon_started / daemon_met / daemon_group_post / daemon_group_settled / daemon_writedone /
 daemon_delivered, and daemon_thread_late: a daemon thread that sleeps 1 ms woke over 5 ms late
 (``ms``; ``cpu_ms`` the process's CPU time meanwhile: near 0 means the process was not scheduled).
+``KVPUSHD_LAB_SLICE_US=N`` (an experiment): the daemons ask the kernel for an N us scheduler slice
+(sched_setattr runtime, EEVDF on Linux 6.12+), which lets their wake-ups preempt busy engine threads.
 """
 
 from __future__ import annotations
@@ -267,6 +269,19 @@ def _patch_app(mod: Any) -> None:
             if late > 0.005:
                 _emit("daemon_thread_late", "", ms=1e3 * late, cpu_ms=1e3 * (time.process_time() - c))
 
+    def apply_slice() -> None:
+        if os.environ.get("KVPUSHD_LAB_SLICE_US"):  # experiment: EEVDF custom slice (sched_setattr runtime)
+            import ctypes
+            import struct
+            libc = ctypes.CDLL(None, use_errno=True)
+            us = int(os.environ["KVPUSHD_LAB_SLICE_US"])
+            attr = struct.pack("IIQiIQQQII", 56, 0, 0, 0, 0, us * 1000, 0, 0, 0, 0)
+            for t in os.listdir("/proc/self/task"):
+                buf = ctypes.create_string_buffer(attr)
+                if libc.syscall(314, int(t), buf, 0) != 0:
+                    _emit("slice_failed", "", errno=ctypes.get_errno())
+
+    apply_slice()
     threading.Thread(target=sampler, daemon=True).start()
     orig = mod.Daemon.start if hasattr(mod, "Daemon") and hasattr(mod.Daemon, "start") else None
 
@@ -281,7 +296,9 @@ def _patch_app(mod: Any) -> None:
     if orig is not None:
         async def start(self: Any, *a: Any, **kw: Any) -> Any:
             asyncio.get_running_loop().create_task(lag())
-            return await orig(self, *a, **kw)
+            r = await orig(self, *a, **kw)
+            apply_slice()
+            return r
         mod.Daemon.start = start
 
 
