@@ -50,3 +50,20 @@ def test_handover_refuses_an_unknown_fabric() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "handover", "--fabric", "infiniband"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "--fabric" in out.stderr
+
+
+def test_handover_plot_from_saved_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """TTFT and handover against the prompt length, per mode, drawn from a saved --json result."""
+    pytest.importorskip("matplotlib")
+    from kvpushd_lab.bench.plots import main as plots_main
+
+    def stat(x: float) -> dict[str, float]:
+        return {"p50": x, "p99": 2 * x, "mean": x, "max": 2 * x, "n": 4}
+
+    rows = [{"tokens": t, "mode": m, "ttft_ms": stat(t / 10), "handover_ms": stat(k)}
+            for t in (1024, 4096) for m, k in (("kvpushd-progressive", 2.0), ("kvpushd-whole", 30.0))]
+    saved = tmp_path / "h.json"
+    saved.write_text(json.dumps({"suite": "handover", "rows": rows, "fabric": "", "load_before": {"loadavg_1m": 1.0}}))
+    assert plots_main([str(saved), str(tmp_path / "out"), "--stem", "h"]) == 0
+    png = tmp_path / "out" / "h-handover.png"
+    assert png.stat().st_size > 10_000

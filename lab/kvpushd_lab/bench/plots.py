@@ -135,10 +135,64 @@ def _vllm(r: Result, outdir: Path) -> list[Path]:
     return plot_vllm(r, outdir)
 
 
+def _handover(r: Result, outdir: Path) -> list[Path]:
+    """TTFT and forward end -> decode told against the prompt length, p50 with the p99 dashed, per mode."""
+    import matplotlib.pyplot as plt
+
+    rows = r.data["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = ((axes[0], "ttft_ms", "TTFT"), (axes[1], "handover_ms", "prefill forward end -> decode told"))
+    for ax, key, title in panels:
+        for mode in dict.fromkeys(row["mode"] for row in rows):
+            pts = sorted((row["tokens"], row[key]["p50"], row[key]["p99"]) for row in rows if row["mode"] == mode)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} p50")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", color=line.get_color(), linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("ms (p99 dashed)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fab = r.data.get("fabric") or "loopback"
+
+    def load(k: str) -> Any:
+        v = r.data.get(k)
+        return v.get("loadavg_1m", "?") if isinstance(v, dict) else v if v is not None else "?"
+    fig.suptitle(f"kvpushd bench handover, one request at a time ({fab}; 1-min load {load('load_before')} -> "
+                 f"{load('load_after')})", fontsize=9)
+    return [_save(fig, outdir / "handover.png")]
+
+
 _PLOTS: dict[str, Callable[[Result, Path], list[Path]]] = {
     "ceiling": _ceiling, "critical-path": _critical_path, "engine-cost": _engine_cost, "rate": _rate,
-    "sweep": _sweep, "vllm": _vllm,
+    "sweep": _sweep, "vllm": _vllm, "handover": _handover,
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plots of a saved ``--json`` result (suites that plot from the JSON: handover, vllm):
+    ``python -m kvpushd_lab.bench.plots RESULT.json DIR [--stem NAME]``."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=(main.__doc__ or "").splitlines()[0])
+    ap.add_argument("json", type=Path)
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--stem", default="", help="prefix the files' names with this")
+    a = ap.parse_args(argv)
+    data = json.loads(a.json.read_text())
+    suite = data.pop("suite", "")
+    if suite not in ("handover", "vllm"):
+        raise SystemExit(f"{a.json}: suite {suite!r}; plots from saved JSON: handover, vllm")
+    for path in plot(Result(suite, data), a.outdir):
+        if a.stem:
+            path = path.rename(path.with_name(f"{a.stem}-{path.name}"))
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 
 
 def plot_vllm(r: Result, outdir: Path) -> list[Path]:
