@@ -113,7 +113,7 @@ def expected_bytes(n: int) -> int:
 @pytest.mark.timeout(1200)
 def test_real_hybrid_model_through_kvpushd(tmp_path: Path) -> None:
     argv = [sys.executable, str(DRIVER), "--vllm-python", sys.executable, "--kvpushd-python", KVPUSHD_PYTHON,
-            "--model-kind", "hybrid", "--prompt-lengths", ",".join(map(str, LENGTHS)), "--json",
+            "--model-kind", "hybrid", "--layers", "4", "--prompt-lengths", ",".join(map(str, LENGTHS)), "--json",
             "--keep-logs", str(tmp_path / "logs")]
     r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=1100)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
