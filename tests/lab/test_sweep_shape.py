@@ -86,7 +86,8 @@ def test_check_catches_a_region_not_moved() -> None:
 
 
 def test_sweep_cell_with_the_published_shape_moves_and_checks_every_block() -> None:
-    """Two requests of 40 tokens (3 blocks) through real daemons and real NIXL, and in-engine NIXL push."""
+    """Two requests of 40 tokens (3 blocks) through real daemons and real NIXL (progressive push: declared
+    before the forward, written at the seal), and in-engine NIXL push."""
     r = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "sweep", "--kv-shape", SHAPE, "--modes",
                         "kvpushd-push,inengine-push", "--prompt-lens", "40", "--qps", "8", "--requests", "2",
                         "--warmup", "0", "--max-new-tokens", "4", "--json"],
@@ -98,7 +99,7 @@ def test_sweep_cell_with_the_published_shape_moves_and_checks_every_block() -> N
     for c in out["cells"]:
         assert c["tokens_match"] and c["failed"] == 0 and c["completed"] == 2, c
         assert c["kv_bytes_per_request"] == per_request and c["descriptors_per_request"] == 3 * 128
-    for mode in ("kvpushd-push", "inengine-push"):
+    for mode in ("kvpushd-push", "inengine-push"):  # kvpushd-push: declared, one group here, at the seal
         chk = out["kv_checked"][mode]
         assert chk["checked_requests"] == 2 and chk["mismatched_words"] == 0 and chk["failed_checks"] == 0, chk
         assert chk["bytes_moved_checked"] == 2 * per_request

@@ -78,8 +78,9 @@ class KVPushdHooks:
         ``client`` is one client for all ranks, or one per rank. ``progressive``: each rank gets a
         doorbell, and prefills declare their publish before the forward."""
         caches = as_caches(kv)
-        if progressive and caches[0].extra_regions:
-            raise ValueError("progressive push maps model layers onto regions: no extra_regions")
+        # Extra regions (which the model never writes) do not split into the model's layers: one layer
+        # group then, the whole leg written once the step is sealed (still declared before the forward).
+        layers = 1 if caches[0].extra_regions else caches[0].cfg.num_layers
         clients = [client] * len(caches) if isinstance(client, KVPushClient) else list(client)
         workers: list[StreamWorker] = []
         try:
@@ -93,7 +94,7 @@ class KVPushdHooks:
             for w in workers:
                 w.detach()
             raise
-        return cls(workers, engine_id, transfer_mode, progressive, caches[0].cfg.num_layers)
+        return cls(workers, engine_id, transfer_mode, progressive, layers)
 
     @property
     def peer_address(self) -> str:
@@ -118,7 +119,7 @@ class KVPushdHooks:
         self._ringing = True
 
     def on_layer_done(self, n: int) -> None:
-        if self._ringing:
+        if self._ringing and self.layers > 1:  # one group: the seal says it
             for w in self.workers:
                 assert w.doorbell is not None
                 w.doorbell.layer_done(n)

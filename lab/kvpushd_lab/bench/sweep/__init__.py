@@ -3,8 +3,11 @@
 Modes (``--modes``):
 
 * ``kvpushd-push``: the engines use ``KVPushdHooks`` on two daemons; the router sends each request
-  to both engines at once, decode Expects its blocks as soon as they are allocated, prefill Publishes
-  when prefill is done, the prefill daemon WRITEs;
+  to both engines at once, decode Expects its blocks as soon as they are allocated, prefill declares
+  its Publish before the forward (progressive push) and the prefill daemon WRITEs as the doorbell
+  says (with ``--kv-shape qwen3-32b-tp8`` the extra regions make it one group: at the step's seal);
+* ``kvpushd-whole`` (not in the default list): ``kvpushd-push`` with the Publish sent once prefill
+  is done, after the forward;
 * ``kvpushd-pull``: the same daemons with ``transfer_mode="pull"`` (shown "unavailable" while the
   installed ``KVPushdHooks`` has no such option); the router sends the request to decode only after
   prefill answered, with prefill's ``kv_params``;
@@ -42,7 +45,7 @@ from typing import Any
 from ..common import BenchError, Result, progress
 from .cells import Req, references, run_all
 from .engines import config
-from .report import MODES, TARGET_RATIO, plot_sweep, result
+from .report import DEFAULT_MODES, MODES, TARGET_RATIO, plot_sweep, result
 from .shape import KV_SHAPES, describe
 
 __all__ = ["MODES", "TARGET_RATIO", "add_args", "kvpushd_pull_available", "plot_sweep", "run"]
@@ -62,7 +65,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qps", type=_floats, default=[2.0, 4.0, 8.0],
                    help="request rates (Poisson arrivals), comma separated (default 2,4,8)")
     p.add_argument("--requests", type=int, default=30, help="requests per cell (default 30)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma separated, of {', '.join(MODES)} (default all)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma separated, of {', '.join(MODES)} (default {', '.join(DEFAULT_MODES)})")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each request generates (default 16)")
     p.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
     p.add_argument("--kv-heads", type=int, default=1,

@@ -51,7 +51,7 @@ def arrivals(seed: int, plen: int, qps: float, n: int) -> list[float]:
 def run_requests(eng: Engines, mode: str, static: dict[str, Any], reqs: list[Req], offsets: list[float],
                   max_new: int, timeout_s: float) -> float:
     """Dispatch at the arrival offsets, collect until every request is done; returns the wall time."""
-    push = mode.endswith("push")
+    push = mode.endswith(("push", "whole"))
     by_id = {r.rid: r for r in reqs}
     t0 = time.monotonic_ns() + 20_000_000
     for r, off in zip(reqs, offsets, strict=True):

@@ -53,7 +53,8 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
             hooks = KVPushdHooks.attach(client, f"sweep-{mode}-{role}",
                                         Role.PRODUCER if role == "prefill" else Role.CONSUMER,
                                         kv, description=f"kvpushd bench sweep {role} pid {os.getpid()}",
-                                        transfer_mode="pull" if mode == "kvpushd-pull" else "push")
+                                        transfer_mode="pull" if mode == "kvpushd-pull" else "push",
+                                        progressive=mode == "kvpushd-push" and role == "prefill")
             host, _, port = hooks.peer_address.rpartition(":")
             static = {"remote_engine_id": hooks.engine_id, "remote_host": host, "remote_port": int(port),
                       "tp_size": 1}

@@ -8,7 +8,8 @@ from typing import Any
 
 from ..common import Result
 
-MODES = ("kvpushd-push", "kvpushd-pull", "inengine-push", "inengine-pull")
+MODES = ("kvpushd-push", "kvpushd-pull", "inengine-push", "inengine-pull", "kvpushd-whole")
+DEFAULT_MODES = MODES[:4]  # kvpushd-whole: kvpushd-push without progressive push, on request
 TARGET_RATIO = 0.5  # kvpushd-push TTFT p50 <= half of inengine-pull's, at the highest QPS and longest prompt
 
 

@@ -124,6 +124,11 @@ class StampedHooks:
         bad += int(np.count_nonzero(whole != _words(h, n, pos[s:s + 1], self.all_cols)[:, 0, :]))
         return guards.size + whole.size, bad
 
+    def __getattr__(self, name: str) -> Any:  # the inner hooks' optional ones (progressive push, abort)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     # --- KVHooks ---------------------------------------------------------------------------
 
     def on_prefill_done(self, req_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
