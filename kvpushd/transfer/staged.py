@@ -157,7 +157,7 @@ class Stages:
                         self.writes_posted += 1
                     worked = True
                 elif now - max(s.t_last, s.t0) > s.stall_s:
-                    group = max(s.sent - s.plan.lead, 0) + 1  # the next layer group (after the ready blocks)
+                    group = max(ready - s.plan.lead, 0) + 1  # the first not complete (ready ones may be gathering)
                     s.stop = (f"the producer's engine step {s.step} did not complete layer group {group} of "
                               f"{s.layers} within transfer.write_timeout_s = {s.stall_s:g}s")
             if s.finished():
