@@ -117,3 +117,23 @@ class Engine:
     def close(self) -> None:
         for c, _ in self.ranks:
             c.shutdown()
+
+
+def step_until_moved(pe: Any, de: Any, sent_id: str, recv_id: str, detail: Any = None) -> None:
+    """Step the prefill engine until its workers report ``sent_id`` sent and the decode engine until
+    they report ``recv_id`` received (within 60 s); a load error on decode fails at once.
+    ``detail()``, if given, adds to the failure message."""
+    sent = received = False
+
+    def progress() -> bool:
+        nonlocal sent, received
+        if not sent:
+            pe.step()
+            sent = sent_id in (pe.last_kv.finished_sending or ())
+        if not received:
+            de.step()
+            received = recv_id in (de.last_kv.finished_recving or ())
+            assert not de.last_kv.failed_recving and not de.last_kv.invalid_block_ids, "load error"
+        return sent and received
+
+    assert vs.wait_for(progress, 60, 0.01), f"sent={sent} received={received}" + (f"\n{detail()}" if detail else "")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 
 import torch
 import vllm_support as vs
-from engine_support import POISON, Engine
+from engine_support import POISON, Engine, step_until_moved
 from kvpushd_client.vllm.layout import describe_kv_caches
 from kvpushd_client.vllm.metadata import (
     COMPAT_HASH,
@@ -55,24 +54,7 @@ x_request_id, engine_request_id = vs.x_request_id, vs.engine_request_id
 # Fixtures
 
 
-@pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvpushd-vllm-") as d:
-        yield Path(d)
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir: Path) -> Path:
-    d = workdir / "tiny-llama"
-    d.mkdir()
-    return vs.write_tiny_llama(d)
-
-
-@pytest.fixture(scope="module")
-def daemons(workdir: Path) -> Iterator[tuple[vs.Daemon, vs.Daemon]]:
-    """A prefill-node daemon and a decode-node daemon, started together."""
-    with vs.daemon_pair(workdir, DAEMON_CONFIG) as pair:
-        yield pair
+workdir, model_dir, daemons = vs.pd_fixtures("kvpushd-vllm-", DAEMON_CONFIG)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,20 +298,7 @@ def run_pd_request(pe: Engine, de: Engine, p_daemon: vs.Daemon, prompt: list[int
     params = outs[0].outputs[0].kv_transfer_params
     assert f"{params['remote_host']}:{params['remote_port']}" == p_daemon.peer_address
 
-    sent = received = False
-
-    def progress() -> bool:  # step each engine until its side is done (decode would run its request next)
-        nonlocal sent, received
-        if not sent:
-            pe.step()
-            sent = p_req.request_id in (pe.last_kv.finished_sending or ())
-        if not received:
-            de.step()
-            received = d_req.request_id in (de.last_kv.finished_recving or ())
-            assert not de.last_kv.invalid_block_ids, "load error"
-        return sent and received
-
-    assert vs.wait_for(progress, 60, 0.01), f"sent={sent} received={received}"
+    step_until_moved(pe, de, p_req.request_id, d_req.request_id)  # (decode would run its request next)
     (e,) = [e for e in de.expects() if e.req_id == d_req.request_id]
     (pub,) = [p for p in pe.publishes() if p.req_id == p_req.request_id]
     assert e.transfer_id == pub.transfer_id == f"cmpl-{x}-0"

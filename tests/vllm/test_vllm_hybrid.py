@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 
 import torch
 import vllm_support as vs
-from engine_support import POISON, Engine
+from engine_support import POISON, Engine, step_until_moved
 from kvpushd_client.vllm.groups import GroupPlan, plan_groups
 from kvpushd_client.vllm.metadata import PREFILL_PARAMS
 from vllm.v1.request import RequestStatus
@@ -39,23 +38,7 @@ BS = 16       # scheduler-only tests
 x_request_id, engine_request_id = vs.x_request_id, vs.engine_request_id
 
 
-@pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvpushd-hybrid-") as d:
-        yield Path(d)
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir: Path) -> Path:
-    d = workdir / "tiny-llama-4"
-    d.mkdir()
-    return vs.write_tiny_llama(d, layers=4, kv_heads=4)
-
-
-@pytest.fixture(scope="module")
-def daemons(workdir: Path) -> Iterator[tuple[vs.Daemon, vs.Daemon]]:
-    with vs.daemon_pair(workdir, DAEMON_CONFIG) as pair:
-        yield pair
+workdir, model_dir, daemons = vs.pd_fixtures("kvpushd-hybrid-", DAEMON_CONFIG, layers=4, kv_heads=4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,20 +197,7 @@ def run_hybrid_request(pe: Engine, de: Engine, p_daemon: vs.Daemon, n: int) -> N
     pe.step([p_req])
     assert p_req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     p_tables = [list(b) for b in pe.sched.kv_cache_manager.get_block_ids(p_req.request_id)]  # held to push
-    sent = received = False
-
-    def progress() -> bool:
-        nonlocal sent, received
-        if not sent:
-            pe.step()
-            sent = p_req.request_id in (pe.last_kv.finished_sending or ())
-        if not received:
-            de.step()
-            received = d_req.request_id in (de.last_kv.finished_recving or ())
-            assert not de.last_kv.failed_recving and not de.last_kv.invalid_block_ids, "load error"
-        return sent and received
-
-    assert vs.wait_for(progress, 60, 0.01), f"sent={sent} received={received}"
+    step_until_moved(pe, de, p_req.request_id, d_req.request_id)
     moved = 0
     for gi, (plan, group) in enumerate(zip(_groups_of(pe), pe.kv_cache_config.kv_cache_groups, strict=True)):
         pos = list(plan.positions(n))

@@ -9,7 +9,6 @@ before that step's forward and rings the doorbell from ``save_kv_layer``; real d
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 
 import torch
 import vllm_support as vs
-from engine_support import POISON, Engine
+from engine_support import POISON, Engine, step_until_moved
 from kvpushd_client.vllm.connector import KVPushdConnector
 from kvpushd_client.vllm.metadata import AbortReq, PublishReq
 from kvpushd_client.vllm.progress import LayerProgress
@@ -34,23 +33,7 @@ D_ENGINE = "decode-prog"
 DAEMON_CONFIG = "[transfer]\npublish_timeout_s = 60.0\nexpect_timeout_s = 60.0\ndrain_timeout_s = 3.0\n"
 
 
-@pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvpushd-vllm-prog-") as d:
-        yield Path(d)
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir: Path) -> Path:
-    d = workdir / "tiny-llama"
-    d.mkdir()
-    return vs.write_tiny_llama(d)
-
-
-@pytest.fixture(scope="module")
-def daemons(workdir: Path) -> Iterator[tuple[vs.Daemon, vs.Daemon]]:
-    with vs.daemon_pair(workdir, DAEMON_CONFIG) as pair:
-        yield pair
+workdir, model_dir, daemons = vs.pd_fixtures("kvpushd-vllm-prog-", DAEMON_CONFIG)
 
 
 def scheduler(model_dir: Path, sock: str, **extra: object):  # type: ignore[no-untyped-def]
@@ -258,20 +241,7 @@ def test_layers_pushed_as_the_forward_computes_them(engines: tuple[Engine, Engin
     assert pe.metas[-1].publishes == [pub]  # declared in the step that finished it, not one later
     assert w.declared == declared0 + 1 and w.rings >= rings0 + len(pe.layer_names)  # a ring per layer
 
-    sent = received = False
-
-    def progress() -> bool:
-        nonlocal sent, received
-        if not sent:
-            pe.step()
-            sent = p_req.request_id in (pe.last_kv.finished_sending or ())
-        if not received:
-            de.step()
-            received = d_req.request_id in (de.last_kv.finished_recving or ())
-            assert not de.last_kv.failed_recving, "load error"
-        return sent and received
-
-    assert vs.wait_for(progress, 60, 0.01), f"sent={sent} received={received}\n{p_daemon.logs()[-3000:]}"
+    step_until_moved(pe, de, p_req.request_id, d_req.request_id, lambda: p_daemon.logs()[-3000:])
     (e,) = [e for e in de.expects() if e.req_id == d_req.request_id]
     for name in pe.kv:
         assert not bool((pe.kv[name][list(pub.block_ids)] == POISON).any())

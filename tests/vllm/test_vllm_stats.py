@@ -29,6 +29,7 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 
 import torch
 import vllm_support as vs
+from engine_support import step_until_moved
 from kvpushd_client.vllm import worker as vllm_worker
 from kvpushd_client.vllm.connector import KVPushdConnector
 from kvpushd_client.vllm.stats import KVPushdKVConnectorStats
@@ -171,19 +172,7 @@ def run_request(p: vs.Daemon, pe: Engine, de: Engine, traceparent: str = "") -> 
     de.step()
     assert d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     pe.step([p_req])
-    sent = received = False
-
-    def progress() -> bool:
-        nonlocal sent, received
-        if not sent:
-            pe.step()
-            sent = p_req.request_id in (pe.last_kv.finished_sending or ())
-        if not received:
-            de.step()
-            received = d_req.request_id in (de.last_kv.finished_recving or ())
-        return sent and received
-
-    assert vs.wait_for(progress, 60, 0.01)
+    step_until_moved(pe, de, p_req.request_id, d_req.request_id)
     de.step([d_req])  # decode runs the request to its end, so the next one starts from a clean scheduler
     de.step([d_req], eos=True)
     de.step()

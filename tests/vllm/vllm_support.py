@@ -115,6 +115,33 @@ def daemon_pair(workdir: Path, extra_config: str = "") -> Iterator[tuple[Daemon,
         assert rc == 0, f"daemon {x.name} exited {rc}:\n{x.logs()[-3000:]}"
 
 
+def pd_fixtures(prefix: str, daemon_config: str, **llama: int) -> tuple[Any, Any, Any]:
+    """A test module's ``workdir``, ``model_dir`` (a tiny Llama, ``write_tiny_llama(**llama)``) and
+    ``daemons`` (``daemon_pair``) fixtures, module-scoped; assign them to those three names."""
+    import tempfile
+
+    import pytest
+
+    @pytest.fixture(scope="module", name="workdir")
+    def workdir() -> Iterator[Path]:
+        with tempfile.TemporaryDirectory(prefix=prefix) as d:
+            yield Path(d)
+
+    @pytest.fixture(scope="module", name="model_dir")
+    def model_dir(workdir: Path) -> Path:
+        d = workdir / "tiny-llama"
+        d.mkdir()
+        return write_tiny_llama(d, **llama)
+
+    @pytest.fixture(scope="module", name="daemons")
+    def daemons(workdir: Path) -> Iterator[tuple[Daemon, Daemon]]:
+        """A prefill-node daemon and a decode-node daemon, started together."""
+        with daemon_pair(workdir, daemon_config) as pair:
+            yield pair
+
+    return workdir, model_dir, daemons
+
+
 def wait_for(pred: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
