@@ -34,6 +34,73 @@ def test_published_shape_is_one_qwen3_32b_tp8_rank() -> None:
     assert describe("tiny", model_config("tiny", 2, 1, 4096))["regions"] == 4
 
 
+def test_spread_lists_each_layers_share_of_the_extra_regions_before_its_k_and_v() -> None:
+    """Progressive push's layer group l (128 / layers regions in list order) is layer l's K and V and its
+    share of the extra regions: the same regions on both sides, only listed in another order."""
+    for layers in (2, 4):
+        cfg = model_config(SHAPE, layers, 1, 4096)
+        kv = PagedKV.shared(cfg, 2, "kvpushd-test-spread", extra_regions=extra_regions(SHAPE, cfg))
+        try:
+            assert kv.spreads_extra
+            order = kv.region_order(spread=True)
+            assert sorted(order) == list(range(128)) and kv.region_order() == list(range(128))
+            per = 128 // layers
+            for lay in range(layers):
+                group = order[lay * per:(lay + 1) * per]
+                assert group[-2:] == [2 * lay, 2 * lay + 1] and min(group[:-2]) >= 2 * layers
+            offsets = [r.offset for r in kv.regions(spread=True)]
+            assert offsets == [i * 2 * 4096 for i in order]
+        finally:
+            kv.close()
+    odd = model_config(SHAPE, 3, 1, 4096)  # 122 extra regions do not divide among 3 layers
+    kv = PagedKV.shared(odd, 2, "kvpushd-test-spread", extra_regions=extra_regions(SHAPE, odd))
+    try:
+        assert not kv.spreads_extra and kv.region_order(spread=False) == list(range(128))
+    finally:
+        kv.close()
+
+
+class _Spans:
+    """Inner hooks of a progressive push with the extra regions in 2 spans: records what was stamped
+    when each layer was rung."""
+
+    extra_spans = 2
+
+    def __init__(self, kv: PagedKV) -> None:
+        self.kv, self.rung = kv, {}
+
+    def on_prefill_start(self, req_id: str, block_ids: Any) -> None:
+        self.blocks = list(block_ids)
+
+    def on_layer_done(self, n: int) -> None:
+        w = self.kv.extra_words()
+        self.rung[n] = [bool((w[r, self.blocks, 0] & 1).all()) for r in range(w.shape[0])]  # stamped words are odd
+
+    def on_prefill_done(self, req_id: str, block_ids: Any) -> dict[str, Any]:
+        w = self.kv.extra_words()
+        self.rung["done"] = [bool((w[r, self.blocks, 0] & 1).all()) for r in range(w.shape[0])]
+        return {}
+
+
+def test_each_layers_share_of_the_extra_regions_is_stamped_before_the_layer_is_rung() -> None:
+    cfg = model_config(SHAPE, 2, 1, 4096)
+    kv = PagedKV.shared(cfg, 8, "kvpushd-test-spans", extra_regions=extra_regions(SHAPE, cfg))
+    inner = _Spans(kv)
+    hooks = StampedHooks(inner, kv)
+    try:
+        hooks.words[:] = 0x5A5A5A5A  # poison (even)
+        hooks.on_prefill_start("r", [1, 2, 3])
+        hooks.on_layer_done(1)
+        hooks.on_layer_done(2)
+        hooks.on_prefill_done("r", [1, 2, 3])
+        assert inner.rung[1] == [True] * 62 + [False] * 62  # layer 0's share, before layer 0 is rung
+        assert inner.rung[2] == [True] * 124 and inner.rung["done"] == [True] * 124
+        assert hooks.stats["stamped_requests"] == 1
+    finally:
+        hooks.words = None
+        kv.close()
+
+
 class _Copier:
     """Inner hooks standing in for a transfer: the decode side copies the prefill cache's regions."""
 
@@ -87,7 +154,8 @@ def test_check_catches_a_region_not_moved() -> None:
 
 def test_sweep_cell_with_the_published_shape_moves_and_checks_every_block() -> None:
     """Two requests of 40 tokens (3 blocks) through real daemons and real NIXL (progressive push: declared
-    before the forward, written at the seal), and in-engine NIXL push."""
+    before the forward, two layer groups of 64 regions, each with its share of the extra regions), and
+    in-engine NIXL push."""
     r = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "sweep", "--kv-shape", SHAPE, "--modes",
                         "kvpushd-push,inengine-push", "--prompt-lens", "40", "--qps", "8", "--requests", "2",
                         "--warmup", "0", "--max-new-tokens", "4", "--json"],
@@ -99,7 +167,7 @@ def test_sweep_cell_with_the_published_shape_moves_and_checks_every_block() -> N
     for c in out["cells"]:
         assert c["tokens_match"] and c["failed"] == 0 and c["completed"] == 2, c
         assert c["kv_bytes_per_request"] == per_request and c["descriptors_per_request"] == 3 * 128
-    for mode in ("kvpushd-push", "inengine-push"):  # kvpushd-push: declared, one group here, at the seal
+    for mode in ("kvpushd-push", "inengine-push"):  # kvpushd-push: declared, a layer group per model layer
         chk = out["kv_checked"][mode]
         assert chk["checked_requests"] == 2 and chk["mismatched_words"] == 0 and chk["failed_checks"] == 0, chk
         assert chk["bytes_moved_checked"] == 2 * per_request

@@ -68,6 +68,7 @@ class KVPushdHooks:
         self.layers = layers
         self._declared: set[str] = set()   # progressive publishes whose forward has not ended
         self._ringing = False
+        self.extra_spans = 0  # > 0: the extra regions are listed in this many spans, span l in layer group l
 
     @classmethod
     def attach(cls, client: KVPushClient | Sequence[KVPushClient], engine_id: str, role: Role,
@@ -78,23 +79,29 @@ class KVPushdHooks:
         ``client`` is one client for all ranks, or one per rank. ``progressive``: each rank gets a
         doorbell, and prefills declare their publish before the forward."""
         caches = as_caches(kv)
-        # Extra regions (which the model never writes) do not split into the model's layers: one layer
-        # group then, the whole leg written once the step is sealed (still declared before the forward).
-        layers = 1 if caches[0].extra_regions else caches[0].cfg.num_layers
+        # Extra regions (which the model never reads) are listed spread among the model's layers when they
+        # divide evenly (layer group l: layer l's share of them, then its K and V; the engine's hooks write
+        # that share before layer l is rung: ``extra_spans``). Otherwise one layer group, the whole leg
+        # written once the step is sealed (still declared before the forward).
+        spread = caches[0].spreads_extra
+        layers = 1 if caches[0].extra_regions and not spread else caches[0].cfg.num_layers
         clients = [client] * len(caches) if isinstance(client, KVPushClient) else list(client)
         workers: list[StreamWorker] = []
         try:
             for c, cl in zip(caches, clients, strict=True):
                 if c.shm is None:
                     raise ValueError("kvpushd needs the KV cache in shared memory (PagedKV.shared)")
-                workers.append(cl.attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory], c.regions(),
+                workers.append(cl.attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory],
+                                         c.regions(spread=spread),
                                          description=description or f"refengine {engine_id} rank {c.tp_rank}",
                                          doorbell=progressive))
         except BaseException:
             for w in workers:
                 w.detach()
             raise
-        return cls(workers, engine_id, transfer_mode, progressive, layers)
+        hooks = cls(workers, engine_id, transfer_mode, progressive, layers)
+        hooks.extra_spans = layers if spread else 0
+        return hooks
 
     @property
     def peer_address(self) -> str:

@@ -11,7 +11,9 @@ caller-provided memory (a POSIX shared memory map), laid out region after region
 layer 0 V, layer 1 K, ... ``PagedKV.regions()`` describes exactly these bytes as kvpushd regions.
 ``extra_regions`` adds regions of the same block length after the model's, which the model never
 reads: KV that is moved like the model's (``kvpushd bench sweep --kv-shape``: the bytes and
-descriptor counts of a big model's rank around the tiny model's compute).
+descriptor counts of a big model's rank around the tiny model's compute). ``regions(spread=True)``
+lists them spread among the model's layers, so a progressive push's layer group l (R / layers regions
+in list order) is layer l's K and V with its share of the extra regions.
 
 Exactness: every disaggregated request must produce the same tokens as a monolithic run, bit for
 bit, not merely within a tolerance. Three choices make that hold by construction:
@@ -175,13 +177,33 @@ class PagedKV:
         return np.frombuffer(self._memory, dtype=np.uint32, count=self.extra_regions * self.num_blocks
                              * self.block_len // 4, offset=start).reshape(self.extra_regions, self.num_blocks, -1)
 
-    def regions(self, memory_index: int = 0) -> list[Region]:
-        """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``.
+    @property
+    def spreads_extra(self) -> bool:
+        """Whether the extra regions divide evenly among the model's layers (``regions(spread=True)``)."""
+        return bool(self.extra_regions) and self.extra_regions % self.cfg.num_layers == 0
+
+    def region_order(self, spread: bool = False) -> list[int]:
+        """The regions' indices in ``region_layout()`` in the order ``regions()`` lists them. ``spread``
+        (needs ``spreads_extra``): per layer l, its share of the extra regions (the l-th
+        ``extra_regions / num_layers`` of them), then layer l's K and V."""
+        n, layers = 2 * self.cfg.num_layers, self.cfg.num_layers
+        if not spread or not self.extra_regions:
+            return list(range(n + self.extra_regions))
+        if not self.spreads_extra:
+            raise ValueError(f"{self.extra_regions} extra regions do not divide among {layers} layers")
+        per = self.extra_regions // layers
+        return [i for lay in range(layers) for i in [*range(n + lay * per, n + (lay + 1) * per), 2 * lay, 2 * lay + 1]]
+
+    def regions(self, memory_index: int = 0, spread: bool = False) -> list[Region]:
+        """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``, in
+        ``region_order(spread)``.
 
         Each says its block size in tokens and its KV heads (HND), so the other side may page the
         same tokens in blocks of another size."""
+        layout = self.region_layout()
         return [Region(memory_index, off, nb, bl, stride, block_size_tokens=self.cfg.block_size,
-                       num_heads=self.num_heads) for off, nb, bl, stride in self.region_layout()]
+                       num_heads=self.num_heads)
+                for off, nb, bl, stride in (layout[i] for i in self.region_order(spread))]
 
     def fill_(self, value: float) -> None:
         self._flat.fill_(value)

@@ -75,9 +75,10 @@ def describe(shape: str, cfg: Any) -> dict[str, Any]:
             **({"published": published_layout().describe()} if shape != "tiny" else {})}
 
 
-def _words(h: int, regions: int, positions: npt.NDArray[np.int64], cols: npt.NDArray[np.int64]) -> Any:
-    """The stamp: [regions, len(positions), len(cols)] uint32, odd (never the poison)."""
-    r = np.arange(regions, dtype=np.uint64)[:, None, None]
+def _words(h: int, regions: range, positions: npt.NDArray[np.int64], cols: npt.NDArray[np.int64]) -> Any:
+    """The stamp of the extra regions ``regions``: [len(regions), len(positions), len(cols)] uint32, odd
+    (never the poison)."""
+    r = np.arange(regions.start, regions.stop, dtype=np.uint64)[:, None, None]
     p = positions.astype(np.uint64)[None, :, None]
     c = cols.astype(np.uint64)[None, None, :]
     v = (np.uint64(h) + r * np.uint64(0x9E3779B1) + p * np.uint64(0x85EBCA77) + c * np.uint64(0xC2B2AE3D))
@@ -85,11 +86,19 @@ def _words(h: int, regions: int, positions: npt.NDArray[np.int64], cols: npt.NDA
 
 
 class StampedHooks:
-    """Wraps an engine's hooks: stamps (prefill) and checks (decode) the extra regions per request."""
+    """Wraps an engine's hooks: stamps (prefill) and checks (decode) the extra regions per request.
+
+    When the inner hooks list the extra regions spread among the model's layers (``extra_spans``, kvpushd
+    progressive push), each layer's share is stamped as that layer is done, before the inner hooks ring
+    it: the extra regions stand for the layers of a big model, written during the forward like the
+    model's own. Otherwise every extra region is stamped once the prefill is done."""
 
     def __init__(self, inner: Any, kv: Any) -> None:
         self.inner = inner
         self.words = kv.extra_words()  # [extra regions, num_blocks, block_len / 4] uint32
+        self.spans = int(getattr(inner, "extra_spans", 0) or 0)
+        self._forward: tuple[str, list[int]] | None = None  # the prefill whose forward runs
+        self._stamped = 0  # spans of it stamped so far
         width = self.words.shape[2]
         self.guard_cols = np.array([0, 1, width - 2, width - 1], dtype=np.int64)
         self.all_cols = np.arange(width, dtype=np.int64)
@@ -103,11 +112,14 @@ class StampedHooks:
         b = np.asarray(blocks, dtype=np.int64)
         return b, np.arange(len(b), dtype=np.int64), h, h % len(b)
 
-    def _stamp(self, tid: str, blocks: Sequence[int]) -> None:
+    def _stamp(self, tid: str, blocks: Sequence[int], spans: range | None = None) -> None:
+        """Stamp the extra regions of ``spans`` (all when None) in the request's blocks."""
         b, pos, h, s = self._targets(tid, blocks)
         n = self.words.shape[0]
-        self.words[:, b[:, None], self.guard_cols[None, :]] = _words(h, n, pos, self.guard_cols)
-        self.words[:, b[s], :] = _words(h, n, pos[s:s + 1], self.all_cols)[:, 0, :]
+        regions = range(n) if spans is None else range(spans.start * n // self.spans, spans.stop * n // self.spans)
+        w = self.words[regions.start:regions.stop]
+        w[:, b[:, None], self.guard_cols[None, :]] = _words(h, regions, pos, self.guard_cols)
+        w[:, b[s], :] = _words(h, regions, pos[s:s + 1], self.all_cols)[:, 0, :]
 
     def _poison(self, tid: str, blocks: Sequence[int]) -> None:
         b, _, _, s = self._targets(tid, blocks)
@@ -120,8 +132,8 @@ class StampedHooks:
         n = self.words.shape[0]
         guards = self.words[:, b[:, None], self.guard_cols[None, :]]
         whole = self.words[:, b[s], :]
-        bad = int(np.count_nonzero(guards != _words(h, n, pos, self.guard_cols)))
-        bad += int(np.count_nonzero(whole != _words(h, n, pos[s:s + 1], self.all_cols)[:, 0, :]))
+        bad = int(np.count_nonzero(guards != _words(h, range(n), pos, self.guard_cols)))
+        bad += int(np.count_nonzero(whole != _words(h, range(n), pos[s:s + 1], self.all_cols)[:, 0, :]))
         return guards.size + whole.size, bad
 
     def __getattr__(self, name: str) -> Any:  # the inner hooks' optional ones (progressive push, abort)
@@ -131,10 +143,30 @@ class StampedHooks:
 
     # --- KVHooks ---------------------------------------------------------------------------
 
+    def on_prefill_start(self, req_id: str, block_ids: Sequence[int]) -> None:
+        fn = getattr(self.inner, "on_prefill_start", None)
+        if fn is not None:
+            fn(req_id, block_ids)
+        if self.spans and block_ids:
+            self._forward, self._stamped = (req_id, list(block_ids)), 0
+
+    def on_layer_done(self, n: int) -> None:
+        if self._forward is not None and n > self._stamped:
+            self._stamp(*self._forward, range(self._stamped, min(n, self.spans)))
+            self._stamped = min(n, self.spans)
+        fn = getattr(self.inner, "on_layer_done", None)
+        if fn is not None:
+            fn(n)
+
     def on_prefill_done(self, req_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
         if block_ids:
-            self._stamp(req_id, block_ids)
+            if self._forward is not None and self._forward[0] == req_id:
+                if self._stamped < self.spans:
+                    self._stamp(req_id, block_ids, range(self._stamped, self.spans))
+            else:
+                self._stamp(req_id, block_ids)
             self.stats["stamped_requests"] += 1
+        self._forward = None
         return dict(self.inner.on_prefill_done(req_id, block_ids))
 
     def on_blocks_allocated(self, req_id: str, block_ids: Sequence[int], kv_params: Mapping[str, Any]) -> None:
