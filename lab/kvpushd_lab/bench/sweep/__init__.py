@@ -5,7 +5,8 @@ Modes (``--modes``):
 * ``kvpushd-push``: the engines use ``KVPushdHooks`` on two daemons; the router sends each request
   to both engines at once, decode Expects its blocks as soon as they are allocated, prefill declares
   its Publish before the forward (progressive push) and the prefill daemon WRITEs as the doorbell
-  says (with ``--kv-shape qwen3-32b-tp8`` the extra regions make it one group: at the step's seal);
+  says, a layer group per model layer (with ``--kv-shape qwen3-32b-tp8`` each group carries its share
+  of the extra regions, written as its layer is done);
 * ``kvpushd-whole`` (not in the default list): ``kvpushd-push`` with the Publish sent once prefill
   is done, after the forward;
 * ``kvpushd-pull``: the same daemons with ``transfer_mode="pull"`` (shown "unavailable" while the
