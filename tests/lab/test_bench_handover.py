@@ -30,6 +30,7 @@ def test_handover_small_run_reports_every_mode() -> None:
     for r in data["rows"]:
         assert r["tokens"] == 256 and r["requests"] == 2 and r["handover_ms"]["n"] == 2
         assert r["ttft_ms"]["p50"] > 0 and "p99" in r["forward_start_to_told_ms"]
+        assert r["told_to_first_token_ms"]["n"] == 2 and "p50" in r["token_after_told_ms"]
     assert data["requests_checked"] == 4 * 3  # warm-ups too: each request's blocks digested on both sides
     assert "handover_p50_progressive_over_inengine_push" in data["ratios"][0]
     assert data["load_before"]["cpus"] > 0

@@ -28,7 +28,10 @@ MLP and the logits, ``forward_tail_ms``, come after it), ``forward_start_to_told
 ``ttft_ms`` (the request sent to the engines -> the decode engine's first decode step has produced
 its token; every mode the same way), each {p50, p99}. ``ttft_after_forward_ms`` is TTFT less the
 request's own forward: on a small shared machine the forward's time varies more from request to
-request than the handover does. After every request both engines digest the
+request than the handover does. ``told_to_first_token_ms``: "finished receiving" read -> the first
+token (the decode engine's first step); ``token_after_told_ms``: when prefill's first token, relayed
+by the bench as a push proxy would, reached the decode engine, after (> 0) or before (< 0) the KV.
+After every request both engines digest the
 request's blocks in all 128 regions and the bench compares them. ``--fabric veth:10gbit`` runs each
 node (daemon and engines) in its own network namespace, joined by a veth pair shaped with ``tc tbf``,
 UCX over TCP on it.
@@ -105,8 +108,10 @@ def _one(mode: str, pair: EnginePair, static: dict[str, Any], rid: str, prompt: 
     if not p_digest or p_digest != d_digest:
         raise BenchError(f"{mode} {rid}: the decode engine's blocks differ from the prefill engine's")
     told, end, start = d_times["told"], p_times["forward_end"], p_times["forward_start"]
+    token = d_times.get("token", told)  # push: prefill's first token, relayed by the router
     return {"handover": (told - end) / 1e6, "start_to_told": (told - start) / 1e6, "ttft": (t_first - t0) / 1e6,
-            "forward": (end - start) / 1e6, "tail": (p_times["forward_return"] - end) / 1e6}
+            "forward": (end - start) / 1e6, "tail": (p_times["forward_return"] - end) / 1e6,
+            "told_to_first": (t_first - told) / 1e6, "token_after_told": (token - told) / 1e6}
 
 
 def _ratio(rows: list[dict[str, Any]], tokens: int, a: str, b: str, key: str) -> float | None:
@@ -164,7 +169,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                                  "ttft_ms": dist([x["ttft"] for x in s], 2),
                                  "ttft_after_forward_ms": dist([x["ttft"] - x["forward"] for x in s], 2),
                                  "forward_ms": dist([x["forward"] for x in s], 2),
-                                 "forward_tail_ms": dist([x["tail"] for x in s], 2)})
+                                 "forward_tail_ms": dist([x["tail"] for x in s], 2),
+                                 "told_to_first_token_ms": dist([x["told_to_first"] for x in s], 2),
+                                 "token_after_told_ms": dist([x["token_after_told"] for x in s], 2)})
                     progress(f"  {tokens:6d} tokens {mode:20s} handover p50 {rows[-1]['handover_ms']['p50']:9.2f} ms"
                              f"  TTFT p50 {rows[-1]['ttft_ms']['p50']:9.2f} ms")
             veth = nodes.link_bytes(veth0)

@@ -164,6 +164,7 @@ def _engine_loop(kind: str, role: str, spec: dict[str, Any], conn: Connection) -
                 if msg[0] == "add":
                     engine.add_request(msg[1], msg[2], msg[3], msg[4])
                 elif msg[0] == "first_token":
+                    hooks.times.setdefault(msg[1], {})["token"] = time.monotonic_ns()  # prefill's token relayed
                     engine.set_first_token(msg[1], msg[2])
                 elif msg[0] == "progressive":
                     inner.progressive = bool(msg[1])
