@@ -121,14 +121,43 @@ def _engine_main(role: str, sock: str, spec: dict[str, int], conn: Connection) -
     run_engine_child(f"{role} engine", body, conn)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit
+TRIM_THRESHOLD = 1 << 30
+
+
+def steady_malloc() -> bool:
+    """Keep freed heap memory in the process (glibc): tensors of up to 32 MiB come from the heap, and
+    the heap is not trimmed below 1 GiB of free space. Without it, a reference engine's decode step
+    maps fresh pages for its large temporaries and unmaps them when they are freed. That costs ~1,000
+    page faults a step at 4,096 tokens, and made decode steps 3-5x slower. Only engines that load UCX
+    escaped it: UCX's memory hooks change these settings, so an engine with in-engine NIXL decoded
+    faster than one on kvpushd. The same settings in every engine compare the transfers, not the
+    allocator. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
 def run_engine_child(what: str, body: Callable[[], None], conn: Connection) -> None:
-    """Run ``body`` as an engine child process (demo, bench sweep) and exit the process.
+    """Run ``body`` as an engine child process (demo, bench sweep, bench handover) and exit the process.
+    The allocator is made steady first (``steady_malloc``).
 
     SIGTERM and the parent's death end it (SystemExit: cleaned up, nothing to say); any other
     failure is printed and sent to the parent as ("error", text). It exits without the
     interpreter's teardown: everything is released by then (workers detached, shared memory
     unlinked), and teardown takes seconds with torch loaded on a busy machine."""
     code = 0
+    steady_malloc()
     signal.signal(signal.SIGTERM, _raise_exit)
     term_with_parent()
     try:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import resource
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..common import BenchError
+from ..common import BenchError, dist
 from ..procpair import ProcPair
 from .shape import extra_regions, model_config
 
@@ -73,6 +74,7 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
         conn.send(("ready", static if role == "prefill" else {}))
         first_seen: set[str] = set()
         steps_busy = 0
+        decode_steps_ms: list[float] = []  # decode: each step with requests running
         while True:
             # Nothing unfinished: only a message can bring work, and poll() returns at once for one.
             # Requests waiting on KV: step every millisecond to read the connector's events.
@@ -92,8 +94,11 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
                     conn.send(("out", msg[1], False, [], f"{msg[0]}: {e}", {}, time.monotonic_ns()))
             if finishing:
                 break
+            t0, decoding = time.perf_counter_ns(), role == "decode" and bool(engine.running)
             outs = engine.step()
             t = time.monotonic_ns()
+            if decoding:
+                decode_steps_ms.append((time.perf_counter_ns() - t0) / 1e6)
             if engine.running or outs:
                 steps_busy += 1
             if role == "decode":
@@ -107,6 +112,8 @@ def _engine_loop(role: str, mode: str, spec: dict[str, Any], conn: Connection) -
                 first_seen.discard(o.req_id)
                 conn.send(("out", o.req_id, o.ok, o.tokens, o.error, o.kv_params, t))
         conn.send(("stats", {"steps": engine.steps, "busy_steps": steps_busy, "unknown_events": engine.unknown_events,
+                             "decode_step_ms": dist(decode_steps_ms, 3),
+                             "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
                              "send_failures": len(engine.send_failures),
                              "handshakes": int(getattr(inner, "handshakes", 0)),
                              **({"kv_check": hooks.stats} if extra else {})}))
