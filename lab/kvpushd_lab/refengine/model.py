@@ -384,10 +384,11 @@ class TinyModel:
         return o.transpose(0, 1).reshape(q.shape[1], c.hidden_size)
 
     def _forward(self, tokens: Sequence[int], on_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
-                 on_attn: Callable[[int], None] | None = None) -> torch.Tensor:
+                 on_attn: Callable[[int], None] | None = None, last_only: bool = False) -> torch.Tensor:
         """The causal forward over the whole sequence; ``on_kv(layer, k, v)`` as each layer's K and V
         ([kv_heads, T, d], after RoPE) are computed, ``on_attn(n)`` once the n-th layer's attention is
-        done (where vLLM calls ``save_kv_layer``). Returns the logits [T, vocab]."""
+        done (where vLLM calls ``save_kv_layer``). Returns the logits [T, vocab], or with ``last_only``
+        those of the last position [1, vocab] (a prefill samples only there, as vLLM's logits indices)."""
         if not tokens:
             raise ValueError("empty sequence")
         if len(tokens) > self.cfg.max_positions:
@@ -405,7 +406,7 @@ class TinyModel:
                     on_attn(li + 1)
                 x = x + a @ layer.wo
                 x = x + self._mlp(layer, x)
-            return self._logits(x)
+            return self._logits(x[-1:] if last_only else x)
 
     def forward_full(self, tokens: Sequence[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Plain causal attention over the whole sequence, no cache: logits [T, vocab] and per layer (K, V)."""
@@ -433,7 +434,7 @@ class TinyModel:
                       for t in (k, v))
             scatter_blocks(caches, layer, block_ids[:n], kb, vb)
 
-        logits = self._forward(tokens, write, on_layer)
+        logits = self._forward(tokens, write, on_layer, last_only=True)
         return int(logits[-1].argmax())
 
     # --- paged decode -------------------------------------------------------------------------
