@@ -7,9 +7,9 @@ shared memory, described as kvpushd regions). ``engine``: a vLLM-like scheduler/
 """
 
 from .engine import BlockAllocator, Engine, EngineRole, KVEvents, KVHooks, Request, RequestOutput, Status
-from .fake import LocalKVNetwork
+from .fake import LocalKVNetwork, copy_blocks
 from .kvpushd_hooks import KVPushdHooks
-from .model import PagedKV, TinyConfig, TinyModel, as_caches, copy_blocks, kv_slice, random_prompt
+from .model import PagedKV, TinyConfig, TinyModel, as_caches, kv_slice, random_prompt
 
 __all__ = [
     "BlockAllocator", "Engine", "EngineRole", "KVEvents", "KVHooks", "KVPushdHooks", "LocalKVNetwork", "PagedKV",

@@ -183,20 +183,17 @@ class PagedKV:
         return bool(self.extra_regions) and self.extra_regions % self.cfg.num_layers == 0
 
     def region_order(self, spread: bool = False) -> list[int]:
-        """The regions' indices in ``region_layout()`` in the order ``regions()`` lists them. ``spread``
-        (needs ``spreads_extra``): per layer l, its share of the extra regions (the l-th
-        ``extra_regions / num_layers`` of them), then layer l's K and V."""
-        n, layers = 2 * self.cfg.num_layers, self.cfg.num_layers
-        if not spread or not self.extra_regions:
-            return list(range(n + self.extra_regions))
-        if not self.spreads_extra:
+        """Indices into ``region_layout()`` in the order ``regions()`` lists them; ``spread`` (needs
+        ``spreads_extra``): per layer l, the l-th share of the extra regions, then layer l's K and V."""
+        n, layers, per = 2 * self.cfg.num_layers, self.cfg.num_layers, self.extra_regions // self.cfg.num_layers
+        if spread and not self.spreads_extra:
             raise ValueError(f"{self.extra_regions} extra regions do not divide among {layers} layers")
-        per = self.extra_regions // layers
+        if not spread:
+            return list(range(n + self.extra_regions))
         return [i for lay in range(layers) for i in [*range(n + lay * per, n + (lay + 1) * per), 2 * lay, 2 * lay + 1]]
 
     def regions(self, memory_index: int = 0, spread: bool = False) -> list[Region]:
-        """The same layout as ``kvpushd_client.Region`` objects, for ``KVPushClient.attach``, in
-        ``region_order(spread)``.
+        """``region_layout()`` as ``kvpushd_client.Region`` objects in ``region_order(spread)``, for ``attach``.
 
         Each says its block size in tokens and its KV heads (HND), so the other side may page the
         same tokens in blocks of another size."""
@@ -249,19 +246,6 @@ def scatter_blocks(caches: Sequence[PagedKV], layer: int, block_ids: Sequence[in
     for c in caches:
         c.k[layer].index_copy_(0, idx, k[:, c.heads].contiguous())
         c.v[layer].index_copy_(0, idx, v[:, c.heads].contiguous())
-
-
-def copy_blocks(src: PagedKV | Sequence[PagedKV], src_blocks: Sequence[int], dst: PagedKV | Sequence[PagedKV],
-                dst_blocks: Sequence[int]) -> None:
-    """What a KV transfer does, in process: every layer's K and V of ``src_blocks`` into ``dst_blocks``.
-
-    Source and destination may have different TP sizes (heads are gathered, then re-split)."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError("source and destination block lists differ in length")
-    s, d = as_caches(src), as_caches(dst)
-    for layer in range(s[0].cfg.num_layers):
-        k, v = gather_blocks(s, layer, src_blocks)
-        scatter_blocks(d, layer, dst_blocks, k, v)
 
 
 # ------------------------------------------------------------------------------------------------
