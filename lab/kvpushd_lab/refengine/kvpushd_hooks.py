@@ -50,7 +50,7 @@ class KVPushdHooks:
     """Connector hooks for one engine: ``workers[r]`` is TP rank r's attached worker."""
 
     def __init__(self, workers: Sequence[StreamWorker], engine_id: str, transfer_mode: str = "push",
-                 progressive: bool = False, layers: int = 0) -> None:
+                 progressive: bool = False, layers: int = 0, extra_spans: int = 0) -> None:
         if not workers:
             raise ValueError("no workers")
         if progressive and (layers < 1 or any(w.doorbell is None for w in workers)):
@@ -68,7 +68,7 @@ class KVPushdHooks:
         self.layers = layers
         self._declared: set[str] = set()   # progressive publishes whose forward has not ended
         self._ringing = False
-        self.extra_spans = 0  # > 0: the extra regions are listed in this many spans, span l in layer group l
+        self.extra_spans = extra_spans  # > 0: the extra regions are listed in this many spans, span l in group l
 
     @classmethod
     def attach(cls, client: KVPushClient | Sequence[KVPushClient], engine_id: str, role: Role,
@@ -99,9 +99,7 @@ class KVPushdHooks:
             for w in workers:
                 w.detach()
             raise
-        hooks = cls(workers, engine_id, transfer_mode, progressive, layers)
-        hooks.extra_spans = layers if spread else 0
-        return hooks
+        return cls(workers, engine_id, transfer_mode, progressive, layers, layers if spread else 0)
 
     @property
     def peer_address(self) -> str:

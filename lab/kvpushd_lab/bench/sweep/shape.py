@@ -159,12 +159,9 @@ class StampedHooks:
             fn(n)
 
     def on_prefill_done(self, req_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
-        if block_ids:
-            if self._forward is not None and self._forward[0] == req_id:
-                if self._stamped < self.spans:
-                    self._stamp(req_id, block_ids, range(self._stamped, self.spans))
-            else:
-                self._stamp(req_id, block_ids)
+        if block_ids:  # what the layers have not stamped yet (all of it without spans)
+            mine = self._forward is not None and self._forward[0] == req_id
+            self._stamp(req_id, block_ids, range(self._stamped, self.spans) if mine else None)
             self.stats["stamped_requests"] += 1
         self._forward = None
         return dict(self.inner.on_prefill_done(req_id, block_ids))
