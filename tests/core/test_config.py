@@ -117,3 +117,16 @@ flag = true
     assert config.from_dict({"transfer": {"backends": ["UCX", "POSIX"]}}).transfer.backends == ("UCX", "POSIX")
     assert config.from_dict({"transfer": {"backend": "UCX", "backends": ["UCX"]}}).transfer.backends == ("UCX",)
     assert config.load(None).transfer.backend_params == {}
+
+
+def test_status_config_summary_is_made_once_per_config() -> None:
+    """GetStatus describes the settings; walking the structs costs ~1 ms of the loop, so it is made once."""
+    from kvpushd.rpc.status import config_summary
+
+    a = config.from_dict({"transfer": {"poll_interval_s": 0.0005}})
+    b = config.from_dict({"transfer": {"poll_interval_s": 0.002}})
+    sa = config_summary(a)
+    assert config_summary(a) is sa
+    assert sa["transfer.poll_interval_s"] == "0.0005"
+    sb = config_summary(b)
+    assert sb["transfer.poll_interval_s"] == "0.002" and sb is not sa
