@@ -93,3 +93,39 @@ def test_patcher_writes_events_only_when_asked(tmp_path: Path) -> None:
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert on.returncode == 0, on.stderr
     assert on.stdout.split()[0] == "True"
+
+
+def test_vllm_spin_grace_patch(tmp_path: Path, monkeypatch: object) -> None:
+    """``bench vllm --vllm-spin-s``: vLLM's SpinCondition readers get the grace asked for, in every process
+    started meanwhile, independent of the timeline; nothing changes without it."""
+    mod = tmp_path / "vllm" / "distributed" / "device_communicators"
+    mod.mkdir(parents=True)
+    for d in (tmp_path / "vllm", tmp_path / "vllm" / "distributed", mod):
+        (d / "__init__.py").write_text("")
+    (mod / "shm_broadcast.py").write_text(  # SpinCondition's signature in vLLM 0.32 / 0.33
+        "class SpinCondition:\n"
+        "    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):\n"
+        "        self.busy_loop_s = busy_loop_s\n")
+    code = ("from vllm.distributed.device_communicators.shm_broadcast import SpinCondition as S; "
+            "print(S(True, None, 'ipc://x').busy_loop_s, S(False, None, 'ipc://x', busy_loop_s=3).busy_loop_s)")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # type: ignore[attr-defined]
+    monkeypatch.delenv("KVPUSHD_LAB_TIMELINE", raising=False)  # type: ignore[attr-defined]
+
+    def run() -> list[str]:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    assert run() == ["1", "3"]
+    tr.set_vllm_spin(0.002)
+    try:
+        assert os.environ["VLLM_SHM_BROADCAST_BUSY_LOOP_S"] == "0.002"
+        assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tr.SITE_DIR), str(tmp_path)]
+        assert run() == ["0.002", "3"]
+        tr.enable(tmp_path / "tl")
+        tr.disable()  # the timeline off, the grace stays
+        assert run() == ["0.002", "3"]
+    finally:
+        tr.set_vllm_spin(None)
+    assert os.environ["PYTHONPATH"] == str(tmp_path) and "KVPUSHD_LAB_VLLM_SPIN_S" not in os.environ
+    assert run() == ["1", "3"]

@@ -164,7 +164,7 @@ def daemon_pair(workdir: Path, prefill_log_level: str = "info",
 def wait_registered(p: DaemonProc, transfer_id: str, timeout_s: float = 10.0, interval_s: float = 0.01) -> None:
     """Wait until the prefill daemon holds the decode side's registration for ``transfer_id``.
 
-    GetStatus costs the daemon ~0.4 ms of CPU (it describes every region of every worker), so
+    GetStatus costs the daemon ~0.5 ms of CPU (it describes every region of every worker), so
     it is asked rarely: the Register call between the daemons takes a few milliseconds.
     """
     deadline = time.monotonic() + timeout_s

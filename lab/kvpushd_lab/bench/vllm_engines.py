@@ -89,6 +89,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tokens-match", action="store_true", help="skip the monolithic server")
     p.add_argument("--layers", type=int, default=16, help="the model's layers (default 16: 4 MiB of KV a 512-token "
                    "prompt, moved layer by layer by progressive push)")
+    p.add_argument("--vllm-spin-s", type=float, metavar="S",
+                   help="every configuration's vLLM shared-memory readers (workers, engine cores) busy-wait S "
+                   "seconds after a read instead of vLLM's hard-coded 1 s (vLLM PR #52814's "
+                   "VLLM_SHM_BROADCAST_BUSY_LOOP_S); on a small CPU host four spinning readers starve the rest")
+    p.add_argument("--daemon-nice", type=int, default=0, metavar="N",
+                   help="run both daemons at niceness N (systemd's Nice=; default 0)")
     p.add_argument("--timeline", metavar="DIR", help="per-request event timeline of each configuration's engines, "
                    "client and daemons into DIR/<config>, summarised in the JSON (realvllm/timeline_report.py)")
 
@@ -174,8 +180,8 @@ def _run_config(name: str, args: argparse.Namespace, model: Path, work: Path, pl
     env_p: dict[str, str] = {}
     env_d: dict[str, str] = {}
     if name.startswith("kvpushd"):
-        pd = Daemon("pnode", sys.executable, wd, "127.0.0.1:0")
-        dd = Daemon("dnode", sys.executable, wd, "127.0.0.1:0")
+        pd = Daemon("pnode", sys.executable, wd, "127.0.0.1:0", nice=args.daemon_nice)
+        dd = Daemon("dnode", sys.executable, wd, "127.0.0.1:0", nice=args.daemon_nice)
         for d in (pd, dd):
             run.daemons.append(d)
             d.start()
@@ -331,7 +337,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     data: dict[str, Any] = {
         "grid": {"qps": sorted({c.qps for c in cells}), "prompt_lens": sorted({c.prompt_len for c in cells}),
                  "requests_per_cell": args.requests, "max_tokens": args.max_tokens, "seed": args.seed,
-                 "layers": args.layers},
+                 "layers": args.layers, "vllm_spin_s": args.vllm_spin_s,
+                 "daemon_nice": args.daemon_nice},
         "schedule_digest": load.schedule_digest(plan), "vllm_python": args.vllm_python,
         "uptime_start": uptime_text(), "configs": {}}
     shm_before = shm_listing()
@@ -339,6 +346,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     model = workdir / "model"
     subprocess.run([args.vllm_python, str(MODEL_SCRIPT), str(model), "--seed", str(args.seed), "--layers",
                     str(args.layers)], check=True, capture_output=True, timeout=600)
+    timeline_report.set_vllm_spin(args.vllm_spin_s)
     with _sigterm_as_interrupt():
         tokens = load.TokensCheck()
         if not args.no_tokens_match:
@@ -381,6 +389,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                 r.out["timeline"] = timeline_report.summary(Path(args.timeline) / name)
             progress(f"vllm bench: {name} done in {r.out['wall_s']}s" + (f": {r.out['error']}" if "error" in r.out
                                                                            else ""))
+    timeline_report.set_vllm_spin(None)
     data["shm_new_after"] = sorted(n for n in shm_listing() - shm_before if n.startswith(("kvpushd-kv-", "torch_")))
     data["uptime_end"] = uptime_text()
     data["ratios"] = ratios(data["configs"])

@@ -37,6 +37,7 @@ class Daemon:
     workdir: Path
     listen: str
     extra: str = ""
+    nice: int = 0  # the niceness it runs at (systemd's Nice=); below 0 needs CAP_SYS_NICE
     proc: Proc | None = None
     sock: str = ""
     peer_address: str = ""
@@ -50,7 +51,10 @@ class Daemon:
             f'[peer_api]\nlisten = "{self.listen}"\n'
             f'[metrics]\nlisten = "127.0.0.1:0"\n'
             f'[log]\nformat = "json"\n' + self.extra)
-        self.proc = spawn(f"daemon {self.name}", [self.python, "-m", "kvpushd", "serve", "--config", str(cfg)],
+        argv = [self.python, "-m", "kvpushd", "serve", "--config", str(cfg)]
+        if self.nice:
+            argv = ["nice", "-n", str(self.nice), *argv]
+        self.proc = spawn(f"daemon {self.name}", argv,
                           self.workdir / f"{self.name}.log", env=_daemon_env())
         st = wait_until(self._status_or_none, 60, f"daemon {self.name} to serve", self.proc)
         self.peer_address = st["peer_address"]

@@ -41,22 +41,36 @@ SEGMENTS = [
 ]
 
 
-def enable(d: Path) -> None:
-    """Make the processes this process starts from now on write their events into ``d``."""
-    d.mkdir(parents=True, exist_ok=True)
-    os.environ["KVPUSHD_LAB_TIMELINE"] = str(d)
-    path = os.environ.get("PYTHONPATH", "")
-    if str(SITE_DIR) not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), path) if p)
-
-
-def disable() -> None:
-    os.environ.pop("KVPUSHD_LAB_TIMELINE", None)
+def _site_on_path(on: bool) -> None:
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
+    parts = [str(SITE_DIR), *parts] if on else parts
     if parts:
         os.environ["PYTHONPATH"] = os.pathsep.join(parts)
     else:
         os.environ.pop("PYTHONPATH", None)
+
+
+def enable(d: Path) -> None:
+    """Make the processes this process starts from now on write their events into ``d``."""
+    d.mkdir(parents=True, exist_ok=True)
+    os.environ["KVPUSHD_LAB_TIMELINE"] = str(d)
+    _site_on_path(True)
+
+
+def disable() -> None:
+    os.environ.pop("KVPUSHD_LAB_TIMELINE", None)
+    _site_on_path("KVPUSHD_LAB_VLLM_SPIN_S" in os.environ)
+
+
+def set_vllm_spin(seconds: float | None) -> None:
+    """vLLM's shared-memory readers in the processes started from now on busy-wait ``seconds`` after each
+    read (vLLM's own 1 s when None); see the sitecustomize."""
+    if seconds is None:
+        os.environ.pop("KVPUSHD_LAB_VLLM_SPIN_S", None)
+        os.environ.pop("VLLM_SHM_BROADCAST_BUSY_LOOP_S", None)
+    else:
+        os.environ["KVPUSHD_LAB_VLLM_SPIN_S"] = os.environ["VLLM_SHM_BROADCAST_BUSY_LOOP_S"] = repr(seconds)
+    _site_on_path(seconds is not None or "KVPUSHD_LAB_TIMELINE" in os.environ)
 
 
 def _events(d: Path) -> list[dict[str, Any]]:

@@ -23,6 +23,10 @@ stream's sender thread takes it). Daemon: daemon_batch (the worker stream's pump
 daemon_started / daemon_met / daemon_group_post / daemon_group_settled / daemon_writedone /
 daemon_delivered, and daemon_thread_late: a daemon thread that sleeps 1 ms woke over 5 ms late
 (``ms``; ``cpu_ms`` the process's CPU time meanwhile: near 0 means the process was not scheduled).
+``KVPUSHD_LAB_VLLM_SPIN_S=S`` (``kvpushd bench vllm --vllm-spin-s``, independent of the timeline): vLLM's
+shared-memory message-queue readers (each worker, and the engine core) busy-wait ``S`` seconds after a
+read before parking on their notification socket, instead of vLLM's hard-coded 1 s; the knob vLLM PR
+#52814 proposes as ``VLLM_SHM_BROADCAST_BUSY_LOOP_S``.
 ``KVPUSHD_LAB_SLICE_US=N`` (an experiment): the daemons ask the kernel for an N us scheduler slice
 (sched_setattr runtime, EEVDF on Linux 6.12+), which lets their wake-ups preempt busy engine threads.
 """
@@ -38,6 +42,7 @@ import time
 from typing import Any
 
 _DIR = os.environ.get("KVPUSHD_LAB_TIMELINE", "")
+_SPIN_S = os.environ.get("KVPUSHD_LAB_VLLM_SPIN_S", "")
 _STEPS = bool(os.environ.get("KVPUSHD_LAB_TIMELINE_STEPS"))  # also one "step" event per engine step
 _tids: dict[str, str] = {}  # request id -> transfer id
 _seen: dict[str, set[str]] = {}  # event -> keys already logged once
@@ -302,11 +307,24 @@ def _patch_app(mod: Any) -> None:
         mod.Daemon.start = start
 
 
-_PATCHES = {"vllm.v1.engine.core": _patch_core, "vllm.v1.core.sched.scheduler": _patch_scheduler,
+def _patch_shm_broadcast(mod: Any) -> None:
+    cls = mod.SpinCondition
+    init = cls.__init__
+    grace = float(_SPIN_S)
+
+    def __init__(self: Any, is_reader: bool, context: Any, notify_address: str, busy_loop_s: float = grace) -> None:
+        init(self, is_reader, context, notify_address, busy_loop_s)
+
+    cls.__init__ = __init__
+
+
+_TIMELINE_PATCHES = {"vllm.v1.engine.core": _patch_core, "vllm.v1.core.sched.scheduler": _patch_scheduler,
             "kvpushd_client.vllm.connector": _patch_connector, "kvpushd_client.vllm.worker": _patch_worker,
             "kvpushd.runtime.observe": _patch_observe, "kvpushd.transfer.staged": _patch_staged,
             "kvpushd.transfer.thread": _patch_thread, "kvpushd_client.stream": _patch_stream,
             "kvpushd.rpc.pump": _patch_pump, "kvpushd.app": _patch_app}
+_PATCHES = {**(_TIMELINE_PATCHES if _DIR else {}),
+            **({"vllm.distributed.device_communicators.shm_broadcast": _patch_shm_broadcast} if _SPIN_S else {})}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -329,4 +347,5 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if _DIR:
     os.makedirs(_DIR, exist_ok=True)
+if _PATCHES:
     sys.meta_path.insert(0, _Finder())
