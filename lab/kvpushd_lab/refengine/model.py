@@ -140,6 +140,7 @@ class PagedKV:
                extra_regions: int = 0) -> PagedKV:
         """A cache over a new ``SharedBuffer`` (``/dev/shm``) that ``close()`` unlinks."""
         shm = SharedBuffer.create(prefix, cls.nbytes_for(cfg, num_blocks, tp_size, extra_regions))
+        torch.frombuffer(shm.mmap, dtype=torch.uint8).zero_()  # every page resident, as vLLM's torch.zeros KV
         kv = cls(cfg, num_blocks, shm.mmap, 0, tp_rank, tp_size, extra_regions)
         kv.shm = shm
         return kv
@@ -193,10 +194,9 @@ class PagedKV:
         return [i for lay in range(layers) for i in [*range(n + lay * per, n + (lay + 1) * per), 2 * lay, 2 * lay + 1]]
 
     def regions(self, memory_index: int = 0, spread: bool = False) -> list[Region]:
-        """``region_layout()`` as ``kvpushd_client.Region`` objects in ``region_order(spread)``, for ``attach``.
-
-        Each says its block size in tokens and its KV heads (HND), so the other side may page the
-        same tokens in blocks of another size."""
+        """``region_layout()`` as ``kvpushd_client.Region`` objects in ``region_order(spread)``, for ``attach``:
+        each says its block size in tokens and its KV heads (HND), so the other side may page the same
+        tokens in blocks of another size."""
         layout = self.region_layout()
         return [Region(memory_index, off, nb, bl, stride, block_size_tokens=self.cfg.block_size,
                        num_heads=self.num_heads)
