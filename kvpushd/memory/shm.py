@@ -9,8 +9,10 @@ import fcntl
 import mmap
 import os
 import re
+import threading
 from collections.abc import Iterable
 
+import numpy as np
 import structlog
 
 from ..core.errors import InvalidArgument, NotFound, PermissionDenied
@@ -27,6 +29,13 @@ _REAP_RETRY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)  # the lock goes a moment after
 _REAP_EVERY_S = 5.0                              # then: a live worker whose session ended
 _reaping: set[str] = set()
 log = structlog.get_logger(__name__)
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the range in for writing, without writing to it
+_PAGE = mmap.PAGESIZE
+POPULATE_CHUNK = 16 << 20  # what close() may wait for: ~4 ms of populating
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class ShmMapping:
@@ -62,13 +71,42 @@ class ShmMapping:
         self._buf: ctypes.Array[ctypes.c_ubyte] | None = (ctypes.c_ubyte * size).from_buffer(self._mm)
         self.addr = ctypes.addressof(self._buf)
         self.size = size
+        self._lock = threading.Lock()  # populate() works chunk by chunk under it; close() takes it
+
+    def populate(self) -> int:
+        """Map into this process's page tables every page of the object that the worker has already
+        touched (``mincore``), so the first WRITE from or into a block does not take a page fault per
+        4 KiB page in the daemon (measured: a first 16 MiB WRITE 7.5-9.6 ms, then 3-4 ms). Pages the
+        worker never touched stay unallocated: they would be charged to the daemon's memory cgroup.
+        Runs off the loop, chunk by chunk; stops when the mapping is closed. Returns the bytes mapped
+        (0 on a kernel without MADV_POPULATE_WRITE)."""
+        mapped = 0
+        vec = np.zeros(POPULATE_CHUNK // _PAGE, dtype=np.uint8)
+        for off in range(0, self.size, POPULATE_CHUNK):
+            n = min(POPULATE_CHUNK, self.size - off)
+            with self._lock:
+                if self._buf is None:
+                    break
+                if _libc.mincore(self.addr + off, n, vec.ctypes.data) != 0:
+                    break
+                pages = -(-n // _PAGE)
+                resident = np.concatenate(([0], vec[:pages] & 1, [0])).astype(np.int8)
+                edges = np.flatnonzero(np.diff(resident))  # run starts and ends, alternating
+                for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+                    length = min(b * _PAGE, n) - a * _PAGE
+                    if _libc.madvise(self.addr + off + a * _PAGE, length, _MADV_POPULATE_WRITE) != 0:
+                        log.info("host KV not populated", shm=self.name, error=os.strerror(ctypes.get_errno()))
+                        return mapped
+                    mapped += length
+        return mapped
 
     def close(self) -> None:
         """Unmap. Safe to call twice; the caller has deregistered the memory from NIXL first."""
-        if self._buf is None:
-            return
-        self._buf = None
-        self._mm.close()
+        with self._lock:
+            if self._buf is None:
+                return
+            self._buf = None
+            self._mm.close()
 
 
 def reap_if_unused(name: str) -> bool:

@@ -107,6 +107,7 @@ class Workers:
         self.by_id: dict[str, Worker] = {}
         self.xfer: TransferThread | None = None  # set at start
         self._seq = itertools.count(1)
+        self._populating: set[asyncio.Future[int]] = set()
         sweep_unused()  # host KV of workers that died while no daemon ran
 
     def __len__(self) -> int:
@@ -164,9 +165,29 @@ class Workers:
         self.by_id[wid] = w
         log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
                  tp_rank=tp_rank, tp_size=tp_size, regions=len(specs), bytes=w.registered_bytes)
+        if self.cfg.worker_api.populate_host_kv:
+            for m in mappings:
+                if isinstance(m, ShmMapping):
+                    self._populate(loop, wid, m)
         self.events.emit(EventKind.WORKER_ATTACHED, worker_id=wid, engine_id=engine_id,
                          detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
         return w
+
+    def _populate(self, loop: asyncio.AbstractEventLoop, wid: str, m: ShmMapping) -> None:
+        """Map the worker's host KV into the daemon's page tables in the background (ShmMapping.populate)."""
+        t0 = time.monotonic()
+        fut = loop.run_in_executor(None, m.populate)
+        self._populating.add(fut)
+
+        def done(f: asyncio.Future[int]) -> None:
+            self._populating.discard(f)
+            if not f.cancelled() and f.exception() is None:
+                log.info("host KV populated", worker_id=wid, shm=m.name, bytes=f.result(),
+                         seconds=round(time.monotonic() - t0, 3))
+            elif not f.cancelled():
+                log.warning("host KV populate failed", worker_id=wid, shm=m.name, error=str(f.exception()))
+
+        fut.add_done_callback(done)
 
     def get(self, worker_id: str) -> Worker:
         w = self.by_id.get(worker_id)
