@@ -72,6 +72,7 @@ class ShmMapping:
         self.addr = ctypes.addressof(self._buf)
         self.size = size
         self._lock = threading.Lock()  # populate() works chunk by chunk under it; close() takes it
+        self._closing = False  # set before close() waits for the lock: populate() takes no further chunk
 
     def populate(self) -> int:
         """Map into this process's page tables every page of the object that the worker has already
@@ -84,6 +85,8 @@ class ShmMapping:
         vec = np.zeros(POPULATE_CHUNK // _PAGE, dtype=np.uint8)
         for off in range(0, self.size, POPULATE_CHUNK):
             n = min(POPULATE_CHUNK, self.size - off)
+            if self._closing:
+                break
             with self._lock:
                 if self._buf is None:
                     break
@@ -101,7 +104,9 @@ class ShmMapping:
         return mapped
 
     def close(self) -> None:
-        """Unmap. Safe to call twice; the caller has deregistered the memory from NIXL first."""
+        """Unmap. Safe to call twice; the caller has deregistered the memory from NIXL first. Waits for
+        at most one chunk of a populate() in progress."""
+        self._closing = True
         with self._lock:
             if self._buf is None:
                 return

@@ -11,6 +11,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
@@ -108,6 +109,7 @@ class Workers:
         self.xfer: TransferThread | None = None  # set at start
         self._seq = itertools.count(1)
         self._populating: set[asyncio.Future[int]] = set()
+        self._populator: ThreadPoolExecutor | None = None
         sweep_unused()  # host KV of workers that died while no daemon ran
 
     def __len__(self) -> int:
@@ -176,7 +178,9 @@ class Workers:
     def _populate(self, loop: asyncio.AbstractEventLoop, wid: str, m: ShmMapping) -> None:
         """Map the worker's host KV into the daemon's page tables in the background (ShmMapping.populate)."""
         t0 = time.monotonic()
-        fut = loop.run_in_executor(None, m.populate)
+        if self._populator is None:  # one thread: one core at most, attaches never wait behind it
+            self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
+        fut = loop.run_in_executor(self._populator, m.populate)
         self._populating.add(fut)
 
         def done(f: asyncio.Future[int]) -> None:

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from kvpushd_client import Role, SharedBuffer
 from kvpushd_lab import launch
 from support import DaemonFactory, make_kv, wait_for
 
+from kvpushd.memory import shm
 from kvpushd.memory.shm import POPULATE_CHUNK, ShmMapping
 
 
@@ -47,6 +51,40 @@ def test_populate_maps_what_the_worker_touched_and_allocates_nothing() -> None:
         assert blocks == want  # no page allocated that the worker did not touch
         m.close()
         assert m.populate() == 0  # closed: nothing to do, nothing touched
+    finally:
+        buf.close(unlink=True)
+
+
+def test_close_while_populating_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker detaching while its KV is being populated: close() waits for the chunk in hand only,
+    and populate() takes no further chunk (no madvise on an unmapped range)."""
+    size = 4 * POPULATE_CHUNK
+    buf = SharedBuffer.create("kvpushd-test-populate-close", size)
+    started, go = threading.Event(), threading.Event()
+    real = shm._libc
+
+    class SlowLibc:  # the first madvise waits until close() has begun
+        mincore = real.mincore
+
+        @staticmethod
+        def madvise(addr: int, length: int, advice: int) -> int:
+            started.set()
+            assert go.wait(10)
+            return int(real.madvise(addr, length, advice))
+
+    monkeypatch.setattr(shm, "_libc", SlowLibc)
+    try:
+        buf.mmap.write(bytes(size))  # every page touched
+        m = ShmMapping(buf.name, size)
+        with ThreadPoolExecutor(2) as ex:
+            fut = ex.submit(m.populate)
+            assert started.wait(10)
+            closer = ex.submit(m.close)
+            assert wait_for(lambda: m._closing, timeout=10)
+            assert not closer.done()  # it waits for the chunk in hand
+            go.set()
+            closer.result(timeout=10)
+            assert fut.result(timeout=10) == POPULATE_CHUNK
     finally:
         buf.close(unlink=True)
 
