@@ -49,12 +49,14 @@ def _agent(name: str) -> Any:
     return nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=AGENT_BACKENDS))
 
 
-def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection) -> None:
+def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection, populate: bool = False) -> None:
     """Like the decode daemon's NIXL thread: poll every ``poll_s`` while a WRITE is awaited (or while
     told to stay busy), otherwise wake every 50 ms only; ``poll_s`` 0 spins while awaiting."""
     from kvpushd.memory.shm import ShmMapping
 
     m = ShmMapping(shm_name, size)
+    if populate:  # as a daemon does for host KV (worker_api.populate_host_kv)
+        m.populate()
     agent = _agent(f"kvpushd-bench-target-{os.getpid()}")
     reg = agent.register_memory([(m.addr, m.size, 0, "")], "DRAM")
     conn.send(("ready", bytes(agent.get_agent_metadata()), m.addr, agent.name))
@@ -104,10 +106,10 @@ def preload() -> threading.Thread:
 class Target:
     """The destination agent in its own process (like a decode node's daemon)."""
 
-    def __init__(self, mem: KVMemory, poll_s: float) -> None:
+    def __init__(self, mem: KVMemory, poll_s: float, populate: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self._conn, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(mem.name, mem.layout.total_bytes, poll_s, theirs),
+        self._proc = ctx.Process(target=_target_main, args=(mem.name, mem.layout.total_bytes, poll_s, theirs, populate),
                                  daemon=True)
         self._proc.start()
         self.layout = mem.layout
@@ -164,11 +166,13 @@ class Target:
 class Initiator:
     """A NIXL agent in this process on the source memory, with prepared lists towards ``target``."""
 
-    def __init__(self, mem: KVMemory, target: Target, name: str = "") -> None:
+    def __init__(self, mem: KVMemory, target: Target, name: str = "", populate: bool = False) -> None:
         from kvpushd.memory.shm import ShmMapping
 
         self.layout: Layout = mem.layout
         self._map = ShmMapping(mem.name, mem.layout.total_bytes)
+        if populate:
+            self._map.populate()
         self.agent = _agent(name or f"kvpushd-bench-initiator-{os.getpid()}")
         self._reg = self.agent.register_memory([(self._map.addr, self._map.size, 0, "")], "DRAM")
         self.remote = self.agent.add_remote_agent(target.wait_ready().metadata)
