@@ -19,6 +19,20 @@ from kvpushd.memory import shm
 from kvpushd.memory.shm import POPULATE_CHUNK, ShmMapping
 
 
+def _kernel_populates() -> bool:
+    m = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        m.madvise(23)  # MADV_POPULATE_WRITE, Linux 5.14
+        return True
+    except OSError:
+        return False
+    finally:
+        m.close()
+
+
+pytestmark = pytest.mark.skipif(not _kernel_populates(), reason="the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+
+
 def _rss(pid: int | str, name: str, addr: int | None = None) -> int:
     """Bytes of /dev/shm/<name> (the mapping at ``addr`` only, if given) in the page tables of ``pid``."""
     total, inside = 0, False
