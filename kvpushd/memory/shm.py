@@ -91,7 +91,8 @@ class ShmMapping:
                 if self._buf is None:
                     break
                 if _libc.mincore(self.addr + off, n, vec.ctypes.data) != 0:
-                    break
+                    log.info("host KV not populated", shm=self.name, error=os.strerror(ctypes.get_errno()))
+                    return mapped
                 pages = -(-n // _PAGE)
                 resident = np.concatenate(([0], vec[:pages] & 1, [0])).astype(np.int8)
                 edges = np.flatnonzero(np.diff(resident))  # run starts and ends, alternating

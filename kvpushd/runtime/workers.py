@@ -108,8 +108,8 @@ class Workers:
         self.by_id: dict[str, Worker] = {}
         self.xfer: TransferThread | None = None  # set at start
         self._seq = itertools.count(1)
-        self._populating: set[asyncio.Future[int]] = set()
-        self._populator: ThreadPoolExecutor | None = None
+        # one thread populates host KV (one core at most; attaches never wait behind it); none starts until used
+        self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
         sweep_unused()  # host KV of workers that died while no daemon ran
 
     def __len__(self) -> int:
@@ -178,20 +178,15 @@ class Workers:
     def _populate(self, loop: asyncio.AbstractEventLoop, wid: str, m: ShmMapping) -> None:
         """Map the worker's host KV into the daemon's page tables in the background (ShmMapping.populate)."""
         t0 = time.monotonic()
-        if self._populator is None:  # one thread: one core at most, attaches never wait behind it
-            self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
-        fut = loop.run_in_executor(self._populator, m.populate)
-        self._populating.add(fut)
 
         def done(f: asyncio.Future[int]) -> None:
-            self._populating.discard(f)
             if not f.cancelled() and f.exception() is None:
                 log.info("host KV populated", worker_id=wid, shm=m.name, bytes=f.result(),
                          seconds=round(time.monotonic() - t0, 3))
             elif not f.cancelled():
                 log.warning("host KV populate failed", worker_id=wid, shm=m.name, error=str(f.exception()))
 
-        fut.add_done_callback(done)
+        loop.run_in_executor(self._populator, m.populate).add_done_callback(done)
 
     def get(self, worker_id: str) -> Worker:
         w = self.by_id.get(worker_id)
