@@ -158,6 +158,11 @@ class ReconnectingStreamWorker:
             self._events.clear()
         return out
 
+    def take_late(self) -> list[Completion]:
+        """The stream's copies of receives the completion ring reported first (StreamWorker.take_late)."""
+        w = self.worker
+        return w.take_late() if w is not None else []
+
     def close(self) -> None:
         with self._lock:
             self._stopped = True

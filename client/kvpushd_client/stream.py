@@ -11,6 +11,12 @@ hands the batch to the stream's sender (a queue put). A command the daemon refus
 FAILED completion with code ``REFUSED``, its status and message in ``reason`` and its block ids, so
 an engine frees the blocks on the same path as any other failed transfer. One gRPC message per step.
 
+A receiving worker attached with a doorbell page also gets its finished receives through the page's
+completion ring (kvpushd_client.doorbell.RingReader): ``completions()`` reads it with one load, so a
+finished receive reaches the engine in its own step, before the stream's copy. Each transfer is
+reported once: the stream's copy of a transfer the ring reported is held back, its figures kept for
+``take_late()``.
+
 Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` send the step
 and one command, and return its answer (raising the daemon's refusal); ``call`` does the same for
 one command from any thread, unordered with the engine thread's step.
@@ -29,7 +35,7 @@ from typing import Any, Protocol
 import grpc
 
 from . import _convert, errors
-from .doorbell import Doorbell
+from .doorbell import Doorbell, RingReader, ring_key
 from .proto.v1 import worker_pb2
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
 
@@ -52,6 +58,8 @@ _GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 _Queued = tuple[Any, ...]
 _Step = tuple[int, list[_Queued]]  # the seq of the step's first command, its commands
 _CALLS = 1 << 62  # seqs of ``call``: their own range, so any thread can number one
+_RING_WAIT_S = 100e-6  # next_completion: how often it reads the ring while it waits
+_TERMINAL = (CompletionKind.FINISHED_RECEIVING, CompletionKind.FAILED)
 
 
 def _command(seq: int, q: _Queued) -> worker_pb2.Command:
@@ -81,7 +89,8 @@ class StreamWorker:
     """An attached worker whose session is a WorkerService.Stream."""
 
     def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str,
-                 doorbell: Doorbell | None = None, owns_doorbell: bool = False) -> None:
+                 doorbell: Doorbell | None = None, owns_doorbell: bool = False,
+                 ring: RingReader | None = None) -> None:
         self.client = client
         self.doorbell = doorbell  # progressive push: the engine thread rings it (kvpushd_client.doorbell)
         self._owns_doorbell = owns_doorbell
@@ -105,6 +114,15 @@ class StreamWorker:
         self._answers: dict[int, bool] = {}  # seq -> True, or an Abort's found
         self._refusals: dict[int, KVPushError] = {}
         self._closed = False
+        # the completion ring (receivers with a doorbell page): expected transfers by key, those the
+        # ring reported (their stream copies held back), those copies (for their figures)
+        self._ring = ring
+        self._ring_lock = threading.Lock()
+        self._keys: dict[int, str] = {}
+        self._key_of: dict[str, int] = {}
+        self._rung: set[str] = set()
+        self._late: collections.deque[Completion] = collections.deque(maxlen=4096)
+        self._early: collections.deque[Completion] = collections.deque()  # next_completion's
         # CPU time (time.thread_time_ns) the stream's own Python threads spent so far: the sender
         # building and sending batches, the reader taking answers and completions (what they cost the
         # engine's process, the GIL included, beside the engine thread's own appends and step())
@@ -122,28 +140,90 @@ class StreamWorker:
     def completions(self) -> list[Completion]:
         """Everything delivered so far, without waiting (no RPC). Nothing delivered: no lock taken (the
         reader thread holds it while it takes a batch; the engine thread need not wait for that)."""
-        if not self._queue:
-            return []
-        with self._cond:
-            out = list(self._queue)
-            self._queue.clear()
+        out = self._from_ring() if self._keys else []
+        if self._queue:
+            with self._cond:
+                got = list(self._queue)
+                self._queue.clear()
+            out += self._settle(got) if self._ring is not None else got
         return out
 
     def next_completion(self, timeout_s: float | None = None) -> Completion | None:
         """Wait for one completion (for tools and tests; engines use completions())."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
+        if self._ring is None:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
+                    return None
+                if self._queue:
+                    return self._queue.popleft()
+                assert self.session_error is not None
+                raise self.session_error
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if not self._early:
+                self._early.extend(self.completions())
+            if self._early:
+                return self._early.popleft()
+            if self.session_error is not None:
+                raise self.session_error
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return None
-            if self._queue:
-                return self._queue.popleft()
-            assert self.session_error is not None
-            raise self.session_error
+            wait = _RING_WAIT_S if self._keys else left  # transfers expected: read the ring meanwhile
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self.session_error is not None,
+                                    wait if left is None or wait is None else min(wait, left))
+
+    def take_late(self) -> list[Completion]:
+        """The stream's copies of transfers the ring reported first (their figures), since the last call."""
+        out: list[Completion] = []
+        while self._late:
+            out.append(self._late.popleft())
+        return out
+
+    def _from_ring(self) -> list[Completion]:
+        out: list[Completion] = []
+        with self._ring_lock:
+            if self._ring is None or not self._ring.ready():  # one load when nothing is new
+                return out
+            for k in self._ring.take():
+                tid = self._keys.pop(k, None)
+                if tid is not None:
+                    del self._key_of[tid]
+                    self._rung.add(tid)
+                    out.append(Completion(CompletionKind.FINISHED_RECEIVING, tid))
+        return out
+
+    def _settle(self, got: list[Completion]) -> list[Completion]:
+        """The stream's completions, less the copies of those the ring reported."""
+        out: list[Completion] = []
+        with self._ring_lock:
+            for c in got:
+                tid = c.transfer_id
+                if tid in self._rung:
+                    if c.kind in _TERMINAL:
+                        self._rung.discard(tid)
+                        self._late.append(c)
+                    continue
+                if c.kind in _TERMINAL and (k := self._key_of.pop(tid, None)) is not None:
+                    self._keys.pop(k, None)
+                out.append(c)
+        return out
+
+    def _watch(self, transfer_id: str) -> None:
+        """An expected transfer: its key, for the ring."""
+        if self._ring is not None:
+            k = ring_key(transfer_id)
+            with self._ring_lock:
+                self._keys[k] = transfer_id
+                self._key_of[transfer_id] = k
 
     # -- the engine thread ----------------------------------------------------------------------
 
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                       transfer_mode: str = "push", traceparent: str = "") -> int:
+        self._watch(transfer_id)
         b = self._batch
         b.append(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
                   skip_tokens, transfer_mode, traceparent))
@@ -210,6 +290,7 @@ class StreamWorker:
         ``traceparent``: the engine request's W3C trace context; a daemon with tracing on continues it."""
         _convert.transfer_mode(transfer_mode)  # a bad one raises here, not on the stream's thread
         self.step()
+        self._watch(transfer_id)
         self.call(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
                    skip_tokens, transfer_mode, traceparent))
 
@@ -272,6 +353,9 @@ class StreamWorker:
             self._out.put(_END)
             self._call.cancel()
             self._reader.join(timeout=5)
+            if self._ring is not None:
+                with self._ring_lock:
+                    self._ring.close()
             if self._owns_doorbell and self.doorbell is not None:
                 self.doorbell.close()
 

@@ -158,6 +158,7 @@ class Executor:
             self._arm()
 
     def _deliver(self, worker_id: str, c: Completion) -> None:
+        self.workers.ring(worker_id, c)  # the engine's own fast path first
         c, side = self.figures.settle(worker_id, c)
         self.obs.emit(o.Delivered(worker_id, side, c))
         self.workers.deliver(worker_id, c)

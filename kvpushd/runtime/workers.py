@@ -19,7 +19,7 @@ import structlog
 from ..config import Config
 from ..core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from ..core.notif import MAX_LAYERS
-from ..core.types import Completion, RegionLayout, Role
+from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
 from ..memory.doorbell import Doorbell
@@ -84,7 +84,7 @@ class Worker:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     session_open: bool = False
     gone: bool = False
-    bell: Doorbell | None = None  # progressive push: its engine steps' progress (read-only)
+    bell: Doorbell | None = None  # its engine steps' progress (read-only); a receiver's completion ring
     command_batches: int = 0  # Stream batches it sent, and the commands in them
     stream_commands: int = 0
 
@@ -133,7 +133,7 @@ class Workers:
         mappings = await loop.run_in_executor(None, open_all, memory)
         bell: Doorbell | None = None
         try:
-            bell = Doorbell(doorbell) if doorbell else None
+            bell = Doorbell(doorbell, ring=role.can_receive) if doorbell else None
             kinds = {m.mem_type for m in mappings}
             if len(kinds) != 1:
                 raise InvalidArgument("a worker's memory must be all host (shm) or all GPU (CUDA IPC)")
@@ -202,6 +202,12 @@ class Workers:
         """A prefill worker of that engine (any rank: they share a layout), or None."""
         return next((w for w in self.by_id.values() if w.engine_id == engine_id and w.role.can_send and not w.gone),
                     None)
+
+    def ring(self, worker_id: str, c: Completion) -> None:
+        """A finished receive, into the worker's completion ring at once (the stream follows)."""
+        w = self.by_id.get(worker_id)
+        if w is not None and w.bell is not None and not w.gone and c.kind is CompletionKind.FINISHED_RECEIVING:
+            w.bell.post(c.transfer_id)
 
     def deliver(self, worker_id: str, c: Completion) -> None:
         """Queue a completion for the worker's session (dropped if the worker is gone)."""

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..doorbell import Doorbell
 from ..reconnect import Call, ReconnectingStreamWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
 from .layout import describe_kv_caches_owned, layer_specs, release_owned_shm
@@ -79,6 +80,7 @@ class KVPushdConnectorWorker:
         # progressive push (progress.py): this worker's doorbell, its layer groups, this step's state
         self._bell: Bell | None = None
         self._progress: LayerProgress | None = None
+        self._ring_page: Doorbell | None = None  # a receiver's page when it has no doorbell of its own
         self._ringing = False  # this step declared a publish: save_kv_layer rings
         self._step_rings = 0
         self._after_forward: list[PublishReq] = []  # declared, but no doorbell here: published whole
@@ -102,10 +104,13 @@ class KVPushdConnectorWorker:
                 logger.info("kvpushd: progressive push on: %d layer groups of %d region(s) each, doorbell %s%s",
                             self._progress.layers, self._progress.per_group, self._bell.name,
                             "" if self._progress.in_order else " (regions not in forward order: groups go later)")
+        if self.role.can_receive and self._bell is None:
+            self._ring_page = Doorbell()  # a page for the completion ring only (finished receives, first)
+        page = self._bell or self._ring_page
         link = ReconnectingStreamWorker(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}",
-            **({"doorbell": self._bell} if self._bell is not None else {})},
+            **({"doorbell": page} if page is not None else {})},
             rpc_timeout_s=self.settings.rpc_timeout_s, reconnect_interval_s=self.settings.reconnect_interval_s,
             logger=logger)
         try:
@@ -301,6 +306,8 @@ class KVPushdConnectorWorker:
     def _poll(self) -> None:
         if self._link is None:
             return
+        for c in self._link.take_late():  # receives the completion ring reported: their figures now
+            record(self._stats, c, sending=False)
         for ev in self._link.poll():
             if ev.kind == "completion":
                 assert ev.epoch is not None and ev.completion is not None
@@ -364,8 +371,9 @@ class KVPushdConnectorWorker:
     def shutdown(self) -> None:
         if self._link is not None:
             self._link.close()  # detached first: the daemon no longer needs the names
-        if self._bell is not None:
-            self._bell.close()
+        for page in (self._bell, self._ring_page):
+            if page is not None:
+                page.close()
         release_owned_shm(self._shm_names)
 
 

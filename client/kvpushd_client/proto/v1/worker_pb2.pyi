@@ -177,9 +177,11 @@ class AttachRequest(_message.Message):
     description: _builtins.str
     """Optional: free text the status API shows (e.g. "vllm 0.33.0 pid 1234")."""
     doorbell: _builtins.str
-    """Optional: the worker's doorbell for progressive push, a POSIX shared memory name (as in
-    ShmHandle) of at least 8 bytes whose first aligned 64-bit word the engine thread stores
-    ``step << 16 | layers`` into (layers 0xFFFF: the step is complete). The daemon only reads it.
+    """Optional: the worker's doorbell page, a POSIX shared memory name (as in ShmHandle). A sender's
+    (progressive push): at least 8 bytes whose first aligned 64-bit word the engine thread stores
+    ``step << 16 | layers`` into (layers 0xFFFF: the step is complete); the daemon only reads it.
+    A receiver's, of 4,096 bytes: the daemon also writes each FINISHED_RECEIVING into its
+    completion ring (docs/protocol.md, "The completion ring").
     """
     @_builtins.property
     def memory(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryHandle]: ...
