@@ -118,7 +118,7 @@ class StreamWorker:
         # ring reported (their stream copies held back), those copies (for their figures)
         self._ring = ring
         self._ring_lock = threading.Lock()
-        self._keys: dict[int, str] = {}
+        self._keys: dict[int, str] = {}  # "": a key two expected transfers share
         self._key_of: dict[str, int] = {}
         self._rung: set[str] = set()
         self._late: collections.deque[Completion] = collections.deque(maxlen=4096)
@@ -188,7 +188,7 @@ class StreamWorker:
                 return out
             for k in self._ring.take():
                 tid = self._keys.pop(k, None)
-                if tid is not None:
+                if tid:
                     del self._key_of[tid]
                     self._rung.add(tid)
                     out.append(Completion(CompletionKind.FINISHED_RECEIVING, tid))
@@ -215,7 +215,9 @@ class StreamWorker:
         if self._ring is not None:
             k = ring_key(transfer_id)
             with self._ring_lock:
-                self._keys[k] = transfer_id
+                other = self._keys.get(k, transfer_id)
+                # two expected transfers with one key (48 bits): neither is taken from the ring
+                self._keys[k] = transfer_id if other == transfer_id else ""
                 self._key_of[transfer_id] = k
 
     # -- the engine thread ----------------------------------------------------------------------

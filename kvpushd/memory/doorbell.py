@@ -1,9 +1,15 @@
-"""A worker's doorbell, the daemon's side: a read-only view of the progress word (kvpushd_client.doorbell).
+"""A worker's doorbell, the daemon's side: the progress word (kvpushd_client.doorbell), read.
 
 The engine thread stores ``step << 16 | layers`` into the first aligned 64-bit word of a shared
-memory object it made; the NIXL thread reads it while it has declared work of that worker. The
-daemon maps it read-only: nothing a worker writes there can make the daemon write anywhere, and
-any value read is only compared with the steps the worker itself declared.
+memory object it made; the NIXL thread reads it while it has declared work of that worker. Nothing
+a worker writes there can make the daemon write anywhere, and any value read is only compared with
+the steps the worker itself declared.
+
+The daemon reads the word with ``pread``, not through a mapping: the page is the worker's, and a
+worker that truncates it would make a load through a mapping fault the whole daemon (SIGBUS); a
+read past the end is just short. A ``pread`` is not one load, so a value is taken only when two reads
+in a row agree (the engine's store is one aligned 8-byte store, so a read that tore across it is
+followed by one that does not); an unchanged word costs one read.
 
 A consumer's page also has a completion ring (kvpushd_client.doorbell's layout): each finished
 receive is written there as well as on the worker's stream, so the engine sees it in its own step.
@@ -14,11 +20,9 @@ delivers every completion), and cannot make the daemon fault.
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 
-import numpy as np
 import structlog
 from kvpushd_client.doorbell import RING_BASE, RING_HEAD, RING_SLOTS, SIZE, ring_record
 
@@ -38,8 +42,18 @@ class Doorbell:
             raise InvalidArgument(f"invalid doorbell name {name[:256]!r}")
         self.name = name.lstrip("/")
         path = os.path.join(SHM_DIR, self.name)
+        fd = -1
+        if ring:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except PermissionError as e:  # not writable for this daemon: no ring, the stream delivers
+                log.info("no completion ring", doorbell=self.name, error=e.strerror)
+            except OSError:
+                pass  # the read-only open below says what is wrong
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if fd < 0:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                ring = False
         except FileNotFoundError:
             raise NotFound(f"doorbell {name[:256]!r} does not exist ({path})") from None
         except PermissionError:
@@ -50,39 +64,52 @@ class Doorbell:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < WORD:
                 raise InvalidArgument(f"doorbell {name[:256]!r}: need a shared memory object of {WORD}+ bytes")
-            self._mm: mmap.mmap | None = mmap.mmap(fd, WORD, mmap.MAP_SHARED, mmap.PROT_READ)
-            self._ring_fd = _ring_fd(self.name, path) if ring and st.st_size >= SIZE else -1
-        finally:
+        except BaseException:
             os.close(fd)
-        self._word = np.frombuffer(self._mm, dtype=np.uint64, count=1)  # one aligned 8-byte load per read
+            raise
+        self._fd = fd
+        self._ring = ring and st.st_size >= SIZE
+        self._word = 0  # the last value two reads agreed on
         self.posted = 0  # records written to the ring so far
 
     @property
     def has_ring(self) -> bool:
-        return self._ring_fd >= 0
+        return self._ring
 
     def post(self, transfer_id: str) -> None:
         """Write that ``transfer_id`` finished receiving into the ring (nothing if it has none): the
         slot, then the record count. A failed write turns the ring off (the stream still delivers)."""
-        if self._ring_fd < 0:
+        if not self._ring:
             return
         i = self.posted + 1
         try:
-            os.pwrite(self._ring_fd, ring_record(i, transfer_id).to_bytes(8, "little"),
+            os.pwrite(self._fd, ring_record(i, transfer_id).to_bytes(8, "little"),
                       RING_BASE + 8 * ((i - 1) % RING_SLOTS))
-            os.pwrite(self._ring_fd, i.to_bytes(8, "little"), RING_HEAD)
+            os.pwrite(self._fd, i.to_bytes(8, "little"), RING_HEAD)
         except OSError as e:
             log.warning("completion ring off", doorbell=self.name, error=e.strerror)
-            os.close(self._ring_fd)
-            self._ring_fd = -1
+            self._ring = False
             return
         self.posted = i
 
+    def word(self) -> int:
+        """The progress word (0 when the page is too short to hold one, or closed)."""
+        if self._fd < 0:
+            return 0
+        a = _read(self._fd)
+        if a == self._word:
+            return a
+        for _ in range(3):
+            b = _read(self._fd)
+            if a == b:
+                self._word = a
+                return a
+            a = b
+        return self._word  # still changing: the last agreed value (the next poll reads again)
+
     def ready(self, step: int, layers: int) -> int:
         """How many of the ``layers`` groups of engine step ``step`` are complete (0 to ``layers``)."""
-        if self._mm is None:
-            return 0
-        word = int(self._word[0])
+        word = self.word()
         seq, done = word >> 16, word & 0xFFFF
         if seq > step or (seq == step and done == SEALED):
             return layers  # a later step began: this one is complete
@@ -95,19 +122,15 @@ class Doorbell:
         return self.ready(step, SEALED) == SEALED
 
     def close(self) -> None:
-        if self._ring_fd >= 0:
-            os.close(self._ring_fd)
-            self._ring_fd = -1
-        if self._mm is None:
-            return
-        del self._word
-        self._mm.close()
-        self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._ring = False
 
 
-def _ring_fd(name: str, path: str) -> int:
+def _read(fd: int) -> int:
     try:
-        return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:  # not writable for this daemon: no ring, the stream delivers
-        log.info("no completion ring", doorbell=name, error=e.strerror)
-        return -1
+        b = os.pread(fd, WORD, 0)
+    except OSError:
+        return 0
+    return int.from_bytes(b, "little") if len(b) == WORD else 0

@@ -237,3 +237,23 @@ def test_a_worker_that_scribbles_over_its_ring_loses_only_its_hints(daemon_pair)
         dw.detach()
         src.close()
         dst.close()
+
+
+def test_two_expected_transfers_with_one_key_are_left_to_the_stream(page, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """48-bit keys can collide: then the ring cannot say which one finished, so it says neither."""
+    from kvpushd_client import stream
+
+    bell, reader, _writer = page
+    monkeypatch.setattr(stream, "ring_key", lambda tid: 7)
+    w = stream.StreamWorker.__new__(stream.StreamWorker)  # only the ring's bookkeeping, no daemon
+    w._ring, w._ring_lock = reader, __import__("threading").Lock()
+    w._keys, w._key_of, w._rung = {}, {}, set()
+    w._watch("a")
+    w._watch("b")
+    fd = os.open(f"/dev/shm/{bell.name}", os.O_WRONLY)
+    try:
+        os.pwrite(fd, ((1 << 48) | 7).to_bytes(8, "little"), RING_BASE)
+        os.pwrite(fd, (1).to_bytes(8, "little"), RING_HEAD)
+    finally:
+        os.close(fd)
+    assert w._from_ring() == [] and not w._rung

@@ -207,3 +207,36 @@ def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type:
             p.client.stub.Attach(req, timeout=10)
         assert e.value.code() == code and "doorbell" in (e.value.details() or "")
     assert not p.client.status().workers
+
+
+def test_a_worker_that_truncates_its_doorbell_fails_only_its_own_publish(daemon_factory, kv) -> None:  # type: ignore[no-untyped-def]
+    """The daemon reads the word with pread: a page cut to nothing reads as "no progress" (the declared
+    step times out) where a load through a mapping would have killed the daemon with SIGBUS."""
+    import os
+
+    p, d = daemon_factory.pair("[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n"
+                               "write_timeout_s = 1.0\n")
+    src, dst, want = kv
+    pw, dw = attach_pair(p, d, src, dst, doorbell=True)
+    bell = pw.doorbell
+    assert bell is not None
+    dw.expect("cut", [1, 2], p.peer_address, "prefill", 1)
+    pw.publish("cut", [1, 2], step=bell.step(), layers=LAYERS)
+    bell.layer_done(1)
+    os.truncate(f"/dev/shm/{bell.name}", 0)
+    c = pw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FAILED, c
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FAILED, c
+    assert p.proc.poll() is None and p.client.status().node_id  # the daemon goes on
+    _compute_layer(src, want, 0, [5])
+    for g in range(1, LAYERS):
+        _compute_layer(src, want, g, [5])
+    dw.expect("next", [9], p.peer_address, "prefill", 1)
+    pw.publish("next", [5])  # whole, no doorbell needed: the other work of the worker is unharmed
+    c = dw.next_completion(30)
+    assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+    assert (dst.arr[:, [9]] == want[:, [5]]).all()
+    pw.detach()
+    dw.detach()
+    daemon_factory.close(check=(p, d))
