@@ -9,6 +9,7 @@ starts empty, and a worker that truncates or scribbles over its page loses only 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -120,12 +121,20 @@ def test_no_ring_without_write_access_or_for_a_sender(tmp_path) -> None:  # type
 # -- real daemons ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
 def _pair(p, d, name: str, ring: bool):  # type: ignore[no-untyped-def]
+    """Source and destination KV, a prefill worker and a decode worker (with a page: ``ring``)."""
     src = make_kv(f"{name}-src", fill="random", seed=3)
     dst = make_kv(f"{name}-dst", fill="poison")
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list, doorbell=ring)
-    return src, dst, pw, dw
+    try:
+        yield src, dst, pw, dw
+    finally:
+        pw.detach()
+        dw.detach()
+        src.close()
+        dst.close()
 
 
 def _push(p, pw, dw, tid: str, src, dst, blocks: list[int]):  # type: ignore[no-untyped-def]
@@ -141,8 +150,7 @@ def _push(p, pw, dw, tid: str, src, dst, blocks: list[int]):  # type: ignore[no-
 
 def test_each_receive_is_reported_once_ring_first_figures_later(daemon_pair) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
-    src, dst, pw, dw = _pair(p, d, "ring1", ring=True)
-    try:
+    with _pair(p, d, "ring1", ring=True) as (src, dst, pw, dw):
         for i in range(6):
             c = _push(p, pw, dw, f"r{i}", src, dst, [2 * i, 2 * i + 1])
             assert c.figures is None  # the ring's report: no figures, no stream message waited for
@@ -159,41 +167,24 @@ def test_each_receive_is_reported_once_ring_first_figures_later(daemon_pair) -> 
         time.sleep(0.2)
         assert dw.completions() == [] and dw.take_late() == []
         assert not dw._keys and not dw._rung  # nothing left watched
-    finally:
-        pw.detach()
-        dw.detach()
-        src.close()
-        dst.close()
 
 
 def test_without_a_page_the_stream_reports_as_before(daemon_pair) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
-    src, dst, pw, dw = _pair(p, d, "ring2", ring=False)
-    try:
+    with _pair(p, d, "ring2", ring=False) as (src, dst, pw, dw):
         c = _push(p, pw, dw, "s1", src, dst, [1, 2])
         assert c.figures is not None and dw.take_late() == []
-    finally:
-        pw.detach()
-        dw.detach()
-        src.close()
-        dst.close()
 
 
 def test_a_failed_receive_comes_by_the_stream_and_is_not_watched_any_more(daemon_pair) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
-    src, dst, pw, dw = _pair(p, d, "ring3", ring=True)
-    try:
+    with _pair(p, d, "ring3", ring=True) as (src, dst, pw, dw):
         dw.expect("f1", [1, 2], p.peer_address, "prefill", 1)
         assert dw.abort("f1")
         c = dw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED and c.transfer_id == "f1", c
         assert not dw._keys
         _push(p, pw, dw, "f2", src, dst, [3, 4])  # the worker goes on
-    finally:
-        pw.detach()
-        dw.detach()
-        src.close()
-        dst.close()
 
 
 def test_a_page_kept_across_attachments_starts_empty(daemon_pair) -> None:  # type: ignore[no-untyped-def]
@@ -222,8 +213,7 @@ def test_a_page_kept_across_attachments_starts_empty(daemon_pair) -> None:  # ty
 
 def test_a_worker_that_scribbles_over_its_ring_loses_only_its_hints(daemon_pair) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
-    src, dst, pw, dw = _pair(p, d, "ring5", ring=True)
-    try:
+    with _pair(p, d, "ring5", ring=True) as (src, dst, pw, dw):
         name = dw.doorbell.name
         with open(f"/dev/shm/{name}", "r+b") as f:
             f.write(os.urandom(SIZE))  # garbage count and slots
@@ -232,11 +222,6 @@ def test_a_worker_that_scribbles_over_its_ring_loses_only_its_hints(daemon_pair)
         c = _push(p, pw, dw, "g2", src, dst, [2])
         assert c.transfer_id == "g2"
         assert d.client.status().node_id  # the daemon goes on
-    finally:
-        pw.detach()
-        dw.detach()
-        src.close()
-        dst.close()
 
 
 def test_two_expected_transfers_with_one_key_are_left_to_the_stream(page, monkeypatch) -> None:  # type: ignore[no-untyped-def]
