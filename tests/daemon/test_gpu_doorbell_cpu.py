@@ -171,7 +171,7 @@ def test_rings_land_only_when_the_stream_gets_there(fake: ctypes.CDLL, memops: i
         assert r.ready(big, 8) == 0
         fake.fake_run()
         assert r.ready(big, 8) == 7 and r.complete(seq)
-        assert int(r._word[0]) == (big << 16) | 7
+        assert r.word() == (big << 16) | 7
         bell.layer_done(8)  # queued, then closed: close waits for the GPU before it unregisters
     finally:
         r.close()
@@ -198,7 +198,7 @@ def test_a_driver_without_stream_memory_operations_gets_the_copy(fake_libs: dict
         bell.seal()
         assert not r.complete(seq)
         lib.fake_run()
-        assert r.complete(seq) and int(r._word[0]) == (seq << 16) | SEALED
+        assert r.complete(seq) and r.word() == (seq << 16) | SEALED
         r.close()
     finally:
         bell.close()
