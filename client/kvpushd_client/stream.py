@@ -141,6 +141,9 @@ class StreamWorker:
         """Everything delivered so far, without waiting (no RPC). Nothing delivered: no lock taken (the
         reader thread holds it while it takes a batch; the engine thread need not wait for that)."""
         out = self._from_ring() if self._keys else []
+        if self._early:  # taken from the ring or stream by next_completion, not returned yet
+            out[:0] = self._early
+            self._early.clear()
         if self._queue:
             with self._cond:
                 got = list(self._queue)
@@ -160,10 +163,9 @@ class StreamWorker:
                 raise self.session_error
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if not self._early:
-                self._early.extend(self.completions())
-            if self._early:
-                return self._early.popleft()
+            if got := self.completions():
+                self._early.extend(got[1:])
+                return got[0]
             if self.session_error is not None:
                 raise self.session_error
             left = None if deadline is None else deadline - time.monotonic()

@@ -242,3 +242,17 @@ def test_two_expected_transfers_with_one_key_are_left_to_the_stream(page, monkey
     finally:
         os.close(fd)
     assert w._from_ring() == [] and not w._rung
+
+
+def test_what_next_completion_did_not_return_comes_with_completions(daemon_pair) -> None:  # type: ignore[no-untyped-def]
+    p, d = daemon_pair
+    with _pair(p, d, "ring6", ring=True) as (_src, _dst, pw, dw):
+        for t, b in (("m1", 1), ("m2", 2)):
+            dw.expect(t, [b], p.peer_address, "prefill", 1)
+            pw.publish(t, [b])
+        assert wait_for(lambda: dw._ring.ready() and dw._ring._words[dw._ring._head] >= 2)  # both in the ring
+        first = dw.next_completion(30)
+        assert first is not None
+        rest: list = []
+        assert wait_for(lambda: rest.extend(dw.completions()) or len(rest) == 1)  # type: ignore[func-returns-value]
+        assert {first.transfer_id, rest[0].transfer_id} == {"m1", "m2"}
