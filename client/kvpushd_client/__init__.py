@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .aio import AsyncKVPushClient, AsyncWorker
     from .client import KVPushClient
     from .reconnect import ReconnectingStreamWorker
-    from .shm import SharedBuffer
+    from .shm import SealedBuffer, SharedBuffer
     from .stream import StreamWorker
 from .types import (
     Completion,
@@ -20,6 +20,7 @@ from .types import (
     DaemonUnavailable,
     KVLayout,
     KVPushError,
+    MemfdMemory,
     Region,
     Role,
     ShmMemory,
@@ -28,12 +29,14 @@ from .types import (
 
 __all__ = [
     "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVLayout", "KVPushClient", "KVPushError", "ReconnectingStreamWorker", "Region", "Role", "SharedBuffer",
+    "KVLayout", "KVPushClient", "KVPushError", "MemfdMemory", "ReconnectingStreamWorker", "Region", "Role",
+    "SealedBuffer", "SharedBuffer",
     "ShmMemory", "StreamWorker", "TransferFigures",
 ]
 
 _LAZY = {"AsyncKVPushClient": "aio", "AsyncWorker": "aio", "KVPushClient": "client",
-         "ReconnectingStreamWorker": "reconnect", "SharedBuffer": "shm", "StreamWorker": "stream"}
+         "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm", "SharedBuffer": "shm",
+         "StreamWorker": "stream"}
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .proto.v1 import common_pb2, worker_pb2
 from .types import (
@@ -10,6 +10,7 @@ from .types import (
     CompletionKind,
     CudaMemory,
     FailureCode,
+    MemfdMemory,
     Memory,
     Region,
     Role,
@@ -34,10 +35,16 @@ CHANNEL_OPTIONS = [
 
 
 def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
-                   regions: Sequence[Region], pp_rank: int, description: str) -> worker_pb2.AttachRequest:
+                   regions: Sequence[Region], pp_rank: int, description: str,
+                   tokens: Mapping[int, bytes] | None = None) -> worker_pb2.AttachRequest:
+    """``tokens``: what each MemfdMemory's descriptor was sent under (shm.hand_over), by index."""
     mem = []
-    for m in memory:
-        if isinstance(m, ShmMemory):
+    for i, m in enumerate(memory):
+        if isinstance(m, MemfdMemory):
+            if tokens is None or i not in tokens:
+                raise ValueError(f"memory {i} is a memfd that was not handed over (shm.hand_over)")
+            mem.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[i], size=m.size)))
+        elif isinstance(m, ShmMemory):
             mem.append(common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=m.name, size=m.size)))
         elif isinstance(m, CudaMemory):
             sentinel, sentinel_offset, restore = (m.arm_sentinel() if m.arm_sentinel is not None
@@ -48,7 +55,7 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
                 event_handle=m.event_handle, event_sync_required=m.event_sync_required,
                 sentinel=sentinel, sentinel_offset=sentinel_offset, sentinel_restore=restore)))
         else:
-            raise TypeError(f"memory must be ShmMemory or CudaMemory, got {type(m).__name__}")
+            raise TypeError(f"memory must be ShmMemory, MemfdMemory or CudaMemory, got {type(m).__name__}")
     regs = [common_pb2.Region(memory_index=r.memory_index, offset=r.offset, num_blocks=r.num_blocks,
                               block_len=r.block_len, block_stride=r.block_stride or r.block_len,
                               block_size_tokens=r.block_size_tokens,

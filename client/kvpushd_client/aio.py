@@ -13,6 +13,7 @@ import grpc
 
 from . import _convert, errors
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
+from .shm import hand_over
 from .stream import _GONE, _command
 from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
@@ -45,7 +46,9 @@ class AsyncKVPushClient:
 
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
                      regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> AsyncWorker:
-        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description)
+        tokens = hand_over(self.socket_path, memory, self.timeout_s)  # a local datagram per memfd
+        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
+                                      tokens)
         try:
             resp = await self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:

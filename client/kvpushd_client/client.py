@@ -22,6 +22,7 @@ from . import _convert, errors
 from .doorbell import Doorbell, RingReader, reset_ring
 from .gpu_doorbell import make_doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
+from .shm import hand_over
 from .stream import StreamWorker
 from .types import CudaMemory, DaemonUnavailable, Memory, Region, Role
 
@@ -66,7 +67,9 @@ class KVPushClient:
         completion ring, emptied here for the new attachment)."""
         gpu = any(isinstance(m, CudaMemory) for m in memory)
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
-        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description)
+        tokens = hand_over(self.socket_path, memory, self.timeout_s)
+        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
+                                      tokens)
         req.doorbell = bell.name if bell is not None else ""
         ring: RingReader | None = None
         try:

@@ -1,13 +1,95 @@
-"""POSIX shared memory for host KV, created by the worker and handed to the daemon by name."""
+"""Host KV memory the worker makes and hands to the daemon: a memfd sealed against shrinking
+(``SealedBuffer``, handed over by descriptor) or a POSIX shared memory object (``SharedBuffer``, by name).
+
+A sealed memfd is the safe form: nobody can truncate it, so no WRITE into or out of it can fault
+in the daemon, and it is freed with its last descriptor and mapping, however the worker dies. A
+named object can be truncated by any process that may open it (the daemon takes it only with
+``worker_api.named_shm``, on by default).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
+import socket
+from collections.abc import Sequence
 
-from .types import ShmMemory
+from .errors import DaemonUnavailable
+from .types import MemfdMemory, Memory, ShmMemory
+
+TOKEN_BYTES = 16
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of ``size`` bytes (zeros), sealed so it can neither shrink nor grow: its descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def hand_over(socket_path: str, memory: Sequence[Memory], timeout_s: float = 10.0) -> dict[int, bytes]:
+    """Send the descriptor of every MemfdMemory in ``memory`` to the daemon's fd socket (the worker
+    socket's path plus ".fd"), each under a fresh random token; returns the tokens by index, for
+    the Attach that follows (the daemon has the datagrams queued once this returns)."""
+    tokens: dict[int, bytes] = {}
+    targets = [(i, m) for i, m in enumerate(memory) if isinstance(m, MemfdMemory)]
+    if not targets:
+        return tokens
+    path = f"{socket_path}.fd"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout_s)  # a daemon whose queue is full and stays full
+        for i, m in targets:
+            token = secrets.token_bytes(TOKEN_BYTES)
+            try:
+                if i == targets[0][0]:
+                    s.connect(path)
+                socket.send_fds(s, [token], [m.fd])
+            except OSError as e:
+                raise DaemonUnavailable(
+                    "UNAVAILABLE", f"cannot hand memory {i} to the daemon's fd socket {path}: {e.strerror or e}"
+                ) from None
+            tokens[i] = token
+    return tokens
+
+
+class SealedBuffer:
+    """A sealed memfd, mapped read-write. ``close()`` unmaps it and closes the descriptor; the memory
+    goes with the last mapping (the daemon's lasts until the worker detaches)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self.fd = sealed_memfd(name, size)
+        try:
+            self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    @classmethod
+    def create(cls, prefix: str, size: int) -> SealedBuffer:
+        return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}", size)
+
+    @property
+    def memory(self) -> MemfdMemory:
+        return MemfdMemory(self.fd, self.size)
+
+    def close(self, unlink: bool | None = None) -> None:
+        """``unlink`` is taken for SharedBuffer's sake: a memfd has no name to remove."""
+        with contextlib.suppress(BufferError):  # views still exported: the map goes with the process
+            self.mmap.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SharedBuffer:

@@ -105,7 +105,17 @@ class CudaMemory:
     arm_sentinel: Callable[[], tuple[bytes, int, bytes]] | None = field(default=None, compare=False, repr=False)
 
 
-Memory = ShmMemory | CudaMemory
+@dataclass(frozen=True, slots=True)
+class MemfdMemory:
+    """Host memory in a memfd sealed against shrinking (``kvpushd_client.shm.SealedBuffer``): the client
+    hands the descriptor itself to the daemon at every attach, so no name, and no process can truncate
+    it under a WRITE. The caller keeps ``fd`` open for as long as it may attach."""
+
+    fd: int
+    size: int
+
+
+Memory = ShmMemory | CudaMemory | MemfdMemory
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Host KV memory: POSIX shared memory objects created by the worker, mapped by the daemon."""
+"""Host KV memory: POSIX shared memory objects or sealed memfds created by the worker, mapped by the daemon."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterable
 
@@ -39,7 +40,7 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class ShmMapping:
-    """A read-write shared mapping of /dev/shm/<name>."""
+    """A read-write shared mapping of /dev/shm/<name>, or of a sealed memfd (``sealed``)."""
 
     mem_type = "DRAM"
     device_id = 0
@@ -50,6 +51,7 @@ class ShmMapping:
         if size <= 0:
             raise InvalidArgument(f"shared memory {name!r}: size must be positive, got {size}")
         self.name = name.lstrip("/")
+        self.named = True  # a /dev/shm name: reaped on detach when its worker made it (OWNED_PREFIX)
         path = os.path.join(SHM_DIR, self.name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -60,14 +62,43 @@ class ShmMapping:
         except OSError as e:
             raise InvalidArgument(f"shared memory {name!r} cannot be opened: {e.strerror}") from None
         try:
-            st = os.fstat(fd)
-            if st.st_size < size:
-                raise InvalidArgument(
-                    f"shared memory {name!r} holds {st.st_size} bytes, the worker declared {size}"
-                )
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map(fd, size, f"shared memory {name!r}")
         finally:
             os.close(fd)
+
+    @classmethod
+    def sealed(cls, fd: int, size: int, label: str) -> ShmMapping:
+        """Map a memfd the worker sent (memory/fdpass.py); closes ``fd``. It must be sealed against
+        shrinking: a mapping past the end of its file faults (SIGBUS) in whichever process copies
+        through it, and over UCX's TCP transport that is the daemon, writing a received WRITE."""
+        self = cls.__new__(cls)
+        self.name, self.named = label, False
+        try:
+            if size <= 0:
+                raise InvalidArgument(f"{label}: size must be positive, got {size}")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0  # not a memfd (nor anything else that takes seals)
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise PermissionDenied(
+                    f"{label}: the descriptor is not a memfd sealed against shrinking (F_SEAL_SHRINK); "
+                    "the worker could cut it under a WRITE")
+            self._map(fd, size, label)
+        finally:
+            os.close(fd)
+        return self
+
+    def _map(self, fd: int, size: int, label: str) -> None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(f"{label} is not a regular file")
+        if st.st_size < size:
+            raise InvalidArgument(f"{label} holds {st.st_size} bytes, the worker declared {size}")
+        try:
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:  # EACCES: opened read-only; EPERM: sealed against writes
+            raise PermissionDenied(f"{label} cannot be mapped for reading and writing: {e.strerror}") from None
         self._buf: ctypes.Array[ctypes.c_ubyte] | None = (ctypes.c_ubyte * size).from_buffer(self._mm)
         self.addr = ctypes.addressof(self._buf)
         self.size = size

@@ -6,7 +6,8 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
 
 from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
-from ..runtime.workers import CudaSpec, MemorySpec, RegionArg, ShmSpec
+from ..memory.fdpass import TOKEN_BYTES
+from ..runtime.workers import CudaSpec, MemfdSpec, MemorySpec, RegionArg, ShmSpec
 from ..transfer.descs import RegionSpec, RemoteAgent
 
 
@@ -45,7 +46,11 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
         return CudaSpec(c.gpu_uuid, c.ipc_handle, c.size, c.storage_offset, c.ref_counter_handle,
                         c.ref_counter_offset, c.event_handle, c.event_sync_required, c.sentinel,
                         c.sentinel_offset, c.sentinel_restore)
-    raise InvalidArgument("memory handle has neither shm nor cuda_ipc set")
+    if kind == "memfd":
+        if len(h.memfd.token) != TOKEN_BYTES:
+            raise InvalidArgument(f"a memfd token is {TOKEN_BYTES} bytes, got {len(h.memfd.token)}")
+        return MemfdSpec(h.memfd.token, h.memfd.size)
+    raise InvalidArgument("memory handle has none of shm, cuda_ipc and memfd set")
 
 
 def region(r: common_pb2.Region) -> RegionArg:

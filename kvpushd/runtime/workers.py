@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -17,12 +18,20 @@ from dataclasses import dataclass, field
 import structlog
 
 from ..config import Config
-from ..core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from ..core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from ..core.notif import MAX_LAYERS
 from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
 from ..memory.doorbell import Doorbell
+from ..memory.fdpass import FdInbox
 from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
@@ -54,7 +63,13 @@ class CudaSpec:
     sentinel_restore: bytes = b""
 
 
-MemorySpec = ShmSpec | CudaSpec
+@dataclass(frozen=True, slots=True)
+class MemfdSpec:
+    token: bytes  # what the descriptor came under on the fd socket (memory/fdpass.py)
+    size: int
+
+
+MemorySpec = ShmSpec | CudaSpec | MemfdSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +122,7 @@ class Workers:
         self.events = events
         self.by_id: dict[str, Worker] = {}
         self.xfer: TransferThread | None = None  # set at start
+        self.fds: FdInbox | None = None  # the fd socket, set at start: sealed memfds by token
         self._seq = itertools.count(1)
         # one thread populates host KV (one core at most; attaches never wait behind it); none starts until used
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
@@ -130,7 +146,8 @@ class Workers:
         if len(self.by_id) >= self.cfg.worker_api.max_workers:
             raise ResourceExhausted(f"at most {self.cfg.worker_api.max_workers} workers may attach")
         loop = asyncio.get_running_loop()
-        mappings = await loop.run_in_executor(None, open_all, memory)
+        mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory),
+                                              self.cfg.worker_api.named_shm)
         bell: Doorbell | None = None
         try:
             bell = Doorbell(doorbell, ring=role.can_receive) if doorbell else None
@@ -174,6 +191,25 @@ class Workers:
         self.events.emit(EventKind.WORKER_ATTACHED, worker_id=wid, engine_id=engine_id,
                          detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
         return w
+
+    def _take_fds(self, memory: Sequence[MemorySpec]) -> dict[bytes, int]:
+        """The descriptors of the sealed memfds among ``memory``, from the fd socket (all or none)."""
+        tokens = [m.token for m in memory if isinstance(m, MemfdSpec)]
+        if not tokens:
+            return {}
+        if self.fds is None:
+            raise FailedPrecondition("the daemon's fd socket is not open")
+        if len(set(tokens)) != len(tokens):
+            raise InvalidArgument("two memfd handles name the same token")
+        fds: dict[bytes, int] = {}
+        try:
+            for t in tokens:
+                fds[t] = self.fds.take(t)
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return fds
 
     def _populate(self, loop: asyncio.AbstractEventLoop, wid: str, m: ShmMapping) -> None:
         """Map the worker's host KV into the daemon's page tables in the background (ShmMapping.populate)."""
@@ -256,7 +292,7 @@ class Workers:
         finally:
             for m in w.mappings:
                 m.close()
-            names = [m.name for m in w.mappings if isinstance(m, ShmMapping)]
+            names = [m.name for m in w.mappings if isinstance(m, ShmMapping) and m.named]
             if w.bell is not None:
                 w.bell.close()
                 names.append(w.bell.name)
@@ -272,15 +308,24 @@ class Workers:
                 if not w.session_open and not w.gone and now - w.attached_at > grace]
 
 
-def open_all(memory: Sequence[MemorySpec]) -> list[Mapping]:
-    """Open every handle, or none (closing what was opened when one fails)."""
+def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = True
+             ) -> list[Mapping]:
+    """Open every handle, or none (closing what was opened when one fails); ``fds``: the memfds'
+    descriptors by token, each closed here whatever happens."""
     from ..memory.shm import ShmMapping
 
+    fds = dict(fds or {})
     out: list[Mapping] = []
     try:
-        for spec in memory:
+        for i, spec in enumerate(memory):
             if isinstance(spec, ShmSpec):
+                if not named_shm:
+                    raise PermissionDenied(
+                        f"memory {i}: host KV by /dev/shm name is refused here (worker_api.named_shm = false): "
+                        "a worker could truncate it under a WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
                 out.append(ShmMapping(spec.name, spec.size))
+            elif isinstance(spec, MemfdSpec):
+                out.append(ShmMapping.sealed(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
             else:
                 from ..memory.cuda import CudaIpcMapping
 
@@ -292,6 +337,9 @@ def open_all(memory: Sequence[MemorySpec]) -> list[Mapping]:
         for m in out:
             m.close()
         raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kvpushd_client import Region, Role, SharedBuffer
+from kvpushd_client import Region, Role, SealedBuffer, SharedBuffer
 
 if TYPE_CHECKING:
     from .daemons import DaemonProc
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> object:
 class KV:
     """A worker's KV memory: ``regions`` regions of ``num_blocks`` blocks in one shm object."""
 
-    buf: SharedBuffer
+    buf: SharedBuffer | SealedBuffer
     regions: int
     num_blocks: int
     block_len: int
@@ -56,8 +56,10 @@ class KV:
 
 
 def make_kv(prefix: str, regions: int = 4, num_blocks: int = 64, block_len: int = 4096, fill: str = "random",
-            seed: int = 0) -> KV:
-    buf = SharedBuffer.create(prefix, regions * num_blocks * block_len)
+            seed: int = 0, sealed: bool = False) -> KV:
+    """``sealed``: in a sealed memfd (handed over by descriptor), else a /dev/shm name."""
+    size = regions * num_blocks * block_len
+    buf = SealedBuffer.create(prefix, size) if sealed else SharedBuffer.create(prefix, size)
     kv = KV(buf, regions, num_blocks, block_len)
     if fill == "random":
         kv.arr[:] = np.random.default_rng(seed).integers(0, 256, kv.arr.shape, dtype=np.uint8)

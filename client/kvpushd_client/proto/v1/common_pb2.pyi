@@ -233,6 +233,36 @@ class CudaIpcHandle(_message.Message):
 Global___CudaIpcHandle: _TypeAlias = CudaIpcHandle  # noqa: Y015
 
 @_typing.final
+class MemfdHandle(_message.Message):
+    """Host memory as a memfd sealed against shrinking (F_SEAL_SHRINK), so no process can cut it under a
+    WRITE (a WRITE into or from a file mapping past its end kills the process that copies with SIGBUS).
+    The worker sends the descriptor itself (SCM_RIGHTS) to the daemon's fd socket, the worker socket's
+    path plus ".fd", as one datagram of these 16 bytes and one descriptor, just before Attach.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    token: _builtins.bytes
+    """16 random bytes, the datagram's payload"""
+    size: _builtins.int
+    """bytes of the memfd the worker made; checked against it"""
+    def __init__(
+        self,
+        *,
+        token: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["size", b"size", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemfdHandle: _TypeAlias = MemfdHandle  # noqa: Y015
+
+@_typing.final
 class MemoryHandle(_message.Message):
     """A piece of memory the worker hands over once, when it attaches."""
 
@@ -240,21 +270,25 @@ class MemoryHandle(_message.Message):
 
     SHM_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
+    MEMFD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def shm(self) -> Global___ShmHandle: ...
     @_builtins.property
     def cuda_ipc(self) -> Global___CudaIpcHandle: ...
+    @_builtins.property
+    def memfd(self) -> Global___MemfdHandle: ...
     def __init__(
         self,
         *,
         shm: Global___ShmHandle | None = ...,
         cuda_ipc: Global___CudaIpcHandle | None = ...,
+        memfd: Global___MemfdHandle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "shm", b"shm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "memfd", b"memfd", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "shm", b"shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "memfd", b"memfd", "shm", b"shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shm", "cuda_ipc"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shm", "cuda_ipc", "memfd"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

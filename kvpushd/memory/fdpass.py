@@ -1,0 +1,115 @@
+"""The fd socket: where a worker hands the daemon its host KV as a sealed memfd.
+
+A unix datagram socket next to the worker socket (its path plus ".fd", the same permission bits).
+A worker sends one datagram per memfd: 16 random bytes (the token) and the descriptor (SCM_RIGHTS);
+its Attach then names the memory by that token (``MemfdHandle``). The kernel has queued the
+datagram by the time ``sendmsg`` returns, so ``take`` reads the socket before it looks.
+
+Bounded: at most ``MAX_PARKED`` descriptors wait for their Attach (a flood closes the oldest), each
+for ``TTL_S``; a datagram of any other shape is dropped with every descriptor it carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import socket
+import stat
+import time
+
+import structlog
+
+from ..core.errors import FailedPrecondition, NotFound
+
+TOKEN_BYTES = 16
+MAX_PARKED = 64
+TTL_S = 30.0
+_MAX_FDS = 4  # what one datagram may carry before the rest is cut (the kernel closes what it cuts)
+log = structlog.get_logger(__name__)
+
+
+def fd_socket_path(worker_socket: str) -> str:
+    return f"{worker_socket}.fd"
+
+
+class FdInbox:
+    """Descriptors sent to the fd socket, by token, until an Attach takes them. Loop thread only."""
+
+    def __init__(self, path: str, mode: int) -> None:
+        self.path = path
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise FailedPrecondition(f"{path} exists and is not a socket")
+            os.unlink(path)  # a stale socket from a previous run
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)  # born private, then opened up like the worker socket
+        try:
+            self._sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)
+        self._parked: collections.OrderedDict[bytes, tuple[int, float]] = collections.OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dropped = 0  # datagrams of the wrong shape, and descriptors evicted or expired unused
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self._sock.fileno(), self.drain)
+
+    def drain(self) -> None:
+        """Park every descriptor the socket holds now."""
+        while True:
+            try:
+                msg, fds, flags, _ = socket.recv_fds(self._sock, TOKEN_BYTES + 1, _MAX_FDS)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:  # e.g. EMFILE: the kernel keeps nothing it could not hand over
+                log.warning("fd socket read failed", error=e.strerror)
+                break
+            if len(msg) != TOKEN_BYTES or len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                for fd in fds:
+                    os.close(fd)
+                self.dropped += 1
+                continue
+            self._park(msg, fds[0])
+        self._expire(time.monotonic())
+
+    def _park(self, token: bytes, fd: int) -> None:
+        old = self._parked.pop(token, None)
+        if old is not None:
+            os.close(old[0])
+        self._parked[token] = (fd, time.monotonic())
+        while len(self._parked) > MAX_PARKED:
+            _, (evicted, _t) = self._parked.popitem(last=False)
+            os.close(evicted)
+            self.dropped += 1
+
+    def _expire(self, now: float) -> None:
+        while self._parked:
+            token, (fd, t) = next(iter(self._parked.items()))
+            if now - t < TTL_S:
+                break
+            del self._parked[token]
+            os.close(fd)
+            self.dropped += 1
+
+    def take(self, token: bytes) -> int:
+        """The descriptor sent under ``token``; the caller owns (closes) it."""
+        self.drain()
+        got = self._parked.pop(bytes(token), None)
+        if got is None:
+            raise NotFound(f"no descriptor arrived on {self.path} under this memfd token (sent to another "
+                           f"daemon's socket, or waited over {TTL_S:.0f} s for its Attach)")
+        return got[0]
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        for fd, _t in self._parked.values():
+            os.close(fd)
+        self._parked.clear()

@@ -1,0 +1,193 @@
+"""Host KV in sealed memfds, handed to the daemon by descriptor on its fd socket.
+
+A named /dev/shm object can be truncated by its worker while a WRITE copies into it. Over UCX's TCP
+transport the decode daemon does that copy itself, so it died of SIGBUS (exit -7), with every other
+worker's transfers on the node. A memfd sealed against shrinking cannot be cut, and the daemon
+takes no other descriptor. Real daemons, real NIXL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+
+import grpc
+import pytest
+from kvpushd_client import CompletionKind, KVPushError, MemfdMemory, Region, Role, _convert
+from kvpushd_client.proto.v1 import common_pb2, worker_pb2_grpc
+from kvpushd_client.shm import hand_over, sealed_memfd
+from kvpushd_lab import launch
+from support import POISON, attach_pair, make_kv, wait_for
+
+from kvpushd.memory import fdpass
+
+TCP = "[transfer]\npublish_timeout_s = 10.0\nexpect_timeout_s = 10.0\nwrite_timeout_s = 3.0\n"
+
+
+@pytest.fixture
+def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX over TCP: the transport on which the receiving daemon copies into the worker's memory."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+def _move(pw, dw, p, tid: str, src_blocks: list[int], dst_blocks: list[int]):  # type: ignore[no-untyped-def]
+    dw.expect(tid, dst_blocks, p.peer_address, "prefill", 1)
+    pw.publish(tid, src_blocks)
+    c = dw.next_completion(30)
+    assert pw.next_completion(30) is not None
+    return c
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_named_object_cut_under_a_write_killed_the_daemon_and_a_sealed_one_cannot_be_cut(
+        daemon_factory, tcp) -> None:  # type: ignore[no-untyped-def]
+    """Both halves on one pair of daemons: the hazard, then the memfd that removes it."""
+    p, d = daemon_factory.pair(TCP)
+    src, dst = make_kv("mf-src", sealed=True), make_kv("mf-dst", fill="poison", sealed=True)
+    try:
+        pw, dw = attach_pair(p, d, src, dst)
+        with pytest.raises(PermissionError):  # F_SEAL_SHRINK: nobody may cut it, by any path
+            os.truncate(f"/proc/self/fd/{dst.buf.fd}", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(dst.buf.fd, 4096)
+        with pytest.raises(PermissionError):  # nor take the seal off
+            fcntl.fcntl(dst.buf.fd, fcntl.F_ADD_SEALS, 0)
+        c = _move(pw, dw, p, "sealed", [1, 2, 60], [3, 4, 5])
+        assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+        assert (dst.arr[:, [3, 4, 5]] == src.arr[:, [1, 2, 60]]).all()
+        assert (dst.arr[:, [0, 6]] == POISON).all()
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("mf-dst")]  # no name anywhere
+    finally:
+        src.close()
+        dst.close()
+    # the same with a named object, cut by its worker: the decode daemon dies (this is why)
+    nsrc, ndst = make_kv("mf-nsrc"), make_kv("mf-ndst", fill="poison")
+    try:
+        d2 = daemon_factory("dnode2", TCP)
+        pw2 = p.client.attach("prefill2", Role.PRODUCER, 0, 1, [nsrc.buf.memory], nsrc.region_list)
+        dw2 = d2.client.attach("decode2", Role.CONSUMER, 0, 1, [ndst.buf.memory], ndst.region_list)
+        os.truncate(f"/dev/shm/{ndst.buf.name}", 0)
+        dw2.expect("cut", [1], p.peer_address, "prefill2", 1)
+        pw2.publish("cut", [1])
+        assert wait_for(lambda: d2.proc.poll() is not None, timeout=30)
+        assert d2.proc.returncode == -7  # SIGBUS
+        assert p.proc.poll() is None and d.proc.poll() is None
+    finally:
+        nsrc.close()
+        ndst.close()
+    daemon_factory.close(check=(p, d))
+
+
+def test_what_the_daemon_refuses(daemon_factory, workdir) -> None:  # type: ignore[no-untyped-def]
+    d = launch.start(workdir, "dnode", settings={"worker_api": {"named_shm": False}}, timeout_s=120)
+    daemon_factory.started.append(d)  # stopped with the others
+    c = d.client
+    regs = [Region(0, 0, 16, 4096)]
+    size = 16 * 4096
+    named = make_kv("mf-named", regions=1, num_blocks=16)
+    bare = os.memfd_create("mf-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(bare, size)
+    good = sealed_memfd("mf-good", size)
+    ro = os.open(f"/proc/self/fd/{good}", os.O_RDONLY)
+    shm_fd = os.open(f"/dev/shm/{named.buf.name}", os.O_RDWR)
+    base = _open_fds(d.proc.pid)
+    try:
+        cases = [
+            ([named.buf.memory], "PERMISSION_DENIED", "named_shm = false"),
+            ([MemfdMemory(bare, size)], "PERMISSION_DENIED", "not a memfd sealed against shrinking"),
+            ([MemfdMemory(shm_fd, size)], "PERMISSION_DENIED", "not a memfd sealed against shrinking"),
+            ([MemfdMemory(ro, size)], "PERMISSION_DENIED", "cannot be mapped for reading and writing"),
+            ([MemfdMemory(good, size * 2)], "INVALID_ARGUMENT", "the worker declared"),
+        ]
+        for memory, code, words in cases:
+            with pytest.raises(KVPushError) as e:
+                c.attach("e", Role.CONSUMER, 0, 1, memory, regs)
+            assert e.value.code == code and words in e.value.message, (memory, e.value)
+        stub = worker_pb2_grpc.WorkerServiceStub(c.channel)
+        for token, code, words in [(b"\0" * 16, grpc.StatusCode.NOT_FOUND, "no descriptor arrived"),
+                                   (b"short", grpc.StatusCode.INVALID_ARGUMENT, "16 bytes")]:
+            req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], regs, 0, "")
+            req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
+            with pytest.raises(grpc.RpcError) as r:
+                stub.Attach(req, timeout=10)
+            assert r.value.code() == code and words in (r.value.details() or ""), r.value
+        assert _open_fds(d.proc.pid) <= base  # every descriptor it was handed is closed again
+        # the daemon went on: the sealed memfd attaches
+        w = c.attach("e", Role.CONSUMER, 0, 1, [MemfdMemory(good, size)], regs)
+        w.detach()
+    finally:
+        for fd in (bare, good, ro, shm_fd):
+            os.close(fd)
+        named.close()
+    daemon_factory.close(check=(d,))
+
+
+def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("dnode")
+    path = fdpass.fd_socket_path(d.sock)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o660)
+    base = _open_fds(d.proc.pid)
+    fd = sealed_memfd("mf-flood", 4096)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(path)
+            s.send(b"x" * 16)  # no descriptor
+            socket.send_fds(s, [b"short"], [fd])  # wrong token size
+            socket.send_fds(s, [b"t" * 16], [fd, fd, fd])  # three descriptors
+            socket.send_fds(s, [b"u" * 16], [fd] * 8)  # more than one datagram may carry
+            for i in range(fdpass.MAX_PARKED * 4):  # a flood of well-formed ones nobody attaches with
+                socket.send_fds(s, [i.to_bytes(16, "big")], [fd])
+        # at most MAX_PARKED wait (the oldest are closed), whatever came
+        assert wait_for(lambda: _open_fds(d.proc.pid) <= base + fdpass.MAX_PARKED, timeout=10)
+        assert _open_fds(d.proc.pid) >= base  # (the parked ones are held until their TTL)
+        # a worker attaching now is unharmed
+        kv = make_kv("mf-after", regions=1, num_blocks=16, sealed=True)
+        try:
+            w = d.client.attach("e", Role.CONSUMER, 0, 1, [kv.buf.memory], kv.region_list)
+            w.detach()
+        finally:
+            kv.close()
+        assert d.proc.poll() is None
+    finally:
+        os.close(fd)
+    daemon_factory.close(check=(d,))
+    assert not os.path.exists(path)  # removed at stop
+
+
+def test_inbox_expires_and_evicts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inbox alone: parked descriptors go after their TTL, the oldest first past MAX_PARKED."""
+    monkeypatch.setattr(fdpass, "MAX_PARKED", 2)
+    inbox = fdpass.FdInbox(str(tmp_path / "w.sock.fd"), 0o600)
+    fd = sealed_memfd("mf-inbox", 4096)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(inbox.path)
+            for t in (b"a", b"b", b"c"):
+                socket.send_fds(s, [t * 16], [fd])
+        got = inbox.take(b"c" * 16)
+        os.close(got)
+        with pytest.raises(Exception, match="no descriptor arrived"):
+            inbox.take(b"a" * 16)  # evicted: only two may wait
+        monkeypatch.setattr(fdpass, "TTL_S", 0.0)
+        time.sleep(0.01)
+        with pytest.raises(Exception, match="no descriptor arrived"):
+            inbox.take(b"b" * 16)  # expired
+        assert inbox.dropped == 2
+    finally:
+        inbox.close()
+        os.close(fd)
+    assert not os.path.exists(inbox.path)
+
+
+def test_hand_over_to_a_daemon_without_an_fd_socket_says_so(tmp_path) -> None:
+    fd = sealed_memfd("mf-nobody", 4096)
+    try:
+        with pytest.raises(KVPushError, match="fd socket"):
+            hand_over(str(tmp_path / "none.sock"), [MemfdMemory(fd, 4096)])
+    finally:
+        os.close(fd)
