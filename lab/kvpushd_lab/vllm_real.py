@@ -158,18 +158,21 @@ class PushSender:
 
 
 def owned_shm() -> set[str]:
-    return {n for n in shm_listing() if n.startswith(OWNED_SHM_PREFIX)}
+    """The connector's host KV still alive: its /dev/shm names, and its memfds some process maps."""
+    mapped = set().union(*pids_mapping(OWNED_SHM_PREFIX).values())
+    return {n for n in shm_listing() if n.startswith(OWNED_SHM_PREFIX)} | mapped
 
 
 def pids_mapping(prefix: str) -> dict[int, set[str]]:
-    """Processes that map a /dev/shm file whose name starts with prefix, and those names."""
+    """Processes that map a /dev/shm file or a memfd whose name starts with prefix, and those names."""
     out: dict[int, set[str]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/maps") as f:
-                names = {ln.split("/dev/shm/", 1)[1].split()[0] for ln in f if f"/dev/shm/{prefix}" in ln}
+                names = {ln.split(where, 1)[1].split()[0] for ln in f
+                         for where in ("/dev/shm/", "/memfd:") if f"{where}{prefix}" in ln}
         except OSError:
             continue
         if names:

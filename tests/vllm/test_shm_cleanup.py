@@ -1,16 +1,15 @@
 """Host KV the connector moved into shared memory is gone once its worker is gone, however it died.
 
 A real process attaches the way the connector's worker side does (``describe_kv_caches`` with
-``host_kv_to_shm``, then ``ReconnectingStreamWorker``) and is SIGKILLed (with torch's shm manager, should
-one run: the connector no longer uses torch's file_system sharing); the daemon removes its /dev/shm
-object. A restarted daemon still re-attaches the live worker by name,
-and one started after worker and daemon both died removes what they left. Needs torch (the vLLM venvs
-and the daemon venv have it); no vLLM.
+``host_kv_to_shm``, then ``ReconnectingStreamWorker``) and is SIGKILLed. The connector's host KV is a
+sealed memfd handed to the daemon by descriptor: it has no name in /dev/shm to leave behind, and its
+memory goes with the last mapping, the daemon's, which goes when the daemon detaches the dead
+worker. A restarted daemon re-attaches the live worker: the worker hands the descriptor again.
+Needs torch (the vLLM venvs and the daemon venv have it); no vLLM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ WORKER = r"""
 import sys, time, torch
 import kvpushd_client
 from kvpushd_client import Role
-from kvpushd_client.vllm.layout import describe_kv_caches
+from kvpushd_client.vllm.layout import describe_kv_caches, owned_memfd_names
 
 sock, engine = sys.argv[1], sys.argv[2]
 num_blocks = 8
@@ -41,12 +40,11 @@ link = kvpushd_client.ReconnectingStreamWorker(sock, {
     "engine_id": engine, "role": Role.PRODUCER, "tp_rank": 0, "tp_size": 1, "memory": memory, "regions": regions,
     "description": "shm test worker"}, reconnect_interval_s=0.2)
 link.start(30)
-kv["layers.0"].fill_(7.0)  # views stay valid after the move: the bytes land in the shm object
-import mmap, os, numpy as np
-with open("/dev/shm/" + memory[0].name, "r+b") as f:
-    m = mmap.mmap(f.fileno(), 0)
+kv["layers.0"].fill_(7.0)  # views stay valid after the move: the bytes land in the memfd
+import mmap, numpy as np
+m = mmap.mmap(memory[0].fd, 0)
 assert float(np.frombuffer(m, dtype=np.float32)[regions[0].offset // 4]) == 7.0
-print("READY", " ".join(m.name for m in memory), flush=True)
+print("READY", " ".join(owned_memfd_names(memory)), flush=True)
 while True:
     time.sleep(1)
 """
@@ -58,14 +56,17 @@ def workdir() -> Iterator[Path]:
         yield Path(d)
 
 
-def ours(before: set[str], procs: list[subprocess.Popen[str]]) -> set[str]:
-    """What our workers added to /dev/shm (other tests on this machine add theirs meanwhile)."""
-    mine = (OWNED, *(f"torch_{p.pid}_" for p in procs))
-    return {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(mine)}
+def maps(pid: int, name: str) -> bool:
+    """Whether process ``pid`` maps the memfd ``name``."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(f"/memfd:{name} " in ln for ln in f)
+    except FileNotFoundError:
+        return False
 
 
-def owned() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(OWNED)}
+def ours(before: set[str]) -> set[str]:
+    return {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(OWNED)}
 
 
 def start_worker(sock: str, engine: str) -> tuple[subprocess.Popen[str], str]:
@@ -80,19 +81,8 @@ def start_worker(sock: str, engine: str) -> tuple[subprocess.Popen[str], str]:
     return p, names[0]
 
 
-def shm_managers(pid: int) -> list[int]:
-    """torch's shm manager processes of a worker (its children, in a session of their own)."""
-    return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid), "-f", "torch_shm_manager"],
-                                           capture_output=True, text=True).stdout.split()]
-
-
-def sigkill_group(p: subprocess.Popen[str]) -> None:
-    """The worker and torch's shm manager."""
-    managers = shm_managers(p.pid)
+def sigkill(p: subprocess.Popen[str]) -> None:
     os.killpg(p.pid, signal.SIGKILL)
-    for pid in managers:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
     p.wait(30)
 
 
@@ -103,7 +93,7 @@ def attached(d: vs.Daemon, engine: str) -> bool:
         return any(w.engine_id == engine for w in c.status().workers)
 
 
-def test_sigkilled_worker_leaves_no_shm(workdir: Path) -> None:
+def test_sigkilled_workers_memory_goes_with_its_detach(workdir: Path) -> None:
     before = set(os.listdir("/dev/shm"))
     d = vs.spawn_daemon(workdir, "node")
     procs: list[subprocess.Popen[str]] = []
@@ -111,21 +101,20 @@ def test_sigkilled_worker_leaves_no_shm(workdir: Path) -> None:
         d.wait_ready()
         w, name = start_worker(d.sock, "engine-kill")
         procs.append(w)
-        assert name in owned() and attached(d, "engine-kill")
-        managers = shm_managers(w.pid)
-        sigkill_group(w)
-        assert vs.wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in managers), 30)
-        assert vs.wait_for(lambda: name not in owned(), 30), f"{name} still in /dev/shm:\n{d.logs()[-3000:]}"
+        assert attached(d, "engine-kill") and maps(d.proc.pid, name)  # the daemon maps what it was handed
+        assert ours(before) == set()  # and there is no name for it in /dev/shm
+        sigkill(w)
         assert vs.wait_for(lambda: not attached(d, "engine-kill"), 30)
+        assert vs.wait_for(lambda: not maps(d.proc.pid, name), 30), d.logs()[-3000:]  # last mapping gone
     finally:
         for p in procs:
             if p.poll() is None:
-                sigkill_group(p)
+                sigkill(p)
         assert d.stop() == 0
-    assert ours(before, procs) == set()
+    assert ours(before) == set()
 
 
-def test_restarted_daemon_reattaches_a_live_worker_then_cleans_up(workdir: Path) -> None:
+def test_restarted_daemon_reattaches_a_live_worker_with_its_memfd(workdir: Path) -> None:
     before = set(os.listdir("/dev/shm"))
     d = vs.spawn_daemon(workdir, "node")
     procs: list[subprocess.Popen[str]] = []
@@ -137,18 +126,15 @@ def test_restarted_daemon_reattaches_a_live_worker_then_cleans_up(workdir: Path)
         d.start()
         d.wait_ready()
         assert vs.wait_for(lambda: attached(d, "engine-restart"), 60), d.logs()[-3000:]
-        assert name in owned()  # the restarted daemon's start did not take a live worker's memory
-        # Both die at once: nobody is left to clean up ...
+        assert maps(d.proc.pid, name)  # the worker handed its descriptor to the new daemon
         d.kill()
-        sigkill_group(w)
-        assert name in owned()
-        # ... until a daemon starts on this node again.
+        sigkill(w)
         d.start()
         d.wait_ready()
-        assert name not in owned()
+        assert not maps(d.proc.pid, name)
     finally:
         for p in procs:
             if p.poll() is None:
-                sigkill_group(p)
+                sigkill(p)
         assert d.stop() == 0
-    assert ours(before, procs) == set()
+    assert ours(before) == set()

@@ -11,6 +11,7 @@ the module is skipped; the clean-venv install check runs in the vLLM run only, s
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -32,7 +33,8 @@ pytest.importorskip("vllm.distributed", reason="needs vLLM 0.33.0: run with the 
 import torch
 import vllm_support as vs
 from engine_support import POISON, Engine, step_until_moved
-from kvpushd_client.vllm.layout import describe_kv_caches
+from kvpushd_client import MemfdMemory
+from kvpushd_client.vllm.layout import describe_kv_caches, owned_memfd_names
 from kvpushd_client.vllm.metadata import (
     COMPAT_HASH,
     COMPAT_HASH_KEY,
@@ -236,7 +238,7 @@ def test_kv_layout_is_vllms_cpu_layout(engines: tuple[Engine, Engine]) -> None:
     assert t0.shape == (48, 2, 32, 128)  # [blocks, kv heads, block size, K|V of head size 64]
     memory, regions = describe_kv_caches(pe.kv, 48)
     page = 2 * 32 * 128 * 4
-    assert len(memory) == 1 and memory[0].name.startswith("kvpushd-kv-")  # moved into the connector's own shm
+    assert len(memory) == 1 and owned_memfd_names(memory)[0].startswith("kvpushd-kv-")  # moved to a memfd
     assert [(r.num_blocks, r.block_len, r.block_stride) for r in regions] == [(48, page, page)] * len(names)
     assert regions[1].offset - regions[0].offset == 48 * page  # layer-compact: layer 1 after layer 0
 
@@ -274,7 +276,8 @@ def test_private_host_kv_is_refused_unless_moved() -> None:
         describe_kv_caches(kv, 4)
     view = kv["l.0"][1:3]
     memory, regions = describe_kv_caches(kv, 4, host_kv_to_shm=True)
-    assert memory[0].name.startswith("kvpushd-kv-") and os.path.exists(f"/dev/shm/{memory[0].name}")
+    assert isinstance(memory[0], MemfdMemory) and fcntl.fcntl(memory[0].fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    assert owned_memfd_names(memory)[0].startswith("kvpushd-kv-")
     assert bool((view == 1).all()) and kv["l.0"].is_shared()  # moved in place: views still see the data
     assert regions[0].block_len == 2 * 16 * 8 * 4
 

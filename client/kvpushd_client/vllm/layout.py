@@ -1,13 +1,11 @@
 """A worker's KV cache as the daemon takes it: engine tensors -> memory handles + regions.
 
-Host KV must live in named POSIX shared memory the daemon can open; CUDA KV goes by IPC handle.
+Host KV goes as a sealed memfd (handed over by descriptor) or a named POSIX shared memory object the
+engine made; CUDA KV goes by IPC handle.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import fcntl
 import itertools
 import os
 import re
@@ -19,13 +17,14 @@ from typing import Any
 import torch
 
 from ..memory import cuda_memory
-from ..types import KVLayout, Memory, Region, ShmMemory
+from ..shm import sealed_memfd
+from ..types import KVLayout, MemfdMemory, Memory, Region, ShmMemory
 from .utils import logger
 
 MAX_REGIONS = 4096  # the daemon's limit per worker
-# Shared memory this connector made: the daemon removes such a name once no process holds its lock.
+# The memfds this connector made (their names show in /proc/<pid>/maps as "/memfd:kvpushd-kv-...").
 OWNED_SHM_PREFIX = "kvpushd-kv-"
-_owned: dict[str, int] = {}  # name -> the open fd whose shared flock says "this process still uses it"
+_owned: dict[str, int] = {}  # memfd name -> its descriptor
 
 
 def natural_key(name: str) -> list[Any]:
@@ -49,82 +48,78 @@ def _shm_location(ptr: int) -> tuple[str, int, int, int] | None:
     return None
 
 
-def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[ShmMemory, int]:
-    """The named /dev/shm object a host storage lives in, and the storage's offset in it.
+def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[MemfdMemory | ShmMemory, int]:
+    """The memory object a host storage lives in, and the storage's offset in it.
 
-    A storage already in a named /dev/shm file (made by the engine) is taken as it is. Otherwise
-    (private memory, or torch's ``share_memory_()``, which maps an already unlinked file the daemon
-    cannot open by name) it is moved into one this connector makes (``_move_to_owned_shm``); private
-    memory only when the operator asked for it.
+    A storage in a sealed memfd this connector made, or in a named /dev/shm file (made by the
+    engine), is taken as it is. Otherwise (private memory, or torch's ``share_memory_()``, which maps
+    an unlinked file nobody can hand over) it is moved into a sealed memfd (``_move_to_owned_memfd``);
+    private memory only when the operator asked for it.
     """
     loc = _shm_location(storage.data_ptr())
-    named = loc is not None and loc[0].startswith("/dev/shm/") and not loc[0].endswith(" (deleted)")
-    if not named:
+    if loc is None or (_owned_memfd(loc[0]) is None and (not loc[0].startswith("/dev/shm/")
+                                                          or loc[0].endswith(" (deleted)"))):
         if not (storage.is_shared() or move_to_shm):
             raise RuntimeError(
-                f"kvpushd: {what} is in private host memory; the daemon can only reach host KV in POSIX "
-                "shared memory. Allocate it with tensor.share_memory_(), or set "
+                f"kvpushd: {what} is in private host memory; the daemon can only reach host KV in shared "
+                "memory. Allocate it with tensor.share_memory_(), or set "
                 '"kvpushd_host_kv_to_shm": true in kv_connector_extra_config to move it there at start.')
         if not storage.is_shared():
-            logger.warning("kvpushd: moving %s (%d bytes) into POSIX shared memory", what, storage.nbytes())
-        _move_to_owned_shm(storage)
+            logger.warning("kvpushd: moving %s (%d bytes) into shared memory", what, storage.nbytes())
+        _move_to_owned_memfd(storage)
         loc = _shm_location(storage.data_ptr())
-        if loc is None or not loc[0].startswith("/dev/shm/") or loc[0].endswith(" (deleted)"):
-            raise RuntimeError(f"kvpushd: {what} is not in a named /dev/shm object even after moving it")
-    assert loc is not None
+        if loc is None or _owned_memfd(loc[0]) is None:
+            raise RuntimeError(f"kvpushd: {what} is not in the connector's memfd even after moving it")
     path, offset, mapped, size = loc
     if mapped < storage.nbytes():
         raise RuntimeError(f"kvpushd: {what} spans more than one mapping of {path}")
+    fd = _owned_memfd(path)
+    if fd is not None:
+        return MemfdMemory(fd, os.fstat(fd).st_size), offset
     return ShmMemory(path[len("/dev/shm/"):], size), offset
 
 
-def _move_to_owned_shm(storage: Any) -> str:
-    """Move a host storage, in place, into /dev/shm/kvpushd-kv-<pid>-<hex>, held by a shared flock.
+def _owned_memfd(path: str) -> int | None:
+    """The descriptor of a memfd this connector made, by its path in /proc/self/maps."""
+    m = re.fullmatch(r"/memfd:(.*) \(deleted\)", path)
+    return _owned.get(m.group(1)) if m else None
 
-    One copy; the storage swaps its data pointer, so every tensor and view of it stays valid. Not
-    torch's ``_share_filename_cpu_``: nobody unlinks its /dev/shm/torch_* file when the worker is
-    SIGKILLed (vLLM's default shutdown) and its torch_shm_manager dies with it, so the whole KV cache
-    would stay behind. The lock lives exactly as long as some process holds this open file (the
-    worker; in any pid namespace): the daemon removes a kvpushd-kv-* name on detach, or at its start,
-    once it can take the lock exclusively, so the name outlives a daemon restart (a live worker
-    re-attaches by it) but not the worker. A clean exit removes it here (``release_owned_shm``).
+
+def _move_to_owned_memfd(storage: Any) -> int:
+    """Move a host storage, in place, into a new memfd sealed against shrinking and growing.
+
+    One copy; the storage swaps its data pointer, so every tensor and view of it stays valid. The
+    daemon gets the descriptor at every attach (kvpushd_client.shm.hand_over): no name to leave
+    behind in /dev/shm, whoever dies first, and nobody can truncate the memory under a WRITE (a
+    named object cut while the daemon copied into it killed the daemon with SIGBUS). The memory
+    goes with the last descriptor and mapping: this worker's and, until it detaches us, the daemon's.
     """
     import torch
 
     n = storage.nbytes()
-    for _ in range(8):
-        name = f"{OWNED_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        path = f"/dev/shm/{name}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o660)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            # A daemon's sweep may have taken the name between open and lock: then make another.
-            if os.fstat(fd).st_nlink == 0 or os.stat(path).st_ino != os.fstat(fd).st_ino:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, n)
-            shared = torch.UntypedStorage.from_file(path, True, n)
-            shared.copy_(storage)
-            storage._swap_data_ptr_(shared)  # `shared` now holds the private memory, freed with it
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
-        if not _owned:
-            atexit.register(release_owned_shm)
-        _owned[name] = fd
-        return path
-    raise RuntimeError("kvpushd: could not create a shared memory object for the KV cache")
+    name = f"{OWNED_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    fd = sealed_memfd(name, n)
+    try:
+        shared = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, n)
+        shared.copy_(storage)
+        storage._swap_data_ptr_(shared)  # `shared` now holds the private memory, freed with it
+    except BaseException:
+        os.close(fd)
+        raise
+    _owned[name] = fd
+    return fd
 
 
 def release_owned_shm(names: Iterable[str] | None = None) -> None:
-    """Unlink shared memory this process made (these names; None: all of them, at exit). Mappings stay valid."""
+    """Close the memfds this process made (these names; None: all of them). Mappings stay valid."""
     for name in list(_owned) if names is None else [n for n in names if n in _owned]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{name}")
         os.close(_owned.pop(name))
+
+
+def owned_memfd_names(memory: Iterable[Memory]) -> list[str]:
+    """The names of the connector's memfds among ``memory`` (what release_owned_shm takes)."""
+    fds = {m.fd for m in memory if isinstance(m, MemfdMemory)}
+    return [name for name, fd in _owned.items() if fd in fds]
 
 
 @dataclass(frozen=True)
@@ -274,7 +269,7 @@ def describe_kv_caches_owned(kv_caches: dict[str, Any], num_blocks: int, host_kv
             base = 0  # the daemon opens the storage itself: offsets count from its first byte
         elif t.device.type == "cpu":
             mem, base = _host_memory(storage, what, host_kv_to_shm)
-            key = ("shm", mem.name)
+            key = ("memfd", mem.fd) if isinstance(mem, MemfdMemory) else ("shm", mem.name)
             if key not in index:
                 index[key] = len(memory)
                 memory.append(mem)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from ..doorbell import Doorbell
 from ..reconnect import Call, ReconnectingStreamWorker
-from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role, ShmMemory
-from .layout import describe_kv_caches_owned, layer_specs, release_owned_shm
+from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role
+from .layout import describe_kv_caches_owned, layer_specs, owned_memfd_names, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .progress import Bell, LayerProgress, make_doorbell
 from .utils import Settings, logger
@@ -91,7 +91,7 @@ class KVPushdConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
                                                            self._specs)
-        self._shm_names = [m.name for m in memory if isinstance(m, ShmMemory)]
+        self._shm_names = owned_memfd_names(memory)
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
         if self.settings.progressive and self.role in (Role.PRODUCER, Role.BOTH):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvpushd_client import Region, SharedBuffer
+from kvpushd_client import Region, SealedBuffer
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def kv_slice(cfg: TinyConfig, tp_rank: int, tp_size: int) -> slice:
 class PagedKV:
     """One TP rank's KV cache: per layer K and V of shape [num_blocks, kv_heads/tp, block_size, head_dim].
 
-    ``memory`` is any writable buffer (an ``mmap`` of a ``SharedBuffer``, a ``bytearray``) of at least
+    ``memory`` is any writable buffer (an ``mmap`` of a ``SealedBuffer``, a ``bytearray``) of at least
     ``offset + PagedKV.nbytes_for(...)`` bytes; the tensors are views over it, so what kvpushd writes
     into that memory is what the model reads. Without ``memory`` the cache lives on the private heap
     (for monolithic runs). ``PagedKV.shared()`` creates the shared memory too and owns it.
@@ -117,7 +117,7 @@ class PagedKV:
         self.num_heads = self.heads.stop - self.heads.start
         self.offset = offset
         self.extra_regions = extra_regions
-        self.shm: SharedBuffer | None = None
+        self.shm: SealedBuffer | None = None
         n = self.nbytes_for(cfg, num_blocks, tp_size) // cfg.dtype_bytes  # the model's regions only
         if memory is None:
             if extra_regions:
@@ -138,8 +138,8 @@ class PagedKV:
     @classmethod
     def shared(cls, cfg: TinyConfig, num_blocks: int, prefix: str, tp_rank: int = 0, tp_size: int = 1,
                extra_regions: int = 0) -> PagedKV:
-        """A cache over a new ``SharedBuffer`` (``/dev/shm``) that ``close()`` unlinks."""
-        shm = SharedBuffer.create(prefix, cls.nbytes_for(cfg, num_blocks, tp_size, extra_regions))
+        """A cache over a new ``SealedBuffer`` (a sealed memfd, handed to the daemon by descriptor)."""
+        shm = SealedBuffer.create(prefix, cls.nbytes_for(cfg, num_blocks, tp_size, extra_regions))
         torch.frombuffer(shm.mmap, dtype=torch.uint8).zero_()  # every page resident, as vLLM's torch.zeros KV
         kv = cls(cfg, num_blocks, shm.mmap, 0, tp_rank, tp_size, extra_regions)
         kv.shm = shm
