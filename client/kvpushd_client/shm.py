@@ -65,10 +65,10 @@ class SealedBuffer:
     """A sealed memfd, mapped read-write. ``close()`` unmaps it and closes the descriptor; the memory
     goes with the last mapping (the daemon's lasts until the worker detaches)."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, fd: int | None = None) -> None:
         self.name = name
         self.size = size
-        self.fd = sealed_memfd(name, size)
+        self.fd = sealed_memfd(name, size) if fd is None else fd
         try:
             self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -78,6 +78,16 @@ class SealedBuffer:
     @classmethod
     def create(cls, prefix: str, size: int) -> SealedBuffer:
         return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}", size)
+
+    @classmethod
+    def open(cls, path: str, size: int) -> SealedBuffer:
+        """Another process's memfd, by its ``path`` there (a tool or test of the same user)."""
+        return cls(path, size, os.open(path, os.O_RDWR | os.O_CLOEXEC))
+
+    @property
+    def path(self) -> str:
+        """A path by which other processes of this user may open it while this process lives."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     @property
     def memory(self) -> MemfdMemory:

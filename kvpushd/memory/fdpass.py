@@ -62,7 +62,7 @@ class FdInbox:
         """Park every descriptor the socket holds now."""
         while True:
             try:
-                msg, fds, flags, _ = socket.recv_fds(self._sock, TOKEN_BYTES + 1, _MAX_FDS)
+                msg, fds, flags, _ = socket.recv_fds(self._sock, TOKEN_BYTES + 1, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:  # e.g. EMFILE: the kernel keeps nothing it could not hand over

@@ -308,7 +308,7 @@ class Workers:
                 if not w.session_open and not w.gone and now - w.attached_at > grace]
 
 
-def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = True
+def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = False
              ) -> list[Mapping]:
     """Open every handle, or none (closing what was opened when one fails); ``fds``: the memfds'
     descriptors by token, each closed here whatever happens."""

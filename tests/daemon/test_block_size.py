@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, Region, Role, SharedBuffer
+from kvpushd_client import CompletionKind, Region, Role, SealedBuffer
 from support import POISON, wait_for
 
 R, E, HEADS = 3, 8, 4  # regions, bytes per head and token, KV heads of the whole model
@@ -21,7 +21,7 @@ R, E, HEADS = 3, 8, 4  # regions, bytes per head and token, KV heads of the whol
 class Cache:
     """One rank's KV: ``arr[region, block, head, token, byte]`` (HND) in one shm object."""
 
-    buf: SharedBuffer
+    buf: SealedBuffer
     num_blocks: int
     heads: int
     bs: int
@@ -51,7 +51,7 @@ class Cache:
 
 
 def cache(name: str, num_blocks: int, heads: int, bs: int, fill: str, seed: int = 0, replicated: bool = False) -> Cache:
-    buf = SharedBuffer.create(name, R * num_blocks * heads * bs * E)
+    buf = SealedBuffer.create(name, R * num_blocks * heads * bs * E)
     c = Cache(buf, num_blocks, heads, bs, replicated)
     if fill == "random":
         c.arr[:] = np.random.default_rng(seed).integers(0, 256, c.arr.shape, dtype=np.uint8)

@@ -153,10 +153,10 @@ def test_a_stalled_peer_is_bounded(monkeypatch, workdir, end: str) -> None:  # t
 
 _WORKER = """
 import json, sys, time
-from kvpushd_client import KVPushClient, Region, Role, ShmMemory
+from kvpushd_client import KVPushClient, MemfdMemory, Region, Role
 a = json.loads(sys.argv[1])
 c = KVPushClient(a["sock"])
-w = c.attach("prefill", Role.PRODUCER, 0, 1, [ShmMemory(a["shm"], a["size"])],
+w = c.attach("prefill", Role.PRODUCER, 0, 1, [MemfdMemory(a["fd"], a["size"])],
              [Region(0, i * a["nb"] * a["bl"], a["nb"], a["bl"]) for i in range(a["regions"])])
 print("attached", flush=True)
 sys.stdin.readline()
@@ -180,10 +180,10 @@ def test_sigkill_of_the_prefill_worker_mid_write(monkeypatch, workdir, kv_pair) 
     worker = None
     try:
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        args = {"sock": p.sock, "shm": src.buf.name, "size": src.buf.size, "nb": src.num_blocks, "bl": src.block_len,
+        args = {"sock": p.sock, "fd": src.buf.fd, "size": src.buf.size, "nb": src.num_blocks, "bl": src.block_len,
                 "regions": src.regions, "tid": "killed", "blocks": [7, 8]}
         worker = subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(args)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE)
+                                  stdout=subprocess.PIPE, pass_fds=[src.buf.fd])
         assert worker.stdout is not None and worker.stdin is not None
         assert worker.stdout.readline().strip() == b"attached"
         dw.expect("killed", [1, 2], p.peer_address, "prefill", 1)

@@ -164,10 +164,10 @@ def test_sigterm_releases_everything(workdir, kv_pair) -> None:
 
 WORKER_SCRIPT = r"""
 import sys, time
-from kvpushd_client import KVPushClient, Region, Role, ShmMemory
-sock, name, size, peer = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+from kvpushd_client import KVPushClient, MemfdMemory, Region, Role
+sock, fd, size, peer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 c = KVPushClient(sock)
-w = c.attach("decode", Role.CONSUMER, 0, 1, [ShmMemory(name, size)], [Region(0, 0, 64, 4096)])
+w = c.attach("decode", Role.CONSUMER, 0, 1, [MemfdMemory(fd, size)], [Region(0, 0, 64, 4096)])
 w.expect("orphan", [1, 2], peer, "prefill", 1)
 print("ready", flush=True)
 time.sleep(600)
@@ -182,8 +182,8 @@ def test_killed_worker_is_detached_and_its_transfers_end(daemon_pair, kv_pair) -
     p, d = daemon_pair
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, d.sock, dst.buf.name, str(dst.buf.size),
-                             p.peer_address], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, d.sock, str(dst.buf.fd), str(dst.buf.size),
+                             p.peer_address], stdout=subprocess.PIPE, text=True, pass_fds=[dst.buf.fd])
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         assert wait_for(lambda: any(t.transfer_id == "orphan" for t in p.client.status().transfers))

@@ -110,15 +110,15 @@ def test_killed_prefill_worker_fails_the_decode_side(fast_pair, kv_pair) -> None
     src, dst = kv_pair
     script = (
         "import sys,time\n"
-        "from kvpushd_client import KVPushClient, Region, Role, ShmMemory\n"
+        "from kvpushd_client import KVPushClient, MemfdMemory, Region, Role\n"
         "c = KVPushClient(sys.argv[1])\n"
-        "w = c.attach('prefill', Role.PRODUCER, 0, 1, [ShmMemory(sys.argv[2], int(sys.argv[3]))],"
+        "w = c.attach('prefill', Role.PRODUCER, 0, 1, [MemfdMemory(int(sys.argv[2]), int(sys.argv[3]))],"
         " [Region(0, i * 64 * 4096, 64, 4096) for i in range(4)])\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script, p.sock, src.buf.name, str(src.buf.size)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, p.sock, str(src.buf.fd), str(src.buf.size)],
+                            stdout=subprocess.PIPE, text=True, pass_fds=[src.buf.fd])
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory],

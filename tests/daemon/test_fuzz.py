@@ -89,6 +89,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvpushd_client import Completion, CompletionKind, Role, _convert
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2, worker_pb2_grpc
+from kvpushd_client.shm import hand_over
 from support import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
 
 from kvpushd import PROTOCOL_VERSION
@@ -1224,7 +1225,10 @@ class Fuzz:
 
         @st.composite
         def handles(draw: st.DrawFn) -> common_pb2.MemoryHandle:
-            kind = draw(st.sampled_from(["shm"] * 10 + ["cuda", "none"]))
+            kind = draw(st.sampled_from(["memfd"] * 10 + ["shm", "cuda", "none"]))
+            if kind == "memfd":  # FRESH: the attach memory's descriptor, handed over just before the call
+                token = draw(mostly(FRESH, st.one_of(st.sampled_from([b"", b"\0" * 16]), st.binary(max_size=40)), 6))
+                return common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=draw(shm_sizes)))
             if kind == "shm":
                 return common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=draw(shm_names), size=draw(shm_sizes)))
             if kind == "cuda":  # size 0 or no handle: refused before the daemon imports torch
@@ -1266,6 +1270,10 @@ class Fuzz:
                 description=data.draw(st.one_of(TEXT, st.just("d" * 100_000))))
             if self.out_of_time("attach"):
                 return
+            fresh = [h.memfd for h in req.memory if h.WhichOneof("kind") == "memfd" and h.memfd.token == FRESH]
+            sock = (self.p if daemon == "p" else self.d).sock
+            for h, token in zip(fresh, hand_over(sock, [kv.buf.memory] * len(fresh)).values(), strict=True):
+                h.token = token
             code, _, resp = self.call("attach", daemon, "local", WORKER_SVC, "Attach", req)
             if code is grpc.StatusCode.OK:
                 wid = worker_pb2.AttachResponse.FromString(resp or b"").worker_id
@@ -1343,6 +1351,8 @@ def guard_memory(pid: int) -> None:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.prlimit(pid, resource.RLIMIT_AS, (vm + GUARD_BYTES, vm + GUARD_BYTES))
 
+
+FRESH = b"fresh"  # a memfd handle whose token the attach fuzz replaces with a real one
 
 BUG_LINES = re.compile(r"unexpected error in RPC|background task failed|tick failed|transfer thread command failed|"
                        r"transfer thread poll failed|Task exception was never retrieved|Exception in callback|"

@@ -18,11 +18,11 @@ import pytest
 from kvpushd_client import CompletionKind, KVPushError, MemfdMemory, Region, Role, _convert
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
-from kvpushd_lab import launch
 from support import POISON, attach_pair, make_kv, wait_for
 
 from kvpushd.memory import fdpass
 
+NAMED = {"worker_api": {"named_shm": True}}
 TCP = "[transfer]\npublish_timeout_s = 10.0\nexpect_timeout_s = 10.0\nwrite_timeout_s = 3.0\n"
 
 
@@ -48,7 +48,7 @@ def test_a_named_object_cut_under_a_write_killed_the_daemon_and_a_sealed_one_can
         daemon_factory, tcp) -> None:  # type: ignore[no-untyped-def]
     """Both halves on one pair of daemons: the hazard, then the memfd that removes it."""
     p, d = daemon_factory.pair(TCP)
-    src, dst = make_kv("mf-src", sealed=True), make_kv("mf-dst", fill="poison", sealed=True)
+    src, dst = make_kv("mf-src"), make_kv("mf-dst", fill="poison")
     try:
         pw, dw = attach_pair(p, d, src, dst)
         with pytest.raises(PermissionError):  # F_SEAL_SHRINK: nobody may cut it, by any path
@@ -65,10 +65,11 @@ def test_a_named_object_cut_under_a_write_killed_the_daemon_and_a_sealed_one_can
     finally:
         src.close()
         dst.close()
-    # the same with a named object, cut by its worker: the decode daemon dies (this is why)
-    nsrc, ndst = make_kv("mf-nsrc"), make_kv("mf-ndst", fill="poison")
+    # the same with a named object, cut by its worker: the decode daemon dies (why they are refused
+    # unless worker_api.named_shm says otherwise)
+    nsrc, ndst = make_kv("mf-nsrc"), make_kv("mf-ndst", fill="poison", sealed=False)
     try:
-        d2 = daemon_factory("dnode2", TCP)
+        d2 = daemon_factory("dnode2", TCP, settings=NAMED)
         pw2 = p.client.attach("prefill2", Role.PRODUCER, 0, 1, [nsrc.buf.memory], nsrc.region_list)
         dw2 = d2.client.attach("decode2", Role.CONSUMER, 0, 1, [ndst.buf.memory], ndst.region_list)
         os.truncate(f"/dev/shm/{ndst.buf.name}", 0)
@@ -83,13 +84,12 @@ def test_a_named_object_cut_under_a_write_killed_the_daemon_and_a_sealed_one_can
     daemon_factory.close(check=(p, d))
 
 
-def test_what_the_daemon_refuses(daemon_factory, workdir) -> None:  # type: ignore[no-untyped-def]
-    d = launch.start(workdir, "dnode", settings={"worker_api": {"named_shm": False}}, timeout_s=120)
-    daemon_factory.started.append(d)  # stopped with the others
+def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("dnode")  # named_shm = false: the default
     c = d.client
     regs = [Region(0, 0, 16, 4096)]
     size = 16 * 4096
-    named = make_kv("mf-named", regions=1, num_blocks=16)
+    named = make_kv("mf-named", regions=1, num_blocks=16, sealed=False)
     bare = os.memfd_create("mf-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(bare, size)
     good = sealed_memfd("mf-good", size)
@@ -146,7 +146,7 @@ def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors(daemon_factory) ->
         assert wait_for(lambda: _open_fds(d.proc.pid) <= base + fdpass.MAX_PARKED, timeout=10)
         assert _open_fds(d.proc.pid) >= base  # (the parked ones are held until their TTL)
         # a worker attaching now is unharmed
-        kv = make_kv("mf-after", regions=1, num_blocks=16, sealed=True)
+        kv = make_kv("mf-after", regions=1, num_blocks=16)
         try:
             w = d.client.attach("e", Role.CONSUMER, 0, 1, [kv.buf.memory], kv.region_list)
             w.detach()

@@ -34,14 +34,16 @@ pytestmark = pytest.mark.skipif(not _kernel_populates(), reason="the kernel has 
 
 
 def _rss(pid: int | str, name: str, addr: int | None = None) -> int:
-    """Bytes of /dev/shm/<name> (the mapping at ``addr`` only, if given) in the page tables of ``pid``."""
+    """Bytes of /dev/shm/<name> or of the memfd <name> (the mapping at ``addr`` only, if given) in the
+    page tables of ``pid``."""
     total, inside = 0, False
     with open(f"/proc/{pid}/smaps") as f:
         for ln in f:
             head = ln.split(maxsplit=5)
             if head and "-" in head[0] and ":" not in head[0]:
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
-                inside = len(head) == 6 and head[5].strip().endswith(f"/dev/shm/{name}") and (
+                path = head[5].strip() if len(head) == 6 else ""
+                inside = (path.endswith(f"/dev/shm/{name}") or path == f"/memfd:{name} (deleted)") and (
                     addr is None or lo <= addr < hi)
             elif inside and head[0] == "Rss:":
                 total += int(head[1]) * 1024

@@ -98,10 +98,10 @@ def test_first_batch_must_name_an_attached_worker(daemon_pair) -> None:  # type:
 
 _DYING = """
 import json, os, signal, sys
-from kvpushd_client import KVPushClient, Region, Role, ShmMemory
+from kvpushd_client import KVPushClient, MemfdMemory, Region, Role
 a = json.loads(sys.argv[1])
 c = KVPushClient(a["sock"])
-w = c.attach("decode", Role.CONSUMER, 0, 1, [ShmMemory(a["shm"], a["size"])],
+w = c.attach("decode", Role.CONSUMER, 0, 1, [MemfdMemory(a["fd"], a["size"])],
                     [Region(0, i * a["nb"] * a["bl"], a["nb"], a["bl"]) for i in range(a["regions"])])
 for i in range(16):
     w.expect_nowait(f"d{i}", [i], a["peer"], "prefill", 1)
@@ -115,9 +115,9 @@ def test_a_worker_that_dies_mid_batch_is_released(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
-    args = {"sock": d.sock, "shm": dst.buf.name, "size": dst.buf.size, "nb": dst.num_blocks, "bl": dst.block_len,
+    args = {"sock": d.sock, "fd": dst.buf.fd, "size": dst.buf.size, "nb": dst.num_blocks, "bl": dst.block_len,
             "regions": dst.regions, "peer": p.peer_address}
-    proc = subprocess.run([sys.executable, "-c", _DYING, json.dumps(args)], timeout=60)
+    proc = subprocess.run([sys.executable, "-c", _DYING, json.dumps(args)], timeout=60, pass_fds=[dst.buf.fd])
     assert proc.returncode == -9
     # the decode daemon detaches it and withdraws its 16 registrations; the prefill daemon lets go
     assert wait_for(lambda: not [w for w in d.client.status().workers if w.engine_id == "decode"], 30)

@@ -56,8 +56,9 @@ class KV:
 
 
 def make_kv(prefix: str, regions: int = 4, num_blocks: int = 64, block_len: int = 4096, fill: str = "random",
-            seed: int = 0, sealed: bool = False) -> KV:
-    """``sealed``: in a sealed memfd (handed over by descriptor), else a /dev/shm name."""
+            seed: int = 0, sealed: bool = True) -> KV:
+    """``sealed``: in a sealed memfd (handed over by descriptor), else a /dev/shm name (which a daemon
+    takes only with ``worker_api.named_shm``)."""
     size = regions * num_blocks * block_len
     buf = SealedBuffer.create(prefix, size) if sealed else SharedBuffer.create(prefix, size)
     kv = KV(buf, regions, num_blocks, block_len)

@@ -12,11 +12,13 @@ from kvpushd_lab import launch
 DaemonProc = launch.Daemon
 
 
-def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str = "127.0.0.1:0") -> DaemonProc:
-    """A ready daemon: node ``name``, worker socket ``<workdir>/<name>.sock``, ``extra_config`` (TOML) appended."""
+def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str = "127.0.0.1:0",
+                 settings: launch.Settings | None = None) -> DaemonProc:
+    """A ready daemon: node ``name``, worker socket ``<workdir>/<name>.sock``, ``settings`` (section ->
+    key -> value), ``extra_config`` (TOML) appended."""
     try:
         return launch.start(workdir, name, listen=listen, advertise_host="127.0.0.1", extra_config=extra_config,
-                            timeout_s=120)  # a loaded machine: imports alone can take a minute
+                            settings=settings, timeout_s=120)  # a loaded machine: imports alone can take a minute
     except launch.DaemonStartError as e:
         raise RuntimeError(str(e)) from None
 
@@ -29,15 +31,16 @@ class DaemonFactory:
         self.workdir = workdir
         self.started: list[DaemonProc] = []
 
-    def __call__(self, name: str, extra_config: str = "", listen: str = "127.0.0.1:0") -> DaemonProc:
-        d = start_daemon(self.workdir, name, extra_config, listen)
+    def __call__(self, name: str, extra_config: str = "", listen: str = "127.0.0.1:0",
+                 settings: launch.Settings | None = None) -> DaemonProc:
+        d = start_daemon(self.workdir, name, extra_config, listen, settings)
         self.started.append(d)
         return d
 
-    def pair(self, extra_config: str = "",
-             names: tuple[str, str] = ("pnode", "dnode")) -> tuple[DaemonProc, DaemonProc]:
+    def pair(self, extra_config: str = "", names: tuple[str, str] = ("pnode", "dnode"),
+             settings: launch.Settings | None = None) -> tuple[DaemonProc, DaemonProc]:
         """A prefill-node daemon and a decode-node daemon with the same settings."""
-        return self(names[0], extra_config), self(names[1], extra_config)
+        return self(names[0], extra_config, settings=settings), self(names[1], extra_config, settings=settings)
 
     def close(self, check: Iterable[DaemonProc] = ()) -> None:
         """Close every client, SIGTERM every daemon still running and wait; each daemon in ``check``

@@ -1,7 +1,6 @@
 """A worker's KV cache as the daemon takes it: engine tensors -> memory handles + regions.
 
-Host KV goes as a sealed memfd (handed over by descriptor) or a named POSIX shared memory object the
-engine made; CUDA KV goes by IPC handle.
+Host KV goes as a sealed memfd, handed over by descriptor; CUDA KV goes by IPC handle.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 
 from ..memory import cuda_memory
 from ..shm import sealed_memfd
-from ..types import KVLayout, MemfdMemory, Memory, Region, ShmMemory
+from ..types import KVLayout, MemfdMemory, Memory, Region
 from .utils import logger
 
 MAX_REGIONS = 4096  # the daemon's limit per worker
@@ -32,8 +31,8 @@ def natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _shm_location(ptr: int) -> tuple[str, int, int, int] | None:
-    """(path, offset of ptr in the file, bytes mapped from ptr on, file size) of a file mapping."""
+def _shm_location(ptr: int) -> tuple[str, int, int] | None:
+    """(path, offset of ptr in the file, bytes mapped from ptr on) of a file mapping."""
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
@@ -43,22 +42,19 @@ def _shm_location(ptr: int) -> tuple[str, int, int, int] | None:
                 path = parts[5].rstrip("\n") if len(parts) > 5 else ""
                 if not path.startswith("/"):
                     return None
-                size = os.stat(path).st_size if not path.endswith(" (deleted)") else 0
-                return path, ptr - lo + int(parts[2], 16), hi - ptr, size
+                return path, ptr - lo + int(parts[2], 16), hi - ptr
     return None
 
 
-def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[MemfdMemory | ShmMemory, int]:
-    """The memory object a host storage lives in, and the storage's offset in it.
+def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[MemfdMemory, int]:
+    """The sealed memfd a host storage lives in, and the storage's offset in it.
 
-    A storage in a sealed memfd this connector made, or in a named /dev/shm file (made by the
-    engine), is taken as it is. Otherwise (private memory, or torch's ``share_memory_()``, which maps
-    an unlinked file nobody can hand over) it is moved into a sealed memfd (``_move_to_owned_memfd``);
-    private memory only when the operator asked for it.
+    A storage in a memfd this connector made is taken as it is. Any other (private memory, torch's
+    ``share_memory_()``, a /dev/shm file, none of which the worker can hand over safely) is moved into
+    one (``_move_to_owned_memfd``); private memory only when the operator asked for it.
     """
     loc = _shm_location(storage.data_ptr())
-    if loc is None or (_owned_memfd(loc[0]) is None and (not loc[0].startswith("/dev/shm/")
-                                                          or loc[0].endswith(" (deleted)"))):
+    if loc is None or _owned_memfd(loc[0]) is None:
         if not (storage.is_shared() or move_to_shm):
             raise RuntimeError(
                 f"kvpushd: {what} is in private host memory; the daemon can only reach host KV in shared "
@@ -70,13 +66,12 @@ def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[MemfdMemor
         loc = _shm_location(storage.data_ptr())
         if loc is None or _owned_memfd(loc[0]) is None:
             raise RuntimeError(f"kvpushd: {what} is not in the connector's memfd even after moving it")
-    path, offset, mapped, size = loc
+    path, offset, mapped = loc
     if mapped < storage.nbytes():
         raise RuntimeError(f"kvpushd: {what} spans more than one mapping of {path}")
     fd = _owned_memfd(path)
-    if fd is not None:
-        return MemfdMemory(fd, os.fstat(fd).st_size), offset
-    return ShmMemory(path[len("/dev/shm/"):], size), offset
+    assert fd is not None
+    return MemfdMemory(fd, os.fstat(fd).st_size), offset
 
 
 def _owned_memfd(path: str) -> int | None:
@@ -269,7 +264,7 @@ def describe_kv_caches_owned(kv_caches: dict[str, Any], num_blocks: int, host_kv
             base = 0  # the daemon opens the storage itself: offsets count from its first byte
         elif t.device.type == "cpu":
             mem, base = _host_memory(storage, what, host_kv_to_shm)
-            key = ("memfd", mem.fd) if isinstance(mem, MemfdMemory) else ("shm", mem.name)
+            key = ("memfd", mem.fd)
             if key not in index:
                 index[key] = len(memory)
                 memory.append(mem)

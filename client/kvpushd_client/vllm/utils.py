@@ -60,7 +60,7 @@ class Settings:
     connect_timeout_s: float = 30.0   # register_kv_caches waits this long for the daemon
     rpc_timeout_s: float = 10.0
     reconnect_interval_s: float = 0.5
-    host_kv_to_shm: bool = False      # move private host KV into POSIX shm at start (one copy)
+    host_kv_to_shm: bool = False      # move private host KV into a sealed memfd at start (one copy)
     peer_address: str | None = None   # what prefill advertises as remote_host:remote_port
     progressive: bool = True          # declare a prefill's publish in the step that computes it (progress.py)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import Region, SharedBuffer
+from kvpushd_client import Region, SealedBuffer
 
 from .. import launch
 
@@ -79,11 +79,11 @@ class Layout:
 
 
 class KVMemory:
-    """A worker's KV memory in /dev/shm, viewed as (regions, blocks, block_len) bytes."""
+    """A worker's KV memory in a sealed memfd, viewed as (regions, blocks, block_len) bytes."""
 
     def __init__(self, prefix: str, layout: Layout, fill: int | None = None, seed: int = 0) -> None:
         self.layout = layout
-        self.buf = SharedBuffer.create(prefix, layout.total_bytes)
+        self.buf = SealedBuffer.create(prefix, layout.total_bytes)
         self.arr: npt.NDArray[np.uint8] = np.frombuffer(self.buf.mmap, dtype=np.uint8).reshape(
             layout.regions, layout.num_blocks, layout.block_len)
         if fill is None:  # random-ish bytes, cheaply: one random block repeated, salted per block and region;
@@ -98,7 +98,8 @@ class KVMemory:
 
     @property
     def name(self) -> str:
-        return self.buf.name
+        """The path by which a child process opens it (SealedBuffer.open)."""
+        return self.buf.path
 
     def close(self) -> None:
         del self.arr

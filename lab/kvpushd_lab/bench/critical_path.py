@@ -85,7 +85,7 @@ def _fine_timer_slack() -> None:
 def _watch_main(shm_name: str, size: int, first: list[int], last: list[int], sleep_us: float,
                 conn: Connection) -> None:
     """Watch the sentinel bytes; report when the first one and when all last ones changed."""
-    from kvpushd_client import SharedBuffer
+    from kvpushd_client import SealedBuffer
 
     _fine_timer_slack()
     realtime = False
@@ -97,7 +97,7 @@ def _watch_main(shm_name: str, size: int, first: list[int], last: list[int], sle
             os.nice(-10)
     conn.send(("ready", realtime))
     nap = sleep_us * 1e-6
-    buf = SharedBuffer(shm_name, size, create=False)
+    buf = SealedBuffer.open(shm_name, size)
     arr = np.frombuffer(buf.mmap, dtype=np.uint8)
     f = np.asarray(first, dtype=np.int64)
     la = np.asarray(last, dtype=np.int64)
@@ -122,7 +122,7 @@ def _watch_main(shm_name: str, size: int, first: list[int], last: list[int], sle
                 time.sleep(nap)
         conn.send((t_first, t_last))
     del arr
-    buf.close(unlink=False)
+    buf.close()
 
 
 def run(args: argparse.Namespace, workdir: Path) -> Result:

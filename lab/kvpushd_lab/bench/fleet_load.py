@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import CompletionKind, Region, Role, SharedBuffer
+from kvpushd_client import CompletionKind, Region, Role, SealedBuffer
 from kvpushd_client.reconnect import Call, LinkEvent, ReconnectingStreamWorker
 
 from .common import POISON
@@ -64,7 +64,7 @@ class Worker:
         self.node, self.rank = node, rank
         blen = node.block_len // node.tp
         size = node.regions * node.num_blocks * blen
-        self.buf = SharedBuffer.create(f"kvpushd-fleet-{node.name}-r{rank}", size)
+        self.buf = SealedBuffer.create(f"kvpushd-fleet-{node.name}-r{rank}", size)
         self.arr: npt.NDArray[np.uint8] = np.frombuffer(self.buf.mmap, dtype=np.uint8).reshape(
             node.regions, node.num_blocks, blen)
         if node.role == "prefill":

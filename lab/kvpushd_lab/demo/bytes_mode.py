@@ -23,9 +23,9 @@ from .options import POISON, Layout
 
 def _worker_main(role: str, sock: str, layout: Layout, seed: int, conn: Connection) -> None:
     """A stand-in engine worker: owns its KV memory, talks to its daemon via the client library."""
-    from kvpushd_client import KVPushClient, Region, Role, SharedBuffer
+    from kvpushd_client import KVPushClient, Region, Role, SealedBuffer
 
-    buf = SharedBuffer.create(f"kvpushd-demo-{role}", layout.total_bytes)
+    buf = SealedBuffer.create(f"kvpushd-demo-{role}", layout.total_bytes)
     arr = np.frombuffer(buf.mmap, dtype=np.uint8)
     if role == "prefill":
         arr[:] = np.random.default_rng(seed).integers(0, 256, arr.size, dtype=np.uint8)
@@ -38,7 +38,7 @@ def _worker_main(role: str, sock: str, layout: Layout, seed: int, conn: Connecti
     w = client.attach(f"demo-{role}", Role.PRODUCER if role == "prefill" else Role.CONSUMER, 0, 1,
                       [buf.memory], regions, description=f"kvpushd demo {role} pid {os.getpid()}")
     lock = threading.Lock()
-    conn.send(("ready", buf.name, w.peer_address))
+    conn.send(("ready", buf.path, w.peer_address))
 
     def pump() -> None:
         while True:
@@ -122,7 +122,7 @@ class _Demo:
         return self.daemons[-1].sock
 
     def run(self) -> dict[str, Any]:
-        from kvpushd_client import SharedBuffer
+        from kvpushd_client import SealedBuffer
 
         a = self.args
         lay = self.layout
@@ -147,8 +147,8 @@ class _Demo:
             msg = c.recv()
             info[role] = msg
         p_addr = info["prefill"][2]
-        src_buf = SharedBuffer(info["prefill"][1], lay.total_bytes, create=False)
-        dst_buf = SharedBuffer(info["decode"][1], lay.total_bytes, create=False)
+        src_buf = SealedBuffer.open(info["prefill"][1], lay.total_bytes)
+        dst_buf = SealedBuffer.open(info["decode"][1], lay.total_bytes)
         src = np.frombuffer(src_buf.mmap, dtype=np.uint8).reshape(lay.regions, lay.num_blocks, lay.block_len)
         dst = np.frombuffer(dst_buf.mmap, dtype=np.uint8).reshape(lay.regions, lay.num_blocks, lay.block_len)
         send_lock = threading.Lock()
@@ -245,8 +245,8 @@ class _Demo:
             send(role, ("stop",))
         for pr in procs:
             pr.join(30)
-        src_buf.close(unlink=False)  # the workers unlink; views into the maps die with this process
-        dst_buf.close(unlink=False)
+        src_buf.close()  # views into the maps die with this process
+        dst_buf.close()
         lat.sort()
 
         def pct(q: float) -> float | None:
