@@ -1399,8 +1399,9 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
     try:
         def raw(x: DaemonProc, engine: str, role: Role, kv: KV) -> RawWorker:
             chan = grpc.insecure_channel(f"unix:{x.sock}", options=OPTS)
-            return RawWorker(chan, _convert.attach_request(engine, role, 0, 1, [kv.buf.memory], kv.region_list, 0,
-                                                           "fuzz worker"))
+            mem = [kv.buf.memory]
+            return RawWorker(chan, _convert.attach_request(engine, role, 0, 1, mem, kv.region_list, 0,
+                                                           "fuzz worker", hand_over(x.sock, mem)))
 
         fuzzp, fuzzd, fuzzc = (raw(p, "fuzzp", Role.PRODUCER, fsrc), raw(d, "fuzzd", Role.CONSUMER, fdst),
                                raw(d, "fuzzc", Role.CONSUMER, fcap))

@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Role, _convert
+from kvpushd_client.shm import hand_over
 from support import POISON, attach_pair, layered_kv, wait_for
 
 REGIONS, LAYERS, BLOCKS = 8, 4, 64
@@ -199,9 +200,11 @@ def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type:
     pw.publish("b3", [1], step=1, layers=REGIONS)  # one region per group is fine
     assert pw.abort("b3")
     pw.detach()
-    req = _convert.attach_request("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, 0, "")
     for name, code in (("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
                        ("kvpushd-kv-bell-nobody", grpc.StatusCode.NOT_FOUND)):
+        mem = [src.buf.memory]  # its descriptor, handed over again for each Attach
+        req = _convert.attach_request("prefill", Role.PRODUCER, 0, 1, mem, src.region_list, 0, "",
+                                      hand_over(p.sock, mem))
         req.doorbell = name
         with pytest.raises(grpc.RpcError) as e:
             p.client.stub.Attach(req, timeout=10)
