@@ -28,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 from .config import MetricsConfig, split_host_port
 from .core.actions import DROPPED_EVENTS
 from .events import Event, EventKind
+from .memory import fdpass
 from .runtime.observe import Dropped, Met, Observations, WriteDone
 from .runtime.view import View
 from .transfer.records import WriteResult
@@ -263,6 +264,13 @@ class _StateCollector(Collector):
                                 "collection walks them with the event loop stopped)", value=gc.get_freeze_count())
         yield CounterMetricFamily("kvpushd_stray_notifications", "Notifications for no pending registration",
                                   value=v.stray_notifications)
+        parked, dropped = v.fd_socket()
+        yield GaugeMetricFamily("kvpushd_fd_socket_parked", "Host KV descriptors on the fd socket waiting for "
+                                "their Attach", value=parked)
+        yield CounterMetricFamily("kvpushd_fd_socket_dropped", "Datagrams on the fd socket dropped (not "
+                                  f"one 16-byte token and one descriptor) and descriptors closed unused (evicted "
+                                  f"past {fdpass.MAX_PARKED} waiting, or waited over {fdpass.TTL_S:.0f} s)",
+                                  value=dropped)
         yield CounterMetricFamily("kvpushd_events_dropped", "Events dropped for Watch subscribers that fell "
                                   "behind", value=v.events.dropped)
 

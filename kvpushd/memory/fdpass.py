@@ -95,6 +95,10 @@ class FdInbox:
             os.close(fd)
             self.dropped += 1
 
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
     def take(self, token: bytes) -> int:
         """The descriptor sent under ``token``; the caller owns (closes) it."""
         self.drain()

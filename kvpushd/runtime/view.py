@@ -100,6 +100,11 @@ class View:
         rv = self._rv
         return len(rv.send), len(rv.recv)
 
+    def fd_socket(self) -> tuple[int, int]:
+        """The fd socket: descriptors waiting for their Attach, and those dropped (malformed, evicted, expired)."""
+        fds = self._workers.fds
+        return (fds.parked, fds.dropped) if fds is not None else (0, 0)
+
     def recent_failures(self) -> list[tuple[float, str, str]]:
         return list(self._tally.recent_failures)
 

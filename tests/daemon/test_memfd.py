@@ -18,7 +18,7 @@ import pytest
 from kvpushd_client import CompletionKind, KVPushError, MemfdMemory, Region, Role, _convert
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
-from support import POISON, attach_pair, make_kv, wait_for
+from support import POISON, attach_pair, make_kv, scrape, value, wait_for
 
 from kvpushd.memory import fdpass
 
@@ -128,7 +128,7 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
 
 
 def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    d = daemon_factory("dnode")
+    d = daemon_factory("dnode", settings={"metrics": {"listen": "127.0.0.1:0"}})
     path = fdpass.fd_socket_path(d.sock)
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o660)
     base = _open_fds(d.proc.pid)
@@ -145,6 +145,14 @@ def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors(daemon_factory) ->
         # at most MAX_PARKED wait (the oldest are closed), whatever came
         assert wait_for(lambda: _open_fds(d.proc.pid) <= base + fdpass.MAX_PARKED, timeout=10)
         assert _open_fds(d.proc.pid) >= base  # (the parked ones are held until their TTL)
+        # what was dropped (4 malformed, the flood's oldest) and what waits shows in the metrics
+        want = (fdpass.MAX_PARKED, 4 + 3 * fdpass.MAX_PARKED)
+
+        def fd_socket() -> tuple[float, float]:
+            m = scrape(d)
+            return value(m, "kvpushd_fd_socket_parked"), value(m, "kvpushd_fd_socket_dropped_total")
+
+        assert wait_for(lambda: fd_socket() == want, timeout=10)
         # a worker attaching now is unharmed
         kv = make_kv("mf-after", regions=1, num_blocks=16)
         try:

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from kvpushd_client import CompletionKind
 from prometheus_client.parser import text_string_to_metric_families
-from support import DaemonFactory, DaemonProc, attach_pair, start_daemon, wait_for
+from support import DaemonFactory, DaemonProc, attach_pair, scrape, start_daemon, value, wait_for
 
 from kvpushd import config
 from kvpushd.core.errors import InvalidArgument
@@ -237,18 +237,6 @@ def test_watch_sees_attach_and_transfer_events(pair: tuple[DaemonProc, DaemonPro
 
 
 # -- /metrics ---------------------------------------------------------------------------------------
-
-
-def scrape(d: DaemonProc) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    addr = d.client.status().metrics_address
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    return m.get((name, frozenset(labels.items())), 0.0)
 
 
 def test_metrics_over_http(pair: tuple[DaemonProc, DaemonProc], kv_pair: Any) -> None:

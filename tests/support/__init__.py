@@ -19,10 +19,10 @@ import numpy as np
 from kvpushd_client import Region, Role, SealedBuffer, SharedBuffer
 
 if TYPE_CHECKING:
-    from .daemons import DaemonProc
+    from .daemons import DaemonProc, scrape, value  # noqa: F401
 
 POISON = 0xA5
-_DAEMONS = ("DaemonFactory", "DaemonProc", "start_daemon")
+_DAEMONS = ("DaemonFactory", "DaemonProc", "scrape", "start_daemon", "value")
 
 
 def __getattr__(name: str) -> object:

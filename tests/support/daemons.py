@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
 from kvpushd_lab import launch
+from prometheus_client.parser import text_string_to_metric_families
 
 DaemonProc = launch.Daemon
 
@@ -21,6 +23,22 @@ def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str =
                             settings=settings, timeout_s=120)  # a loaded machine: imports alone can take a minute
     except launch.DaemonStartError as e:
         raise RuntimeError(str(e)) from None
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(d: DaemonProc) -> Samples:
+    """Every sample of the daemon's /metrics (it must listen: ``metrics.listen``), by name and labels."""
+    addr = d.client.status().metrics_address
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(m: Samples, name: str, **labels: str) -> float:
+    return m.get((name, frozenset(labels.items())), 0.0)
 
 
 class DaemonFactory:
