@@ -68,6 +68,7 @@ class Doorbell:
             os.close(fd)
             raise
         self._fd = fd
+        self.ident = (st.st_dev, st.st_ino)  # the page itself, whatever name it was reached by
         self._ring = ring and st.st_size >= SIZE
         self._word = 0  # the last value two reads agreed on
         self.posted = 0  # records written to the ring so far

@@ -124,6 +124,9 @@ class Workers:
         self.xfer: TransferThread | None = None  # set at start
         self.fds: FdInbox | None = None  # the fd socket, set at start: sealed memfds by token
         self._seq = itertools.count(1)
+        # what attaches in progress claim (their engine rank, their doorbell page) while they map and
+        # register memory: an overlapping Attach of the same rank or page is refused like an attached one
+        self._claims: set[tuple[object, ...]] = set()
         # one thread populates host KV (one core at most; attaches never wait behind it); none starts until used
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
         sweep_unused()  # host KV of workers that died while no daemon ran
@@ -136,21 +139,39 @@ class Workers:
                      doorbell: str = "") -> Worker:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
+        rank = ("rank", engine_id, tp_rank, pp_rank)
         for w in self.by_id.values():
             # A worker that is gone (its detach waits for WRITEs from its memory to settle) does
             # not hold its place: its engine may attach again at once.
-            if not w.gone and (w.engine_id, w.tp_rank, w.pp_rank) == (engine_id, tp_rank, pp_rank):
+            if not w.gone and (w.engine_id, w.tp_rank, w.pp_rank) == rank[1:]:
                 raise AlreadyExists(
                     f"engine {engine_id!r} TP rank {tp_rank} PP rank {pp_rank} is already attached "
                     f"as worker {w.worker_id}; detach it (or end its session) first")
-        if len(self.by_id) >= self.cfg.worker_api.max_workers:
+        if rank in self._claims:
+            raise AlreadyExists(f"engine {engine_id!r} TP rank {tp_rank} PP rank {pp_rank} is attaching now "
+                                f"(another Attach of it is in progress)")
+        attaching = sum(1 for c in self._claims if c[0] == "rank")
+        if len(self.by_id) + attaching >= self.cfg.worker_api.max_workers:
             raise ResourceExhausted(f"at most {self.cfg.worker_api.max_workers} workers may attach")
+        claims = {rank}
+        self._claims.add(rank)
+        try:
+            return await self._attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
+                                      doorbell, claims)
+        finally:
+            self._claims -= claims
+
+    async def _attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
+                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
+                      doorbell: str, claims: set[tuple[object, ...]]) -> Worker:
         loop = asyncio.get_running_loop()
         mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory),
                                               self.cfg.worker_api.named_shm)
         bell: Doorbell | None = None
         try:
             bell = Doorbell(doorbell, ring=role.can_receive) if doorbell else None
+            if bell is not None:
+                self._claim_bell(bell, claims)
             kinds = {m.mem_type for m in mappings}
             if len(kinds) != 1:
                 raise InvalidArgument("a worker's memory must be all host (shm) or all GPU (CUDA IPC)")
@@ -191,6 +212,19 @@ class Workers:
         self.events.emit(EventKind.WORKER_ATTACHED, worker_id=wid, engine_id=engine_id,
                          detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
         return w
+
+    def _claim_bell(self, bell: Doorbell, claims: set[tuple[object, ...]]) -> None:
+        """One page rings for one worker: two on one page would read each other's progress (a WRITE of
+        layers not computed yet) or finished receives (a worker told before its own KV landed)."""
+        key = ("bell", *bell.ident)
+        owner = next((w.worker_id for w in self.by_id.values()
+                      if not w.gone and w.bell is not None and w.bell.ident == bell.ident), None)
+        if owner is not None or key in self._claims:
+            raise FailedPrecondition(
+                f"doorbell {bell.name!r} is already worker {owner or '(attaching now)'}'s: each worker rings "
+                f"a page of its own")
+        claims.add(key)
+        self._claims.add(key)
 
     def _take_fds(self, memory: Sequence[MemorySpec]) -> dict[bytes, int]:
         """The descriptors of the sealed memfds among ``memory``, from the fd socket (all or none)."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, MemfdMemory, Region, Role, ShmMemory
+from kvpushd_client.doorbell import Doorbell
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2
 from support import attach_pair, make_kv, wait_for
 
@@ -194,3 +198,50 @@ def test_layout_mismatch_between_workers(daemon_pair) -> None:
     finally:
         src.close()
         dst.close()
+
+
+def test_a_doorbell_page_rings_for_one_worker(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Two workers on one page would read each other's progress (a prefill daemon writing layers not
+    computed yet) or finished receives (a decode worker told before its own KV landed): an attach
+    naming a page another live worker rings is refused, and the page is free again once it detaches."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    for daemon, role, kv in ((p, Role.PRODUCER, src), (d, Role.CONSUMER, dst)):
+        bell = Doorbell()
+        attach = functools.partial(daemon.client.attach, "bell", role, tp_size=2, memory=[kv.buf.memory],
+                                   regions=kv.region_list, doorbell=bell)
+        try:
+            first = attach(tp_rank=0)
+            code, msg = code_of(lambda: attach(tp_rank=1))  # noqa: B023 (called here, in this turn)
+            assert code == "FAILED_PRECONDITION", (code, msg)
+            assert bell.name in msg and first.worker_id in msg
+            first.detach()
+            attach(tp_rank=1).detach()
+        finally:
+            bell.close()
+    assert_still_serves(p, d, src, dst)
+
+
+def test_concurrent_attaches_of_one_rank(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """Attaches of the same engine rank that overlap (each waits for its memory to be mapped and
+    registered): one wins, the others get ALREADY_EXISTS."""
+    p, _ = daemon_pair
+    src, _ = kv_pair
+    results: list[object] = []
+
+    def attach() -> None:
+        try:
+            results.append(p.client.attach("twice", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list))
+        except KVPushError as e:
+            results.append(e.code)
+
+    for _ in range(3):
+        results.clear()
+        threads = [threading.Thread(target=attach) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        won = [r for r in results if not isinstance(r, str)]
+        assert len(won) == 1 and sorted(r for r in results if isinstance(r, str)) == ["ALREADY_EXISTS"] * 3, results
+        won[0].detach()  # type: ignore[attr-defined]
