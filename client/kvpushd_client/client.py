@@ -19,12 +19,13 @@ from collections.abc import Sequence
 import grpc
 
 from . import _convert, errors
+from .doorbell import SIZE as BELL_SIZE
 from .doorbell import Doorbell, RingReader, reset_ring
 from .gpu_doorbell import make_doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .shm import hand_over
 from .stream import StreamWorker
-from .types import CudaMemory, DaemonUnavailable, Memory, Region, Role
+from .types import CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
 
 
 class KVPushClient:
@@ -60,31 +61,35 @@ class KVPushClient:
                doorbell: Doorbell | bool = False) -> StreamWorker:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
         both ways (commands batched per engine step: ``*_nowait`` then ``step()``; results and
-        completions on the same stream). ``doorbell``: a page in shared memory (True: a new one, closed
-        at detach; or one the caller keeps across attachments, e.g. after a daemon restart). A sender
+        completions on the same stream). ``doorbell``: a page in shared memory, handed over by
+        descriptor as host KV is (True: a new one, closed at detach; or one the caller keeps across
+        attachments, e.g. after a daemon restart). A sender
         rings it for progressive push (by the CUDA stream when the memory is GPU memory:
         gpu_doorbell.make_doorbell); a receiver reads its finished receives there first (the
         completion ring, emptied here for the new attachment)."""
         gpu = any(isinstance(m, CudaMemory) for m in memory)
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
-        tokens = hand_over(self.socket_path, memory, self.timeout_s)
-        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
-                                      tokens)
-        req.doorbell = bell.name if bell is not None else ""
         ring: RingReader | None = None
         try:
-            if bell is not None and role.can_receive:
-                reset_ring(bell.name)
-                ring = RingReader(bell.name)
+            # the page goes by descriptor, after the memory: the last token is its
+            pages = [MemfdMemory(bell.fd, BELL_SIZE)] if bell is not None else []
+            tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)
+            req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
+                                          tokens)
+            if bell is not None:
+                req.doorbell_token = tokens[len(memory)]
+                if role.can_receive:
+                    reset_ring(bell.fd)
+                    ring = RingReader(bell.fd)
             resp = self.stub.Attach(req, timeout=self.timeout_s)
-        except (grpc.RpcError, OSError) as e:
+        except BaseException as e:
             if ring is not None:
                 ring.close()
             if doorbell is True and bell is not None:
                 bell.close()
-            if isinstance(e, OSError):
-                raise
-            raise errors.from_rpc_error(e) from None
+            if isinstance(e, grpc.RpcError):
+                raise errors.from_rpc_error(e) from None
+            raise
         return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True, ring)
 
     def close(self) -> None:

@@ -10,8 +10,9 @@ have their KV written (``SEALED``: the whole step). One store updates both, so a
 a new step with an old step's layer count. Readers treat a later ``seq`` as "the step is complete"
 (the engine runs one step at a time) and an earlier one as "nothing yet".
 
-The record lives in /dev/shm/kvpushd-kv-bell-<pid>-<hex>, held by a shared flock for as long as the
-worker lives (the daemon removes worker-owned names nobody holds, as for host KV).
+The record is a page of its own, a memfd named kvpushd-kv-bell-<pid>-<hex> (no file in /dev/shm:
+it goes with its last mapping), handed to the daemon by descriptor on the fd socket at each attach, as
+host KV is (kvpushd_client.shm.hand_over).
 
 With GPU KV the engine thread runs ahead of the GPU, so a store from it could claim layers not computed
 yet: there the word is written by the CUDA stream (kvpushd_client.gpu_doorbell.GpuDoorbell, same page,
@@ -33,9 +34,7 @@ gets nothing wrong, and cannot make the daemon fault); the worker maps the page 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import hashlib
 import mmap
 import os
@@ -75,18 +74,14 @@ class Doorbell:
 
     def __init__(self) -> None:
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        path = os.path.join("/dev/shm", self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, SIZE)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # "this worker still uses it" (the daemon reaps it once free)
             self._mm: mmap.mmap | None = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
             raise
-        self._fd = fd
+        self.fd = fd  # what attach hands the daemon
         self._word = ctypes.c_uint64.from_buffer(self._mm)  # an aligned 8-byte store per ring
         self.seq = 0
         self.layers = 0
@@ -109,38 +104,34 @@ class Doorbell:
         self.layers = SEALED
         self._word.value = pack(self.seq, SEALED)
 
+    @property
+    def proc_path(self) -> str:
+        """A path by which other processes of this user may open the page while this process lives."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
     def close(self) -> None:
-        """Unmap and remove the record (the daemon has detached the worker, or never saw it)."""
+        """Unmap the record and close its descriptor (the daemon has detached the worker, or never saw
+        it); the page goes with the last mapping."""
         if self._mm is None:
             return
         del self._word
         self._mm.close()
         self._mm = None
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join("/dev/shm", self.name))
-        os.close(self._fd)
+        os.close(self.fd)
+        self.fd = -1
 
 
-
-def reset_ring(name: str) -> None:
-    """Empty the completion ring of page ``name`` (before an attach: the new daemon counts from 0)."""
-    fd = os.open(os.path.join("/dev/shm", name), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        os.pwrite(fd, bytes(SIZE - RING_HEAD), RING_HEAD)
-    finally:
-        os.close(fd)
+def reset_ring(fd: int) -> None:
+    """Empty the completion ring of the page open as ``fd`` (before an attach: the new daemon counts from 0)."""
+    os.pwrite(fd, bytes(SIZE - RING_HEAD), RING_HEAD)
 
 
 class RingReader:
-    """The worker's side of the completion ring: the keys of finished receives, in order. One
-    thread at a time (the caller locks)."""
+    """The worker's side of the completion ring (the page open as ``fd``, mapped read-only): the keys
+    of finished receives, in order. One thread at a time (the caller locks)."""
 
-    def __init__(self, name: str) -> None:
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            self._mm: mmap.mmap | None = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int) -> None:
+        self._mm: mmap.mmap | None = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         self._words = memoryview(self._mm).cast("Q")  # aligned 8-byte loads
         self._head = RING_HEAD // 8
         self._base = RING_BASE // 8

@@ -20,6 +20,7 @@ delivers every completion), and cannot make the daemon fault.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 
@@ -36,42 +37,55 @@ WORD = 8
 
 
 class Doorbell:
-    def __init__(self, name: str, ring: bool = False) -> None:
-        """``ring``: the worker receives; write its finished receives into the page's ring too."""
+    def __init__(self, fd: int, label: str, ring: bool = False) -> None:
+        """The page open as ``fd`` (owned from here: closed if refused, and at ``close``). ``ring``: the
+        worker receives; write its finished receives into the page's ring too (where ``fd`` is open for
+        writing and the page holds a ring)."""
+        self.name = label
+        self.named = False  # reached by a /dev/shm name (by_name): the daemon may reap the name
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < WORD:
+                raise InvalidArgument(f"doorbell {label}: need a shared memory object of {WORD}+ bytes")
+            if ring and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+                log.info("no completion ring", doorbell=label, error="the page is not open for writing")
+                ring = False  # the stream delivers
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.ident = (st.st_dev, st.st_ino)  # the page itself, whatever name or descriptor it came by
+        self._ring = ring and st.st_size >= SIZE
+        self._word = 0  # the last value two reads agreed on
+        self.posted = 0  # records written to the ring so far
+
+    @classmethod
+    def by_name(cls, name: str, ring: bool = False) -> Doorbell:
+        """The page /dev/shm/<name> (``worker_api.named_shm``)."""
         if not _NAME_RE.match(name) or name.strip("/") in (".", ".."):
             raise InvalidArgument(f"invalid doorbell name {name[:256]!r}")
-        self.name = name.lstrip("/")
-        path = os.path.join(SHM_DIR, self.name)
+        name = name.lstrip("/")
+        path = os.path.join(SHM_DIR, name)
         fd = -1
         if ring:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except PermissionError as e:  # not writable for this daemon: no ring, the stream delivers
-                log.info("no completion ring", doorbell=self.name, error=e.strerror)
+                log.info("no completion ring", doorbell=name, error=e.strerror)
             except OSError:
                 pass  # the read-only open below says what is wrong
         try:
             if fd < 0:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                ring = False
         except FileNotFoundError:
             raise NotFound(f"doorbell {name[:256]!r} does not exist ({path})") from None
         except PermissionError:
             raise PermissionDenied(f"doorbell {name[:256]!r}: the daemon may not open {path}") from None
         except OSError as e:
             raise InvalidArgument(f"doorbell {name[:256]!r} cannot be opened: {e.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < WORD:
-                raise InvalidArgument(f"doorbell {name[:256]!r}: need a shared memory object of {WORD}+ bytes")
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self.ident = (st.st_dev, st.st_ino)  # the page itself, whatever name it was reached by
-        self._ring = ring and st.st_size >= SIZE
-        self._word = 0  # the last value two reads agreed on
-        self.posted = 0  # records written to the ring so far
+        bell = cls(fd, repr(name), ring)
+        bell.name, bell.named = name, True
+        return bell
 
     @property
     def has_ring(self) -> bool:
@@ -127,6 +141,15 @@ class Doorbell:
             os.close(self._fd)
             self._fd = -1
             self._ring = False
+
+
+def fd_label(fd: int) -> str:
+    """What a descriptor's page is called, for messages and logs: a memfd's name, or its path."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"(descriptor {fd})"
+    return target.removeprefix("/memfd:").removesuffix(" (deleted)")[:256]
 
 
 def _read(fd: int) -> int:

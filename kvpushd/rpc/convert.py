@@ -37,6 +37,13 @@ def notice(n: peer_pb2.FailNotice) -> tuple[str, int, FailureCode, str]:
     return n.transfer_id, n.registration_id, failure_code(n.code), n.reason[:2000]
 
 
+def token(t: bytes, optional: bool = True) -> bytes:
+    """A memfd token (``optional``: empty means none)."""
+    if (t or not optional) and len(t) != TOKEN_BYTES:
+        raise InvalidArgument(f"a memfd token is {TOKEN_BYTES} bytes, got {len(t)}")
+    return t
+
+
 def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
     kind = h.WhichOneof("kind")
     if kind == "shm":
@@ -47,9 +54,7 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
                         c.ref_counter_offset, c.event_handle, c.event_sync_required, c.sentinel,
                         c.sentinel_offset, c.sentinel_restore)
     if kind == "memfd":
-        if len(h.memfd.token) != TOKEN_BYTES:
-            raise InvalidArgument(f"a memfd token is {TOKEN_BYTES} bytes, got {len(h.memfd.token)}")
-        return MemfdSpec(h.memfd.token, h.memfd.size)
+        return MemfdSpec(token(h.memfd.token, optional=False), h.memfd.size)
     raise InvalidArgument("memory handle has none of shm, cuda_ipc and memfd set")
 
 

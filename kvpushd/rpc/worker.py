@@ -30,7 +30,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                    request.tp_size, request.pp_rank,
                                    [convert.memory(m) for m in request.memory],
                                    [convert.region(r) for r in request.regions], request.description,
-                                   request.doorbell[:256])
+                                   request.doorbell[:256], convert.token(request.doorbell_token))
         return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
                                          peer_address=self.node.ident.peer_address)
 

@@ -133,10 +133,10 @@ class Node:
 
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                     doorbell: str = "") -> Worker:
+                     doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
         self._not_draining()
         return await self.workers.attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
-                                         doorbell)
+                                         doorbell, doorbell_token)
 
     def worker(self, worker_id: str) -> Worker:
         return self.workers.get(worker_id)

@@ -30,7 +30,7 @@ from ..core.notif import MAX_LAYERS
 from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
-from ..memory.doorbell import Doorbell
+from ..memory.doorbell import Doorbell, fd_label
 from ..memory.fdpass import FdInbox
 from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
 from ..transfer.descs import RegionSpec
@@ -136,7 +136,7 @@ class Workers:
 
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                     doorbell: str = "") -> Worker:
+                     doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
         rank = ("rank", engine_id, tp_rank, pp_rank)
@@ -153,23 +153,23 @@ class Workers:
         attaching = sum(1 for c in self._claims if c[0] == "rank")
         if len(self.by_id) + attaching >= self.cfg.worker_api.max_workers:
             raise ResourceExhausted(f"at most {self.cfg.worker_api.max_workers} workers may attach")
-        claims = {rank}
+        claims: set[tuple[object, ...]] = {rank}
         self._claims.add(rank)
         try:
             return await self._attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
-                                      doorbell, claims)
+                                      doorbell, doorbell_token, claims)
         finally:
             self._claims -= claims
 
     async def _attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
                       memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                      doorbell: str, claims: set[tuple[object, ...]]) -> Worker:
+                      doorbell: str, doorbell_token: bytes, claims: set[tuple[object, ...]]) -> Worker:
         loop = asyncio.get_running_loop()
         mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory),
                                               self.cfg.worker_api.named_shm)
         bell: Doorbell | None = None
         try:
-            bell = Doorbell(doorbell, ring=role.can_receive) if doorbell else None
+            bell = self._open_bell(doorbell, doorbell_token, role.can_receive)
             if bell is not None:
                 self._claim_bell(bell, claims)
             kinds = {m.mem_type for m in mappings}
@@ -212,6 +212,23 @@ class Workers:
         self.events.emit(EventKind.WORKER_ATTACHED, worker_id=wid, engine_id=engine_id,
                          detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
         return w
+
+    def _open_bell(self, name: str, token: bytes, ring: bool) -> Doorbell | None:
+        """The worker's doorbell page: by descriptor from the fd socket, or by /dev/shm name (``named_shm``)."""
+        if token:
+            if name:
+                raise InvalidArgument("a doorbell by name or by memfd token, not both")
+            if self.fds is None:
+                raise FailedPrecondition("this daemon has no fd socket: it takes no doorbell by memfd")
+            fd = self.fds.take(token)
+            return Doorbell(fd, fd_label(fd), ring)
+        if not name:
+            return None
+        if not self.cfg.worker_api.named_shm:
+            raise PermissionDenied(
+                f"doorbell {name[:256]!r}: a page by /dev/shm name is refused here (worker_api.named_shm = false); "
+                "hand it over as a memfd (doorbell_token)")
+        return Doorbell.by_name(name, ring)
 
     def _claim_bell(self, bell: Doorbell, claims: set[tuple[object, ...]]) -> None:
         """One page rings for one worker: two on one page would read each other's progress (a WRITE of
@@ -329,7 +346,8 @@ class Workers:
             names = [m.name for m in w.mappings if isinstance(m, ShmMapping) and m.named]
             if w.bell is not None:
                 w.bell.close()
-                names.append(w.bell.name)
+                if w.bell.named:
+                    names.append(w.bell.name)
             reap_when_unused(names)  # gone with its worker
             self.by_id.pop(w.worker_id, None)
             log.info("worker detached", worker_id=w.worker_id, reason=why)

@@ -25,17 +25,24 @@ from kvpushd_client.doorbell import (
     reset_ring,
     ring_key,
 )
+from kvpushd_client.shm import SharedBuffer
 from support import make_kv, wait_for
 
+from kvpushd.core.errors import InvalidArgument
 from kvpushd.memory.doorbell import Doorbell as DaemonDoorbell
+
+
+def daemon_side(bell: Doorbell, ring: bool = False, mode: int = os.O_RDWR) -> DaemonDoorbell:
+    """The daemon's view of the page, as if handed over (a descriptor of its own)."""
+    return DaemonDoorbell(os.open(bell.proc_path, mode | os.O_CLOEXEC), bell.name, ring)
 
 
 @pytest.fixture
 def page():  # type: ignore[no-untyped-def]
     bell = Doorbell()
-    reset_ring(bell.name)
-    reader = RingReader(bell.name)
-    writer = DaemonDoorbell(bell.name, ring=True)
+    reset_ring(bell.fd)
+    reader = RingReader(bell.fd)
+    writer = daemon_side(bell, ring=True)
     yield bell, reader, writer
     writer.close()
     reader.close()
@@ -58,7 +65,7 @@ def test_a_slot_not_visible_yet_waits_for_the_next_read(page) -> None:  # type: 
     """The count may be seen before its slot (no fences on either side): the slot's tag says so."""
     bell, reader, writer = page
     writer.post("a")
-    fd = os.open(f"/dev/shm/{bell.name}", os.O_WRONLY)
+    fd = os.open(bell.proc_path, os.O_WRONLY)
     try:
         os.pwrite(fd, (2).to_bytes(8, "little"), RING_HEAD)  # record 2 counted, its slot still empty
         assert reader.take() == [ring_key("a")]
@@ -82,8 +89,8 @@ def test_an_emptied_ring_is_read_from_its_start_and_a_lower_count_changes_nothin
     for t in ("a", "b", "c"):
         writer.post(t)
     assert len(reader.take()) == 3
-    reset_ring(bell.name)  # a new attachment of the same page: a new writer, a new reader
-    fresh, again = DaemonDoorbell(bell.name, ring=True), RingReader(bell.name)
+    reset_ring(bell.fd)  # a new attachment of the same page: a new writer, a new reader
+    fresh, again = daemon_side(bell, ring=True), RingReader(bell.fd)
     try:
         fresh.post("x")
         assert again.take() == [ring_key("x")]
@@ -99,23 +106,35 @@ def test_an_emptied_ring_is_read_from_its_start_and_a_lower_count_changes_nothin
 def test_a_truncated_page_costs_the_daemon_nothing(page) -> None:  # type: ignore[no-untyped-def]
     """pwrite, not a store through a mapping: a page the worker shrank cannot fault the daemon."""
     bell, _, writer = page
-    os.truncate(f"/dev/shm/{bell.name}", 0)
+    os.ftruncate(bell.fd, 0)
     writer.post("a")  # no SIGBUS; the file grows back to the slot it needed, never past the page
-    assert os.stat(f"/dev/shm/{bell.name}").st_size <= SIZE
+    assert os.fstat(bell.fd).st_size <= SIZE
 
 
-def test_no_ring_without_write_access_or_for_a_sender(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_no_ring_without_write_access_or_for_a_sender() -> None:
     bell = Doorbell()
     try:
-        assert not DaemonDoorbell(bell.name).has_ring  # a sender's page is read-only to the daemon
-        os.chmod(f"/dev/shm/{bell.name}", 0o400)
-        if os.geteuid() != 0:
-            ro = DaemonDoorbell(bell.name, ring=True)
-            assert not ro.has_ring
-            ro.post("a")  # nothing, no error
-            ro.close()
+        assert not daemon_side(bell).has_ring  # a sender's page is read-only to the daemon
+        ro = daemon_side(bell, ring=True, mode=os.O_RDONLY)  # a descriptor not open for writing
+        assert not ro.has_ring
+        ro.post("a")  # nothing, no error
+        ro.close()
     finally:
         bell.close()
+    named = SharedBuffer.create("kvpushd-kv-bell-named", SIZE)  # a page by name (worker_api.named_shm)
+    try:
+        rw = DaemonDoorbell.by_name(named.name, ring=True)
+        assert rw.has_ring and rw.named
+        rw.close()
+        with pytest.raises(InvalidArgument):
+            DaemonDoorbell.by_name("../../etc/passwd")
+        os.chmod(f"/dev/shm/{named.name}", 0o400)
+        if os.geteuid() != 0:
+            ro = DaemonDoorbell.by_name(named.name, ring=True)
+            assert not ro.has_ring
+            ro.close()
+    finally:
+        named.close(unlink=True)
 
 
 # -- real daemons ------------------------------------------------------------------------------
@@ -203,7 +222,7 @@ def test_a_page_kept_across_attachments_starts_empty(daemon_pair) -> None:  # ty
                     assert c.figures is None
             finally:
                 dw.detach()
-        assert os.path.exists(f"/dev/shm/{bell.name}")  # the caller's page: not closed at detach
+        assert bell.fd >= 0 and os.fstat(bell.fd).st_size == SIZE  # the caller's page: not closed at detach
     finally:
         pw.detach()
         bell.close()
@@ -214,8 +233,7 @@ def test_a_page_kept_across_attachments_starts_empty(daemon_pair) -> None:  # ty
 def test_a_worker_that_scribbles_over_its_ring_loses_only_its_hints(daemon_pair) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_pair
     with _pair(p, d, "ring5", ring=True) as (src, dst, pw, dw):
-        name = dw.doorbell.name
-        with open(f"/dev/shm/{name}", "r+b") as f:
+        with open(dw.doorbell.proc_path, "r+b") as f:
             f.write(os.urandom(SIZE))  # garbage count and slots
         c = _push(p, pw, dw, "g1", src, dst, [1])
         assert c.transfer_id == "g1"  # by the stream if the ring cannot say it
@@ -235,7 +253,7 @@ def test_two_expected_transfers_with_one_key_are_left_to_the_stream(page, monkey
     w._keys, w._key_of, w._rung = {}, {}, set()
     w._watch("a")
     w._watch("b")
-    fd = os.open(f"/dev/shm/{bell.name}", os.O_WRONLY)
+    fd = os.open(bell.proc_path, os.O_WRONLY)
     try:
         os.pwrite(fd, ((1 << 48) | 7).to_bytes(8, "little"), RING_BASE)
         os.pwrite(fd, (1).to_bytes(8, "little"), RING_HEAD)

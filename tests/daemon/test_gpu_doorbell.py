@@ -16,6 +16,7 @@ same logic runs without a GPU against a stand-in driver in test_gpu_doorbell_cpu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -70,7 +71,7 @@ def test_the_word_moves_only_when_the_stream_gets_there(kind: str, record_proper
     bell = (Doorbell() if kind == "host" else make_doorbell(kv_on_cuda=True) if kind == "auto"
             else GpuDoorbell(path=kind))
     record_property("path", getattr(bell, "path", "host store"))
-    r = Reader(bell.name)
+    r = Reader(os.open(bell.proc_path, os.O_RDONLY | os.O_CLOEXEC), bell.name)
     kv = torch.zeros(LAYERS, 1 << 20, dtype=torch.float32, device="cuda")
     kv[0].fill_(0.0)  # every kernel used below loaded before the clock starts (lazy module loading)
     torch.cuda.Event().record()

@@ -8,8 +8,8 @@ On a GPU the same is checked for real by tests/daemon/test_gpu_doorbell.py (scri
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
-import glob
 import os
 import shutil
 import subprocess
@@ -36,7 +36,18 @@ STREAM = 0x5EED
 
 
 def _bells() -> set[str]:
-    return set(glob.glob(f"/dev/shm/{PREFIX}{os.getpid()}-*"))
+    """This process's doorbell pages still open (memfds by name)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{PREFIX}{os.getpid()}-"):
+                out.add(fd)
+    return out
+
+
+def _reader(bell: Doorbell) -> Reader:
+    """The daemon's side of the page (a descriptor of its own, as if handed over)."""
+    return Reader(os.open(bell.proc_path, os.O_RDONLY | os.O_CLOEXEC), bell.name)
 
 
 def _has_libcuda() -> bool:
@@ -53,7 +64,7 @@ def test_factory_picks_the_host_doorbell_for_host_kv() -> None:
         assert type(bell) is Doorbell
         seq = bell.step()
         bell.layer_done(2)
-        r = Reader(bell.name)
+        r = _reader(bell)
         assert r.ready(seq, 4) == 2
         r.close()
     finally:
@@ -148,7 +159,7 @@ def test_rings_land_only_when_the_stream_gets_there(fake: ctypes.CDLL, memops: i
     assert _int(fake, "fake_registered") % 4096 == 0 and _int(fake, "fake_registered_size") == 4096
     assert ctypes.c_uint.in_dll(fake, "fake_register_flags").value == 0x03  # DEVICEMAP | PORTABLE
     assert _int(fake, "fake_allocs") == (0 if memops else 1)
-    r = Reader(bell.name)
+    r = _reader(bell)
     try:
         seq = bell.step()
         bell.layer_done(1)
@@ -193,7 +204,7 @@ def test_a_driver_without_stream_memory_operations_gets_the_copy(fake_libs: dict
     bell = GpuDoorbell(lib=lib, stream=lambda: STREAM)
     try:
         assert bell.path == STREAM_COPY
-        r = Reader(bell.name)
+        r = _reader(bell)
         seq = bell.step()
         bell.seal()
         assert not r.complete(seq)

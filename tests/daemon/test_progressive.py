@@ -200,15 +200,18 @@ def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type:
     pw.publish("b3", [1], step=1, layers=REGIONS)  # one region per group is fine
     assert pw.abort("b3")
     pw.detach()
-    for name, code in (("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
-                       ("kvpushd-kv-bell-nobody", grpc.StatusCode.NOT_FOUND)):
+    for name, token, code, says in (
+            ("kvpushd-kv-bell-nobody", b"", grpc.StatusCode.PERMISSION_DENIED, "named_shm"),  # by name: off
+            ("", b"short", grpc.StatusCode.INVALID_ARGUMENT, "token"),
+            ("", b"\0" * 16, grpc.StatusCode.NOT_FOUND, "no descriptor arrived"),  # never handed over
+            ("kvpushd-kv-bell-x", b"\1" * 16, grpc.StatusCode.INVALID_ARGUMENT, "not both")):
         mem = [src.buf.memory]  # its descriptor, handed over again for each Attach
         req = _convert.attach_request("prefill", Role.PRODUCER, 0, 1, mem, src.region_list, 0, "",
                                       hand_over(p.sock, mem))
-        req.doorbell = name
+        req.doorbell, req.doorbell_token = name, token
         with pytest.raises(grpc.RpcError) as e:
             p.client.stub.Attach(req, timeout=10)
-        assert e.value.code() == code and "doorbell" in (e.value.details() or "")
+        assert e.value.code() == code and says in (e.value.details() or ""), e.value
     assert not p.client.status().workers
 
 
@@ -226,7 +229,7 @@ def test_a_worker_that_truncates_its_doorbell_fails_only_its_own_publish(daemon_
     dw.expect("cut", [1, 2], p.peer_address, "prefill", 1)
     pw.publish("cut", [1, 2], step=bell.step(), layers=LAYERS)
     bell.layer_done(1)
-    os.truncate(f"/dev/shm/{bell.name}", 0)
+    os.ftruncate(bell.fd, 0)
     c = pw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FAILED, c
     c = dw.next_completion(30)

@@ -169,6 +169,7 @@ class AttachRequest(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     DOORBELL_FIELD_NUMBER: _builtins.int
+    DOORBELL_TOKEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: _common_pb2.Role.ValueType
     tp_rank: _builtins.int
@@ -177,11 +178,16 @@ class AttachRequest(_message.Message):
     description: _builtins.str
     """Optional: free text the status API shows (e.g. "vllm 0.33.0 pid 1234")."""
     doorbell: _builtins.str
-    """Optional: the worker's doorbell page, a POSIX shared memory name (as in ShmHandle). A sender's
-    (progressive push): at least 8 bytes whose first aligned 64-bit word the engine thread stores
-    ``step << 16 | layers`` into (layers 0xFFFF: the step is complete); the daemon only reads it.
-    A receiver's, of 4,096 bytes: the daemon also writes each FINISHED_RECEIVING into its
-    completion ring (docs/protocol.md, "The completion ring").
+    """Optional: the worker's doorbell page by POSIX shared memory name (as in ShmHandle; taken only
+    with worker_api.named_shm = true). The page's contents: see doorbell_token.
+    """
+    doorbell_token: _builtins.bytes
+    """Optional: the worker's doorbell page as a memfd handed over on the fd socket, named by its token
+    (as in MemfdHandle). A sender's (progressive push): at least 8 bytes whose first aligned 64-bit
+    word the engine thread stores ``step << 16 | layers`` into (layers 0xFFFF: the step is
+    complete); the daemon only reads it. A receiver's, of 4,096 bytes and open for writing: the
+    daemon also writes each FINISHED_RECEIVING into its completion ring (docs/protocol.md, "The
+    completion ring").
     """
     @_builtins.property
     def memory(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryHandle]: ...
@@ -199,10 +205,11 @@ class AttachRequest(_message.Message):
         regions: _abc.Iterable[_common_pb2.Region] | None = ...,
         description: _builtins.str = ...,
         doorbell: _builtins.str = ...,
+        doorbell_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "doorbell", b"doorbell", "engine_id", b"engine_id", "memory", b"memory", "pp_rank", b"pp_rank", "regions", b"regions", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "doorbell", b"doorbell", "doorbell_token", b"doorbell_token", "engine_id", b"engine_id", "memory", b"memory", "pp_rank", b"pp_rank", "regions", b"regions", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
