@@ -25,7 +25,6 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, status_
 from .config import Config, PeerApiConfig
 from .core.errors import FailedPrecondition
 from .events import EventKind
-from .memory.fdpass import FdInbox, fd_socket_path
 from .metrics import Metrics
 from .peer_security import peer_interceptors, server_credentials, tls_enabled
 from .rpc.peer import PeerServicer
@@ -145,7 +144,6 @@ class Daemon:
         if port == 0:  # an ephemeral port (tests): advertise the one we got
             self.node.ident.peer_address = f"{cfg.advertise_host}:{bound}"
         # the fd socket (sealed memfds of host KV), before any worker can attach
-        self.node.workers.fds = FdInbox(fd_socket_path(str(sock)), cfg.worker_api.socket_mode)
         self.node.workers.fds.start(asyncio.get_running_loop())
         await self.local_server.start()
         await self.peer_server.start()
@@ -224,8 +222,7 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
         with contextlib.suppress(FileNotFoundError):
             Path(self.cfg.socket_path).unlink()
-        if self.node.workers.fds is not None:
-            self.node.workers.fds.close()
+        self.node.workers.fds.close()
         self.notifier.close()
         log.info("kvpushd stopped")
 

@@ -35,32 +35,38 @@ def fd_socket_path(worker_socket: str) -> str:
 
 
 class FdInbox:
-    """Descriptors sent to the fd socket, by token, until an Attach takes them. Loop thread only."""
+    """Descriptors sent to the fd socket, by token, until an Attach takes them. Loop thread only.
+    Bound by ``start`` (before the worker socket listens); until then nothing arrives."""
 
     def __init__(self, path: str, mode: int) -> None:
         self.path = path
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise FailedPrecondition(f"{path} exists and is not a socket")
-            os.unlink(path)  # a stale socket from a previous run
+        self.mode = mode
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)  # born private, then opened up like the worker socket
-        try:
-            self._sock.bind(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, mode)
+        self._bound = False
         self._parked: collections.OrderedDict[bytes, tuple[int, float]] = collections.OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dropped = 0  # datagrams of the wrong shape, and descriptors evicted or expired unused
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        loop.add_reader(self._sock.fileno(), self.drain)
+    def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Bind the socket (replacing a stale one) and, with ``loop``, read it as datagrams arrive."""
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise FailedPrecondition(f"{self.path} exists and is not a socket")
+            os.unlink(self.path)  # a stale socket from a previous run
+        old = os.umask(0o177)  # born private, then opened up like the worker socket
+        try:
+            self._sock.bind(self.path)
+        finally:
+            os.umask(old)
+        self._bound = True
+        os.chmod(self.path, self.mode)
+        if loop is not None:
+            self._loop = loop
+            loop.add_reader(self._sock.fileno(), self.drain)
 
     def drain(self) -> None:
         """Park every descriptor the socket holds now."""
-        while True:
+        while self._bound:
             try:
                 msg, fds, flags, _ = socket.recv_fds(self._sock, TOKEN_BYTES + 1, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
@@ -112,8 +118,10 @@ class FdInbox:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self._bound:  # ours to remove (an unbound one may be another daemon's)
+            self._bound = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         for fd, _t in self._parked.values():
             os.close(fd)
         self._parked.clear()

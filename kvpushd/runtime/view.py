@@ -103,7 +103,7 @@ class View:
     def fd_socket(self) -> tuple[int, int]:
         """The fd socket: descriptors waiting for their Attach, and those dropped (malformed, evicted, expired)."""
         fds = self._workers.fds
-        return (fds.parked, fds.dropped) if fds is not None else (0, 0)
+        return fds.parked, fds.dropped
 
     def recent_failures(self) -> list[tuple[float, str, str]]:
         return list(self._tally.recent_failures)

@@ -31,7 +31,7 @@ from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
 from ..memory.doorbell import Doorbell, fd_label
-from ..memory.fdpass import FdInbox
+from ..memory.fdpass import FdInbox, fd_socket_path
 from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
@@ -122,7 +122,7 @@ class Workers:
         self.events = events
         self.by_id: dict[str, Worker] = {}
         self.xfer: TransferThread | None = None  # set at start
-        self.fds: FdInbox | None = None  # the fd socket, set at start: sealed memfds by token
+        self.fds = FdInbox(fd_socket_path(cfg.socket_path), cfg.worker_api.socket_mode)  # memfds by token
         self._seq = itertools.count(1)
         # what attaches in progress claim (their engine rank, their doorbell page) while they map and
         # register memory: an overlapping Attach of the same rank or page is refused like an attached one
@@ -218,8 +218,6 @@ class Workers:
         if token:
             if name:
                 raise InvalidArgument("a doorbell by name or by memfd token, not both")
-            if self.fds is None:
-                raise FailedPrecondition("this daemon has no fd socket: it takes no doorbell by memfd")
             fd = self.fds.take(token)
             return Doorbell(fd, fd_label(fd), ring)
         if not name:
@@ -248,8 +246,6 @@ class Workers:
         tokens = [m.token for m in memory if isinstance(m, MemfdSpec)]
         if not tokens:
             return {}
-        if self.fds is None:
-            raise FailedPrecondition("the daemon's fd socket is not open")
         if len(set(tokens)) != len(tokens):
             raise InvalidArgument("two memfd handles name the same token")
         fds: dict[bytes, int] = {}

@@ -171,6 +171,7 @@ def test_inbox_expires_and_evicts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     """The inbox alone: parked descriptors go after their TTL, the oldest first past MAX_PARKED."""
     monkeypatch.setattr(fdpass, "MAX_PARKED", 2)
     inbox = fdpass.FdInbox(str(tmp_path / "w.sock.fd"), 0o600)
+    inbox.start(None)  # bound, read when taken from
     fd = sealed_memfd("mf-inbox", 4096)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
