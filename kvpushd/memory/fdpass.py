@@ -18,6 +18,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Iterable
 
 import structlog
 
@@ -45,6 +46,7 @@ class FdInbox:
         self._bound = False
         self._parked: collections.OrderedDict[bytes, tuple[int, float]] = collections.OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the next expiry, while any descriptor waits
         self.dropped = 0  # datagrams of the wrong shape, and descriptors evicted or expired unused
 
     def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -91,6 +93,7 @@ class FdInbox:
             _, (evicted, _t) = self._parked.popitem(last=False)
             os.close(evicted)
             self.dropped += 1
+        self._arm()
 
     def _expire(self, now: float) -> None:
         while self._parked:
@@ -100,6 +103,27 @@ class FdInbox:
             del self._parked[token]
             os.close(fd)
             self.dropped += 1
+
+    def _arm(self) -> None:
+        """A timer for the oldest descriptor's expiry (nothing else may come to look at the clock)."""
+        if self._loop is None or self._timer is not None or not self._parked:
+            return
+        oldest = next(iter(self._parked.values()))[1]
+        self._timer = self._loop.call_later(max(0.0, oldest + TTL_S - time.monotonic()), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._expire(time.monotonic())
+        self._arm()
+
+    def discard(self, tokens: Iterable[bytes]) -> None:
+        """Close what was sent under ``tokens`` and not taken (an Attach refused, or gone, before it
+        took them): a worker's whole KV is not held until the descriptor's expiry."""
+        self.drain()
+        for token in tokens:
+            got = self._parked.pop(bytes(token), None)
+            if got is not None:
+                os.close(got[0])
 
     @property
     def parked(self) -> int:
@@ -115,6 +139,9 @@ class FdInbox:
         return got[0]
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()

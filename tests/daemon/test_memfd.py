@@ -200,3 +200,58 @@ def test_hand_over_to_a_daemon_without_an_fd_socket_says_so(tmp_path) -> None:
             hand_over(str(tmp_path / "none.sock"), [MemfdMemory(fd, 4096)])
     finally:
         os.close(fd)
+
+
+def test_an_attach_refused_early_holds_none_of_its_descriptors(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Refused before its memory was looked at (a bad rank, a rank taken), an Attach still hands its
+    descriptors back at once, doorbell page included: a worker that gives up then would otherwise
+    leave its whole KV alive in the daemon until the inbox next looked at its clock."""
+    from kvpushd_client.doorbell import Doorbell
+
+    d = daemon_factory("dnode")
+    regs = [Region(0, 0, 16, 4096)]
+    good = sealed_memfd("mf-early", 16 * 4096)
+    base = _open_fds(d.proc.pid)
+    bell = Doorbell()
+    try:
+        mem = [MemfdMemory(good, 16 * 4096)]
+        for rank, size in ((2, 2), (0, 1)):  # tp_rank >= tp_size; then the rank someone holds
+            held = d.client.attach("e", Role.CONSUMER, 0, 1, mem, regs) if rank == 0 else None
+            at_start = _open_fds(d.proc.pid)
+            with pytest.raises(KVPushError):
+                d.client.attach("e", Role.CONSUMER, rank, size, mem, regs, doorbell=bell)
+            assert _open_fds(d.proc.pid) <= at_start, "the refused Attach's descriptors are still held"
+            if held is not None:
+                held.detach()
+        assert wait_for(lambda: _open_fds(d.proc.pid) <= base, timeout=10)
+    finally:
+        bell.close()
+        os.close(good)
+    daemon_factory.close(check=(d,))
+
+
+def test_parked_descriptors_expire_with_nothing_else_arriving(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A descriptor whose Attach never comes is closed after TTL_S by the loop's own timer."""
+    import asyncio
+
+    monkeypatch.setattr(fdpass, "TTL_S", 0.05)
+    fd = sealed_memfd("mf-ttl", 4096)
+
+    async def run() -> int:
+        inbox = fdpass.FdInbox(str(tmp_path / "t.sock.fd"), 0o600)
+        inbox.start(asyncio.get_running_loop())
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.connect(inbox.path)
+                socket.send_fds(s, [b"k" * 16], [fd])
+            await asyncio.sleep(0.02)
+            assert inbox.parked == 1
+            await asyncio.sleep(0.3)  # nothing else arrives
+            return inbox.parked
+        finally:
+            inbox.close()
+
+    try:
+        assert asyncio.run(run()) == 0
+    finally:
+        os.close(fd)
