@@ -25,7 +25,8 @@ import structlog
 from ..core.errors import FailedPrecondition, NotFound
 
 TOKEN_BYTES = 16
-MAX_PARKED = 64
+MAX_MEMORY_HANDLES = 256  # what one Attach may name (vLLM: a memfd per layer's KV storage)
+MAX_PARKED = 16 * MAX_MEMORY_HANDLES  # sixteen Attaches naming the most they may, sent at once
 TTL_S = 30.0
 _MAX_FDS = 4  # what one datagram may carry before the rest is cut (the kernel closes what it cuts)
 log = structlog.get_logger(__name__)
@@ -135,7 +136,8 @@ class FdInbox:
         got = self._parked.pop(bytes(token), None)
         if got is None:
             raise NotFound(f"no descriptor arrived on {self.path} under this memfd token (sent to another "
-                           f"daemon's socket, or waited over {TTL_S:.0f} s for its Attach)")
+                           f"daemon's socket, waited over {TTL_S:.0f} s for its Attach, or pushed out by "
+                           f"{MAX_PARKED} sent after it)")
         return got[0]
 
     def close(self) -> None:

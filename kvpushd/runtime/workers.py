@@ -31,7 +31,7 @@ from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping
 from ..memory.doorbell import Doorbell, fd_label
-from ..memory.fdpass import FdInbox, fd_socket_path
+from ..memory.fdpass import MAX_MEMORY_HANDLES, FdInbox, fd_socket_path
 from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
@@ -439,8 +439,9 @@ def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory:
         raise InvalidArgument(f"tp_rank {tp_rank} must be below tp_size {tp_size} (>= 1)")
     if not memory:
         raise InvalidArgument("no memory handles")
-    if len(memory) > 256 or not regions or len(regions) > 4096:
-        raise InvalidArgument(f"{len(memory)} memory handles and {len(regions)} regions: need 1-256 and 1-4096")
+    if len(memory) > MAX_MEMORY_HANDLES or not regions or len(regions) > 4096:
+        raise InvalidArgument(f"{len(memory)} memory handles and {len(regions)} regions: "
+                              f"need 1-{MAX_MEMORY_HANDLES} and 1-4096")
     if len(description) > MAX_DESCRIPTION:
         raise InvalidArgument(f"description is {len(description)} characters long; at most {MAX_DESCRIPTION}")
     descs = sum(r.layout.num_blocks for r in regions)
