@@ -26,11 +26,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @unary
     async def Attach(self, request: worker_pb2.AttachRequest, context: Ctx) -> worker_pb2.AttachResponse:
-        w = await self.node.attach(request.engine_id, convert.role(request.role), request.tp_rank,
-                                   request.tp_size, request.pp_rank,
-                                   [convert.memory(m) for m in request.memory],
-                                   [convert.region(r) for r in request.regions], request.description,
-                                   request.doorbell[:256], convert.token(request.doorbell_token))
+        try:
+            w = await self.node.attach(request.engine_id, convert.role(request.role), request.tp_rank,
+                                       request.tp_size, request.pp_rank,
+                                       [convert.memory(m) for m in request.memory],
+                                       [convert.region(r) for r in request.regions], request.description,
+                                       request.doorbell[:256], convert.token(request.doorbell_token))
+        except BaseException:
+            # whatever refused it (a malformed handle after good ones, a rank taken, a draining daemon),
+            # the descriptors handed over for this Attach are closed now, not at the inbox's expiry: a
+            # worker that gives up would otherwise leave its whole KV alive in the daemon that long
+            self.node.workers.fds.discard(handed_tokens(request))
+            raise
         return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
                                          peer_address=self.node.ident.peer_address)
 
@@ -61,6 +68,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async for results, completions in pump.serve(requests, self.node.session_batches(wid), first):
             for batch in event_batches(results, completions):
                 yield batch
+
+
+def handed_tokens(request: worker_pb2.AttachRequest) -> list[bytes]:
+    """The tokens under which an Attach says its descriptors were sent to the fd socket."""
+    tokens = [m.memfd.token for m in request.memory if m.WhichOneof("kind") == "memfd"]
+    return [*tokens, request.doorbell_token] if request.doorbell_token else tokens
 
 
 def event_batches(results: list[Any], completions: list[Any]) -> list[worker_pb2.EventBatch]:

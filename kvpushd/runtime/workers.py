@@ -137,17 +137,6 @@ class Workers:
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
                      doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
-        try:
-            return await self._claim_and_attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions,
-                                                description, doorbell, doorbell_token)
-        except BaseException:  # what it was handed and did not take goes back at once
-            tokens = [m.token for m in memory if isinstance(m, MemfdSpec)]
-            self.fds.discard([*tokens, doorbell_token] if doorbell_token else tokens)
-            raise
-
-    async def _claim_and_attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                                memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                                doorbell: str, doorbell_token: bytes) -> Worker:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
         rank = ("rank", engine_id, tp_rank, pp_rank)

@@ -230,6 +230,38 @@ def test_an_attach_refused_early_holds_none_of_its_descriptors(daemon_factory) -
     daemon_factory.close(check=(d,))
 
 
+def test_an_attach_with_a_malformed_handle_after_good_ones_holds_none_of_them(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A handle the daemon cannot even read (a token of the wrong length) after memfds it was handed:
+    the Attach is refused before any memory is looked at, and the good ones are closed at once too."""
+    d = daemon_factory("dnode")
+    c = d.client
+    regs = [Region(0, 0, 16, 4096)]
+    fds = [sealed_memfd(f"mf-bad-{i}", 16 * 4096) for i in range(3)]
+    base = _open_fds(d.proc.pid)
+    try:
+        tokens = hand_over(c.socket_path, [MemfdMemory(fd, 16 * 4096) for fd in fds])
+        assert wait_for(lambda: _open_fds(d.proc.pid) >= base + 3, timeout=10)  # parked in the daemon
+        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], regs, 0, "")
+        for i in range(3):
+            req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[i], size=16 * 4096)))
+        req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=b"short", size=4096)))
+        stub = worker_pb2_grpc.WorkerServiceStub(c.channel)
+        with pytest.raises(grpc.RpcError) as r:
+            stub.Attach(req, timeout=10)
+        assert r.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in (r.value.details() or "")
+        assert _open_fds(d.proc.pid) <= base, "the refused Attach's good descriptors are still held"
+        del req.memory[3]  # the same tokens again: they were closed, not kept for a retry
+        with pytest.raises(grpc.RpcError) as r:
+            stub.Attach(req, timeout=10)
+        assert r.value.code() == grpc.StatusCode.NOT_FOUND, r.value
+        w = c.attach("e", Role.CONSUMER, 0, 1, [MemfdMemory(fds[0], 16 * 4096)], regs)  # the daemon went on
+        w.detach()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    daemon_factory.close(check=(d,))
+
+
 def test_parked_descriptors_expire_with_nothing_else_arriving(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A descriptor whose Attach never comes is closed after TTL_S by the loop's own timer."""
     import asyncio
