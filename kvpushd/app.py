@@ -195,9 +195,6 @@ class Daemon:
             await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._health_names.append((servicer, names))
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
     async def shutdown(self) -> None:
         """Stop accepting, drain, deregister, close. Safe to call twice."""
         if self._stopped:

@@ -6,7 +6,6 @@ KV bytes are never copied by the daemon: NIXL moves them between the workers' me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -18,8 +17,3 @@ class Mapping(Protocol):
 
     def close(self) -> None: ...
 
-
-@dataclass(frozen=True, slots=True)
-class MemoryLimits:
-    max_mappings: int = 256
-    max_regions: int = 4096
