@@ -289,6 +289,49 @@ def test_parked_descriptors_expire_with_nothing_else_arriving(tmp_path, monkeypa
         os.close(fd)
 
 
+def test_an_attach_a_draining_daemon_refuses_hands_its_descriptors_back(tmp_path) -> None:
+    """The servicer closes what an Attach handed over whatever refused it, a draining node included
+    (unit test: a node that refuses every Attach, the real inbox and socket)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvpushd.core.errors import Unavailable
+    from kvpushd.rpc.worker import WorkerServicer
+
+    fds = [sealed_memfd(f"mf-drain-{i}", 4096) for i in range(2)]
+    sock = str(tmp_path / "w.sock")
+
+    class Draining:
+        workers = SimpleNamespace(fds=fdpass.FdInbox(f"{sock}.fd", 0o600))
+
+        async def attach(self, *args: object) -> None:
+            raise Unavailable("daemon dnode is shutting down")
+
+    async def run() -> tuple[int, int]:
+        node = Draining()
+        inbox = node.workers.fds
+        inbox.start(asyncio.get_running_loop())
+        try:
+            tokens = hand_over(sock, [MemfdMemory(fds[0], 4096)])
+            req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 1, 4096)], 0, "")
+            req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[0], size=4096)))
+            req.doorbell_token = hand_over(sock, [MemfdMemory(fds[1], 4096)])[0]
+            await asyncio.sleep(0.02)
+            inbox.drain()
+            before = inbox.parked
+            with pytest.raises(Unavailable):
+                await WorkerServicer.Attach.__wrapped__(WorkerServicer(node), req, None)  # type: ignore[attr-defined]
+            return before, inbox.parked
+        finally:
+            inbox.close()
+
+    try:
+        assert asyncio.run(run()) == (2, 0)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_workers_with_a_memfd_per_layer_attach_together(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """vLLM keeps a layer's KV in a storage of its own, so the connector hands over a memfd per layer:
     an 80-layer model's worker sends 80, and the TP ranks of a node send theirs at the same time."""
