@@ -15,6 +15,7 @@ def _serve(args: argparse.Namespace) -> int:
     from . import config, log
     from .app import Daemon
     from .core.errors import KvpushdError
+    from .memory.fdpass import raise_fd_limit
 
     try:
         overrides = {"worker_api.socket": args.socket, "peer_api.listen": args.listen, "node.node_id": args.node_id}
@@ -23,6 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvpushd: {e}", file=sys.stderr)
         return 2
     log.setup(cfg.log.level, cfg.log.format)
+    raise_fd_limit()
     import uvloop
 
     # The event loop and the NIXL thread share the GIL; a waiting thread gets it back only after

@@ -32,6 +32,26 @@ _MAX_FDS = 4  # what one datagram may carry before the rest is cut (the kernel c
 log = structlog.get_logger(__name__)
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one, as Go's runtime does at start: a flood of
+    the fd socket parks up to MAX_PARKED descriptors, and under the common soft limit of 1,024 that
+    would leave the daemon none for its sockets and mappings. Returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit", soft=soft, hard=hard, error=str(e))
+    if soft != resource.RLIM_INFINITY and soft < 2 * MAX_PARKED:
+        log.warning("open-files limit is low: the fd socket alone may hold this many descriptors; raise "
+                    "LimitNOFILE (systemd) or the container's nofile limit", limit=soft, fd_socket_holds=MAX_PARKED)
+    return soft
+
+
 def fd_socket_path(worker_socket: str) -> str:
     return f"{worker_socket}.fd"
 

@@ -15,7 +15,7 @@ import time
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, KVPushError, MemfdMemory, Region, Role, _convert
+from kvpushd_client import CompletionKind, KVPushClient, KVPushError, MemfdMemory, Region, Role, _convert
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
 from support import POISON, attach_pair, make_kv, scrape, value, wait_for
@@ -330,6 +330,43 @@ def test_an_attach_a_draining_daemon_refuses_hands_its_descriptors_back(tmp_path
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_a_daemon_started_under_a_low_open_files_limit_takes_a_flood_of_the_fd_socket(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Started under a soft limit of 512 open files (a shell's or a container's default is often
+    1,024), the daemon raises it to the hard limit: a thousand descriptors parked on its fd socket
+    leave it room for new worker connections and their memory."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard open-files limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # the daemon inherits it
+    try:
+        d = daemon_factory("dnode")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open(f"/proc/{d.proc.pid}/limits") as f:
+        (line,) = [x for x in f if x.startswith("Max open files")]
+    assert int(line.split()[3]) > 512, line
+    fd = sealed_memfd("mf-flood", 16 * 4096)
+    try:
+        base = _open_fds(d.proc.pid)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.settimeout(10)  # a daemon that cannot take them leaves the queue full
+            s.connect(f"{d.sock}.fd")
+            for i in range(1000):
+                socket.send_fds(s, [b"%016d" % i], [fd])
+        assert wait_for(lambda: _open_fds(d.proc.pid) >= base + 1000, timeout=20)
+        c = KVPushClient(d.sock)  # a new connection, and memory to map
+        try:
+            w = c.attach("e", Role.CONSUMER, 0, 1, [MemfdMemory(fd, 16 * 4096)], [Region(0, 0, 16, 4096)])
+            w.detach()
+        finally:
+            c.close()
+    finally:
+        os.close(fd)
+    daemon_factory.close(check=(d,))
 
 
 def test_workers_with_a_memfd_per_layer_attach_together(daemon_factory) -> None:  # type: ignore[no-untyped-def]
