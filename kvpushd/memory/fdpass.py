@@ -6,7 +6,12 @@ its Attach then names the memory by that token (``MemfdHandle``). The kernel has
 datagram by the time ``sendmsg`` returns, so ``take`` reads the socket before it looks.
 
 Bounded: at most ``MAX_PARKED`` descriptors wait for their Attach (a flood closes the oldest), each
-for ``TTL_S``; a datagram of any other shape is dropped with every descriptor it carried.
+for ``TTL_S``; a datagram of any other shape is dropped with every descriptor it carried. Only shared
+memory is parked (a memfd or a /dev/shm object, on tmpfs): anything else is refused on arrival and
+closed off the event loop, since closing a socket set to linger, or a FUSE or NFS file, can wait on
+whoever holds its other end; hugetlbfs is refused too (a hole punched in it faults SIGBUS in the daemon
+once the huge-page pool is empty). One wake-up takes at most ``_MAX_PER_WAKE`` datagrams, so senders
+that keep the queue full cannot hold the loop.
 """
 
 from __future__ import annotations
@@ -14,21 +19,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import os
+import queue
 import socket
 import stat
+import struct
+import threading
 import time
 from collections.abc import Iterable
 
 import structlog
 
-from ..core.errors import FailedPrecondition, NotFound
+from ..core.errors import FailedPrecondition, NotFound, PermissionDenied
 
 TOKEN_BYTES = 16
 MAX_MEMORY_HANDLES = 256  # what one Attach may name (vLLM: a memfd per layer's KV storage)
 MAX_PARKED = 16 * MAX_MEMORY_HANDLES  # sixteen Attaches naming the most they may, sent at once
 TTL_S = 30.0
 _MAX_FDS = 4  # what one datagram may carry before the rest is cut (the kernel closes what it cuts)
+_MAX_PER_WAKE = 256  # datagrams one wake-up of the loop takes; the reader fires again for the rest
+_MAX_CLOSING = 256  # refused descriptors waiting for the closer thread before the socket is left unread
+_MAX_REFUSED = 256  # tokens of refused descriptors remembered, for the Attach's message
+TMPFS_MAGIC = 0x01021994  # shmem: memfds and /dev/shm objects
+_libc = ctypes.CDLL(None, use_errno=True)
 log = structlog.get_logger(__name__)
 
 
@@ -52,6 +66,20 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def not_shmem(fd: int) -> str:
+    """Why ``fd`` is not a regular file of shared memory (tmpfs), or "" when it is."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
+        if _libc.fstatfs(fd, buf) != 0:
+            return f"fstatfs failed: {os.strerror(ctypes.get_errno())}"
+    except OSError as e:
+        return f"cannot be inspected: {e.strerror}"
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return "" if f_type == TMPFS_MAGIC else f"a file on a file system of type {f_type:#x}, not shared memory (tmpfs)"
+
+
 def fd_socket_path(worker_socket: str) -> str:
     return f"{worker_socket}.fd"
 
@@ -68,7 +96,11 @@ class FdInbox:
         self._parked: collections.OrderedDict[bytes, tuple[int, float]] = collections.OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next expiry, while any descriptor waits
-        self.dropped = 0  # datagrams of the wrong shape, and descriptors evicted or expired unused
+        self._refused: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # token -> why
+        self._closer: queue.SimpleQueue[int] | None = None  # refused descriptors, closed by a thread
+        self._closing = 0  # of those, not closed yet
+        self._reading = False  # the loop watches the socket
+        self.dropped = 0  # datagrams of the wrong shape, and descriptors refused, evicted or expired unused
 
     def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Bind the socket (replacing a stale one) and, with ``loop``, read it as datagrams arrive."""
@@ -85,11 +117,22 @@ class FdInbox:
         os.chmod(self.path, self.mode)
         if loop is not None:
             self._loop = loop
-            loop.add_reader(self._sock.fileno(), self.drain)
+            self._read(True)
+
+    def _read(self, on: bool) -> None:
+        if self._loop is None or on == self._reading or not self._bound:
+            return
+        self._reading = on
+        if on:
+            self._loop.add_reader(self._sock.fileno(), self.drain)
+        else:
+            self._loop.remove_reader(self._sock.fileno())
 
     def drain(self) -> None:
-        """Park every descriptor the socket holds now."""
-        while self._bound:
+        """Park the descriptors the socket holds now (at most ``_MAX_PER_WAKE`` datagrams)."""
+        for _ in range(_MAX_PER_WAKE):
+            if not self._bound or self._closing >= _MAX_CLOSING:
+                break
             try:
                 msg, fds, flags, _ = socket.recv_fds(self._sock, TOKEN_BYTES + 1, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
@@ -99,11 +142,62 @@ class FdInbox:
                 break
             if len(msg) != TOKEN_BYTES or len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
                 for fd in fds:
-                    os.close(fd)
+                    self._close_later(fd)
                 self.dropped += 1
                 continue
+            if why := not_shmem(fds[0]):
+                self._refuse(msg, fds[0], why)
+                continue
             self._park(msg, fds[0])
+        if self._closing >= _MAX_CLOSING:
+            self._read(False)  # until the closer catches up (_closed)
         self._expire(time.monotonic())
+
+    def _refuse(self, token: bytes, fd: int, why: str) -> None:
+        self._refused.pop(token, None)
+        self._refused[token] = why
+        while len(self._refused) > _MAX_REFUSED:
+            self._refused.popitem(last=False)
+        self._close_later(fd)
+        self.dropped += 1
+
+    def _close_later(self, fd: int) -> None:
+        """Close a descriptor that is not shared memory without waiting on the loop: a socket loses
+        its linger and closes at once; anything else goes to the closer thread."""
+        try:
+            sock = socket.socket(fileno=fd) if stat.S_ISSOCK(os.fstat(fd).st_mode) else None
+        except OSError:
+            sock = None
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 0, 0))
+            except OSError:
+                sock.detach()  # the closer thread closes it
+            else:
+                with contextlib.suppress(OSError):
+                    sock.close()
+                return
+        if self._loop is None:  # no loop to keep free (a test's inbox)
+            os.close(fd)
+            return
+        if self._closer is None:
+            self._closer = queue.SimpleQueue()
+            threading.Thread(target=self._close_forever, args=(self._closer, self._loop), daemon=True,
+                             name="kvpushd-fd-close").start()
+        self._closing += 1
+        self._closer.put(fd)
+
+    def _close_forever(self, q: queue.SimpleQueue[int], loop: asyncio.AbstractEventLoop) -> None:
+        while (fd := q.get()) >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(RuntimeError):  # the loop closed: the daemon is stopping
+                loop.call_soon_threadsafe(self._closed)
+
+    def _closed(self) -> None:
+        self._closing -= 1
+        if self._closing < _MAX_CLOSING // 2:
+            self._read(True)
 
     def _park(self, token: bytes, fd: int) -> None:
         old = self._parked.pop(token, None)
@@ -142,6 +236,7 @@ class FdInbox:
         took them): a worker's whole KV is not held until the descriptor's expiry."""
         self.drain()
         for token in tokens:
+            self._refused.pop(bytes(token), None)
             got = self._parked.pop(bytes(token), None)
             if got is not None:
                 os.close(got[0])
@@ -154,6 +249,9 @@ class FdInbox:
         """The descriptor sent under ``token``; the caller owns (closes) it."""
         self.drain()
         got = self._parked.pop(bytes(token), None)
+        if got is None and (why := self._refused.pop(bytes(token), None)) is not None:
+            raise PermissionDenied(f"the descriptor sent under this memfd token was refused on arrival: {why}; "
+                                   "host KV and doorbell pages go as memfds (kvpushd_client.SealedBuffer)")
         if got is None:
             raise NotFound(f"no descriptor arrived on {self.path} under this memfd token (sent to another "
                            f"daemon's socket, waited over {TTL_S:.0f} s for its Attach, or pushed out by "
@@ -165,7 +263,10 @@ class FdInbox:
             self._timer.cancel()
             self._timer = None
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._sock.fileno())
+            self._read(False)
+        if self._closer is not None:
+            self._closer.put(-1)  # the thread ends after what it holds
+            self._closer = None
         self._sock.close()
         if self._bound:  # ours to remove (an unbound one may be another daemon's)
             self._bound = False

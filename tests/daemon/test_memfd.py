@@ -8,6 +8,7 @@ takes no other descriptor. Real daemons, real NIXL.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -367,6 +368,114 @@ def test_a_daemon_started_under_a_low_open_files_limit_takes_a_flood_of_the_fd_s
     finally:
         os.close(fd)
     daemon_factory.close(check=(d,))
+
+
+def _send(path: str, token: bytes, fd: int) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(path)
+        socket.send_fds(s, [token], [fd])
+
+
+def test_the_fd_socket_parks_shared_memory_only(tmp_path) -> None:
+    """A memfd or a /dev/shm object is parked; a file on disk, a socket and a hugetlbfs memfd are
+    refused on arrival, and the Attach that names one hears why."""
+    import asyncio
+
+    from kvpushd.core.errors import PermissionDenied
+
+    disk = os.open(tmp_path / "kv", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(disk, 4096)
+    a, b = socket.socketpair()
+    shm = os.open("/dev/shm/kvpushd-test-door", os.O_RDWR | os.O_CREAT)
+    os.unlink("/dev/shm/kvpushd-test-door")
+    sent = {"memfd": sealed_memfd("mf-door", 4096), "shm": shm, "disk": disk, "socket": a.fileno()}
+    with contextlib.suppress(OSError):  # a kernel without hugetlbfs
+        sent["hugetlbfs"] = os.memfd_create("mf-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+
+    async def run() -> dict[str, str]:
+        inbox = fdpass.FdInbox(str(tmp_path / "t.sock.fd"), 0o600)
+        inbox.start(asyncio.get_running_loop())
+        out = {}
+        try:
+            for i, fd in enumerate(sent.values()):
+                _send(inbox.path, b"%016d" % i, fd)
+            await asyncio.sleep(0.05)
+            for i, kind in enumerate(sent):
+                try:
+                    os.close(inbox.take(b"%016d" % i))
+                    out[kind] = "parked"
+                except PermissionDenied as e:
+                    out[kind] = str(e)
+        finally:
+            inbox.close()
+        return out
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        for fd in sent.values():
+            os.close(fd)
+        b.close()
+    assert got.pop("memfd") == "parked" and got.pop("shm") == "parked"
+    assert "refused on arrival: a file on a file system of type" in got.pop("disk")
+    assert "refused on arrival: not a regular file" in got.pop("socket")
+    if "hugetlbfs" in got:
+        assert "type 0x958458f6" in got.pop("hugetlbfs")
+    assert not got
+
+
+def test_a_lingering_socket_sent_as_a_doorbell_does_not_hold_the_daemon(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A TCP socket set to linger 20 s with data its peer never reads, sent as a doorbell page:
+    closing it waits the 20 s. Before, the daemon closed it on its event loop when the Attach refused
+    the page, and stood still that long; now it is refused on arrival and closed without waiting."""
+    import struct
+
+    d = daemon_factory("dnode")
+    listener = socket.create_server(("127.0.0.1", 0))
+    s = socket.create_connection(listener.getsockname())
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 20))
+    s.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:  # the peer is never accepted nor read: fill both buffers
+            s.send(b"x" * 65536)
+    fd = sealed_memfd("mf-linger", 16 * 4096)
+    try:
+        tokens = hand_over(d.sock, [MemfdMemory(fd, 16 * 4096)])
+        _send(f"{d.sock}.fd", b"l" * 16, s.fileno())
+        s.close()  # the daemon holds the last reference now
+        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
+        req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[0], size=16 * 4096)))
+        req.doorbell_token = b"l" * 16
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as r:
+            worker_pb2_grpc.WorkerServiceStub(d.client.channel).Attach(req, timeout=60)
+        took = time.monotonic() - t0
+        assert took < 5.0, f"the Attach took {took:.1f} s: the daemon waited on the socket's linger"
+        assert r.value.code() == grpc.StatusCode.PERMISSION_DENIED, r.value
+        d.client.status()  # the daemon went on
+    finally:
+        os.close(fd)
+        listener.close()
+    daemon_factory.close(check=(d,))
+
+
+def test_one_wake_up_of_the_fd_socket_takes_a_bounded_number_of_datagrams(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fdpass, "_MAX_PER_WAKE", 3)
+    fd = sealed_memfd("mf-wake", 4096)
+    inbox = fdpass.FdInbox(str(tmp_path / "t.sock.fd"), 0o600)
+    inbox.start(None)
+    try:
+        for i in range(8):
+            _send(inbox.path, b"%016d" % i, fd)
+        counts = []
+        for _ in range(3):
+            inbox.drain()
+            counts.append(inbox.parked)
+        assert counts == [3, 6, 8]
+    finally:
+        inbox.close()
+        os.close(fd)
 
 
 def test_workers_with_a_memfd_per_layer_attach_together(daemon_factory) -> None:  # type: ignore[no-untyped-def]
