@@ -6,7 +6,12 @@ KV bytes are never copied by the daemon: NIXL moves them between the workers' me
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+from ..core.errors import PermissionDenied
 
 
 class Mapping(Protocol):
@@ -17,3 +22,67 @@ class Mapping(Protocol):
 
     def close(self) -> None: ...
 
+
+@dataclass(frozen=True, slots=True)
+class ShmSpec:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaSpec:
+    gpu_uuid: str
+    ipc_handle: bytes
+    size: int
+    storage_offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+    sentinel: bytes = b""          # checked through the mapping before NIXL sees it (memory/cuda.py)
+    sentinel_offset: int = 0
+    sentinel_restore: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class MemfdSpec:
+    token: bytes  # what the descriptor came under on the fd socket (memory/fdpass.py)
+    size: int
+
+
+MemorySpec = ShmSpec | CudaSpec | MemfdSpec
+
+
+def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = False
+             ) -> list[Mapping]:
+    """Open every handle, or none (closing what was opened when one fails); ``fds``: the memfds'
+    descriptors by token, each closed here whatever happens."""
+    from .shm import ShmMapping
+
+    fds = dict(fds or {})
+    out: list[Mapping] = []
+    try:
+        for i, spec in enumerate(memory):
+            if isinstance(spec, ShmSpec):
+                if not named_shm:
+                    raise PermissionDenied(
+                        f"memory {i}: host KV by /dev/shm name is refused here (worker_api.named_shm = false): "
+                        "a worker could truncate it under a WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
+                out.append(ShmMapping(spec.name, spec.size))
+            elif isinstance(spec, MemfdSpec):
+                out.append(ShmMapping.sealed(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
+            else:
+                from .cuda import CudaIpcMapping
+
+                out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
+                                          spec.ref_counter_handle, spec.ref_counter_offset,
+                                          spec.event_handle, spec.event_sync_required,
+                                          spec.sentinel, spec.sentinel_offset, spec.sentinel_restore))
+    except BaseException:
+        for m in out:
+            m.close()
+        raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out

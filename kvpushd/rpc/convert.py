@@ -6,8 +6,9 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
 
 from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
+from ..memory import CudaSpec, MemfdSpec, MemorySpec, ShmSpec
 from ..memory.fdpass import TOKEN_BYTES
-from ..runtime.workers import CudaSpec, MemfdSpec, MemorySpec, RegionArg, ShmSpec
+from ..runtime.workers import RegionArg
 from ..transfer.descs import RegionSpec, RemoteAgent
 
 

@@ -26,6 +26,7 @@ from ..core.errors import (
 from ..core.rendezvous import Binding, Registration
 from ..core.types import Completion, FailureCode, Role, TransferMode
 from ..events import EventHub
+from ..memory import MemorySpec
 from ..tracing import Tracing
 from ..transfer.descs import RemoteAgent
 from .executor import Executor
@@ -38,7 +39,6 @@ from .rendezvous import Rendezvous
 from .sinks import Tally
 from .view import View
 from .workers import (
-    MemorySpec,
     RegionArg,
     Worker,
     Workers,

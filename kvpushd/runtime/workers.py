@@ -29,7 +29,7 @@ from ..core.errors import (
 from ..core.notif import MAX_LAYERS
 from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
-from ..memory import Mapping
+from ..memory import Mapping, MemfdSpec, MemorySpec, open_all
 from ..memory.doorbell import Doorbell, fd_label
 from ..memory.fdpass import MAX_MEMORY_HANDLES, FdInbox, fd_socket_path
 from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
@@ -40,36 +40,6 @@ from .identity import Identity, agent_prefix
 log = structlog.get_logger(__name__)
 
 MAX_DESCRIPTION = 1024         # characters of a worker's free-text description
-
-
-@dataclass(frozen=True, slots=True)
-class ShmSpec:
-    name: str
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class CudaSpec:
-    gpu_uuid: str
-    ipc_handle: bytes
-    size: int
-    storage_offset: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-    sentinel: bytes = b""          # checked through the mapping before NIXL sees it (memory/cuda.py)
-    sentinel_offset: int = 0
-    sentinel_restore: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class MemfdSpec:
-    token: bytes  # what the descriptor came under on the fd socket (memory/fdpass.py)
-    size: int
-
-
-MemorySpec = ShmSpec | CudaSpec | MemfdSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +107,21 @@ class Workers:
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
                      doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
+        """An Attach whose caller goes (its deadline passed, its call cancelled) runs to its end anyway,
+        holding its claims: cut short, it left what a thread had mapped for it mapped for good, or
+        unmapped memory the NIXL thread was registering. Finished, its worker is detached like any that
+        never opens its session (``worker_api.session_grace_s``)."""
+        task = asyncio.ensure_future(self._claim_and_attach(engine_id, role, tp_rank, tp_size, pp_rank, memory,
+                                                            regions, description, doorbell, doorbell_token))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_abandoned)
+            raise
+
+    async def _claim_and_attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
+                                memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
+                                doorbell: str, doorbell_token: bytes) -> Worker:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
         rank = ("rank", engine_id, tp_rank, pp_rank)
@@ -356,39 +341,14 @@ class Workers:
                 if not w.session_open and not w.gone and now - w.attached_at > grace]
 
 
-def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = False
-             ) -> list[Mapping]:
-    """Open every handle, or none (closing what was opened when one fails); ``fds``: the memfds'
-    descriptors by token, each closed here whatever happens."""
-    from ..memory.shm import ShmMapping
-
-    fds = dict(fds or {})
-    out: list[Mapping] = []
-    try:
-        for i, spec in enumerate(memory):
-            if isinstance(spec, ShmSpec):
-                if not named_shm:
-                    raise PermissionDenied(
-                        f"memory {i}: host KV by /dev/shm name is refused here (worker_api.named_shm = false): "
-                        "a worker could truncate it under a WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
-                out.append(ShmMapping(spec.name, spec.size))
-            elif isinstance(spec, MemfdSpec):
-                out.append(ShmMapping.sealed(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
-            else:
-                from ..memory.cuda import CudaIpcMapping
-
-                out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
-                                          spec.ref_counter_handle, spec.ref_counter_offset,
-                                          spec.event_handle, spec.event_sync_required,
-                                          spec.sentinel, spec.sentinel_offset, spec.sentinel_restore))
-    except BaseException:
-        for m in out:
-            m.close()
-        raise
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
+def _abandoned(task: asyncio.Future[Worker]) -> None:
+    if task.cancelled():
+        return
+    if (e := task.exception()) is not None:
+        log.info("an Attach whose caller left failed", error=str(e))
+    else:
+        log.info("an Attach whose caller left finished; its worker goes unless it opens a session",
+                 worker_id=task.result().worker_id)
 
 
 def check_transfer_id(transfer_id: str) -> None:

@@ -478,6 +478,70 @@ def test_one_wake_up_of_the_fd_socket_takes_a_bounded_number_of_datagrams(
         os.close(fd)
 
 
+def test_an_attach_whose_caller_leaves_runs_to_its_end_and_holds_its_rank(tmp_path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller of an Attach goes (its deadline passed) while a thread maps its memory. Before, the
+    Attach stopped there: what the thread mapped stayed mapped with no worker to own it (the worker's
+    whole KV, for the daemon's life), and the rank was free again at once. Unit test of the workers'
+    room (its NIXL thread a stand-in; the end-to-end path is the other tests')."""
+    import asyncio
+
+    from kvpushd import config, memory
+    from kvpushd.core.errors import AlreadyExists
+    from kvpushd.core.types import RegionLayout
+    from kvpushd.core.types import Role as CoreRole
+    from kvpushd.events import EventHub
+    from kvpushd.runtime import workers as room
+    from kvpushd.runtime.identity import Identity
+
+    opened: list[object] = []
+
+    def slow_open_all(*args: object) -> list[object]:
+        time.sleep(0.3)
+        out = memory.open_all(*args)  # type: ignore[arg-type]
+        opened.extend(out)
+        return out  # type: ignore[return-value]
+
+    class NixlThread:
+        async def attach(self, *args: object) -> bytes:
+            return b"metadata"
+
+    monkeypatch.setattr(room, "open_all", slow_open_all)
+    sock = str(tmp_path / "w.sock")
+    fd = sealed_memfd("mf-leave", 4 * 4096)
+    region = [room.RegionArg(0, 0, RegionLayout(4, 4096, 4096, 0, 0, 0, False))]
+
+    async def run() -> None:
+        cfg = config.from_dict({"worker_api": {"socket": sock, "populate_host_kv": False}})
+        ws = room.Workers(cfg, Identity("n", "127.0.0.1:1"), EventHub())
+        ws.xfer = NixlThread()  # type: ignore[assignment]
+        ws.fds.start(asyncio.get_running_loop())
+        try:
+            spec = [memory.MemfdSpec(hand_over(sock, [MemfdMemory(fd, 4 * 4096)])[0], 4 * 4096)]
+            first = asyncio.ensure_future(ws.attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region, ""))
+            await asyncio.sleep(0.1)  # the thread is mapping
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            with pytest.raises(AlreadyExists):  # the rank is still the first Attach's
+                await ws.attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region, "")
+            for _ in range(50):
+                if ws.by_id:
+                    break
+                await asyncio.sleep(0.02)
+            (w,) = ws.by_id.values()  # finished: a worker, reaped if it never opens a session
+            assert opened and all(m in w.mappings for m in opened)
+            for m in w.mappings:
+                m.close()
+        finally:
+            ws.fds.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        os.close(fd)
+
+
 def test_workers_with_a_memfd_per_layer_attach_together(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """vLLM keeps a layer's KV in a storage of its own, so the connector hands over a memfd per layer:
     an 80-layer model's worker sends 80, and the TP ranks of a node send theirs at the same time."""
