@@ -46,7 +46,8 @@ class AsyncKVPushClient:
 
     async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
                      regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> AsyncWorker:
-        tokens = hand_over(self.socket_path, memory, self.timeout_s)  # a local datagram per memfd
+        # a local datagram per memfd (off the loop: a full queue makes a send wait)
+        tokens = await asyncio.to_thread(hand_over, self.socket_path, memory, self.timeout_s)
         req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
                                       tokens)
         try:

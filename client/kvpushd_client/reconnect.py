@@ -163,6 +163,11 @@ class ReconnectingStreamWorker:
         w = self.worker
         return w.take_late() if w is not None else []
 
+    @property
+    def running(self) -> bool:
+        """Its thread is still at work (``close`` waits for it only so long)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
         with self._lock:
             self._stopped = True

@@ -4,12 +4,13 @@
 A sealed memfd is the safe form: nobody can truncate it, so no WRITE into or out of it can fault
 in the daemon, and it is freed with its last descriptor and mapping, however the worker dies. A
 named object can be truncated by any process that may open it (the daemon takes it only with
-``worker_api.named_shm``, on by default).
+``worker_api.named_shm``, off by default).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -17,7 +18,7 @@ import secrets
 import socket
 from collections.abc import Sequence
 
-from .errors import DaemonUnavailable
+from .errors import DaemonUnavailable, InvalidArgument
 from .types import MemfdMemory, Memory, ShmMemory
 
 TOKEN_BYTES = 16
@@ -54,6 +55,9 @@ def hand_over(socket_path: str, memory: Sequence[Memory], timeout_s: float = 10.
                     s.connect(path)
                 socket.send_fds(s, [token], [m.fd])
             except OSError as e:
+                if e.errno == errno.EBADF:  # the caller's, not the daemon's: retrying cannot help
+                    raise InvalidArgument("INVALID_ARGUMENT", f"memory {i}: descriptor {m.fd} is not open "
+                                          "(its SealedBuffer or doorbell closed?)") from None
                 raise DaemonUnavailable(
                     "UNAVAILABLE", f"cannot hand memory {i} to the daemon's fd socket {path}: {e.strerror or e}"
                 ) from None

@@ -203,6 +203,18 @@ def test_hand_over_to_a_daemon_without_an_fd_socket_says_so(tmp_path) -> None:
         os.close(fd)
 
 
+def test_hand_over_of_a_closed_descriptor_is_the_callers_error(tmp_path) -> None:
+    """Not UNAVAILABLE (which the vLLM connector retries for connect_timeout_s, saying no daemon
+    answers): the descriptor is the caller's, and retrying cannot help."""
+    from kvpushd_client.errors import InvalidArgument
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as daemon:
+        daemon.bind(str(tmp_path / "w.sock.fd"))
+        for fd in (-1, 1 << 20):  # a closed Doorbell's; a number nothing has open
+            with pytest.raises(InvalidArgument, match="is not open"):
+                hand_over(str(tmp_path / "w.sock"), [MemfdMemory(fd, 4096)])
+
+
 def test_an_attach_refused_early_holds_none_of_its_descriptors(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Refused before its memory was looked at (a bad rank, a rank taken), an Attach still hands its
     descriptors back at once, doorbell page included: a worker that gives up then would otherwise
