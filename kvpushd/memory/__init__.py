@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpushd_client.types import CudaMemory, ShmMemory  # what the wire's handles say: one definition
+
 from ..core.errors import PermissionDenied
 
 
@@ -24,33 +26,12 @@ class Mapping(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class ShmSpec:
-    name: str
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class CudaSpec:
-    gpu_uuid: str
-    ipc_handle: bytes
-    size: int
-    storage_offset: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-    sentinel: bytes = b""          # checked through the mapping before NIXL sees it (memory/cuda.py)
-    sentinel_offset: int = 0
-    sentinel_restore: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
 class MemfdSpec:
     token: bytes  # what the descriptor came under on the fd socket (memory/fdpass.py)
     size: int
 
 
-MemorySpec = ShmSpec | CudaSpec | MemfdSpec
+MemorySpec = ShmMemory | CudaMemory | MemfdSpec
 
 
 def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = False
@@ -63,7 +44,7 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, 
     out: list[Mapping] = []
     try:
         for i, spec in enumerate(memory):
-            if isinstance(spec, ShmSpec):
+            if isinstance(spec, ShmMemory):
                 if not named_shm:
                     raise PermissionDenied(
                         f"memory {i}: host KV by /dev/shm name is refused here (worker_api.named_shm = false): "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
+from kvpushd_client.types import CudaMemory, ShmMemory
 
 from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
-from ..memory import CudaSpec, MemfdSpec, MemorySpec, ShmSpec
+from ..memory import MemfdSpec, MemorySpec
 from ..memory.fdpass import TOKEN_BYTES
 from ..runtime.workers import RegionArg
 from ..transfer.descs import RegionSpec, RemoteAgent
@@ -48,12 +49,12 @@ def token(t: bytes, optional: bool = True) -> bytes:
 def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
     kind = h.WhichOneof("kind")
     if kind == "shm":
-        return ShmSpec(h.shm.name, h.shm.size)
+        return ShmMemory(h.shm.name, h.shm.size)
     if kind == "cuda_ipc":
         c = h.cuda_ipc
-        return CudaSpec(c.gpu_uuid, c.ipc_handle, c.size, c.storage_offset, c.ref_counter_handle,
-                        c.ref_counter_offset, c.event_handle, c.event_sync_required, c.sentinel,
-                        c.sentinel_offset, c.sentinel_restore)
+        return CudaMemory(c.gpu_uuid, c.ipc_handle, c.size, c.storage_offset, c.ref_counter_handle,
+                          c.ref_counter_offset, c.event_handle, c.event_sync_required, c.sentinel,
+                          c.sentinel_offset, c.sentinel_restore)
     if kind == "memfd":
         return MemfdSpec(token(h.memfd.token, optional=False), h.memfd.size)
     raise InvalidArgument("memory handle has none of shm, cuda_ipc and memfd set")
