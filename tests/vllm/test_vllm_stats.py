@@ -208,7 +208,14 @@ def test_stats_of_a_real_transfer(setup: tuple[vs.Daemon, vs.Daemon, Engine, Eng
     assert len(lines) == 1 and lines[0].startswith("KV Transfer metrics: Num successful transfers=1, ")
     assert f"Avg MB per transfer={round(moved / 2**20, 3)}" in lines[0]
 
-    # decode: push mode, the WRITE was the prefill daemon's; it reports the completion and its time only
+    # decode: push mode, the WRITE was the prefill daemon's; it reports the completion and its time only.
+    # The completion ring told decode first; the figures come with the stream's copy, which a loaded
+    # machine can deliver after the steps run_request took: the engine records them at a later step.
+    def figures_came() -> bool:
+        de.step()
+        return bool(de.stats)
+
+    assert vs.wait_for(figures_came, 30, 0.01), "no decode figures"
     fams, lines = _families(de.cfg, de.stats)
     assert _value(fams, "vllm:nixl_xfer_time_seconds", "vllm:nixl_xfer_time_seconds_count") == 0
     assert _value(fams, "vllm:kvpushd_transfer_elapsed_seconds", "vllm:kvpushd_transfer_elapsed_seconds_count") == 1
