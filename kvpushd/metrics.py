@@ -269,7 +269,8 @@ class _StateCollector(Collector):
                                 "their Attach", value=parked)
         yield CounterMetricFamily("kvpushd_fd_socket_dropped", "Datagrams on the fd socket dropped (not "
                                   f"one 16-byte token and one descriptor) and descriptors closed unused (evicted "
-                                  f"past {fdpass.MAX_PARKED} waiting, or waited over {fdpass.TTL_S:.0f} s)",
+                                  f"past {fdpass.MAX_PARKED} waiting or {fdpass.MAX_PER_SENDER} of one process, or "
+                                  f"waited over {fdpass.TTL_S:.0f} s)",
                                   value=dropped)
         yield CounterMetricFamily("kvpushd_events_dropped", "Events dropped for Watch subscribers that fell "
                                   "behind", value=v.events.dropped)

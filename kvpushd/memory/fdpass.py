@@ -6,7 +6,11 @@ its Attach then names the memory by that token (``MemfdHandle``). The kernel has
 datagram by the time ``sendmsg`` returns, so ``take`` reads the socket before it looks.
 
 Bounded: at most ``MAX_PARKED`` descriptors wait for their Attach (a flood closes the oldest), each
-for ``TTL_S``; a datagram of any other shape is dropped with every descriptor it carried. Only shared
+for ``TTL_S``, and at most ``MAX_PER_SENDER`` of one sending process (its pid, which the kernel
+vouches for with SO_PASSCRED): a worker that floods the socket pushes out its own descriptors, not
+the other workers'. A sender in another pid namespace (a pod, without hostPID) shows as pid 0 and
+only the overall bound applies to it. A datagram of any other shape is dropped with every descriptor
+it carried. Only shared
 memory is parked (a memfd or a /dev/shm object, on tmpfs): anything else is refused on arrival and
 closed off the event loop, since closing a socket set to linger, or a FUSE or NFS file, can wait on
 whoever holds its other end; hugetlbfs is refused too (a hole punched in it faults SIGBUS in the daemon
@@ -32,17 +36,20 @@ from collections.abc import Iterable
 import structlog
 
 from ..core.errors import FailedPrecondition, NotFound, PermissionDenied
+from .shm import libc
 
 TOKEN_BYTES = 16
 MAX_MEMORY_HANDLES = 256  # what one Attach may name (vLLM: a memfd per layer's KV storage)
 MAX_PARKED = 16 * MAX_MEMORY_HANDLES  # sixteen Attaches naming the most they may, sent at once
+MAX_PER_SENDER = 4 * MAX_MEMORY_HANDLES  # one process: an Attach and three retries of it
 TTL_S = 30.0
 _MAX_FDS = 4  # what one datagram may carry before the rest is cut (the kernel closes what it cuts)
 _MAX_PER_WAKE = 256  # datagrams one wake-up of the loop takes; the reader fires again for the rest
 _MAX_CLOSING = 256  # refused descriptors waiting for the closer thread before the socket is left unread
 _MAX_REFUSED = 256  # tokens of refused descriptors remembered, for the Attach's message
 TMPFS_MAGIC = 0x01021994  # shmem: memfds and /dev/shm objects
-_libc = ctypes.CDLL(None, use_errno=True)
+_CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(_CRED.size)
 log = structlog.get_logger(__name__)
 
 
@@ -72,7 +79,7 @@ def not_shmem(fd: int) -> str:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return "not a regular file"
         buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
-        if _libc.fstatfs(fd, buf) != 0:
+        if libc.fstatfs(fd, buf) != 0:
             return f"fstatfs failed: {os.strerror(ctypes.get_errno())}"
     except OSError as e:
         return f"cannot be inspected: {e.strerror}"
@@ -92,8 +99,11 @@ class FdInbox:
         self.path = path
         self.mode = mode
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each datagram says its sender's pid
         self._bound = False
-        self._parked: collections.OrderedDict[bytes, tuple[int, float]] = collections.OrderedDict()
+        # token -> (descriptor, arrival, sender pid), oldest first; and each sender's tokens, oldest first
+        self._parked: collections.OrderedDict[bytes, tuple[int, float, int]] = collections.OrderedDict()
+        self._by_sender: dict[int, collections.OrderedDict[bytes, None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next expiry, while any descriptor waits
         self._refused: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # token -> why
@@ -134,12 +144,19 @@ class FdInbox:
             if not self._bound or self._closing >= _MAX_CLOSING:
                 break
             try:
-                msg, fds, flags, _ = socket.recv_fds(self._sock, TOKEN_BYTES + 1, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+                msg, anc, flags, _ = self._sock.recvmsg(TOKEN_BYTES + 1, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:  # e.g. EMFILE: the kernel keeps nothing it could not hand over
                 log.warning("fd socket read failed", error=e.strerror)
                 break
+            fds: list[int] = []
+            pid = 0
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(memoryview(data)[: len(data) - len(data) % 4].cast("i"))
+                elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CRED.size:
+                    pid = _CRED.unpack_from(data)[0]
             if len(msg) != TOKEN_BYTES or len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
                 for fd in fds:
                     self._close_later(fd)
@@ -148,7 +165,7 @@ class FdInbox:
             if why := not_shmem(fds[0]):
                 self._refuse(msg, fds[0], why)
                 continue
-            self._park(msg, fds[0])
+            self._park(msg, fds[0], pid)
         if self._closing >= _MAX_CLOSING:
             self._read(False)  # until the closer catches up (_closed)
         self._expire(time.monotonic())
@@ -199,24 +216,41 @@ class FdInbox:
         if self._closing < _MAX_CLOSING // 2:
             self._read(True)
 
-    def _park(self, token: bytes, fd: int) -> None:
-        old = self._parked.pop(token, None)
-        if old is not None:
-            os.close(old[0])
-        self._parked[token] = (fd, time.monotonic())
+    def _park(self, token: bytes, fd: int, pid: int = 0) -> None:
+        self._unpark(token, close=True)
+        self._parked[token] = (fd, time.monotonic(), pid)
+        if pid:
+            mine = self._by_sender.setdefault(pid, collections.OrderedDict())
+            mine[token] = None
+            if len(mine) > MAX_PER_SENDER:
+                self._unpark(next(iter(mine)), close=True)
+                self.dropped += 1
         while len(self._parked) > MAX_PARKED:
-            _, (evicted, _t) = self._parked.popitem(last=False)
-            os.close(evicted)
+            self._unpark(next(iter(self._parked)), close=True)
             self.dropped += 1
         self._arm()
 
+    def _unpark(self, token: bytes, close: bool = False) -> int | None:
+        """Take ``token``'s descriptor out of the books; closed with ``close``, else returned."""
+        got = self._parked.pop(token, None)
+        if got is None:
+            return None
+        fd, _t, pid = got
+        if (mine := self._by_sender.get(pid)) is not None:
+            mine.pop(token, None)
+            if not mine:
+                del self._by_sender[pid]
+        if close:
+            os.close(fd)
+            return None
+        return fd
+
     def _expire(self, now: float) -> None:
         while self._parked:
-            token, (fd, t) = next(iter(self._parked.items()))
+            token, (_fd, t, _pid) = next(iter(self._parked.items()))
             if now - t < TTL_S:
                 break
-            del self._parked[token]
-            os.close(fd)
+            self._unpark(token, close=True)
             self.dropped += 1
 
     def _arm(self) -> None:
@@ -237,9 +271,7 @@ class FdInbox:
         self.drain()
         for token in tokens:
             self._refused.pop(bytes(token), None)
-            got = self._parked.pop(bytes(token), None)
-            if got is not None:
-                os.close(got[0])
+            self._unpark(bytes(token), close=True)
 
     @property
     def parked(self) -> int:
@@ -248,15 +280,15 @@ class FdInbox:
     def take(self, token: bytes) -> int:
         """The descriptor sent under ``token``; the caller owns (closes) it."""
         self.drain()
-        got = self._parked.pop(bytes(token), None)
+        got = self._unpark(bytes(token))
         if got is None and (why := self._refused.pop(bytes(token), None)) is not None:
             raise PermissionDenied(f"the descriptor sent under this memfd token was refused on arrival: {why}; "
                                    "host KV and doorbell pages go as memfds (kvpushd_client.SealedBuffer)")
         if got is None:
             raise NotFound(f"no descriptor arrived on {self.path} under this memfd token (sent to another "
                            f"daemon's socket, waited over {TTL_S:.0f} s for its Attach, or pushed out by "
-                           f"{MAX_PARKED} sent after it)")
-        return got[0]
+                           f"{MAX_PARKED} sent after it, or {MAX_PER_SENDER} by its sender)")
+        return got
 
     def close(self) -> None:
         if self._timer is not None:
@@ -272,6 +304,7 @@ class FdInbox:
             self._bound = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        for fd, _t in self._parked.values():
+        for fd, _t, _pid in self._parked.values():
             os.close(fd)
         self._parked.clear()
+        self._by_sender.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 import structlog
 
-from ..core.errors import InvalidArgument, NotFound, PermissionDenied
+from ..core.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9._@+-]{1,250}$")
@@ -34,9 +35,9 @@ log = structlog.get_logger(__name__)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the range in for writing, without writing to it
 _PAGE = mmap.PAGESIZE
 POPULATE_CHUNK = 16 << 20  # what close() may wait for: ~4 ms of populating
-_libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class ShmMapping:
@@ -79,7 +80,7 @@ class ShmMapping:
             try:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             except OSError:
-                seals = 0  # not a memfd (nor anything else that takes seals)
+                seals = 0  # a file that takes no seals (the fd socket parks only tmpfs: not expected)
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise PermissionDenied(
                     f"{label}: the descriptor is not a memfd sealed against shrinking (F_SEAL_SHRINK); "
@@ -98,6 +99,9 @@ class ShmMapping:
         try:
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:  # EACCES: opened read-only; EPERM: sealed against writes
+            if e.errno == errno.ENOMEM:  # the daemon's address space (RLIMIT_AS) or vm.max_map_count
+                raise ResourceExhausted(f"{label} ({size} bytes) cannot be mapped: out of address space or "
+                                        "memory maps in the daemon") from None
             raise PermissionDenied(f"{label} cannot be mapped for reading and writing: {e.strerror}") from None
         self._buf: ctypes.Array[ctypes.c_ubyte] | None = (ctypes.c_ubyte * size).from_buffer(self._mm)
         self.addr = ctypes.addressof(self._buf)
@@ -121,7 +125,7 @@ class ShmMapping:
             with self._lock:
                 if self._buf is None:
                     break
-                if _libc.mincore(self.addr + off, n, vec.ctypes.data) != 0:
+                if libc.mincore(self.addr + off, n, vec.ctypes.data) != 0:
                     log.info("host KV not populated", shm=self.name, error=os.strerror(ctypes.get_errno()))
                     return mapped
                 pages = -(-n // _PAGE)
@@ -129,7 +133,7 @@ class ShmMapping:
                 edges = np.flatnonzero(np.diff(resident))  # run starts and ends, alternating
                 for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
                     length = min(b * _PAGE, n) - a * _PAGE
-                    if _libc.madvise(self.addr + off + a * _PAGE, length, _MADV_POPULATE_WRITE) != 0:
+                    if libc.madvise(self.addr + off + a * _PAGE, length, _MADV_POPULATE_WRITE) != 0:
                         log.info("host KV not populated", shm=self.name, error=os.strerror(ctypes.get_errno()))
                         return mapped
                     mapped += length

@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import resource
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushClient, KVPushError, MemfdMemory, Region, Role, _convert
-from kvpushd_client.proto.v1 import common_pb2, worker_pb2_grpc
+from kvpushd_client.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
 from support import POISON, attach_pair, make_kv, scrape, value, wait_for
 
@@ -128,33 +131,52 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
     daemon_factory.close(check=(d,))
 
 
-def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+_FLOOD = """
+import os, socket, sys
+path, n = sys.argv[1], int(sys.argv[2])
+fd = os.memfd_create("mf-flood", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 4096)
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+    s.connect(path)
+    s.send(b"x" * 16)  # no descriptor
+    socket.send_fds(s, [b"short"], [fd])  # wrong token size
+    socket.send_fds(s, [b"t" * 16], [fd, fd, fd])  # three descriptors
+    socket.send_fds(s, [b"u" * 16], [fd] * 8)  # more than one datagram may carry
+    for i in range(n):  # a flood of well-formed ones nobody attaches with
+        socket.send_fds(s, [i.to_bytes(16, "big")], [fd])
+"""
+
+
+def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors_and_push_out_only_the_floods_own(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A worker's memfd waits for its Attach while another process floods the fd socket: the flood
+    pushes out its own descriptors (at most MAX_PER_SENDER of one process wait), not the worker's."""
     d = daemon_factory("dnode", settings={"metrics": {"listen": "127.0.0.1:0"}})
     path = fdpass.fd_socket_path(d.sock)
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o660)
     base = _open_fds(d.proc.pid)
-    fd = sealed_memfd("mf-flood", 4096)
+    size = 16 * 4096
+    fd = sealed_memfd("mf-victim", size)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(path)
-            s.send(b"x" * 16)  # no descriptor
-            socket.send_fds(s, [b"short"], [fd])  # wrong token size
-            socket.send_fds(s, [b"t" * 16], [fd, fd, fd])  # three descriptors
-            socket.send_fds(s, [b"u" * 16], [fd] * 8)  # more than one datagram may carry
-            for i in range(fdpass.MAX_PARKED + 64):  # a flood of well-formed ones nobody attaches with
-                socket.send_fds(s, [i.to_bytes(16, "big")], [fd])
-        # at most MAX_PARKED wait (the oldest are closed), whatever came
-        assert wait_for(lambda: _open_fds(d.proc.pid) <= base + fdpass.MAX_PARKED, timeout=10)
-        assert _open_fds(d.proc.pid) >= base  # (the parked ones are held until their TTL)
-        # what was dropped (4 malformed, the flood's oldest) and what waits shows in the metrics
-        want = (fdpass.MAX_PARKED, 4 + 64)
+        token = hand_over(d.sock, [MemfdMemory(fd, size)])[0]  # handed over, its Attach still to come
+        flood = fdpass.MAX_PARKED + 64
+        subprocess.run([sys.executable, "-c", _FLOOD, path, str(flood)], check=True, timeout=120)
 
         def fd_socket() -> tuple[float, float]:
             m = scrape(d)
             return value(m, "kvpushd_fd_socket_parked"), value(m, "kvpushd_fd_socket_dropped_total")
 
-        assert wait_for(lambda: fd_socket() == want, timeout=10)
-        # a worker attaching now is unharmed
+        assert wait_for(lambda: sum(fd_socket()) == 1 + 4 + flood, timeout=10)  # every datagram read
+        # the worker that handed its memfd over before the flood attaches with it
+        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
+        req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
+        stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
+        resp = stub.Attach(req, timeout=30)
+        stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id), timeout=30)
+        # what was dropped (4 malformed, the flood's oldest) and what waits shows in the metrics
+        assert fd_socket() == (fdpass.MAX_PER_SENDER, 4 + flood - fdpass.MAX_PER_SENDER)
+        assert base <= _open_fds(d.proc.pid) <= base + fdpass.MAX_PER_SENDER  # held until their TTL
+        # and so does one attaching now
         kv = make_kv("mf-after", regions=1, num_blocks=16)
         try:
             w = d.client.attach("e", Role.CONSUMER, 0, 1, [kv.buf.memory], kv.region_list)
@@ -585,4 +607,32 @@ def test_workers_with_a_memfd_per_layer_attach_together(daemon_factory) -> None:
         for row in fds:
             for fd in row:
                 os.close(fd)
+    daemon_factory.close(check=(d,))
+
+
+def _vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_host_kv_the_daemon_has_no_address_space_for_is_resource_exhausted(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A worker's KV the daemon cannot map (its RLIMIT_AS reached, or vm.max_map_count) is a resource
+    the daemon lacks, not a permission the worker lacks: RESOURCE_EXHAUSTED, and the daemon goes on."""
+    d = daemon_factory("dnode")
+    big = 1 << 30  # sparse: the memfd holds no memory
+    fd = sealed_memfd("mf-huge", big)
+    regs = [Region(0, 0, 16, 4096)]
+    limit = resource.prlimit(d.proc.pid, resource.RLIMIT_AS)
+    try:
+        resource.prlimit(d.proc.pid, resource.RLIMIT_AS, (_vm_size(d.proc.pid) + (512 << 20), limit[1]))
+        with pytest.raises(KVPushError) as e:
+            d.client.attach("e", Role.CONSUMER, 0, 1, [MemfdMemory(fd, big)], regs)
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "address space" in e.value.message, e.value
+    finally:
+        resource.prlimit(d.proc.pid, resource.RLIMIT_AS, limit)
+    try:
+        w = d.client.attach("e", Role.CONSUMER, 0, 1, [MemfdMemory(fd, big)], regs)  # room again
+        w.detach()
+    finally:
+        os.close(fd)
     daemon_factory.close(check=(d,))
