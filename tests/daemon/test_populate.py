@@ -77,7 +77,7 @@ def test_close_while_populating_stops_it(monkeypatch: pytest.MonkeyPatch) -> Non
     size = 4 * POPULATE_CHUNK
     buf = SharedBuffer.create("kvpushd-test-populate-close", size)
     started, go = threading.Event(), threading.Event()
-    real = shm._libc
+    real = shm.libc
 
     class SlowLibc:  # the first madvise waits until close() has begun
         mincore = real.mincore
@@ -88,7 +88,7 @@ def test_close_while_populating_stops_it(monkeypatch: pytest.MonkeyPatch) -> Non
             assert go.wait(10)
             return int(real.madvise(addr, length, advice))
 
-    monkeypatch.setattr(shm, "_libc", SlowLibc)
+    monkeypatch.setattr(shm, "libc", SlowLibc)
     try:
         buf.mmap.write(bytes(size))  # every page touched
         m = ShmMapping(buf.name, size)
