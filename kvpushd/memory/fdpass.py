@@ -7,15 +7,15 @@ datagram by the time ``sendmsg`` returns, so ``take`` reads the socket before it
 
 Bounded: at most ``MAX_PARKED`` descriptors wait for their Attach (a flood closes the oldest), each
 for ``TTL_S``, and at most ``MAX_PER_SENDER`` of one sending process (its pid, which the kernel
-vouches for with SO_PASSCRED): a worker that floods the socket pushes out its own descriptors, not
-the other workers'. A sender in another pid namespace (a pod, without hostPID) shows as pid 0 and
-only the overall bound applies to it. A datagram of any other shape is dropped with every descriptor
-it carried. Only shared
-memory is parked (a memfd or a /dev/shm object, on tmpfs): anything else is refused on arrival and
-closed off the event loop, since closing a socket set to linger, or a FUSE or NFS file, can wait on
-whoever holds its other end; hugetlbfs is refused too (a hole punched in it faults SIGBUS in the daemon
-once the huge-page pool is empty). One wake-up takes at most ``_MAX_PER_WAKE`` datagrams, so senders
-that keep the queue full cannot hold the loop.
+vouches for with SO_PASSCRED; only CAP_SYS_ADMIN may name another): a worker that floods the socket
+pushes out its own descriptors, not the other workers'. A sender in another pid namespace (a pod,
+without hostPID) shows as pid 0 and only the overall bound applies to it. A datagram of any other
+shape is dropped with every descriptor it carried. Only shared memory is parked (a memfd or a
+/dev/shm object, on tmpfs): anything else is refused on arrival and closed off the event loop, since
+closing a socket set to linger, or a FUSE or NFS file, can wait on whoever holds its other end;
+hugetlbfs is refused too (a hole punched in it faults SIGBUS in the daemon once the huge-page pool is
+empty). One wake-up takes at most ``_MAX_PER_WAKE`` datagrams, so senders that keep the queue full
+cannot hold the loop.
 """
 
 from __future__ import annotations
