@@ -216,6 +216,34 @@ def test_inbox_expires_and_evicts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not os.path.exists(inbox.path)
 
 
+def test_inbox_bounds_each_sending_process_and_not_senders_it_cannot_name(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inbox alone: a datagram's sender is the pid the kernel gives (SO_PASSCRED); past
+    MAX_PER_SENDER a sender's own oldest go. Senders in another pid namespace arrive as pid 0: only
+    the overall bound holds them (one pid 0 is many pods' workers)."""
+    monkeypatch.setattr(fdpass, "MAX_PER_SENDER", 2)
+    inbox = fdpass.FdInbox(str(tmp_path / "s.sock.fd"), 0o600)
+    inbox.start(None)
+    fd = sealed_memfd("mf-sender", 4096)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(inbox.path)
+            for t in (b"a", b"b", b"c"):
+                socket.send_fds(s, [t * 16], [fd])
+        inbox.drain()
+        assert inbox.parked == 2 and inbox.dropped == 1  # this process's oldest went
+        assert {pid for _fd, _t, pid in inbox._parked.values()} == {os.getpid()}
+        for i in range(4):  # as if from other pid namespaces
+            inbox._park(bytes([i]) * 16, os.dup(fd), 0)
+        assert inbox.parked == 6 and inbox.dropped == 1
+        os.close(inbox.take(b"c" * 16))
+        with pytest.raises(Exception, match="or 2 by its sender"):
+            inbox.take(b"a" * 16)
+    finally:
+        inbox.close()
+        os.close(fd)
+
+
 def test_hand_over_to_a_daemon_without_an_fd_socket_says_so(tmp_path) -> None:
     fd = sealed_memfd("mf-nobody", 4096)
     try:
