@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -30,7 +32,7 @@ from typing import Any
 from . import _convert
 from .client import KVPushClient
 from .stream import StreamWorker
-from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
+from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError, MemfdMemory
 
 MAX_DECLINES = 4096  # declines kept while the daemon is away
 
@@ -85,8 +87,9 @@ class ReconnectingStreamWorker:
         self.rpc_timeout_s = rpc_timeout_s
         self.reconnect_interval_s = reconnect_interval_s
         self.log = logger or logging.getLogger("kvpushd_client")
-        self._attach_args = attach
         self._lock = threading.Lock()
+        self._own: list[int] = []
+        self._attach_args = self._own_descriptors(attach)
         self._events: collections.deque[LinkEvent] = collections.deque()
         self.client: KVPushClient | None = None
         self.worker: StreamWorker | None = None
@@ -101,6 +104,38 @@ class ReconnectingStreamWorker:
         # Declines not yet made (transfer, producer address, producer engine, reason): made from the
         # background thread once attached; the oldest dropped past the cap
         self._declines: collections.deque[tuple[str, str, str, str]] = collections.deque(maxlen=MAX_DECLINES)
+
+    def _own_descriptors(self, attach: dict[str, Any]) -> dict[str, Any]:
+        """The attach arguments with this link's own copies (dup) of the memfds and the doorbell page's
+        descriptor: the background thread hands those over at every re-attach, so a caller that closes
+        its own meanwhile cannot have another file sent under a reused number (the daemon would map
+        it as this worker's KV). Closed once the thread is done (``close``)."""
+        args = dict(attach)
+        try:
+            mem = []
+            for m in args.get("memory", ()):
+                if isinstance(m, MemfdMemory):
+                    m = MemfdMemory(os.dup(m.fd), m.size)
+                    self._own.append(m.fd)
+                mem.append(m)
+            args["memory"] = mem
+            bell = args.get("doorbell")
+            if bell is not None and not isinstance(bell, bool):
+                bell = copy.copy(bell)  # the same page and mapping under its own descriptor (never closed)
+                bell.fd = os.dup(bell.fd)
+                self._own.append(bell.fd)
+                args["doorbell"] = bell
+        except BaseException:
+            self._release()
+            raise
+        return args
+
+    def _release(self) -> None:
+        with self._lock:
+            fds, self._own = self._own, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @property
     def connected(self) -> bool:
@@ -117,8 +152,12 @@ class ReconnectingStreamWorker:
                 break
             except DaemonUnavailable:
                 if time.monotonic() > deadline:
+                    self._release()
                     raise
                 time.sleep(0.2)
+            except BaseException:
+                self._release()
+                raise
         self._thread = threading.Thread(target=self._run, name="kvpushd-connector", daemon=True)
         self._thread.start()
 
@@ -178,6 +217,8 @@ class ReconnectingStreamWorker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.rpc_timeout_s + 5)
         _close_quietly(*old)
+        if not self.running:  # else the thread closes them as it ends
+            self._release()
 
     def _mark_lost_locked(self, w: StreamWorker, reason: str) -> None:
         if self.epoch <= self._lost_epoch or w is not self.worker:
@@ -261,8 +302,12 @@ class ReconnectingStreamWorker:
 
     # the background thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._wake.wait(self.reconnect_interval_s):
-            self.tick()
+        try:
+            while not self._wake.wait(self.reconnect_interval_s):
+                self.tick()
+        finally:
+            if self._stopped:
+                self._release()
 
     def tick(self) -> None:
         """Report a lost attachment, re-attach when it is time to, make the declines."""

@@ -118,3 +118,51 @@ def test_commands_stepped_after_the_stream_died_are_refused(daemon_pair, kv_pair
     d.client.close()
     d2 = start_daemon(workdir, "dnode")
     d.proc, d.client = d2.proc, d2.client  # the fixture stops this one
+
+
+def test_the_link_hands_over_its_own_descriptors_whatever_the_caller_closed(daemon_pair, kv_pair, workdir) -> None:
+    """A caller that closes its memfd once the link started, and whose descriptor number then names
+    another memfd: the link re-attaches to a restarted daemon with its own copy of the worker's KV.
+    It handed over whatever the number named then, and the daemon wrote the next transfer there."""
+    import mmap
+    import os
+
+    from kvpushd_client import MemfdMemory
+    from kvpushd_client.reconnect import ReconnectingStreamWorker
+    from kvpushd_client.shm import sealed_memfd
+
+    p, d = daemon_pair
+    src, dst = kv_pair
+    size = dst.buf.memory.size
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    mine = os.dup(dst.buf.fd)  # the caller's descriptor of its KV
+    rs = ReconnectingStreamWorker(d.sock, dict(engine_id="decode", role=Role.CONSUMER, tp_rank=0, tp_size=1,
+                                               memory=[MemfdMemory(mine, size)], regions=dst.region_list),
+                                  rpc_timeout_s=5.0, reconnect_interval_s=0.1)
+    rs.start(connect_timeout_s=30)
+    other = sealed_memfd("other", size)
+    view = mmap.mmap(other, size)
+    events: list = []
+    try:
+        os.dup2(other, mine)  # the caller closed its descriptor, and the number now names another memfd
+        d.proc.kill()
+        d.proc.wait()
+        d.client.close()
+        d2 = start_daemon(workdir, "dnode", "[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n")
+        d.proc, d.client = d2.proc, d2.client  # the fixture stops this one
+        assert wait_for(lambda: rs.connected and rs.epoch == 2, 30)
+        rs.expect_nowait("after", [4, 5], p.peer_address, "prefill", 1)
+        assert rs.step() == 1
+        assert wait_for(lambda: "after" in {t.transfer_id for t in d.client.status().transfers})
+        pw.publish("after", [40, 41])
+        assert wait_for(lambda: events.extend(rs.poll()) or any(e.kind == "completion" for e in events), 30)
+        (c,) = [e.completion for e in events if e.kind == "completion"]
+        assert c.kind is CompletionKind.FINISHED_RECEIVING, c
+        assert (dst.arr[:, 4:6] == src.arr[:, 40:42]).all(), "the transfer did not land in the worker's KV"
+        assert view[:] == bytes(size), "the daemon wrote into another memfd"
+    finally:
+        rs.close()
+        pw.detach()
+        view.close()
+        os.close(other)
+        os.close(mine)

@@ -370,10 +370,7 @@ class KVPushdConnectorWorker:
 
     def shutdown(self) -> None:
         if self._link is not None:
-            self._link.close()  # detached first: the daemon no longer needs the names
-            if self._link.running:  # it may still be sending descriptors: their numbers must not be reused
-                logger.warning("kvpushd: the connector's thread outlived shutdown; its memfds stay open")
-                return
+            self._link.close()  # detached first (the link hands over its own copies of the descriptors)
         for page in (self._bell, self._ring_page):
             if page is not None:
                 page.close()
