@@ -190,17 +190,24 @@ def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors_and_push_out_only_
     assert not os.path.exists(path)  # removed at stop
 
 
+def _inbox_sent(tmp_path, tokens: bytes) -> tuple[fdpass.FdInbox, int]:  # type: ignore[no-untyped-def]
+    """An inbox alone (bound, read when taken from), and a memfd this process sent it under each of
+    ``tokens`` (a byte each, repeated to 16); the caller closes both."""
+    inbox = fdpass.FdInbox(str(tmp_path / "w.sock.fd"), 0o600)
+    inbox.start(None)
+    fd = sealed_memfd("mf-inbox", 4096)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(inbox.path)
+        for t in tokens:
+            socket.send_fds(s, [bytes([t]) * 16], [fd])
+    return inbox, fd
+
+
 def test_inbox_expires_and_evicts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The inbox alone: parked descriptors go after their TTL, the oldest first past MAX_PARKED."""
     monkeypatch.setattr(fdpass, "MAX_PARKED", 2)
-    inbox = fdpass.FdInbox(str(tmp_path / "w.sock.fd"), 0o600)
-    inbox.start(None)  # bound, read when taken from
-    fd = sealed_memfd("mf-inbox", 4096)
+    inbox, fd = _inbox_sent(tmp_path, b"abc")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(inbox.path)
-            for t in (b"a", b"b", b"c"):
-                socket.send_fds(s, [t * 16], [fd])
         got = inbox.take(b"c" * 16)
         os.close(got)
         with pytest.raises(Exception, match="no descriptor arrived"):
@@ -222,14 +229,8 @@ def test_inbox_bounds_each_sending_process_and_not_senders_it_cannot_name(
     MAX_PER_SENDER a sender's own oldest go. Senders in another pid namespace arrive as pid 0: only
     the overall bound holds them (one pid 0 is many pods' workers)."""
     monkeypatch.setattr(fdpass, "MAX_PER_SENDER", 2)
-    inbox = fdpass.FdInbox(str(tmp_path / "s.sock.fd"), 0o600)
-    inbox.start(None)
-    fd = sealed_memfd("mf-sender", 4096)
+    inbox, fd = _inbox_sent(tmp_path, b"abc")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(inbox.path)
-            for t in (b"a", b"b", b"c"):
-                socket.send_fds(s, [t * 16], [fd])
         inbox.drain()
         assert inbox.parked == 2 and inbox.dropped == 1  # this process's oldest went
         assert {pid for _fd, _t, pid in inbox._parked.values()} == {os.getpid()}
