@@ -58,7 +58,7 @@ class KVPushClient:
 
     def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
                regions: Sequence[Region], pp_rank: int = 0, description: str = "",
-               doorbell: Doorbell | bool = False) -> StreamWorker:
+               doorbell: Doorbell | bool = False, doorbell_fd: int | None = None) -> StreamWorker:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
         both ways (commands batched per engine step: ``*_nowait`` then ``step()``; results and
         completions on the same stream). ``doorbell``: a page in shared memory, handed over by
@@ -66,21 +66,23 @@ class KVPushClient:
         attachments, e.g. after a daemon restart). A sender
         rings it for progressive push (by the CUDA stream when the memory is GPU memory:
         gpu_doorbell.make_doorbell); a receiver reads its finished receives there first (the
-        completion ring, emptied here for the new attachment)."""
+        completion ring, emptied here for the new attachment). ``doorbell_fd``: a descriptor of that
+        page to hand over instead of ``doorbell.fd`` (ReconnectingStreamWorker's own copy)."""
         gpu = any(isinstance(m, CudaMemory) for m in memory)
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
         ring: RingReader | None = None
         try:
             # the page goes by descriptor, after the memory: the last token is its
-            pages = [MemfdMemory(bell.fd, BELL_SIZE)] if bell is not None else []
+            bell_fd = -1 if bell is None else bell.fd if doorbell_fd is None else doorbell_fd
+            pages = [MemfdMemory(bell_fd, BELL_SIZE)] if bell is not None else []
             tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)
             req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
                                           tokens)
             if bell is not None:
                 req.doorbell_token = tokens[len(memory)]
                 if role.can_receive:
-                    reset_ring(bell.fd)
-                    ring = RingReader(bell.fd)
+                    reset_ring(bell_fd)
+                    ring = RingReader(bell_fd)
             resp = self.stub.Attach(req, timeout=self.timeout_s)
         except BaseException as e:
             if ring is not None:

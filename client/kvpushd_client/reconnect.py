@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import logging
 import os
 import threading
@@ -121,10 +120,8 @@ class ReconnectingStreamWorker:
             args["memory"] = mem
             bell = args.get("doorbell")
             if bell is not None and not isinstance(bell, bool):
-                bell = copy.copy(bell)  # the same page and mapping under its own descriptor (never closed)
-                bell.fd = os.dup(bell.fd)
-                self._own.append(bell.fd)
-                args["doorbell"] = bell
+                args["doorbell_fd"] = os.dup(bell.fd)  # the caller's page, handed over by this descriptor
+                self._own.append(args["doorbell_fd"])
         except BaseException:
             self._release()
             raise

@@ -121,13 +121,16 @@ def test_commands_stepped_after_the_stream_died_are_refused(daemon_pair, kv_pair
 
 
 def test_the_link_hands_over_its_own_descriptors_whatever_the_caller_closed(daemon_pair, kv_pair, workdir) -> None:
-    """A caller that closes its memfd once the link started, and whose descriptor number then names
-    another memfd: the link re-attaches to a restarted daemon with its own copy of the worker's KV.
-    It handed over whatever the number named then, and the daemon wrote the next transfer there."""
+    """A caller that closes its memfd and its doorbell page's descriptor once the link started, the
+    numbers then naming other memfds: the link re-attaches to a restarted daemon with its own copies.
+    It handed over whatever the numbers named then, and the daemon wrote the next transfer, and the
+    completion ring's record of it, there."""
     import mmap
     import os
 
     from kvpushd_client import MemfdMemory
+    from kvpushd_client.doorbell import SIZE as PAGE
+    from kvpushd_client.doorbell import Doorbell
     from kvpushd_client.reconnect import ReconnectingStreamWorker
     from kvpushd_client.shm import sealed_memfd
 
@@ -136,15 +139,17 @@ def test_the_link_hands_over_its_own_descriptors_whatever_the_caller_closed(daem
     size = dst.buf.memory.size
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     mine = os.dup(dst.buf.fd)  # the caller's descriptor of its KV
+    bell = Doorbell()  # the completion ring's page
     rs = ReconnectingStreamWorker(d.sock, dict(engine_id="decode", role=Role.CONSUMER, tp_rank=0, tp_size=1,
-                                               memory=[MemfdMemory(mine, size)], regions=dst.region_list),
-                                  rpc_timeout_s=5.0, reconnect_interval_s=0.1)
+                                               memory=[MemfdMemory(mine, size)], regions=dst.region_list,
+                                               doorbell=bell), rpc_timeout_s=5.0, reconnect_interval_s=0.1)
     rs.start(connect_timeout_s=30)
-    other = sealed_memfd("other", size)
-    view = mmap.mmap(other, size)
+    other, other_page = sealed_memfd("other", size), sealed_memfd("other-page", PAGE)
+    view, page_view = mmap.mmap(other, size), mmap.mmap(other_page, PAGE)
     events: list = []
     try:
-        os.dup2(other, mine)  # the caller closed its descriptor, and the number now names another memfd
+        os.dup2(other, mine)  # the caller closed its descriptors, and the numbers now name other memfds
+        os.dup2(other_page, bell.fd)
         d.proc.kill()
         d.proc.wait()
         d.client.close()
@@ -158,11 +163,14 @@ def test_the_link_hands_over_its_own_descriptors_whatever_the_caller_closed(daem
         assert wait_for(lambda: events.extend(rs.poll()) or any(e.kind == "completion" for e in events), 30)
         (c,) = [e.completion for e in events if e.kind == "completion"]
         assert c.kind is CompletionKind.FINISHED_RECEIVING, c
-        assert (dst.arr[:, 4:6] == src.arr[:, 40:42]).all(), "the transfer did not land in the worker's KV"
-        assert view[:] == bytes(size), "the daemon wrote into another memfd"
+        landed = {"KV": bool((dst.arr[:, 4:6] == src.arr[:, 40:42]).all()), "not in the other KV memfd":
+                  view[:] == bytes(size), "no ring record in the other page": page_view[:] == bytes(PAGE)}
+        assert all(landed.values()), landed
     finally:
         rs.close()
         pw.detach()
         view.close()
-        os.close(other)
-        os.close(mine)
+        page_view.close()
+        bell.close()
+        for fd in (other, other_page, mine):
+            os.close(fd)
