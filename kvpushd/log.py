@@ -25,7 +25,9 @@ def setup(level: str = "info", fmt: str = "auto") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        # the daemon configures once, at start: each module's logger is built on its first use, not
+        # at every call (a per-WRITE debug line that is filtered out built a logger each time)
+        cache_logger_on_first_use=True,
     )
     # NIXL and grpc log through the standard library.
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import itertools
 import secrets
 from collections.abc import Iterable
@@ -13,12 +12,12 @@ from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegi
 from .deadlines import Deadlines
 from .errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from .layout import Shape
-from .table import Move, step
+from .table import Move, State, step
 from .topology import block_parts, check_tp_pair, writer_sources
 from .types import Completion, CompletionKind, FailureCode, TransferMode
 
 
-class RecvState(enum.Enum):
+class RecvState(State):
     REGISTERING = "registering"  # Register sent to the prefill daemon, no answer yet
     REGISTERED = "registered"    # the prefill daemon holds the registration; waiting for WRITEs
 

@@ -16,31 +16,30 @@ IllegalTransition):
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .actions import Registration, SendFailNotice
 from .errors import InvalidArgument
 from .layout import Shape
-from .table import Move
+from .table import Move, State
 from .topology import writer_targets
 from .types import FailureCode
 
 GONE, DROP, STAY = Move.GONE, Move.DROP, Move.STAY
 
 
-class LegState(enum.Enum):
+class LegState(State):
     POSTED = "posted"
     DONE = "done"
 
 
-class PubState(enum.Enum):
+class PubState(State):
     WAITING = "waiting"  # for its registrations, or for its WRITEs
     FAILING = "failing"  # failed; reported once no leg of it is in flight
 
 
-class RegState(enum.Enum):
+class RegState(State):
     HELD = "held"  # its blocks wait here for the producer ranks that write to them
 
 

@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 from .errors import IllegalTransition
 
 
-class Move(enum.Enum):
+class State(enum.Enum):
+    """Base of the tables' enums: hashed by identity, as they compare (Enum's own ``__hash__`` is
+    Python code, and a side looks a (state, event) up at every change of a record)."""
+
+    __hash__ = object.__hash__
+
+
+class Move(State):
     """What an event does to a record, besides moving it to another state."""
 
     GONE = "gone"  # the record ends

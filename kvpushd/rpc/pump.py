@@ -44,6 +44,10 @@ class Op:
     args: Callable[[Any], tuple[Any, ...]]  # the item's message -> the node method's arguments after the caller
     call: Callable[..., Any]                # the node method: (node, the stream's caller, *args)
     answer: Callable[[Any, Any], None] = _nothing  # (result message, what the method returned)
+    later: bool = False  # the method is a coroutine: answered when it ends (set from ``call``)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "later", inspect.iscoroutinefunction(self.call))
 
 
 def _need_metadata(res: Any, known: bool) -> None:
@@ -148,7 +152,7 @@ class Pump(Generic[R]):
                 raise InvalidArgument(f"item {it.seq}: {kind or 'no operation'}; expected one of "
                                       f"{', '.join(self.wire.ops)}")
             got = op.call(self.node, self.caller, *op.args(getattr(it, kind or "")))
-            if inspect.isawaitable(got):
+            if op.later:
                 task = asyncio.get_running_loop().create_task(self._later(got, out, res, op))
                 self.waiting.add(task)
                 task.add_done_callback(self.waiting.discard)

@@ -78,10 +78,13 @@ def handed_tokens(request: worker_pb2.AttachRequest) -> list[bytes]:
 
 def event_batches(results: list[Any], completions: list[Any]) -> list[worker_pb2.EventBatch]:
     """One tick's answers and completions as EventBatches of at most EVENT_BATCH_BYTES each."""
+    pcs = [convert.completion(c) for c in completions]
+    one = worker_pb2.EventBatch(results=results, completions=pcs)
+    if one.ByteSize() <= EVENT_BATCH_BYTES:  # the usual tick: sized once
+        return [one]
     out = [worker_pb2.EventBatch(results=results)]
     size = out[0].ByteSize()
-    for c in completions:
-        pc = convert.completion(c)
+    for pc in pcs:
         n = pc.ByteSize() + 8  # the field's tag and length
         if size + n > EVENT_BATCH_BYTES and (out[-1].completions or out[-1].results):
             out.append(worker_pb2.EventBatch())

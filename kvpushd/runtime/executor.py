@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import structlog
 
@@ -33,7 +34,7 @@ from ..core.rendezvous import (
     StartWrite,
     StopWrite,
 )
-from ..core.types import Completion, FailureCode
+from ..core.types import FailureCode
 from ..tracing import Tracing
 from ..transfer.records import ReadResult, WriteResult
 from ..transfer.thread import TransferThread
@@ -71,6 +72,17 @@ class Executor:
         self._registers: dict[str, list[SendRegister]] = {}  # per prefill daemon: this loop turn's Registers
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._told = [0, 0]  # what the NIXL thread was last told: legs pulling, receives expecting
+        # what carries out each kind of action (the core's action classes are final)
+        self._do: dict[type, Callable[[Any], None]] = {
+            Deliver: self._deliver, StartWrite: self._start_write, StopWrite: self._stop_write,
+            StartRead: self._start_read, SendRegister: self._queue_register,
+            SendFailNotice: lambda a: self.spawn(self._send_fail(a)),
+            SendWithdraw: lambda a: self.spawn(self._send_withdraw(a)),
+            SendOffer: lambda a: self.spawn(self._send_offer(a)),
+            SendReadFailed: lambda a: self.spawn(self._send_read_failed(a)),
+            Dropped: self._dropped,
+        }
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -101,32 +113,16 @@ class Executor:
     # -- carrying out core actions --------------------------------------------------------------
 
     def run(self, actions: Sequence[Action]) -> None:
+        do = self._do
         for a in actions:
-            if isinstance(a, Deliver):
-                self._deliver(a.worker_id, a.completion)
-            elif isinstance(a, StartWrite):
-                self._start_write(a)
-            elif isinstance(a, StopWrite):
-                if self.xfer is not None:
-                    self.xfer.stop_write(a.leg, a.reason)
-            elif isinstance(a, StartRead):
-                self._start_read(a)
-            elif isinstance(a, SendRegister):
-                self._queue_register(a)
-            elif isinstance(a, SendFailNotice):
-                self.spawn(self._send_fail(a))
-            elif isinstance(a, SendWithdraw):
-                self.spawn(self._send_withdraw(a))
-            elif isinstance(a, SendOffer):
-                self.spawn(self._send_offer(a))
-            elif isinstance(a, SendReadFailed):
-                self.spawn(self._send_read_failed(a))
-            elif isinstance(a, Dropped):
-                self.obs.emit(o.Dropped(a.event, a.transfer_id, a.why))
-                log.debug("late event dropped", late_event=a.event, transfer_id=a.transfer_id, why=a.why)
-        if self.xfer is not None:
-            self.xfer.set_pulling(self.rv.send.pulling())
-            self.xfer.set_expecting(len(self.rv.recv) + self._withdrawing)
+            do[type(a)](a)
+        if (x := self.xfer) is not None:  # the NIXL thread hears of a change only
+            if (n := self.rv.send.pulling()) != self._told[0]:
+                x.set_pulling(n)
+                self._told[0] = n
+            if (n := len(self.rv.recv) + self._withdrawing) != self._told[1]:
+                x.set_expecting(n)
+                self._told[1] = n
         if self._settle_waiters:
             waiters, self._settle_waiters = self._settle_waiters, []
             for f in waiters:
@@ -157,7 +153,8 @@ class Executor:
             log.exception("deadline handling failed")
             self._arm()
 
-    def _deliver(self, worker_id: str, c: Completion) -> None:
+    def _deliver(self, a: Deliver) -> None:
+        worker_id, c = a.worker_id, a.completion
         self.workers.ring(worker_id, c)  # the engine's own fast path first
         c, side = self.figures.settle(worker_id, c)
         self.obs.emit(o.Delivered(worker_id, side, c))
@@ -178,6 +175,14 @@ class Executor:
                              a.dst_part, skip_tokens=reg.skip_tokens, skip_replicated=a.skip_replicated,
                              planned=a.planned, step=a.step, layers=a.layers,
                              ready_blocks=a.ready_blocks)
+
+    def _stop_write(self, a: StopWrite) -> None:
+        if self.xfer is not None:
+            self.xfer.stop_write(a.leg, a.reason)
+
+    def _dropped(self, a: Dropped) -> None:
+        self.obs.emit(o.Dropped(a.event, a.transfer_id, a.why))
+        log.debug("late event dropped", late_event=a.event, transfer_id=a.transfer_id, why=a.why)
 
     def _start_read(self, a: StartRead) -> None:
         assert self.xfer is not None

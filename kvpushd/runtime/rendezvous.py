@@ -30,8 +30,8 @@ class Rendezvous:
             raise ResourceExhausted(f"more than {self.max_pending} transfers pending")
 
     def next_deadline(self) -> float | None:
-        due = [d for d in (self.send.next_deadline(), self.recv.next_deadline()) if d is not None]
-        return min(due) if due else None
+        s, r = self.send.next_deadline(), self.recv.next_deadline()
+        return r if s is None else s if r is None or s <= r else r
 
     def tick(self, now: float) -> list[Action]:
         return self.send.tick(now) + self.recv.tick(now)
