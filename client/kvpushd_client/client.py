@@ -73,8 +73,11 @@ class KVPushClient:
         ring: RingReader | None = None
         try:
             # the page goes by descriptor, after the memory: the last token is its
-            bell_fd = -1 if bell is None else bell.fd if doorbell_fd is None else doorbell_fd
-            pages = [MemfdMemory(bell_fd, BELL_SIZE)] if bell is not None else []
+            pages: list[MemfdMemory] = []
+            bell_fd = -1
+            if bell is not None:
+                bell_fd = bell.fd if doorbell_fd is None else doorbell_fd
+                pages.append(MemfdMemory(bell_fd, BELL_SIZE))
             tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)
             req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
                                           tokens)

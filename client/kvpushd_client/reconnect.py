@@ -143,18 +143,18 @@ class ReconnectingStreamWorker:
         """Attach, waiting up to ``connect_timeout_s`` for the daemon, then start the background thread.
         Raises DaemonUnavailable when no daemon answered in time, KVPushError when it refused."""
         deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:
-                self._attach()
-                break
-            except DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    self._release()
-                    raise
-                time.sleep(0.2)
-            except BaseException:
-                self._release()
-                raise
+        try:
+            while True:
+                try:
+                    self._attach()
+                    break
+                except DaemonUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        except BaseException:  # no thread will close the descriptors this link keeps
+            self._release()
+            raise
         self._thread = threading.Thread(target=self._run, name="kvpushd-connector", daemon=True)
         self._thread.start()
 
