@@ -57,3 +57,14 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     c = n.tally.counters
     assert (c.transfers_failed, c.writes_posted) == (1, 0)
     assert n.tally.recent_failures[-1][1] == "tid"
+
+
+def test_every_kind_of_core_action_has_its_handler() -> None:
+    """The executor carries out an action by its type: a kind of action added to the core without a
+    handler would fail at its first use, on the transfer path."""
+    import typing
+
+    from kvpushd.core.rendezvous import Action
+
+    n = Node(config.from_dict({}))
+    assert set(typing.get_args(Action)) == set(n.ex._do)
