@@ -14,7 +14,8 @@ all; the stream's end is how the daemon learns that this worker is gone (``kvpus
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -26,6 +27,8 @@ from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .shm import hand_over
 from .stream import StreamWorker
 from .types import CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
+
+T = TypeVar("T")
 
 
 class KVPushClient:
@@ -40,15 +43,7 @@ class KVPushClient:
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the daemon answers (it may still be starting)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.status()
-                return
-            except DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        retry_unavailable(self.status, timeout_s, 0.05)
 
     def status(self) -> status_pb2.NodeStatus:
         try:
@@ -105,3 +100,16 @@ class KVPushClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def retry_unavailable(fn: Callable[[], T], timeout_s: float, pause_s: float) -> T:
+    """``fn()``, again every ``pause_s`` while no daemon answers (DaemonUnavailable); past ``timeout_s``
+    that error goes to the caller, as does any other at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except DaemonUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(pause_s)

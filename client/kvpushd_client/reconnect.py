@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _convert
-from .client import KVPushClient
+from .client import KVPushClient, retry_unavailable
 from .stream import StreamWorker
 from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError, MemfdMemory
 
@@ -142,16 +142,8 @@ class ReconnectingStreamWorker:
     def start(self, connect_timeout_s: float = 30.0) -> None:
         """Attach, waiting up to ``connect_timeout_s`` for the daemon, then start the background thread.
         Raises DaemonUnavailable when no daemon answered in time, KVPushError when it refused."""
-        deadline = time.monotonic() + connect_timeout_s
         try:
-            while True:
-                try:
-                    self._attach()
-                    break
-                except DaemonUnavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+            retry_unavailable(self._attach, connect_timeout_s, 0.2)
         except BaseException:  # no thread will close the descriptors this link keeps
             self._release()
             raise
