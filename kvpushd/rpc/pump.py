@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -44,7 +44,7 @@ class Op:
     args: Callable[[Any], tuple[Any, ...]]  # the item's message -> the node method's arguments after the caller
     call: Callable[..., Any]                # the node method: (node, the stream's caller, *args)
     answer: Callable[[Any, Any], None] = _nothing  # (result message, what the method returned)
-    later: bool = False  # the method is a coroutine: answered when it ends (set from ``call``)
+    later: bool = field(init=False)  # the method is a coroutine: answered when it ends (from ``call``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "later", inspect.iscoroutinefunction(self.call))

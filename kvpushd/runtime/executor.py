@@ -72,7 +72,6 @@ class Executor:
         self._registers: dict[str, list[SendRegister]] = {}  # per prefill daemon: this loop turn's Registers
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        self._told = [0, 0]  # what the NIXL thread was last told: legs pulling, receives expecting
         # what carries out each kind of action (the core's action classes are final)
         self._do: dict[type, Callable[[Any], None]] = {
             Deliver: self._deliver, StartWrite: self._start_write, StopWrite: self._stop_write,
@@ -117,12 +116,10 @@ class Executor:
         for a in actions:
             do[type(a)](a)
         if (x := self.xfer) is not None:  # the NIXL thread hears of a change only
-            if (n := self.rv.send.pulling()) != self._told[0]:
+            if (n := self.rv.send.pulling()) != x.pulling:
                 x.set_pulling(n)
-                self._told[0] = n
-            if (n := len(self.rv.recv) + self._withdrawing) != self._told[1]:
+            if (n := len(self.rv.recv) + self._withdrawing) != x.expecting:
                 x.set_expecting(n)
-                self._told[1] = n
         if self._settle_waiters:
             waiters, self._settle_waiters = self._settle_waiters, []
             for f in waiters:

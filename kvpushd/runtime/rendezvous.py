@@ -31,7 +31,9 @@ class Rendezvous:
 
     def next_deadline(self) -> float | None:
         s, r = self.send.next_deadline(), self.recv.next_deadline()
-        return r if s is None else s if r is None or s <= r else r
+        if s is None or r is None:
+            return r if s is None else s
+        return min(s, r)
 
     def tick(self, now: float) -> list[Action]:
         return self.send.tick(now) + self.recv.tick(now)

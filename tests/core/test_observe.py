@@ -26,6 +26,8 @@ def test_records_reach_their_sinks_in_order() -> None:
 
 
 class _NoThread:
+    pulling = expecting = 0
+
     def set_pulling(self, n: int) -> None:
         pass
 
