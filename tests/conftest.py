@@ -21,12 +21,25 @@ def workdir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def daemon_factory(workdir: Path) -> Iterator[DaemonFactory]:
-    """``daemon_factory(name, extra_config="", listen=...)`` starts a daemon in ``workdir``;
-    ``daemon_factory.pair(config)`` two. Whatever still runs is stopped after the test."""
+def nixl_backend(request: pytest.FixtureRequest) -> str:
+    """The NIXL backend of the test's daemons: UCX, or each of ``support.BACKENDS`` for a test marked
+    ``@both_backends`` (LIBFABRIC skips, naming what is missing, without scripts/libfabric.sh's build)."""
+    backend = str(getattr(request, "param", "UCX"))
+    if backend != "UCX":
+        from kvpushd_lab.backend import available
+
+        if why := available(backend):
+            pytest.skip(why)
+    return backend
+
+
+@pytest.fixture
+def daemon_factory(workdir: Path, nixl_backend: str) -> Iterator[DaemonFactory]:
+    """``daemon_factory(name, extra_config="", listen=...)`` starts a daemon in ``workdir`` on
+    ``nixl_backend``; ``daemon_factory.pair(config)`` two. Whatever still runs is stopped after the test."""
     from support.daemons import DaemonFactory
 
-    f = DaemonFactory(workdir)
+    f = DaemonFactory(workdir, nixl_backend)
     try:
         yield f
     finally:

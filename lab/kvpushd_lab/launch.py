@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvpushd_client import KVPushClient, KVPushError
 
+from .backend import backend_env
+
 if TYPE_CHECKING:
     from .netns import NetnsLab
 
@@ -182,8 +184,12 @@ class Daemon:
 def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advertise_host: str | None = None,
           settings: Settings | None = None, extra_config: str = "", netns: tuple[NetnsLab, int] | None = None,
           env: Mapping[str, str] | None = None, python: str = sys.executable, die_with_parent: bool = False,
-          cwd: str | Path | None = None) -> Daemon:
+          cwd: str | Path | None = None, backend: str = "UCX") -> Daemon:
     """Write ``<workdir>/<name>.toml`` and start the daemon; it is not ready yet (``wait_ready``).
+
+    ``backend``: the NIXL backend (``transfer.backends``); LIBFABRIC adds the environment its plugin needs
+    (``kvpushd_lab.backend``: its libraries, the tcp provider, in a namespace its veth) or raises
+    BackendUnavailable naming what is missing.
 
     ``netns=(lab, i)``: run it inside the lab's namespace i, peer API on that namespace's address
     (port 7700 unless ``listen`` names one there), callers allowed from the lab's /24 (``peer_api.allow``,
@@ -203,6 +209,9 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
         peer_api = dict((settings or {}).get("peer_api", {}))
         peer_api.setdefault("allow", [f"{lab.addrs[i].rpartition('.')[0]}.0/24"])
         settings = {**(settings or {}), "peer_api": peer_api}
+    if backend != "UCX":
+        run_env = backend_env(backend, run_env, iface=netns[0].veth if netns is not None else "")
+        settings, extra_config = _with_backend(settings, extra_config, backend)
     host = advertise_host if advertise_host is not None else listen.rpartition(":")[0]
     cfg = workdir / f"{name}.toml"
     cfg.write_text(daemon_config(name, sock, listen, host, settings, extra_config))
@@ -219,6 +228,19 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
 
     proc = start_process("wb")
     return Daemon(name, sock, proc, log, config=cfg, _start=start_process)
+
+
+def _with_backend(settings: Settings | None, extra: str, backend: str) -> tuple[Settings, str]:
+    """``transfer.backends = [backend]`` where the config will have it: in the raw TOML's [transfer]
+    table when ``extra`` has one (TOML allows a table once), else in ``settings``."""
+    line = f"backends = {json.dumps([backend])}\n"
+    lines = extra.splitlines(keepends=True)
+    for i, text in enumerate(lines):
+        if text.strip() == "[transfer]":
+            return dict(settings or {}), "".join([*lines[:i + 1], line, *lines[i + 1:]])
+    out = {k: dict(v) for k, v in (settings or {}).items()}
+    out.setdefault("transfer", {})["backends"] = [backend]
+    return out, extra
 
 
 def wait_ready(d: Daemon, timeout_s: float = 90.0) -> Daemon:

@@ -1,4 +1,5 @@
-"""End to end: two real daemons, real NIXL (UCX) WRITEs between real shared memory."""
+"""End to end: two real daemons, real NIXL WRITEs between real shared memory (UCX; the tests marked
+``@both_backends`` on LIBFABRIC too)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 
 import numpy as np
 from kvpushd_client import CompletionKind, Role
-from support import KV, POISON, attach_pair, make_kv, wait_for
+from support import KV, POISON, attach_pair, both_backends, make_kv, wait_for
 
 
 def check_blocks(src: KV, dst: KV, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -19,6 +20,7 @@ def check_poison_elsewhere(dst: KV, written: set[int]) -> None:
     assert np.all(dst.arr[:, others, :] == POISON), "bytes outside the destination blocks changed"
 
 
+@both_backends
 def test_register_first_then_publish(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair

@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
 from kvpushd_client import Region, Role, SealedBuffer, SharedBuffer
 
 if TYPE_CHECKING:
     from .daemons import DaemonProc, scrape, value  # noqa: F401
 
 POISON = 0xA5
+# The backend-specific end-to-end tests run on each (conftest.py's ``nixl_backend`` fixture).
+BACKENDS = ("UCX", "LIBFABRIC")
+both_backends = pytest.mark.parametrize("nixl_backend", BACKENDS, indirect=True)
 _DAEMONS = ("DaemonFactory", "DaemonProc", "scrape", "start_daemon", "value")
 
 

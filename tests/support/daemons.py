@@ -15,12 +15,13 @@ DaemonProc = launch.Daemon
 
 
 def start_daemon(workdir: Path, name: str, extra_config: str = "", listen: str = "127.0.0.1:0",
-                 settings: launch.Settings | None = None) -> DaemonProc:
+                 settings: launch.Settings | None = None, backend: str = "UCX") -> DaemonProc:
     """A ready daemon: node ``name``, worker socket ``<workdir>/<name>.sock``, ``settings`` (section ->
-    key -> value), ``extra_config`` (TOML) appended."""
+    key -> value), ``extra_config`` (TOML) appended, NIXL ``backend`` (its environment: kvpushd_lab.backend)."""
     try:
         return launch.start(workdir, name, listen=listen, advertise_host="127.0.0.1", extra_config=extra_config,
-                            settings=settings, timeout_s=120)  # a loaded machine: imports alone can take a minute
+                            settings=settings, backend=backend,
+                            timeout_s=120)  # a loaded machine: imports alone can take a minute
     except launch.DaemonStartError as e:
         raise RuntimeError(str(e)) from None
 
@@ -42,16 +43,17 @@ def value(m: Samples, name: str, **labels: str) -> float:
 
 
 class DaemonFactory:
-    """Starts daemons in one directory and stops whatever still runs at ``close`` (a stopped one with
-    SIGSTOP is continued first): the one daemon factory of the tests."""
+    """Starts daemons in one directory, all on NIXL ``backend``, and stops whatever still runs at
+    ``close`` (a stopped one with SIGSTOP is continued first): the one daemon factory of the tests."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, backend: str = "UCX") -> None:
         self.workdir = workdir
+        self.backend = backend
         self.started: list[DaemonProc] = []
 
     def __call__(self, name: str, extra_config: str = "", listen: str = "127.0.0.1:0",
                  settings: launch.Settings | None = None) -> DaemonProc:
-        d = start_daemon(self.workdir, name, extra_config, listen, settings)
+        d = start_daemon(self.workdir, name, extra_config, listen, settings, self.backend)
         self.started.append(d)
         return d
 
