@@ -8,7 +8,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .aio import AsyncKVPushClient, AsyncWorker
     from .client import KVPushClient
     from .reconnect import ReconnectingStreamWorker
     from .shm import SealedBuffer, SharedBuffer
@@ -28,15 +27,13 @@ from .types import (
 )
 
 __all__ = [
-    "AsyncKVPushClient", "AsyncWorker", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable",
-    "KVLayout", "KVPushClient", "KVPushError", "MemfdMemory", "ReconnectingStreamWorker", "Region", "Role",
-    "SealedBuffer", "SharedBuffer",
-    "ShmMemory", "StreamWorker", "TransferFigures",
+    "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "KVLayout", "KVPushClient", "KVPushError",
+    "MemfdMemory", "ReconnectingStreamWorker", "Region", "Role", "SealedBuffer", "SharedBuffer", "ShmMemory",
+    "StreamWorker", "TransferFigures",
 ]
 
-_LAZY = {"AsyncKVPushClient": "aio", "AsyncWorker": "aio", "KVPushClient": "client",
-         "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm", "SharedBuffer": "shm",
-         "StreamWorker": "stream"}
+_LAZY = {"KVPushClient": "client", "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm",
+         "SharedBuffer": "shm", "StreamWorker": "stream"}
 
 
 def __getattr__(name: str) -> Any:

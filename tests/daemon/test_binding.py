@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 from kvpushd_client import CompletionKind
-from kvpushd_client.peer import PeerSession
 from support import attach_pair, wait_for
+from support.peer import PeerSession
 from test_closed import _register, _rogue_agent
 from test_peer_trust import session
 from test_tls import pki, start, tls_conf  # noqa: F401 (pki: the certificates fixture)

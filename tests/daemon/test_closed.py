@@ -15,9 +15,9 @@ import grpc
 import numpy as np
 import pytest
 from kvpushd_client import CompletionKind, Role
-from kvpushd_client.peer import PeerSession
 from kvpushd_client.proto.v1 import peer_pb2, worker_pb2, worker_pb2_grpc
 from support import KV, attach_pair, make_kv, start_daemon, wait_for
+from support.peer import PeerSession
 from test_peer_trust import session
 
 from kvpushd.runtime.identity import agent_prefix

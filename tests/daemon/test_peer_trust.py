@@ -11,9 +11,9 @@ from concurrent import futures
 import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Region, Role
-from kvpushd_client.peer import PeerSession
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import attach_pair, wait_for
+from support.peer import PeerSession
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif

@@ -1,6 +1,6 @@
 """``soak``: many small requests through one pair of daemons with faults injected at random.
 
-Two daemons (prefill node, decode node) and, in this process, the workers (``AsyncKVPushClient``:
+Two daemons (prefill node, decode node) and, in this process, the workers (``AsyncKVPushClient``, aioclient.py:
 every worker on its WorkerService.Stream).
 ``--requests`` requests of one 4 KiB block each run ``--concurrency`` at a time; each gets a fault
 with probability ``--fault-rate``, picked evenly from: an abort by the prefill engine, an abort by
@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpushd_client import AsyncKVPushClient, AsyncWorker, Completion, CompletionKind, Region, Role
+from kvpushd_client import Completion, CompletionKind, Region, Role
 
+from .aioclient import AsyncKVPushClient, AsyncWorker
 from .common import (
     POISON,
     BenchError,

@@ -1,4 +1,4 @@
-"""Call and wait on a daemon's peer API, for tools and tests: a Handshake, then items on the Channel
+"""Call and wait on a daemon's peer API, for tests: a Handshake, then items on the Channel
 stream, each answered on its own (daemons talk to each other with ``kvpushd.runtime.outbound``).
 
     s = PeerSession("10.0.0.5:50052", PROTOCOL_VERSION, compat_hash, node_id="probe")
@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 import grpc
 from google.protobuf.message import Message
-
-from .proto.v1 import peer_pb2, peer_pb2_grpc
+from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 
 
 class PeerSession:

@@ -1,5 +1,5 @@
-"""asyncio client of a kvpushd daemon: the same surface as client.py, with coroutines that each
-await their command's answer on the worker's stream."""
+"""asyncio client of a kvpushd daemon, for ``bench soak``: the surface of kvpushd_client.KVPushClient,
+with coroutines that each await their command's answer on the worker's stream."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
-
-from . import _convert, errors
-from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
-from .shm import hand_over
-from .stream import _GONE, _command
-from .types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
+from kvpushd_client import _convert, errors
+from kvpushd_client.proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvpushd_client.shm import hand_over
+from kvpushd_client.stream import _GONE, _command
+from kvpushd_client.types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
 
 
 class AsyncKVPushClient:
