@@ -227,6 +227,7 @@ class Node:
     async def detach(self, worker_id: str, why: str) -> None:
         w = self.workers.mark_gone(worker_id)
         if w is None:
+            await self.workers.releasing(worker_id)
             return
         self.run(self.rv.worker_gone(worker_id))
         self.obs.emit(WorkerGone(worker_id))

@@ -97,6 +97,7 @@ class Workers:
         # what attaches in progress claim (their engine rank, their doorbell page) while they map and
         # register memory: an overlapping Attach of the same rank or page is refused like an attached one
         self._claims: set[tuple[object, ...]] = set()
+        self._releasing: dict[str, asyncio.Future[None]] = {}  # worker id -> its release under way
         # one thread populates host KV (one core at most; attaches never wait behind it); none starts until used
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
         sweep_unused()  # host KV of workers that died while no daemon ran
@@ -317,7 +318,29 @@ class Workers:
         return w
 
     async def release(self, w: Worker, why: str) -> None:
-        """Last step of a detach: NIXL lets go of its memory (after its WRITEs in flight), then we unmap."""
+        """Last step of a detach: NIXL lets go of its memory (after its WRITEs in flight), then we unmap.
+        It runs to its end whoever waits for it: a caller that goes (a worker's stream cancelled as its
+        process dies, a Detach past its deadline) does not cut it short, which unmapped memory that a
+        WRITE in flight still read and left the NIXL thread's release waiting on an abandoned future."""
+        task = self._releasing.get(w.worker_id)
+        if task is None:
+            task = asyncio.ensure_future(self._release(w, why))
+            self._releasing[w.worker_id] = task
+            task.add_done_callback(lambda t: self._released(w.worker_id, t))
+        await asyncio.shield(task)
+
+    async def releasing(self, worker_id: str) -> None:
+        """Wait for the worker's release under way, if any (a second Detach returns when it is detached)."""
+        task = self._releasing.get(worker_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _released(self, worker_id: str, task: asyncio.Future[None]) -> None:
+        self._releasing.pop(worker_id, None)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.warning("releasing a worker failed", worker_id=worker_id, error=str(e))
+
+    async def _release(self, w: Worker, why: str) -> None:
         assert self.xfer is not None
         try:
             await self.xfer.detach(w.worker_id)

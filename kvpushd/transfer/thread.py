@@ -140,8 +140,11 @@ class TransferThread:
             lambda: self._book.attach(worker_id, agent_name, mem_type, mappings, regions, receives, bell)))
 
     def detach(self, worker_id: str) -> asyncio.Future[None]:
-        """Wait for the worker's in-flight WRITEs, then release its agent and registrations."""
+        """Wait for the worker's in-flight WRITEs, then release its agent and registrations. Once asked,
+        the release happens whoever waits: its future cannot be cancelled (a cancelled one left in the
+        drain list failed every later check of it, and every other worker's detach waited for good)."""
         fut: Future[None] = Future()
+        fut.set_running_or_notify_cancel()
 
         def run() -> None:
             self._stages.stop("the producer worker detached", worker_id=worker_id)
@@ -225,6 +228,8 @@ class TransferThread:
         fut: Future[T] = Future()
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # its caller went before it ran: nothing done, nothing owed
             try:
                 fut.set_result(fn())
             except BaseException as e:  # handed to the caller
@@ -479,9 +484,10 @@ class TransferThread:
                 continue
             try:
                 self._release(wid)
-                fut.set_result(None)
             except Exception as e:
                 fut.set_exception(e)
+            else:
+                fut.set_result(None)
         self._drained = still
 
     def _release(self, worker_id: str) -> None:
