@@ -20,7 +20,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvpushd_client.proto.v1 import peer_pb2, status_pb2, status_pb2_grpc, worker_pb2
 
 from .config import Config, PeerApiConfig
 from .core.errors import FailedPrecondition
@@ -28,6 +28,7 @@ from .events import EventKind
 from .metrics import Metrics
 from .peer_security import peer_interceptors, server_credentials, tls_enabled
 from .rpc.peer import PeerServicer
+from .rpc.services import add_service
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
 from .runtime.node import Node
@@ -116,7 +117,7 @@ class Daemon:
             sock.unlink()  # a stale socket from a previous run
         self.local_server = grpc.aio.server(options=[*local_opts, ("grpc.max_metadata_size", 16 << 10),
                                                            ("grpc.http2.bdp_probe", 0)])
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self.node), self.local_server)
+        add_service(self.local_server, worker_pb2, "WorkerService", WorkerServicer(self.node))
         status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node.view), self.local_server)
         local_services = [_service(worker_pb2, "WorkerService"), _service(status_pb2, "StatusService")]
         await self._add_health(self.local_health, local_services, self.local_server)
@@ -131,7 +132,7 @@ class Daemon:
         interceptors = peer_interceptors(cfg.peer_api)  # protected mode: loopback only unless TLS/allow/insecure
         self.peer_server = grpc.aio.server(options=[*opts, *peer_server_options(cfg.peer_api)],
                                            interceptors=interceptors)
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(self.node), self.peer_server)
+        add_service(self.peer_server, peer_pb2, "PeerService", PeerServicer(self.node))
         await self._add_health(self.peer_health, [_service(peer_pb2, "PeerService")], self.peer_server)
         host, port = cfg.listen_host_port
         if tls_enabled(cfg.peer_api):

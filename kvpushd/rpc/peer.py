@@ -14,7 +14,7 @@ from ..core.errors import SessionUnknown
 from ..peer_security import cert_names
 from ..runtime.node import Node
 from .errors import stream, unary
-from .pump import PEER, Pump, woken
+from .pump import PEER, Pump, packed, woken
 
 Ctx = Any
 
@@ -52,7 +52,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.node.channel_counts(instance, streams=1)
         try:
             async for results, _ in pump.serve(request_iterator.__aiter__(), woken(wake)):
-                yield peer_pb2.PeerBatch(items=results)
+                for batch in packed(peer_pb2.PeerBatch, [("items", results)]):
+                    yield batch
         finally:
             self.node.channel_counts(instance, streams=-1)
 

@@ -6,10 +6,12 @@ operation, how its message becomes the node method's arguments, which node metho
 stream's worker or calling daemon), and what the answer carries. Every item is answered on its own
 (a bad one fails alone with the status a call of it would have had, ``errors.refusal``); an item
 whose method is a coroutine (a Withdraw waits for WRITEs into its blocks) is answered when it ends,
-so answers may come back out of order. A batch that is too big, or that comes after the caller's
-session ended, has every item refused; a malformed one ends the stream. Answers wait in ``results``
-for the stream's writer: at most ``MAX_UNSENT`` of them, then the pump stops reading (a caller that
-does not read its answers gets no more of them queued).
+so answers may come back out of order. A batch that comes after the caller's session ended has every
+item refused; a malformed one ends the stream INVALID_ARGUMENT, and one of more than ``MAX_BATCH``
+items RESOURCE_EXHAUSTED (it is never parsed: services.bounded). Answers wait in ``results`` for the
+stream's writer: at most ``MAX_UNSENT`` of them, then the pump stops reading (a caller that does not
+read its answers gets no more of them queued); they go out in messages of at most ``ANSWER_BYTES``
+(``packed``).
 """
 
 from __future__ import annotations
@@ -17,22 +19,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 from kvpushd_client.proto.v1 import peer_pb2, worker_pb2
 
-from ..core.errors import InvalidArgument
+from ..core.errors import InvalidArgument, ResourceExhausted
 from ..runtime.node import Node
 from . import convert
 from .errors import refusal
+from .services import MAX_BATCH, Oversized
 
-MAX_BATCH = 4096  # items in one CommandBatch or PeerBatch
 MAX_UNSENT = 4 * MAX_BATCH  # answers held for a caller that does not read them: then the pump stops reading
+# An answer message's largest encoded size: gRPC's default receive limit (4 MiB), which a worker's
+# client or a peer may keep. More answers and completions than that go out as several messages.
+ANSWER_BYTES = 4 << 20
 X = TypeVar("X")
 R = TypeVar("R", bound=Message)
+M = TypeVar("M", bound=Message)
 
 
 def _nothing(res: Any, value: Any) -> None:
@@ -133,10 +139,10 @@ class Pump(Generic[R]):
         self._room.set()
 
     def batch(self, batch: Any) -> None:
+        if isinstance(batch, Oversized):  # never parsed (services.bounded): the stream ends
+            raise ResourceExhausted(batch.why())
         items = getattr(batch, self.wire.items)
         refuse = self._admit(batch)
-        if refuse is None and len(items) > MAX_BATCH:
-            refuse = InvalidArgument(f"{len(items)} items in one batch; at most {MAX_BATCH}")
         for it in items:
             self._item(it, refuse)
         self._wake()
@@ -222,3 +228,26 @@ async def woken(event: asyncio.Event) -> AsyncIterator[list[Any]]:
         await event.wait()
         event.clear()
         yield []
+
+
+def packed(make: Callable[[], M], fields: Sequence[tuple[str, Sequence[Message]]],
+           limit: int = ANSWER_BYTES) -> list[M]:
+    """Messages made by ``make`` holding every item of ``fields`` (field name, items), in order, each of
+    at most ``limit`` encoded bytes (one item larger than that goes alone). The usual tick fits one
+    message: sized once."""
+    one = make()
+    for name, items in fields:
+        getattr(one, name).extend(items)
+    if one.ByteSize() <= limit:
+        return [one]
+    out = [make()]
+    size = 0
+    for name, items in fields:
+        for item in items:
+            n = item.ByteSize() + 8  # the field's tag and length
+            if size + n > limit and size:
+                out.append(make())
+                size = 0
+            getattr(out[-1], name).append(item)
+            size += n
+    return out

@@ -8,16 +8,14 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
 
-from ..core.errors import InvalidArgument
+from ..core.errors import InvalidArgument, ResourceExhausted
 from ..runtime.node import Node
 from . import convert
 from .errors import stream, unary
-from .pump import WORKER, Pump
+from .pump import WORKER, Pump, packed
+from .services import Oversized
 
 Ctx = Any
-# An EventBatch's largest encoded size: gRPC's default receive limit (4 MiB), which a worker's client
-# may keep. A burst of completions larger than that goes out as several EventBatches.
-EVENT_BATCH_BYTES = 4 << 20
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -57,6 +55,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return
         except DecodeError as e:
             raise InvalidArgument(f"malformed CommandBatch: {e}") from None
+        if isinstance(first, Oversized):
+            raise ResourceExhausted(first.why())
         wid = first.worker_id
         self.node.worker(wid)  # NOT_FOUND before anything else
 
@@ -77,18 +77,6 @@ def handed_tokens(request: worker_pb2.AttachRequest) -> list[bytes]:
 
 
 def event_batches(results: list[Any], completions: list[Any]) -> list[worker_pb2.EventBatch]:
-    """One tick's answers and completions as EventBatches of at most EVENT_BATCH_BYTES each."""
-    pcs = [convert.completion(c) for c in completions]
-    one = worker_pb2.EventBatch(results=results, completions=pcs)
-    if one.ByteSize() <= EVENT_BATCH_BYTES:  # the usual tick: sized once
-        return [one]
-    out = [worker_pb2.EventBatch(results=results)]
-    size = out[0].ByteSize()
-    for pc in pcs:
-        n = pc.ByteSize() + 8  # the field's tag and length
-        if size + n > EVENT_BATCH_BYTES and (out[-1].completions or out[-1].results):
-            out.append(worker_pb2.EventBatch())
-            size = 0
-        out[-1].completions.append(pc)
-        size += n
-    return out
+    """One tick's answers and completions as EventBatches of at most ANSWER_BYTES each."""
+    return packed(worker_pb2.EventBatch, [("results", results),
+                                          ("completions", [convert.completion(c) for c in completions])])
