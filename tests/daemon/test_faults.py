@@ -14,7 +14,7 @@ import time
 
 import pytest
 from kvpushd_client import CompletionKind, Role
-from support import attach_pair, start_daemon, wait_for
+from support import attach_pair, both_backends, start_daemon, wait_for
 
 FAST = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 2.0\nexpect_timeout_s = 60.0\n"
         "publish_timeout_s = 60.0\n")
@@ -32,6 +32,7 @@ def fast_pair(daemon_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+@both_backends
 def test_prefill_daemon_dies_or_hangs(fast_pair, kv_pair, how: str) -> None:
     p, d = fast_pair
     src, dst = kv_pair
@@ -67,11 +68,12 @@ def test_decode_daemon_killed_releases_its_registrations(fast_pair, kv_pair) -> 
     assert wait_for(lambda: not p.client.status().transfers, timeout=20)
 
 
-def test_restarted_prefill_daemon_is_handshaken_afresh(workdir, kv_pair) -> None:
+@both_backends
+def test_restarted_prefill_daemon_is_handshaken_afresh(workdir, kv_pair, nixl_backend: str) -> None:
     port = free_port()
     listen = f"127.0.0.1:{port}"
-    p = start_daemon(workdir, "pnode", FAST, listen=listen)
-    d = start_daemon(workdir, "dnode", FAST)
+    p = start_daemon(workdir, "pnode", FAST, listen=listen, backend=nixl_backend)
+    d = start_daemon(workdir, "dnode", FAST, backend=nixl_backend)
     src, dst = kv_pair
     try:
         pw, dw = attach_pair(p, d, src, dst)
@@ -83,7 +85,8 @@ def test_restarted_prefill_daemon_is_handshaken_afresh(workdir, kv_pair) -> None
         p.proc.kill()
         p.proc.wait(10)
         p.client.close()
-        p2 = start_daemon(workdir, "pnode", FAST, listen=listen)  # same address, new instance and agents
+        p2 = start_daemon(workdir, "pnode", FAST, listen=listen,  # same address, new instance and agents
+                          backend=nixl_backend)
         c = dw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE", c
         pw2 = p2.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory],

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 from kvpushd_client import CompletionKind, Role
-from support import POISON, make_kv, wait_for
+from support import POISON, both_backends, make_kv, wait_for
 
 R, NB, HALF = 4, 32, 2048
 
 
+@both_backends
 def test_prefill_tp2_to_decode_tp1(daemon_pair) -> None:
     p, d = daemon_pair
     srcs = [make_kv(f"kvpushd-test-p{r}", regions=R, num_blocks=NB, block_len=HALF, seed=r) for r in range(2)]
@@ -41,6 +42,7 @@ def test_prefill_tp2_to_decode_tp1(daemon_pair) -> None:
             kv.close()
 
 
+@both_backends
 def test_prefill_tp1_to_decode_tp2(daemon_pair) -> None:
     p, d = daemon_pair
     src = make_kv("kvpushd-test-p", regions=R, num_blocks=NB, block_len=2 * HALF)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Role, _convert
 from kvpushd_client.shm import hand_over
-from support import POISON, attach_pair, layered_kv, wait_for
+from support import POISON, attach_pair, both_backends, layered_kv, wait_for
 
 REGIONS, LAYERS, BLOCKS = 8, 4, 64
 
@@ -38,6 +38,7 @@ def _counters(dm):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("registration", ["before", "between", "after"])
+@both_backends
 def test_layer_groups_go_as_the_doorbell_rings(group_pair, kv, registration: str) -> None:  # type: ignore[no-untyped-def]
     p, d = group_pair
     src, dst, want = kv
@@ -201,7 +202,7 @@ def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type:
     assert pw.abort("b3")
     pw.detach()
     for name, token, code, says in (
-            ("kvpushd-kv-bell-nobody", b"", grpc.StatusCode.PERMISSION_DENIED, "named_shm"),  # by name: off
+            ("kvpushd-kv-bell-nobody", b"", grpc.StatusCode.PERMISSION_DENIED, "by /dev/shm name"),  # refused
             ("", b"short", grpc.StatusCode.INVALID_ARGUMENT, "token"),
             ("", b"\0" * 16, grpc.StatusCode.NOT_FOUND, "no descriptor arrived"),  # never handed over
             ("kvpushd-kv-bell-x", b"\1" * 16, grpc.StatusCode.INVALID_ARGUMENT, "not both")):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvpushd_client import CompletionKind, Role
-from support import POISON, attach_pair, make_kv, wait_for
+from support import POISON, attach_pair, both_backends, make_kv, wait_for
 
 R, NB, HALF = 4, 32, 2048
 
@@ -21,6 +21,7 @@ def _settled(p, d) -> bool:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("order", ["expect_first", "publish_first"])
+@both_backends
 def test_pull_moves_bytes_exactly(daemon_pair, kv_pair, order: str) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
@@ -45,6 +46,7 @@ def test_pull_moves_bytes_exactly(daemon_pair, kv_pair, order: str) -> None:
     assert wait_for(lambda: _settled(p, d))
 
 
+@both_backends
 def test_pull_prefill_tp2_to_decode_tp1(daemon_pair) -> None:
     p, d = daemon_pair
     srcs = [make_kv(f"kvpushd-test-p{r}", regions=R, num_blocks=NB, block_len=HALF, seed=r) for r in range(2)]
@@ -261,6 +263,7 @@ def test_decode_daemon_stopped_before_the_offer_ends_the_publish(fast_pair, kv_p
     assert np.all(dst.arr == POISON)
 
 
+@both_backends
 def test_prefill_daemon_killed_during_pull_ends_the_decode_side(fast_pair, kv_pair) -> None:
     """The prefill daemon dies with the offer delivered (or on its way): the decode request ends,
     FAILED with its blocks, or finished with exact bytes if the READ got through first."""
