@@ -25,7 +25,7 @@ def _kv_bytes(caches: Any, block_ids: list[int], tokens: int) -> bytes:
 
     The same request gives the same bytes on a TP1, TP2, ... engine, with blocks of any size, when its
     KV is the same."""
-    from ..refengine.model import gather_blocks
+    from ..refengine.kv import gather_blocks
 
     parts = []
     for layer in range(caches[0].cfg.num_layers):

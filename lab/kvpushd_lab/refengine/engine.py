@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from .model import PagedKV, TinyModel, as_caches
+from .kv import PagedKV, as_caches
+from .model import TinyModel
 
 
 class EngineRole(enum.StrEnum):

@@ -13,20 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import KVEvents
-from .model import PagedKV, as_caches, gather_blocks, scatter_blocks
-
-
-def copy_blocks(src: PagedKV | Sequence[PagedKV], src_blocks: Sequence[int], dst: PagedKV | Sequence[PagedKV],
-                dst_blocks: Sequence[int]) -> None:
-    """What a KV transfer does, in process: every layer's K and V of ``src_blocks`` into ``dst_blocks``.
-
-    Source and destination may have different TP sizes (heads are gathered, then re-split)."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError("source and destination block lists differ in length")
-    s, d = as_caches(src), as_caches(dst)
-    for layer in range(s[0].cfg.num_layers):
-        k, v = gather_blocks(s, layer, src_blocks)
-        scatter_blocks(d, layer, dst_blocks, k, v)
+from .kv import PagedKV, as_caches, copy_blocks
 
 
 @dataclass

@@ -42,7 +42,7 @@ import numpy as np
 from kvpushd.transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
 
 from .engine import KVEvents
-from .model import PagedKV, as_caches
+from .kv import PagedKV, as_caches
 
 MAX_FRAME = 16 << 20
 

@@ -34,7 +34,7 @@ from typing import Any
 from kvpushd_client import CompletionKind, KVPushClient, KVPushError, Role, StreamWorker
 
 from .engine import KVEvents
-from .model import PagedKV, as_caches
+from .kv import PagedKV, as_caches
 
 
 @dataclass
