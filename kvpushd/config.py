@@ -109,12 +109,6 @@ class WorkerApiConfig(Section, frozen=True):
         "Map the pages of a worker's host KV (shm) that the worker has touched into the daemon's page tables "
         "after it attaches, in the background, so a first WRITE from or into a block takes no page faults "
         "in the daemon (about 4 GB/s of one core, once)"))] = True
-    named_shm: Annotated[bool, Meta(description=(
-        "Also take host KV and doorbell pages named by a /dev/shm path. A worker can truncate such an object "
-        "while a WRITE copies into or out of it, and over UCX's TCP transport the copy is the daemon's, which "
-        "then dies of SIGBUS. "
-        "False: only memfds sealed against shrinking, handed over on the fd socket (the worker socket's "
-        "path plus .fd), which the client library and the vLLM connector use"))] = False
 
 
 class PeerApiConfig(Section, frozen=True):

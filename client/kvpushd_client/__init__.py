@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .client import KVPushClient
     from .reconnect import ReconnectingStreamWorker
-    from .shm import SealedBuffer, SharedBuffer
+    from .shm import SealedBuffer
     from .stream import StreamWorker
 from .types import (
     Completion,
@@ -28,12 +28,12 @@ from .types import (
 
 __all__ = [
     "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "KVLayout", "KVPushClient", "KVPushError",
-    "MemfdMemory", "ReconnectingStreamWorker", "Region", "Role", "SealedBuffer", "SharedBuffer", "ShmMemory",
-    "StreamWorker", "TransferFigures",
+    "MemfdMemory", "ReconnectingStreamWorker", "Region", "Role", "SealedBuffer", "ShmMemory", "StreamWorker",
+    "TransferFigures",
 ]
 
 _LAZY = {"KVPushClient": "client", "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm",
-         "SharedBuffer": "shm", "StreamWorker": "stream"}
+         "StreamWorker": "stream"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,10 +1,9 @@
 """Host KV memory the worker makes and hands to the daemon: a memfd sealed against shrinking
-(``SealedBuffer``, handed over by descriptor) or a POSIX shared memory object (``SharedBuffer``, by name).
+(``SealedBuffer``), handed over by descriptor on the daemon's fd socket.
 
-A sealed memfd is the safe form: nobody can truncate it, so no WRITE into or out of it can fault
-in the daemon, and it is freed with its last descriptor and mapping, however the worker dies. A
-named object can be truncated by any process that may open it (the daemon takes it only with
-``worker_api.named_shm``, off by default).
+Nobody can truncate it, so no WRITE into or out of it can fault in the daemon, and it is freed with
+its last descriptor and mapping, however the worker dies. (A /dev/shm object, which any process that
+may open it can truncate, the daemon refuses.)
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import socket
 from collections.abc import Sequence
 
 from .errors import DaemonUnavailable, InvalidArgument
-from .types import MemfdMemory, Memory, ShmMemory
+from .types import MemfdMemory, Memory
 
 TOKEN_BYTES = 16
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -97,43 +96,10 @@ class SealedBuffer:
     def memory(self) -> MemfdMemory:
         return MemfdMemory(self.fd, self.size)
 
-    def close(self, unlink: bool | None = None) -> None:
-        """``unlink`` is taken for SharedBuffer's sake: a memfd has no name to remove."""
+    def close(self) -> None:
         with contextlib.suppress(BufferError):  # views still exported: the map goes with the process
             self.mmap.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
-
-class SharedBuffer:
-    """/dev/shm/<name>, mapped read-write. The creator unlinks it when done (``close(unlink=True)``)."""
-
-    def __init__(self, name: str, size: int, create: bool = True, mode: int = 0o660) -> None:
-        self.name = name.lstrip("/")
-        self.size = size
-        path = f"/dev/shm/{self.name}"
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, mode)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.created = create
-
-    @classmethod
-    def create(cls, prefix: str, size: int) -> SharedBuffer:
-        return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}", size, create=True)
-
-    @property
-    def memory(self) -> ShmMemory:
-        return ShmMemory(self.name, self.size)
-
-    def close(self, unlink: bool | None = None) -> None:
-        with contextlib.suppress(BufferError):  # views still exported: the map goes with the process
-            self.mmap.close()
-        if unlink if unlink is not None else self.created:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{self.name}")

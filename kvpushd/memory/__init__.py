@@ -34,8 +34,7 @@ class MemfdSpec:
 MemorySpec = ShmMemory | CudaMemory | MemfdSpec
 
 
-def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, named_shm: bool = False
-             ) -> list[Mapping]:
+def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) -> list[Mapping]:
     """Open every handle, or none (closing what was opened when one fails); ``fds``: the memfds'
     descriptors by token, each closed here whatever happens."""
     from .shm import ShmMapping
@@ -45,13 +44,11 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None, 
     try:
         for i, spec in enumerate(memory):
             if isinstance(spec, ShmMemory):
-                if not named_shm:
-                    raise PermissionDenied(
-                        f"memory {i}: host KV by /dev/shm name is refused here (worker_api.named_shm = false): "
-                        "a worker could truncate it under a WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
-                out.append(ShmMapping(spec.name, spec.size))
-            elif isinstance(spec, MemfdSpec):
-                out.append(ShmMapping.sealed(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
+                raise PermissionDenied(
+                    f"memory {i}: host KV by /dev/shm name is refused: a worker could truncate it under a "
+                    "WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
+            if isinstance(spec, MemfdSpec):
+                out.append(ShmMapping(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
             else:
                 from .cuda import CudaIpcMapping
 

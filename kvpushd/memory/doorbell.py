@@ -27,8 +27,7 @@ import stat
 import structlog
 from kvpushd_client.doorbell import RING_BASE, RING_HEAD, RING_SLOTS, SIZE, ring_record
 
-from ..core.errors import InvalidArgument, NotFound, PermissionDenied
-from .shm import _NAME_RE, SHM_DIR
+from ..core.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +41,6 @@ class Doorbell:
         worker receives; write its finished receives into the page's ring too (where ``fd`` is open for
         writing and the page holds a ring)."""
         self.name = label
-        self.named = False  # reached by a /dev/shm name (by_name): the daemon may reap the name
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < WORD:
@@ -58,34 +56,6 @@ class Doorbell:
         self._ring = ring and st.st_size >= SIZE
         self._word = 0  # the last value two reads agreed on
         self.posted = 0  # records written to the ring so far
-
-    @classmethod
-    def by_name(cls, name: str, ring: bool = False) -> Doorbell:
-        """The page /dev/shm/<name> (``worker_api.named_shm``)."""
-        if not _NAME_RE.match(name) or name.strip("/") in (".", ".."):
-            raise InvalidArgument(f"invalid doorbell name {name[:256]!r}")
-        name = name.lstrip("/")
-        path = os.path.join(SHM_DIR, name)
-        fd = -1
-        if ring:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except PermissionError as e:  # not writable for this daemon: no ring, the stream delivers
-                log.info("no completion ring", doorbell=name, error=e.strerror)
-            except OSError:
-                pass  # the read-only open below says what is wrong
-        try:
-            if fd < 0:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFound(f"doorbell {name[:256]!r} does not exist ({path})") from None
-        except PermissionError:
-            raise PermissionDenied(f"doorbell {name[:256]!r}: the daemon may not open {path}") from None
-        except OSError as e:
-            raise InvalidArgument(f"doorbell {name[:256]!r} cannot be opened: {e.strerror}") from None
-        bell = cls(fd, repr(name), ring)
-        bell.name, bell.named = name, True
-        return bell
 
     @property
     def has_ring(self) -> bool:

@@ -1,35 +1,20 @@
-"""Host KV memory: POSIX shared memory objects or sealed memfds created by the worker, mapped by the daemon."""
+"""Host KV memory: memfds sealed against shrinking, created by the worker, mapped by the daemon."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ctypes
 import errno
 import fcntl
 import mmap
 import os
-import re
 import stat
 import threading
-from collections.abc import Iterable
 
 import numpy as np
 import structlog
 
-from ..core.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from ..core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 
-SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^/?[A-Za-z0-9._@+-]{1,250}$")
-# Shared memory a worker made for the daemon and holds a shared flock on for as long as it lives (the
-# vLLM connector's host KV: kvpushd_client/vllm/layout.py). Once nobody holds that lock, the worker
-# is gone (however it died: the kernel drops the lock with its last open file) and the name is
-# garbage: the daemon removes it on detach and at start. A live worker keeps its name, so it can
-# re-attach to a restarted daemon by it. Lock, not pid: pids mean nothing across pid namespaces.
-OWNED_PREFIX = "kvpushd-kv-"
-_REAP_RETRY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)  # the lock goes a moment after the session's socket
-_REAP_EVERY_S = 5.0                              # then: a live worker whose session ended
-_reaping: set[str] = set()
 log = structlog.get_logger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the range in for writing, without writing to it
@@ -41,39 +26,16 @@ libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class ShmMapping:
-    """A read-write shared mapping of /dev/shm/<name>, or of a sealed memfd (``sealed``)."""
+    """A read-write shared mapping of a sealed memfd the worker sent (memory/fdpass.py)."""
 
     mem_type = "DRAM"
     device_id = 0
 
-    def __init__(self, name: str, size: int) -> None:
-        if not _NAME_RE.match(name) or name.strip("/") in (".", ".."):
-            raise InvalidArgument(f"invalid shared memory name {name!r}")
-        if size <= 0:
-            raise InvalidArgument(f"shared memory {name!r}: size must be positive, got {size}")
-        self.name = name.lstrip("/")
-        self.named = True  # a /dev/shm name: reaped on detach when its worker made it (OWNED_PREFIX)
-        path = os.path.join(SHM_DIR, self.name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFound(f"shared memory {name!r} does not exist ({path})") from None
-        except PermissionError:
-            raise PermissionDenied(f"shared memory {name!r}: the daemon may not open {path}") from None
-        except OSError as e:
-            raise InvalidArgument(f"shared memory {name!r} cannot be opened: {e.strerror}") from None
-        try:
-            self._map(fd, size, f"shared memory {name!r}")
-        finally:
-            os.close(fd)
-
-    @classmethod
-    def sealed(cls, fd: int, size: int, label: str) -> ShmMapping:
-        """Map a memfd the worker sent (memory/fdpass.py); closes ``fd``. It must be sealed against
-        shrinking: a mapping past the end of its file faults (SIGBUS) in whichever process copies
-        through it, and over UCX's TCP transport that is the daemon, writing a received WRITE."""
-        self = cls.__new__(cls)
-        self.name, self.named = label, False
+    def __init__(self, fd: int, size: int, label: str) -> None:
+        """Map ``fd`` and close it. It must be sealed against shrinking: a mapping past the end of its
+        file faults (SIGBUS) in whichever process copies through it, and over UCX's TCP transport that
+        is the daemon, writing a received WRITE."""
+        self.name = label
         try:
             if size <= 0:
                 raise InvalidArgument(f"{label}: size must be positive, got {size}")
@@ -88,7 +50,6 @@ class ShmMapping:
             self._map(fd, size, label)
         finally:
             os.close(fd)
-        return self
 
     def _map(self, fd: int, size: int, label: str) -> None:
         st = os.fstat(fd)
@@ -148,56 +109,3 @@ class ShmMapping:
                 return
             self._buf = None
             self._mm.close()
-
-
-def reap_if_unused(name: str) -> bool:
-    """Unlink /dev/shm/<name> if it is a worker-owned name nobody holds any more; True: nothing left to do."""
-    name = name.lstrip("/")
-    if not name.startswith(OWNED_PREFIX) or not _NAME_RE.match(name):
-        return True
-    path = os.path.join(SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # its worker lives
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        log.info("removed the shared memory of a worker that is gone", path=path)
-        return True
-    except OSError as e:
-        log.warning("cannot remove the shared memory of a worker that is gone", path=path, error=e.strerror)
-        return True
-    finally:
-        os.close(fd)
-
-
-def sweep_unused() -> list[str]:
-    """Remove every worker-owned name nobody holds (workers that died while no daemon ran)."""
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(OWNED_PREFIX)]
-    except OSError:
-        return []
-    return [n for n in names if reap_if_unused(n) and not os.path.exists(os.path.join(SHM_DIR, n))]
-
-
-def reap_when_unused(names: Iterable[str], loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Remove each worker-owned name once its worker is gone: now, a moment later (the worker's
-    lock goes a little after its socket), or every few seconds while the worker still lives."""
-    loop = loop or asyncio.get_running_loop()
-
-    def attempt(name: str, i: int) -> None:
-        if reap_if_unused(name):
-            _reaping.discard(name)
-            return
-        loop.call_later(_REAP_RETRY_S[i] if i < len(_REAP_RETRY_S) else _REAP_EVERY_S, attempt, name, i + 1)
-
-    for n in names:
-        n = n.lstrip("/")
-        if n.startswith(OWNED_PREFIX) and n not in _reaping:
-            _reaping.add(n)
-            attempt(n, 0)

@@ -32,7 +32,7 @@ from ..events import EventHub, EventKind
 from ..memory import Mapping, MemfdSpec, MemorySpec, open_all
 from ..memory.doorbell import Doorbell, fd_label
 from ..memory.fdpass import MAX_MEMORY_HANDLES, FdInbox, fd_socket_path
-from ..memory.shm import ShmMapping, reap_when_unused, sweep_unused
+from ..memory.shm import ShmMapping
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
 from .identity import Identity, agent_prefix
@@ -100,7 +100,6 @@ class Workers:
         self._releasing: dict[str, asyncio.Future[None]] = {}  # worker id -> its release under way
         # one thread populates host KV (one core at most; attaches never wait behind it); none starts until used
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
-        sweep_unused()  # host KV of workers that died while no daemon ran
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -151,8 +150,7 @@ class Workers:
                       memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
                       doorbell: str, doorbell_token: bytes, claims: set[tuple[object, ...]]) -> Worker:
         loop = asyncio.get_running_loop()
-        mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory),
-                                              self.cfg.worker_api.named_shm)
+        mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory))
         bell: Doorbell | None = None
         try:
             bell = self._open_bell(doorbell, doorbell_token, role.can_receive)
@@ -200,7 +198,7 @@ class Workers:
         return w
 
     def _open_bell(self, name: str, token: bytes, ring: bool) -> Doorbell | None:
-        """The worker's doorbell page: by descriptor from the fd socket, or by /dev/shm name (``named_shm``)."""
+        """The worker's doorbell page, by descriptor from the fd socket; by /dev/shm name it is refused."""
         if token:
             if name:
                 raise InvalidArgument("a doorbell by name or by memfd token, not both")
@@ -208,11 +206,8 @@ class Workers:
             return Doorbell(fd, fd_label(fd), ring)
         if not name:
             return None
-        if not self.cfg.worker_api.named_shm:
-            raise PermissionDenied(
-                f"doorbell {name[:256]!r}: a page by /dev/shm name is refused here (worker_api.named_shm = false); "
-                "hand it over as a memfd (doorbell_token)")
-        return Doorbell.by_name(name, ring)
+        raise PermissionDenied(f"doorbell {name[:256]!r}: a page by /dev/shm name is refused; hand it over as a "
+                               "memfd (doorbell_token)")
 
     def _claim_bell(self, bell: Doorbell, claims: set[tuple[object, ...]]) -> None:
         """One page rings for one worker: two on one page would read each other's progress (a WRITE of
@@ -347,12 +342,8 @@ class Workers:
         finally:
             for m in w.mappings:
                 m.close()
-            names = [m.name for m in w.mappings if isinstance(m, ShmMapping) and m.named]
             if w.bell is not None:
                 w.bell.close()
-                if w.bell.named:
-                    names.append(w.bell.name)
-            reap_when_unused(names)  # gone with its worker
             self.by_id.pop(w.worker_id, None)
             log.info("worker detached", worker_id=w.worker_id, reason=why)
             self.events.emit(EventKind.WORKER_DETACHED, worker_id=w.worker_id, engine_id=w.engine_id, detail=why)

@@ -25,10 +25,8 @@ from kvpushd_client.doorbell import (
     reset_ring,
     ring_key,
 )
-from kvpushd_client.shm import SharedBuffer
 from support import make_kv, wait_for
 
-from kvpushd.core.errors import InvalidArgument
 from kvpushd.memory.doorbell import Doorbell as DaemonDoorbell
 
 
@@ -121,20 +119,6 @@ def test_no_ring_without_write_access_or_for_a_sender() -> None:
         ro.close()
     finally:
         bell.close()
-    named = SharedBuffer.create("kvpushd-kv-bell-named", SIZE)  # a page by name (worker_api.named_shm)
-    try:
-        rw = DaemonDoorbell.by_name(named.name, ring=True)
-        assert rw.has_ring and rw.named
-        rw.close()
-        with pytest.raises(InvalidArgument):
-            DaemonDoorbell.by_name("../../etc/passwd")
-        os.chmod(f"/dev/shm/{named.name}", 0o400)
-        if os.geteuid() != 0:
-            ro = DaemonDoorbell.by_name(named.name, ring=True)
-            assert not ro.has_ring
-            ro.close()
-    finally:
-        named.close(unlink=True)
 
 
 # -- real daemons ------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Host KV in sealed memfds, handed to the daemon by descriptor on its fd socket.
 
-A named /dev/shm object can be truncated by its worker while a WRITE copies into it. Over UCX's TCP
+A named /dev/shm object could be truncated by its worker while a WRITE copies into it. Over UCX's TCP
 transport the decode daemon does that copy itself, so it died of SIGBUS (exit -7), with every other
-worker's transfers on the node. A memfd sealed against shrinking cannot be cut, and the daemon
-takes no other descriptor. Real daemons, real NIXL.
+worker's transfers on the node: the daemon takes no /dev/shm name. A memfd sealed against shrinking
+cannot be cut, and the daemon takes no other descriptor. Real daemons, real NIXL.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import time
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, KVPushClient, KVPushError, MemfdMemory, Region, Role, _convert
+from kvpushd_client import CompletionKind, KVPushClient, KVPushError, MemfdMemory, Region, Role, ShmMemory, _convert
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
 from support import POISON, attach_pair, make_kv, scrape, value, wait_for
 
 from kvpushd.memory import fdpass
 
-NAMED = {"worker_api": {"named_shm": True}}
 TCP = "[transfer]\npublish_timeout_s = 10.0\nexpect_timeout_s = 10.0\nwrite_timeout_s = 3.0\n"
 
 
@@ -48,9 +47,7 @@ def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_a_named_object_cut_under_a_write_killed_the_daemon_and_a_sealed_one_cannot_be_cut(
-        daemon_factory, tcp) -> None:  # type: ignore[no-untyped-def]
-    """Both halves on one pair of daemons: the hazard, then the memfd that removes it."""
+def test_a_sealed_memfd_cannot_be_cut(daemon_factory, tcp) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_factory.pair(TCP)
     src, dst = make_kv("mf-src"), make_kv("mf-dst", fill="poison")
     try:
@@ -69,40 +66,25 @@ def test_a_named_object_cut_under_a_write_killed_the_daemon_and_a_sealed_one_can
     finally:
         src.close()
         dst.close()
-    # the same with a named object, cut by its worker: the decode daemon dies (why they are refused
-    # unless worker_api.named_shm says otherwise)
-    nsrc, ndst = make_kv("mf-nsrc"), make_kv("mf-ndst", fill="poison", sealed=False)
-    try:
-        d2 = daemon_factory("dnode2", TCP, settings=NAMED)
-        pw2 = p.client.attach("prefill2", Role.PRODUCER, 0, 1, [nsrc.buf.memory], nsrc.region_list)
-        dw2 = d2.client.attach("decode2", Role.CONSUMER, 0, 1, [ndst.buf.memory], ndst.region_list)
-        os.truncate(f"/dev/shm/{ndst.buf.name}", 0)
-        dw2.expect("cut", [1], p.peer_address, "prefill2", 1)
-        pw2.publish("cut", [1])
-        assert wait_for(lambda: d2.proc.poll() is not None, timeout=30)
-        assert d2.proc.returncode == -7  # SIGBUS
-        assert p.proc.poll() is None and d.proc.poll() is None
-    finally:
-        nsrc.close()
-        ndst.close()
     daemon_factory.close(check=(p, d))
 
 
 def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    d = daemon_factory("dnode")  # named_shm = false: the default
+    d = daemon_factory("dnode")
     c = d.client
     regs = [Region(0, 0, 16, 4096)]
     size = 16 * 4096
-    named = make_kv("mf-named", regions=1, num_blocks=16, sealed=False)
+    shm_path = f"/dev/shm/mf-named-{os.getpid()}"
+    shm_fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    os.ftruncate(shm_fd, size)
     bare = os.memfd_create("mf-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(bare, size)
     good = sealed_memfd("mf-good", size)
     ro = os.open(f"/proc/self/fd/{good}", os.O_RDONLY)
-    shm_fd = os.open(f"/dev/shm/{named.buf.name}", os.O_RDWR)
     base = _open_fds(d.proc.pid)
     try:
         cases = [
-            ([named.buf.memory], "PERMISSION_DENIED", "named_shm = false"),
+            ([ShmMemory(os.path.basename(shm_path), size)], "PERMISSION_DENIED", "by /dev/shm name"),
             ([MemfdMemory(bare, size)], "PERMISSION_DENIED", "not a memfd sealed against shrinking"),
             ([MemfdMemory(shm_fd, size)], "PERMISSION_DENIED", "not a memfd sealed against shrinking"),
             ([MemfdMemory(ro, size)], "PERMISSION_DENIED", "cannot be mapped for reading and writing"),
@@ -127,7 +109,7 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
     finally:
         for fd in (bare, good, ro, shm_fd):
             os.close(fd)
-        named.close()
+        os.unlink(shm_path)
     daemon_factory.close(check=(d,))
 
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from kvpushd_client import Role, SharedBuffer
+from kvpushd_client import Role, SealedBuffer
 from kvpushd_lab import launch
 from support import DaemonFactory, make_kv, wait_for
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not _kernel_populates(), reason="the kernel has 
 
 
 def _rss(pid: int | str, name: str, addr: int | None = None) -> int:
-    """Bytes of /dev/shm/<name> or of the memfd <name> (the mapping at ``addr`` only, if given) in the
+    """Bytes of the memfd <name> (the mapping at ``addr`` only, if given) in the
     page tables of ``pid``."""
     total, inside = 0, False
     with open(f"/proc/{pid}/smaps") as f:
@@ -43,8 +43,7 @@ def _rss(pid: int | str, name: str, addr: int | None = None) -> int:
             if head and "-" in head[0] and ":" not in head[0]:
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
                 path = head[5].strip() if len(head) == 6 else ""
-                inside = (path.endswith(f"/dev/shm/{name}") or path == f"/memfd:{name} (deleted)") and (
-                    addr is None or lo <= addr < hi)
+                inside = path == f"/memfd:{name} (deleted)" and (addr is None or lo <= addr < hi)
             elif inside and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total
@@ -52,30 +51,30 @@ def _rss(pid: int | str, name: str, addr: int | None = None) -> int:
 
 def test_populate_maps_what_the_worker_touched_and_allocates_nothing() -> None:
     size = 2 * POPULATE_CHUNK + 5 * mmap.PAGESIZE  # a partial last chunk
-    buf = SharedBuffer.create("kvpushd-test-populate", size)
+    buf = SealedBuffer.create("kvpushd-test-populate", size)
     try:
         touched = (0, 3 * mmap.PAGESIZE), (POPULATE_CHUNK - mmap.PAGESIZE, POPULATE_CHUNK + 2 * mmap.PAGESIZE), (
             size - 5 * mmap.PAGESIZE, size)  # runs inside a chunk, across a chunk's edge, at the end
         for a, b in touched:
             buf.mmap[a:b] = b"\x01" * (b - a)
         want = sum(b - a for a, b in touched)
-        m = ShmMapping(buf.name, size)
+        m = ShmMapping(os.dup(buf.fd), size, buf.name)
         assert _rss("self", buf.name, m.addr) == 0
         assert m.populate() == want
         assert _rss("self", buf.name, m.addr) == want
-        blocks = os.stat(f"/dev/shm/{buf.name}").st_blocks * 512
+        blocks = os.fstat(buf.fd).st_blocks * 512
         assert blocks == want  # no page allocated that the worker did not touch
         m.close()
         assert m.populate() == 0  # closed: nothing to do, nothing touched
     finally:
-        buf.close(unlink=True)
+        buf.close()
 
 
 def test_close_while_populating_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker detaching while its KV is being populated: close() waits for the chunk in hand only,
     and populate() takes no further chunk (no madvise on an unmapped range)."""
     size = 4 * POPULATE_CHUNK
-    buf = SharedBuffer.create("kvpushd-test-populate-close", size)
+    buf = SealedBuffer.create("kvpushd-test-populate-close", size)
     started, go = threading.Event(), threading.Event()
     real = shm.libc
 
@@ -91,7 +90,7 @@ def test_close_while_populating_stops_it(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(shm, "libc", SlowLibc)
     try:
         buf.mmap.write(bytes(size))  # every page touched
-        m = ShmMapping(buf.name, size)
+        m = ShmMapping(os.dup(buf.fd), size, buf.name)
         with ThreadPoolExecutor(2) as ex:
             fut = ex.submit(m.populate)
             assert started.wait(10)
@@ -102,7 +101,7 @@ def test_close_while_populating_stops_it(monkeypatch: pytest.MonkeyPatch) -> Non
             closer.result(timeout=10)
             assert fut.result(timeout=10) == POPULATE_CHUNK
     finally:
-        buf.close(unlink=True)
+        buf.close()
 
 
 def test_daemon_populates_an_attached_workers_host_kv(daemon_factory: DaemonFactory, workdir: Path) -> None:

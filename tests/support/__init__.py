@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from kvpushd_client import Region, Role, SealedBuffer, SharedBuffer
+from kvpushd_client import Region, Role, SealedBuffer
 
 if TYPE_CHECKING:
     from .daemons import DaemonProc, scrape, value  # noqa: F401
@@ -38,9 +38,9 @@ def __getattr__(name: str) -> object:
 
 @dataclass
 class KV:
-    """A worker's KV memory: ``regions`` regions of ``num_blocks`` blocks in one shm object."""
+    """A worker's KV memory: ``regions`` regions of ``num_blocks`` blocks in one sealed memfd."""
 
-    buf: SharedBuffer | SealedBuffer
+    buf: SealedBuffer
     regions: int
     num_blocks: int
     block_len: int
@@ -56,15 +56,14 @@ class KV:
 
     def close(self) -> None:
         del self.arr
-        self.buf.close(unlink=True)
+        self.buf.close()
 
 
 def make_kv(prefix: str, regions: int = 4, num_blocks: int = 64, block_len: int = 4096, fill: str = "random",
-            seed: int = 0, sealed: bool = True) -> KV:
-    """``sealed``: in a sealed memfd (handed over by descriptor), else a /dev/shm name (which a daemon
-    takes only with ``worker_api.named_shm``)."""
+            seed: int = 0) -> KV:
+    """In a sealed memfd, handed over by descriptor."""
     size = regions * num_blocks * block_len
-    buf = SealedBuffer.create(prefix, size) if sealed else SharedBuffer.create(prefix, size)
+    buf = SealedBuffer.create(prefix, size)
     kv = KV(buf, regions, num_blocks, block_len)
     if fill == "random":
         kv.arr[:] = np.random.default_rng(seed).integers(0, 256, kv.arr.shape, dtype=np.uint8)

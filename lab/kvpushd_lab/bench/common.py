@@ -103,7 +103,7 @@ class KVMemory:
 
     def close(self) -> None:
         del self.arr
-        self.buf.close(unlink=True)
+        self.buf.close()
 
 
 # -- daemons ---------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ class Worker:
     def close(self) -> None:
         self.link.close()
         del self.arr
-        self.buf.close(unlink=True)
+        self.buf.close()
 
 
 class Node:

@@ -54,7 +54,7 @@ def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection, popu
     told to stay busy), otherwise wake every 50 ms only; ``poll_s`` 0 spins while awaiting."""
     from kvpushd.memory.shm import ShmMapping
 
-    m = ShmMapping.sealed(os.open(shm_name, os.O_RDWR | os.O_CLOEXEC), size, shm_name)  # KVMemory.name: a path
+    m = ShmMapping(os.open(shm_name, os.O_RDWR | os.O_CLOEXEC), size, shm_name)  # KVMemory.name: a path
     if populate:  # as a daemon does for host KV (worker_api.populate_host_kv)
         m.populate()
     agent = _agent(f"kvpushd-bench-target-{os.getpid()}")
@@ -170,7 +170,7 @@ class Initiator:
         from kvpushd.memory.shm import ShmMapping
 
         self.layout: Layout = mem.layout
-        self._map = ShmMapping.sealed(os.open(mem.name, os.O_RDWR | os.O_CLOEXEC), mem.layout.total_bytes, mem.name)
+        self._map = ShmMapping(os.open(mem.name, os.O_RDWR | os.O_CLOEXEC), mem.layout.total_bytes, mem.name)
         if populate:
             self._map.populate()
         self.agent = _agent(name or f"kvpushd-bench-initiator-{os.getpid()}")

@@ -68,7 +68,7 @@ def _worker_main(role: str, sock: str, layout: Layout, seed: int, conn: Connecti
     finally:
         w.detach()
         client.close()
-        buf.close(unlink=True)
+        buf.close()
 
 
 # ---------------------------------------------------------------------------------------------
