@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..cuda import CudaMemoryError
 from ..doorbell import Doorbell
 from ..reconnect import Call, ReconnectingStreamWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role
@@ -93,8 +94,13 @@ class KVPushdConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
-        memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
-                                                           self._specs)
+        try:
+            memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks,
+                                                               self.settings.host_kv_to_shm, self._specs)
+        except CudaMemoryError as e:  # vLLM 0.34's extensible KV cache: CUDA virtual memory
+            raise CudaMemoryError(f"{e} With vLLM 0.34 (its extensible KV cache is on by default on CUDA), set "
+                                  'kv_connector_extra_config.kvpushd_kv_cache_access = "legacy_ipc": the '
+                                  "daemon does not import that memory by file descriptor yet") from None
         self._shm_names = owned_memfd_names(memory)
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
