@@ -93,3 +93,28 @@ def test_relative_link_resolves(doc: str, target: str) -> None:
     assert dest.exists(), f"{doc}: link {target} points at {dest.relative_to(ROOT)}, which does not exist"
     if anchor and dest.suffix == ".md":
         assert anchor in _anchors(dest), f"{doc}: link {target}: no heading #{anchor} in {dest.relative_to(ROOT)}"
+
+
+# The map (docs/architecture.md) and the connector's README name files by their path from the root,
+# in code spans: each must still be there, so a moved or removed module fails here until the map says so.
+MAPS = [ROOT / "docs" / "architecture.md", ROOT / "client" / "kvpushd_client" / "vllm" / "README.md"]
+_PATH = re.compile(r"`((?:kvpushd|client|lab|tests|scripts|protos|deploy|docs|systemd)/[^`\s]*)`")
+
+
+def _named_paths(doc: Path) -> list[str]:
+    return list(dict.fromkeys(_PATH.findall(_FENCE.sub("", doc.read_text()))))
+
+
+def test_the_map_names_the_rooms() -> None:
+    named = _named_paths(MAPS[0])
+    assert len(named) > 60, named
+    for room in ("core", "runtime", "transfer", "memory", "rpc"):
+        assert any(p.startswith(f"kvpushd/{room}/") for p in named), room
+    for top in ("kvpushd/app.py", "client/kvpushd_client/vllm/", "lab/kvpushd_lab/"):
+        assert any(p.startswith(top) for p in named), top
+
+
+@pytest.mark.parametrize("doc", MAPS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_path_a_map_names_exists(doc: Path) -> None:
+    gone = [p for p in _named_paths(doc) if not (ROOT / p).exists()]
+    assert not gone, f"{doc.relative_to(ROOT)} names paths that are gone (update the map): {gone}"
