@@ -168,10 +168,7 @@ class Executor:
         if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
             self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
             return
-        self.xfer.post_write(a.leg, a.producer_worker, a.src_blocks, agent, reg.block_ids, a.notif, a.src_part,
-                             a.dst_part, skip_tokens=reg.skip_tokens, skip_replicated=a.skip_replicated,
-                             planned=a.planned, step=a.step, layers=a.layers,
-                             ready_blocks=a.ready_blocks)
+        self.xfer.post(a, agent)
 
     def _stop_write(self, a: StopWrite) -> None:
         if self.xfer is not None:
@@ -188,7 +185,7 @@ class Executor:
             self._on_reads([ReadResult(a.key, False, "producer agent unknown", 0, 0, 0, 0, 0)])
             return
         self._reads[a.key] = a.worker_id
-        self.xfer.post_read(a.key, a.worker_id, a.dst_blocks, agent, a.src_blocks, a.notif, a.src_part, a.dst_part)
+        self.xfer.post(a, agent)
 
     # -- NIXL callbacks (on the loop): core event, then emit -------------------------------------
 

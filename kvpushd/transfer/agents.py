@@ -16,6 +16,7 @@ import structlog
 
 from ..core.errors import FailedPrecondition, InvalidArgument
 from ..core.layout import check_block_ids, plan_write
+from ..core.rendezvous import StartRead, StartWrite
 from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, memory_device
 from .descs import (
     WHOLE,
@@ -30,7 +31,7 @@ from .descs import (
     ready_first,
     region_bases,
 )
-from .records import Local
+from .records import Local, Xfer
 
 log = structlog.get_logger(__name__)
 
@@ -200,31 +201,33 @@ class AgentBook:
 
     # -- one transfer's descriptors -------------------------------------------------------
 
-    def xfer_maker(self, loc: Local, write: bool, remote: RemoteAgent, src: Sequence[int], dst: Sequence[int],
-               src_part: Part, dst_part: Part, plan: tuple[int, bool] | None,
-               ) -> tuple[Callable[..., Any], int, int, int]:
-        """(make the transfer handle given its notification, bytes, descriptors requested, posted).
-        For the prepared lists, ``make(notif, lo, hi)`` posts index ``lo`` to ``hi`` only (region-major:
-        a run of whole regions) and ``make.indices`` says how many there are."""
-        book, op = self, "WRITE" if write else "READ"
-        if plan is not None:
-            skip_tokens, skip_replicated = plan
+    def xfer_maker(self, loc: Local, plan: StartWrite | StartRead, remote: RemoteAgent) -> Xfer:
+        """The descriptors of the core's plan, ready to post. For the prepared lists,
+        ``make(notif, lo, hi)`` posts index ``lo`` to ``hi`` only (region-major: a run of whole
+        regions) and ``make.indices`` says how many there are."""
+        write = isinstance(plan, StartWrite)
+        src = plan.src_blocks
+        dst = plan.registration.block_ids if isinstance(plan, StartWrite) else plan.dst_blocks
+        src_part, dst_part = plan.src_part, plan.dst_part
+        if isinstance(plan, StartWrite) and plan.planned:
             s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
             check_block_ids(s, min(r.num_blocks for r in loc.regions), d, min(r.num_blocks for r in remote.regions))
-            tp = plan_write(loc.regions, remote.regions, s, d, skip_tokens, src_part, dst_part, skip_replicated)
+            tp = plan_write(loc.regions, remote.regions, s, d, plan.registration.skip_tokens, src_part, dst_part,
+                            plan.skip_replicated)
             if not len(tp.src):
                 raise InvalidArgument("nothing to write: every region is written by another producer rank")
-            book.load_remote(loc, remote)
+            self.load_remote(loc, remote)
             ldescs = loc.agent.get_xfer_descs(tp.src, loc.mem_type)
             rdescs = loc.agent.get_xfer_descs(tp.dst, remote.mem_type)
-            return (lambda n, lo=0, hi=0: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
-                    tp.nbytes, tp.requested, len(tp.src))
+            return Xfer(lambda n, lo=0, hi=0: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
+                        tp.nbytes, tp.requested, len(tp.src))
         local_part, remote_part = (src_part, dst_part) if write else (dst_part, src_part)
-        rdlist, rbases = book.remote_view(loc, remote, remote_part)
-        ldlist = book.local_list(loc, local_part)
-        p = plan_leg(book.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
+        rdlist, rbases = self.remote_view(loc, remote, remote_part)
+        ldlist = self.local_list(loc, local_part)
+        p = plan_leg(self.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
         lidx, ridx = (p.src_idx, p.dst_idx) if write else (p.dst_idx, p.src_idx)
-        return Prepped(loc.agent, op, ldlist, lidx, rdlist, ridx), p.nbytes, p.requested, p.merged
+        return Xfer(Prepped(loc.agent, "WRITE" if write else "READ", ldlist, lidx, rdlist, ridx), p.nbytes,
+                    p.requested, p.merged)
 
 
 class Prepped:

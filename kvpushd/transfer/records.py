@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,16 @@ class ReadResult:
     xfer_s: float
     descs_requested: int
     descs_posted: int
+
+
+@dataclass(frozen=True, slots=True)
+class Xfer:
+    """One transfer's descriptors, ready to post (agents.AgentBook.xfer_maker)."""
+
+    make: Callable[..., Any]  # (notification[, first index, end index]) -> the NIXL transfer handle
+    nbytes: int
+    requested: int  # descriptors the request names
+    posted: int     # descriptors posted, once adjacent ones are merged
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from ..core import notif as notif_codec
-from ..core.rendezvous import LegKey
+from ..core.rendezvous import LegKey, StartWrite
 from .agents import Prepped
 from .descs import Units, units
 from .records import Inflight, Local, WriteResult
@@ -38,13 +38,11 @@ MakeXfer = Callable[[bytes, int, int], Any]  # (notification, first index, end i
 
 @dataclass(slots=True)
 class Staged:
-    key: LegKey
+    write: StartWrite  # the core's plan: the leg, its engine step, layer groups and ready blocks
     loc: Local
     remote: str
     make: MakeXfer
     plan: Units        # which indices each notification unit covers (ready blocks, layer groups)
-    step: int
-    layers: int
     result: WriteResult  # the figures, reported once the leg settles
     t0: float
     stall_s: float     # no new group within this long: the leg stops (the producer stalled)
@@ -57,6 +55,18 @@ class Staged:
     t_last: float = 0.0  # the last group posted, or the last WRITE settled
     writes: int = 0
     batch: int = 1     # layer groups gathered into one WRITE (the ready blocks and the last group excepted)
+
+    @property
+    def key(self) -> LegKey:
+        return self.write.leg
+
+    @property
+    def step(self) -> int:
+        return self.write.step
+
+    @property
+    def layers(self) -> int:
+        return self.write.layers
 
     def ready(self) -> int:
         """Units that may be posted by now: the ready blocks at once, a layer group as the doorbell says."""
@@ -77,9 +87,11 @@ class Staged:
 class Stages:
     """The staged legs and watched steps of one NIXL thread (called on that thread only)."""
 
-    def __init__(self, on_sealed: Callable[[list[tuple[str, int]]], object] | None, min_write_bytes: int = 0) -> None:
+    def __init__(self, on_sealed: Callable[[list[tuple[str, int]]], object] | None, min_write_bytes: int = 0,
+                 stall_s: float = 60.0) -> None:
         self.legs: list[Staged] = []
         self.min_write_bytes = min_write_bytes  # a WRITE gathers layer groups until it has this many bytes
+        self.stall_s = stall_s  # a leg with no new group within this long stops (the producer stalled)
         self.watched: list[tuple[Local, int]] = []  # (worker, step): report when that step is complete
         self._on_sealed = on_sealed
         self.writes_posted = 0
@@ -87,16 +99,17 @@ class Stages:
     def __bool__(self) -> bool:
         return bool(self.legs or self.watched)
 
-    def add(self, key: LegKey, loc: Local, remote: str, make: MakeXfer, result: WriteResult, t0: float, step: int,
-            layers: int, ready: int, blocks: int, stall_s: float, fault: str) -> None:
-        """A staged leg of ``blocks`` blocks whose first ``ready`` ones are complete already."""
+    def add(self, write: StartWrite, loc: Local, remote: str, make: MakeXfer, result: WriteResult, t0: float,
+            fault: str) -> None:
+        """A staged leg: the plan's source blocks, its first ``ready_blocks`` complete already."""
         prepped = make if isinstance(make, Prepped) else None  # None: planned per request, not sliceable
+        blocks, ready, layers = len(write.src_blocks), write.ready_blocks, write.layers
         plan = units(prepped.indices if prepped else 0, blocks, layers, ready)
         if prepped is not None and plan.lead and plan.head < prepped.indices:
             prepped.ready_first(blocks, ready)
         per_group = result.nbytes // max(layers, 1)
         batch = -(-self.min_write_bytes // per_group) if per_group and self.min_write_bytes > 0 else 1
-        self.legs.append(Staged(key, loc, remote, make, plan, step, layers, result, t0, stall_s, fault,
+        self.legs.append(Staged(write, loc, remote, make, plan, result, t0, self.stall_s, fault,
                                 batch=max(1, min(batch, layers))))
 
     def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:

@@ -28,12 +28,12 @@ from ..core.errors import InvalidArgument
 from ..core.notif import Notified
 from ..core.notif import decode as decode_notif
 from ..core.notif import decode_read as decode_read_notif
-from ..core.rendezvous import LegKey, ReadKey
+from ..core.rendezvous import LegKey, StartRead, StartWrite
 from .agents import AgentBook
 from .backends import AgentBackend
-from .descs import WHOLE, Part, RegionSpec, RemoteAgent
+from .descs import RegionSpec, RemoteAgent
 from .faults import Faults
-from .records import Inflight, Local, ReadResult, WriteResult, transfer_id_of
+from .records import Inflight, Local, ReadResult, WriteResult, Xfer, transfer_id_of
 from .staged import Stages
 
 log = structlog.get_logger(__name__)
@@ -78,7 +78,7 @@ class TransferThread:
         self._inflight: list[Inflight] = []
         # progressive push: legs written layer group by layer group, steps watched for completion
         self._stages = Stages(on_sealed and (lambda steps: loop.call_soon_threadsafe(on_sealed, steps)),
-                              min_write_bytes)
+                              min_write_bytes, write_timeout_s)
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
@@ -155,21 +155,18 @@ class TransferThread:
         self._q.put(run)
         return asyncio.wrap_future(fut)
 
-    def post_write(self, leg: LegKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
-                   dst: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE,
-                   skip_tokens: int = 0, skip_replicated: bool = False, planned: bool = False, step: int = 0,
-                   layers: int = 0, ready_blocks: int = 0) -> None:
-        """Queue a WRITE as the core planned it; its WriteResult comes back through on_write_done.
+    def post(self, plan: StartWrite | StartRead, remote: RemoteAgent) -> None:
+        """Queue the core's plan as it stands: a WRITE (its WriteResult comes back through
+        on_write_done) or, pull mode, a READ of ``remote``'s blocks into the local worker's (its
+        ReadResult through on_read_done; the notification goes to ``remote``).
 
-        ``planned`` False: blocks map one to one, through the prepared lists. True (other block
-        sizes, ``skip_tokens``, NHD or replicated regions across TP sizes, ``skip_replicated``):
+        A WRITE's ``planned`` False: blocks map one to one, through the prepared lists. True (other
+        block sizes, skip_tokens, NHD or replicated regions across TP sizes, ``skip_replicated``):
         the descriptors are planned per request by ``core.layout.plan_write``. ``layers`` > 0:
         progressive push, written layer group by layer group as the worker's doorbell passes
         engine step ``step`` (staged.py), its first ``ready_blocks`` blocks at once."""
         t0 = time.perf_counter()
-        plan = (skip_tokens, skip_replicated) if planned else None
-        staged = (step, layers, ready_blocks) if layers else None
-        self._q.put(lambda: self._post(leg, worker_id, src, remote, dst, notif, t0, src_part, dst_part, plan, staged))
+        self._q.put(lambda: self._post(plan, remote, t0))
 
     def stop_write(self, leg: LegKey, why: str) -> None:
         """Progressive push: post no more layer groups of ``leg`` (it settles once what was posted has)."""
@@ -182,13 +179,6 @@ class TransferThread:
             if loc is not None:
                 self._stages.watched.append((loc, step))
         self._q.put(run)
-
-    def post_read(self, key: ReadKey, worker_id: str, dst: Sequence[int], remote: RemoteAgent,
-                  src: Sequence[int], notif: bytes, src_part: Part = WHOLE, dst_part: Part = WHOLE) -> None:
-        """Pull mode: queue a READ of ``remote``'s ``src`` blocks into worker ``worker_id``'s ``dst``
-        blocks (the notification goes to ``remote``); its ReadResult comes back through on_read_done."""
-        t0 = time.perf_counter()
-        self._q.put(lambda: self._post(key, worker_id, src, remote, dst, notif, t0, src_part, dst_part))
 
     def set_pulling(self, n: int) -> None:
         """Prefill side: how many offered legs wait for a READ notification; wakes the thread from idle."""
@@ -286,20 +276,19 @@ class TransferThread:
 
     # -- the one post path, for WRITE and READ -------------------------------------------------
 
-    def _post(self, key: LegKey | ReadKey, worker_id: str, src: Sequence[int], remote: RemoteAgent,
-              dst: Sequence[int], notif: bytes, t0: float, src_part: Part, dst_part: Part,
-              plan: tuple[int, bool] | None = None, staged: tuple[int, int, int] | None = None) -> None:
-        """Post one WRITE (``key`` a LegKey: the local worker holds the source) or READ (a ReadKey:
+    def _post(self, plan: StartWrite | StartRead, remote: RemoteAgent, t0: float) -> None:
+        """Post one WRITE (a StartWrite: the local worker holds the source) or READ (a StartRead:
         the local worker holds the destination) and track it. The descriptors come from the
-        prepared lists, or, for a WRITE with ``plan`` (skip_tokens, skip_replicated), are planned
-        per request (token mapping), merged, and posted unprepared. KVPUSHD_FAULTS applies to WRITEs."""
-        write = isinstance(key, LegKey)
+        prepared lists, or, for a WRITE the core ``planned``, are planned per request (token
+        mapping), merged, and posted unprepared. KVPUSHD_FAULTS applies to WRITEs."""
+        write = isinstance(plan, StartWrite)
+        key = plan.leg if isinstance(plan, StartWrite) else plan.key
         what = "WRITE" if write else "READ"
         t_taken = time.perf_counter()
 
-        def result(ok: bool, reason: str, nbytes: int = 0, t_post: float = 0.0, requested: int = 0,
-                   posted: int = 0) -> WriteResult | ReadResult:
+        def result(ok: bool, reason: str, x: Xfer | None = None, t_post: float = 0.0) -> WriteResult | ReadResult:
             post_s = (t_post or time.perf_counter()) - t0
+            nbytes, requested, posted = (x.nbytes, x.requested, x.posted) if x is not None else (0, 0, 0)
             if isinstance(key, LegKey):
                 return WriteResult(key, ok, reason, nbytes, post_s, 0.0, requested, posted, t_taken - t0)
             return ReadResult(key, ok, reason, nbytes, post_s, 0.0, requested, posted)
@@ -307,26 +296,25 @@ class TransferThread:
         def fail(reason: str) -> None:
             self._deliver([result(False, reason)])
 
-        loc = self._book.locals.get(worker_id)
+        loc = self._book.locals.get(plan.producer_worker if isinstance(plan, StartWrite) else plan.worker_id)
         if loc is None:
             return fail(f"{'producer' if write else 'decode'} worker detached")
-        planned = self._plan(key, loc, write, remote, src, dst, src_part, dst_part, plan)
-        if isinstance(planned, str):
-            return fail(planned)
-        make, nbytes, requested, merged = planned
+        try:
+            x = self._book.xfer_maker(loc, plan, remote)
+        except Exception as e:
+            return fail(self._descs_failed(plan, e))
         fault = self.faults.on_post() if write and self.faults.active else ""
         if fault == "write_post":
             return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
-        if staged is not None:  # progressive push: its layer groups go as they become ready
-            r = result(True, "", nbytes, 0.0, requested, merged)  # the leg's figures, whatever WRITEs carry it
+        if isinstance(plan, StartWrite) and plan.layers:  # progressive push: layer groups go as they become ready
+            r = result(True, "", x)  # the leg's figures, whatever WRITEs carry it
             assert isinstance(r, WriteResult)
-            self._stages.add(r.leg, loc, remote.name, make, r, t0, *staged, len(src), self._write_timeout_s, fault)
+            self._stages.add(plan, loc, remote.name, x.make, r, t0, fault)
             self._advance()
             return None
-        if fault == "write_complete":
-            notif = b""  # the WRITE runs without its notification, then reports an error
+        notif = b"" if fault == "write_complete" else plan.notif  # the WRITE runs, then reports an error
         try:
-            handle = make(notif)
+            handle = x.make(notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
             log.warning(f"posting {what} failed", transfer_id=key.transfer_id, exc_info=True)
@@ -336,23 +324,20 @@ class TransferThread:
             handle.release()
             return fail(f"NIXL returned ERR when posting the {what}")
         loc.inflight += 1
-        self._inflight.append(Inflight(handle, loc, result(True, "", nbytes, t_post, requested, merged), t_post,
-                                       remote.name, fault))
+        self._inflight.append(Inflight(handle, loc, result(True, "", x, t_post), t_post, remote.name, fault))
         if state == "DONE":
             self._poll_inflight()
         return None
 
-    def _plan(self, key: LegKey | ReadKey, loc: Local, write: bool, remote: RemoteAgent, src: Sequence[int],
-              dst: Sequence[int], src_part: Part, dst_part: Part, plan: tuple[int, bool] | None,
-              ) -> tuple[Callable[..., Any], int, int, int] | str:
-        """The transfer's descriptors (agents.AgentBook.xfer_maker), or why they cannot be built."""
-        try:
-            return self._book.xfer_maker(loc, write, remote, src, dst, src_part, dst_part, plan)
-        except InvalidArgument as e:
-            return f"layout mismatch: {e}" if plan is not None and "mismatch" not in str(e) else str(e)
-        except Exception as e:
-            log.warning("preparing descriptors failed", transfer_id=key.transfer_id, exc_info=True)
-            return f"cannot prepare descriptors: {e}"
+    @staticmethod
+    def _descs_failed(plan: StartWrite | StartRead, e: Exception) -> str:
+        """Why the transfer's descriptors (agents.AgentBook.xfer_maker) could not be built."""
+        if isinstance(e, InvalidArgument):
+            planned = isinstance(plan, StartWrite) and plan.planned
+            return f"layout mismatch: {e}" if planned and "mismatch" not in str(e) else str(e)
+        key = plan.leg if isinstance(plan, StartWrite) else plan.key
+        log.warning("preparing descriptors failed", transfer_id=key.transfer_id, exc_info=e)
+        return f"cannot prepare descriptors: {e}"
 
     def _advance(self) -> bool:
         worked, settled = self._stages.advance(self._inflight.append)

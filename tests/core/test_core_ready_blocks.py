@@ -164,8 +164,9 @@ def leg(ready: int, blocks: list[int], bell: Bell, planned: bool = False):  # ty
     result = WriteResult(key, True, "", 1, 0.0, 0.0, 0, 0)
     make: Any = (lambda m, lo=0, hi=0: (list(lidx), list(ridx), m)) if planned else \
         Prepped(agent, "WRITE", None, lidx, None, ridx)
-    stages = Stages(None)
-    stages.add(key, loc, "decode", make, result, 0.0, 5, LAYERS, ready, len(blocks), 1e9, "")
+    write = StartWrite(key, "pw0", 0, 1, tuple(blocks), reg(7), step=5, layers=LAYERS, ready_blocks=ready)
+    stages = Stages(None, stall_s=1e9)
+    stages.add(write, loc, "decode", make, result, 0.0, "")
     posted: list[Inflight] = []
     stages.advance(posted.append)
     return stages, posted
