@@ -76,7 +76,6 @@ class Inflight:
     result: WriteResult | ReadResult  # as it will be reported; ok/reason/xfer_s filled in at the end
     t_post: float
     remote: str = ""
-    fault: str = ""  # injected by KVPUSHD_FAULTS (tests only): this WRITE reports an error
     stage: Any = None  # staged.Staged: one layer group WRITE of a leg written progressively
 
     @property

@@ -46,7 +46,6 @@ class Staged:
     result: WriteResult  # the figures, reported once the leg settles
     t0: float
     stall_s: float     # no new group within this long: the leg stops (the producer stalled)
-    fault: str = ""
     sent: int = 0      # units posted (the ready blocks, then layer groups)
     inflight: int = 0  # WRITEs of it in flight
     stop: str = ""     # why no more groups are posted
@@ -99,8 +98,7 @@ class Stages:
     def __bool__(self) -> bool:
         return bool(self.legs or self.watched)
 
-    def add(self, write: StartWrite, loc: Local, remote: str, make: MakeXfer, result: WriteResult, t0: float,
-            fault: str) -> None:
+    def add(self, write: StartWrite, loc: Local, remote: str, make: MakeXfer, result: WriteResult, t0: float) -> None:
         """A staged leg: the plan's source blocks, its first ``ready_blocks`` complete already."""
         prepped = make if isinstance(make, Prepped) else None  # None: planned per request, not sliceable
         blocks, ready, layers = len(write.src_blocks), write.ready_blocks, write.layers
@@ -109,7 +107,7 @@ class Stages:
             prepped.ready_first(blocks, ready)
         per_group = result.nbytes // max(layers, 1)
         batch = -(-self.min_write_bytes // per_group) if per_group and self.min_write_bytes > 0 else 1
-        self.legs.append(Staged(write, loc, remote, make, plan, result, t0, self.stall_s, fault,
+        self.legs.append(Staged(write, loc, remote, make, plan, result, t0, self.stall_s,
                                 batch=max(1, min(batch, layers))))
 
     def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:
@@ -146,7 +144,7 @@ class Stages:
             return False
         s.loc.inflight += 1
         s.inflight += 1
-        track(Inflight(handle, s.loc, s.result, time.perf_counter(), s.remote, s.fault, stage=s))
+        track(Inflight(handle, s.loc, s.result, time.perf_counter(), s.remote, stage=s))
         return True
 
     def advance(self, track: Callable[[Inflight], None]) -> tuple[bool, list[WriteResult]]:
@@ -160,8 +158,7 @@ class Stages:
                 ready = s.ready()
                 if ready > s.sent and (ready - s.sent >= s.batch or ready == s.plan.units or s.sent < s.plan.lead):
                     first, count = s.sent, ready - s.sent
-                    msg = b"" if s.fault == "write_complete" else notif_codec.encode(
-                        s.key.registration_id, s.key.producer_rank, first, count, s.plan.units)
+                    msg = notif_codec.encode(s.key.registration_id, s.key.producer_rank, first, count, s.plan.units)
                     if self._post(s, s.plan.end(first), s.plan.end(ready), msg, track):
                         s.sent = ready
                         s.writes += 1

@@ -32,7 +32,6 @@ from ..core.rendezvous import LegKey, StartRead, StartWrite
 from .agents import AgentBook
 from .backends import AgentBackend
 from .descs import RegionSpec, RemoteAgent
-from .faults import Faults
 from .records import Inflight, Local, ReadResult, WriteResult, Xfer, transfer_id_of
 from .staged import Stages
 
@@ -84,9 +83,6 @@ class TransferThread:
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
         self.pulling = 0  # offered legs waiting for a READ notification (set_pulling)
         self.stray_notifications = 0
-        self.faults = Faults.from_env()  # test-only fault injection (faults.py): off unless KVPUSHD_FAULTS
-        if self.faults.active:
-            log.warning("KVPUSHD_FAULTS is set: WRITEs will fail on purpose (tests only)", faults=self.faults.spec)
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
 
@@ -280,7 +276,7 @@ class TransferThread:
         """Post one WRITE (a StartWrite: the local worker holds the source) or READ (a StartRead:
         the local worker holds the destination) and track it. The descriptors come from the
         prepared lists, or, for a WRITE the core ``planned``, are planned per request (token
-        mapping), merged, and posted unprepared. KVPUSHD_FAULTS applies to WRITEs."""
+        mapping), merged, and posted unprepared."""
         write = isinstance(plan, StartWrite)
         key = plan.leg if isinstance(plan, StartWrite) else plan.key
         what = "WRITE" if write else "READ"
@@ -303,18 +299,14 @@ class TransferThread:
             x = self._book.xfer_maker(loc, plan, remote)
         except Exception as e:
             return fail(self._descs_failed(plan, e))
-        fault = self.faults.on_post() if write and self.faults.active else ""
-        if fault == "write_post":
-            return fail("injected fault (KVPUSHD_FAULTS write_post): WRITE not posted")
         if isinstance(plan, StartWrite) and plan.layers:  # progressive push: layer groups go as they become ready
             r = result(True, "", x)  # the leg's figures, whatever WRITEs carry it
             assert isinstance(r, WriteResult)
-            self._stages.add(plan, loc, remote.name, x.make, r, t0, fault)
+            self._stages.add(plan, loc, remote.name, x.make, r, t0)
             self._advance()
             return None
-        notif = b"" if fault == "write_complete" else plan.notif  # the WRITE runs, then reports an error
         try:
-            handle = x.make(notif)
+            handle = x.make(plan.notif)
             state = loc.agent.transfer(handle)
         except Exception as e:
             log.warning(f"posting {what} failed", transfer_id=key.transfer_id, exc_info=True)
@@ -324,7 +316,7 @@ class TransferThread:
             handle.release()
             return fail(f"NIXL returned ERR when posting the {what}")
         loc.inflight += 1
-        self._inflight.append(Inflight(handle, loc, result(True, "", x, t_post), t_post, remote.name, fault))
+        self._inflight.append(Inflight(handle, loc, result(True, "", x, t_post), t_post, remote.name))
         if state == "DONE":
             self._poll_inflight()
         return None
@@ -355,14 +347,12 @@ class TransferThread:
         keep: list[Inflight] = []
         now = time.perf_counter()
         for f in self._inflight:
+            why = f"{f.what} completed in error"
             try:
                 state = f.local.agent.check_xfer_state(f.handle)
-            except Exception as e:  # e.g. the remote agent was invalidated mid-transfer: it failed
+            except Exception as e:  # e.g. the remote agent was invalidated mid-transfer: it failed, and says why
                 log.warning(f"checking a {f.what} failed", transfer_id=transfer_id_of(f), error=str(e))
-                state = "ERR"
-            hold = self.faults.write_hold_s
-            if state == "DONE" and hold and f.what == "WRITE" and now - f.t_post < hold:
-                state = "PROC"  # injected slow network (KVPUSHD_FAULTS write_hold_s)
+                state, why = "ERR", f"{why}: {e}"
             if state == "PROC" and now - f.t_post > self._write_timeout_s:
                 self._cancel(f, f"not complete within transfer.write_timeout_s = {self._write_timeout_s:g}s")
                 done.append(f)
@@ -370,9 +360,7 @@ class TransferThread:
             if state == "PROC":
                 keep.append(f)
                 continue
-            self._finish(f, state == "DONE" and not f.fault,
-                         f"injected fault (KVPUSHD_FAULTS {f.fault}): {f.what} completed in error" if f.fault
-                         else f"{f.what} completed in error", now)
+            self._finish(f, state == "DONE", why, now)
             done.append(f)
         self._inflight = keep
         if done:

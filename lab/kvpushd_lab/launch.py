@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvpushd_client import KVPushClient, KVPushError
 
 from .backend import backend_env
+from .faults import with_site
 
 if TYPE_CHECKING:
     from .netns import NetnsLab
@@ -198,7 +199,7 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
     a namespace) when this process dies."""
     workdir = Path(workdir)
     sock = str(workdir / f"{name}.sock")
-    run_env = dict(os.environ if env is None else env)
+    run_env = with_site(os.environ if env is None else env)  # KVPUSHD_FAULTS: the fault-injecting agent (faults.py)
     if netns is not None:
         lab, i = netns
         if listen.startswith("127.0.0.1:"):

@@ -166,7 +166,7 @@ def leg(ready: int, blocks: list[int], bell: Bell, planned: bool = False):  # ty
         Prepped(agent, "WRITE", None, lidx, None, ridx)
     write = StartWrite(key, "pw0", 0, 1, tuple(blocks), reg(7), step=5, layers=LAYERS, ready_blocks=ready)
     stages = Stages(None, stall_s=1e9)
-    stages.add(write, loc, "decode", make, result, 0.0, "")
+    stages.add(write, loc, "decode", make, result, 0.0)
     posted: list[Inflight] = []
     stages.advance(posted.append)
     return stages, posted

@@ -144,7 +144,7 @@ def test_killed_prefill_worker_fails_the_decode_side(fast_pair, kv_pair) -> None
 
 
 # -- WRITEs made to fail, and leases ---------------------------------------------------------------
-# KVPUSHD_FAULTS (kvpushd/transfer/faults.py, test-only) is read by the daemon at start: set it
+# KVPUSHD_FAULTS (kvpushd_lab/faults.py, test-only) is read by the daemon at start: set it
 # only around the start of the daemon that should misbehave.
 
 

@@ -7,7 +7,7 @@ with probability ``--fault-rate``, picked evenly from: an abort by the prefill e
 the decode engine (each after a random delay of up to 2 ms, so they race the WRITE), a publish
 whose registration never comes (the prefill daemon expires it after ``--timeout-s``) and a
 registration whose publish never comes (the decode daemon expires it). The prefill daemon runs
-with ``KVPUSHD_FAULTS`` (test-only, see kvpushd/transfer/faults.py) so that a share
+with ``KVPUSHD_FAULTS`` (test-only, see kvpushd_lab/faults.py) so that a share
 ``--write-fault-rate`` of WRITEs fail (half refused at post, half completed in error without
 their notification). Beside them a "churn" pair of workers runs batches of requests and has one
 side (or both) detached mid-flight, then attaches afresh, and a rogue peer of the prefill daemon
