@@ -60,7 +60,7 @@ class Executor:
         self.figures = figures
         self.obs = obs
         self.tracing = tracing
-        self.inbound = Inbound(self.forget_remote)
+        self.inbound = Inbound(self.forget_remote, cfg.transfer.peer_timeout_s)
         self.outbound = Outbound(ident, cfg.peer_api, self._peer_restarted)
         self.xfer: TransferThread | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -388,6 +388,9 @@ class Executor:
         log.warning("decode daemon lost", peer_node=origin.node_id, peer_address=origin.address, reason=reason,
                     registrations=regs)
         self.obs.emit(o.PeerLost(origin.address, reason, inbound=True))
+        if self.xfer is not None:  # its WRITEs (and READs) in flight end now, releasing their blocks
+            self.xfer.cancel_to([*self.inbound.consumers.names_of(origin.instance_id),
+                                 *self.inbound.producers.names_of(origin.instance_id)], f"peer lost: {reason}")
         self.inbound.drop(origin)
         self.run(self.rv.send.origin_lost(origin.instance_id, reason))
 

@@ -47,6 +47,11 @@ class Origin:
     stream_batches: int = 0
     stream_ended: float = 0.0  # time.monotonic() when its last open Channel stream ended (0: never)
 
+    def ended(self, now: float, quiet_s: float) -> bool:
+        """No stream of it is open and it was heard from neither since its last stream ended nor
+        within ``quiet_s``: the daemon behind it is gone (died, restarted, or lost its connection)."""
+        return self.streams == 0 and (self.stream_ended >= self.last_seen or now - self.last_seen > quiet_s)
+
     def take(self, rate: float) -> bool:
         """One Register's token; a burst of one second's worth, refilled at ``rate`` per second."""
         now = time.monotonic()
@@ -141,10 +146,14 @@ class AgentTable:
         held.last_used = now
         return held.agent
 
-    def drop_owner(self, owner: str) -> None:
+    def names_of(self, owner: str) -> list[str]:
+        """The agents ``owner`` introduced here."""
         if owner not in self._owned:
-            return
-        for name in [n for n, h in self._held.items() if h.owner == owner]:
+            return []
+        return [n for n, h in self._held.items() if h.owner == owner]
+
+    def drop_owner(self, owner: str) -> None:
+        for name in self.names_of(owner):
             self._forget_held(name)
 
     def _evict(self, origin: Origin, in_use: set[str]) -> None:
@@ -162,7 +171,8 @@ class AgentTable:
 class Inbound:
     """Sessions of the daemons that call us, and the agents they introduced."""
 
-    def __init__(self, forget_remote: Callable[[str], None]) -> None:
+    def __init__(self, forget_remote: Callable[[str], None], quiet_s: float = 10.0) -> None:
+        self.quiet_s = quiet_s  # transfer.peer_timeout_s: a session unheard this long, streamless, has ended
         self.origins: dict[str, Origin] = {}
         self._at: dict[str, set[str]] = {}  # peer address -> instance ids of sessions from it (no scan per handshake)
         self.consumers = AgentTable("consumer", MAX_AGENTS_PER_ORIGIN, forget_remote)
@@ -172,10 +182,15 @@ class Inbound:
                   instance_id: str, presented_token: str, busy: Callable[[str], bool],
                   tls_names: tuple[str, ...] = ()) -> tuple[str, list[Origin]]:
         """A peer daemon introduces itself; returns the secret token of its session, and the sessions
-        it replaces (the same address, another instance: a restarted daemon, whose pending transfers
-        the caller fails).
+        it replaces (a restarted daemon's old ones, whose pending transfers the caller fails).
 
-        ``busy``: whether an instance id has transfers pending here (its session cannot be claimed anew)."""
+        A session is taken over only by the daemon it belongs to, never on a claim: the same instance
+        id again needs the session's token (``presented_token``), unless that session has ended
+        (``Origin.ended``) and holds nothing (``busy``: whether an instance id has transfers pending
+        here). A new instance at the address of others replaces them only where the restart is proven:
+        the same TLS identity (certificate names), or an old session that has ended; otherwise it
+        stands beside them and they end by liveness (``silent``), so a handshake that merely claims
+        another daemon's address or instance id drops nothing of it."""
         if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
             raise FailedPrecondition(
                 f"incompatible peer {node_id[:64]!r}: protocol {protocol_version}/{compat_hash}, "
@@ -184,19 +199,22 @@ class Inbound:
             raise InvalidArgument("handshake needs instance_id and peer_address")
         if max(len(node_id), len(peer_address), len(instance_id)) > 256:
             raise InvalidArgument("handshake: node_id, peer_address and instance_id are limited to 256 characters")
+        now = time.monotonic()
         known = self.origins.get(instance_id)
         if known is not None:
             if presented_token and secrets.compare_digest(presented_token, known.token):
-                known.last_seen = time.monotonic()
+                known.last_seen = now
                 known.tls_names = tls_names
                 return known.token, []  # the same session again
             if busy(instance_id):
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
                                        "pending here; a daemon that lost its session token must wait for them to end")
-            # An idle session whose holder lost its token (or a new claimant): it starts afresh,
-            # without the agents the old session introduced.
-            self.drop(known)
-        replaced = [self.origins[i] for i in self._at.get(peer_address, ()) if i != instance_id]
+            if not known.ended(now, self.quiet_s):
+                raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a live peer session; "
+                                       "present its session token")
+            self.drop(known)  # an ended session holding nothing: its instance starts afresh
+        replaced = [o for i in self._at.get(peer_address, ()) if i != instance_id
+                    and ((o := self.origins[i]).ended(now, self.quiet_s) or (tls_names and o.tls_names == tls_names))]
         self._at.setdefault(peer_address, set()).add(instance_id)
         origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16),
                                                     tls_names=tls_names)

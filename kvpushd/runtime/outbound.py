@@ -249,6 +249,13 @@ class PeerClient:
                     log.warning("peer restarted", peer=self.address, node=resp.node_id)
                     self._on_restart(self.address, f"prefill daemon at {self.address} restarted")
                 self.sent_agents.clear()
+            elif self.session and session != self.session:
+                # the same instance gave us a new session: it dropped ours (it found this daemon silent
+                # past its peer_timeout_s, e.g. stalled), and with it every registration we held there
+                log.warning("peer dropped our session", peer=self.address, node=resp.node_id)
+                self._on_restart(self.address, f"prefill daemon at {self.address} dropped this daemon's session "
+                                               "(it heard nothing from us within its peer_timeout_s)")
+                self.sent_agents.clear()
             self.remote_instance = resp.instance_id
             self.remote_node_id = resp.node_id
             self.session = session

@@ -18,7 +18,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -163,6 +163,28 @@ class TransferThread:
         engine step ``step`` (staged.py), its first ``ready_blocks`` blocks at once."""
         t0 = time.perf_counter()
         self._q.put(lambda: self._post(plan, remote, t0))
+
+    def cancel_to(self, remotes: Collection[str], why: str) -> None:
+        """A peer daemon is gone (silent past peer_timeout_s, or restarted): every WRITE and READ in
+        flight with its agents ``remotes`` is cancelled now and no more layer groups go to them, so the
+        blocks they hold are released at the peer's liveness bound, not at write_timeout_s."""
+        names = frozenset(remotes)
+        if not names:
+            return
+
+        def run() -> None:
+            for s in self._stages.legs:
+                if s.remote in names and not s.stop:
+                    s.stop = why
+            gone = [f for f in self._inflight if f.remote in names]
+            if gone:
+                self._inflight = [f for f in self._inflight if f.remote not in names]
+                for f in gone:
+                    self._cancel(f, why)
+                self._report(gone)
+            else:
+                self._advance()
+        self._q.put(run)
 
     def stop_write(self, leg: LegKey, why: str) -> None:
         """Progressive push: post no more layer groups of ``leg`` (it settles once what was posted has)."""

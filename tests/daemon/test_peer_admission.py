@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -122,13 +123,17 @@ def test_handshake_asks_only_whether_that_peer_is_busy() -> None:
     with pytest.raises(PermissionDenied):  # without it, while transfers are pending: refused
         inbound.handshake(*hello, "10.0.0.1:7700", "held", "", busy)
     inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)
-    assert inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)[0]  # idle: claimed anew
-    assert asked == ["held", "idle"]
+    with pytest.raises(PermissionDenied):  # idle but live: a claim without its token is refused
+        inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)
+    inbound.origins["idle"].stream_ended = time.monotonic()  # its stream ended, nothing heard since
+    assert inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)[0]  # ended and idle: anew
+    assert asked == ["held", "idle", "idle"]
 
 
 def test_sessions_and_agents_counted_as_they_come_and_go() -> None:
     """The indexes that spare a handshake or a Register a scan of every session or agent: a restarted
-    daemon (same address, new instance) still replaces its old session; counts follow drops."""
+    daemon (same address, new instance) replaces its old session once that one ended (a live one it
+    does not: a claimed address proves nothing); counts follow drops."""
     from kvpushd import PROTOCOL_VERSION
     from kvpushd.core import notif
     from kvpushd.runtime.inbound import AgentTable, Inbound, Origin
@@ -137,9 +142,14 @@ def test_sessions_and_agents_counted_as_they_come_and_go() -> None:
     inbound = Inbound(lambda name: None)
     hello = (PROTOCOL_VERSION, notif.compat_hash(), "decode-1", "10.0.0.1:7700")
     inbound.handshake(*hello, "first", "", lambda i: False)
+    _, replaced = inbound.handshake(*hello, "beside", "", lambda i: False)
+    assert replaced == []  # "first" is live: the claim of its address replaces nothing
+    inbound.drop(inbound.origins["beside"])
+    inbound.origins["first"].stream_ended = time.monotonic()
     _, replaced = inbound.handshake(*hello, "second", "", lambda i: False)
     assert [o.instance_id for o in replaced] == ["first"]
     inbound.drop(replaced[0])
+    inbound.origins["second"].stream_ended = time.monotonic()
     _, replaced = inbound.handshake(*hello, "third", "", lambda i: False)
     assert [o.instance_id for o in replaced] == ["second"]
 
