@@ -5,17 +5,18 @@ A worker sends one datagram per memfd: 16 random bytes (the token) and the descr
 its Attach then names the memory by that token (``MemfdHandle``). The kernel has queued the
 datagram by the time ``sendmsg`` returns, so ``take`` reads the socket before it looks.
 
-Bounded: at most ``MAX_PARKED`` descriptors wait for their Attach (a flood closes the oldest), each
-for ``TTL_S``, and at most ``MAX_PER_SENDER`` of one sending process (its pid, which the kernel
-vouches for with SO_PASSCRED; only CAP_SYS_ADMIN may name another): a worker that floods the socket
-pushes out its own descriptors, not the other workers'. A sender in another pid namespace (a pod,
-without hostPID) shows as pid 0 and only the overall bound applies to it. A datagram of any other
-shape is dropped with every descriptor it carried. Only shared memory is parked (a memfd or a
-/dev/shm object, on tmpfs): anything else is refused on arrival and closed off the event loop, since
-closing a socket set to linger, or a FUSE or NFS file, can wait on whoever holds its other end;
-hugetlbfs is refused too (a hole punched in it faults SIGBUS in the daemon once the huge-page pool is
-empty). One wake-up takes at most ``_MAX_PER_WAKE`` datagrams, so senders that keep the queue full
-cannot hold the loop.
+Bounded: at most ``MAX_PARKED`` descriptors wait for their Attach, each for ``TTL_S``; when that
+many wait, a new arrival is refused (closed; the Attach naming its token hears RESOURCE_EXHAUSTED
+and why), so descriptors parked before a flood are never pushed out by it. At most
+``MAX_PER_SENDER`` of one sending process wait (its pid, which the kernel vouches for with
+SO_PASSCRED; only CAP_SYS_ADMIN may name another): past that a process pushes out its own oldest,
+never another's. A sender in another pid namespace (a pod, without hostPID) shows as pid 0 and only
+the overall bound applies to it. A datagram of any other shape is dropped with every descriptor it
+carried. Only shared memory is parked (a memfd or a /dev/shm object, on tmpfs): anything else is
+refused on arrival and closed off the event loop, since closing a socket set to linger, or a FUSE or
+NFS file, can wait on whoever holds its other end; hugetlbfs is refused too (a hole punched in it
+faults SIGBUS in the daemon once the huge-page pool is empty). One wake-up takes at most
+``_MAX_PER_WAKE`` datagrams, so senders that keep the queue full cannot hold the loop.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Iterable
 
 import structlog
 
-from ..core.errors import FailedPrecondition, NotFound, PermissionDenied
+from ..core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from .shm import libc
 
 TOKEN_BYTES = 16
@@ -106,7 +107,8 @@ class FdInbox:
         self._by_sender: dict[int, collections.OrderedDict[bytes, None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next expiry, while any descriptor waits
-        self._refused: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # token -> why
+        # token -> why it was refused, and whether for room (RESOURCE_EXHAUSTED) or its kind
+        self._refused: collections.OrderedDict[bytes, tuple[str, bool]] = collections.OrderedDict()
         self._closer: queue.SimpleQueue[int] | None = None  # refused descriptors, closed by a thread
         self._closing = 0  # of those, not closed yet
         self._reading = False  # the loop watches the socket
@@ -170,9 +172,9 @@ class FdInbox:
             self._read(False)  # until the closer catches up (_closed)
         self._expire(time.monotonic())
 
-    def _refuse(self, token: bytes, fd: int, why: str) -> None:
+    def _refuse(self, token: bytes, fd: int, why: str, full: bool = False) -> None:
         self._refused.pop(token, None)
-        self._refused[token] = why
+        self._refused[token] = (why, full)
         while len(self._refused) > _MAX_REFUSED:
             self._refused.popitem(last=False)
         self._close_later(fd)
@@ -218,16 +220,18 @@ class FdInbox:
 
     def _park(self, token: bytes, fd: int, pid: int = 0) -> None:
         self._unpark(token, close=True)
+        mine = self._by_sender.get(pid) if pid else None
+        if len(self._parked) >= MAX_PARKED and not (mine and len(mine) >= MAX_PER_SENDER):
+            self._refuse(token, fd, f"the fd socket already holds {MAX_PARKED} descriptors waiting for their "
+                                    f"Attach (at most {TTL_S:.0f} s each); send it again later", full=True)
+            return
         self._parked[token] = (fd, time.monotonic(), pid)
         if pid:
             mine = self._by_sender.setdefault(pid, collections.OrderedDict())
             mine[token] = None
-            if len(mine) > MAX_PER_SENDER:
+            if len(mine) > MAX_PER_SENDER:  # its own oldest: the total stays within MAX_PARKED
                 self._unpark(next(iter(mine)), close=True)
                 self.dropped += 1
-        while len(self._parked) > MAX_PARKED:
-            self._unpark(next(iter(self._parked)), close=True)
-            self.dropped += 1
         self._arm()
 
     def _unpark(self, token: bytes, close: bool = False) -> int | None:
@@ -281,13 +285,16 @@ class FdInbox:
         """The descriptor sent under ``token``; the caller owns (closes) it."""
         self.drain()
         got = self._unpark(bytes(token))
-        if got is None and (why := self._refused.pop(bytes(token), None)) is not None:
+        if got is None and (refused := self._refused.pop(bytes(token), None)) is not None:
+            why, full = refused
+            if full:
+                raise ResourceExhausted(f"the descriptor sent under this memfd token was refused on arrival: {why}")
             raise PermissionDenied(f"the descriptor sent under this memfd token was refused on arrival: {why}; "
                                    "host KV and doorbell pages go as memfds (kvpushd_client.SealedBuffer)")
         if got is None:
             raise NotFound(f"no descriptor arrived on {self.path} under this memfd token (sent to another "
                            f"daemon's socket, waited over {TTL_S:.0f} s for its Attach, or pushed out by "
-                           f"{MAX_PARKED} sent after it, or {MAX_PER_SENDER} by its sender)")
+                           f"{MAX_PER_SENDER} its sender sent after it)")
         return got
 
     def close(self) -> None:

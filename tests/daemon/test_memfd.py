@@ -116,6 +116,7 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
 _FLOOD = """
 import os, socket, sys
 path, n = sys.argv[1], int(sys.argv[2])
+first = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # tokens first..first+n-1
 fd = os.memfd_create("mf-flood", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
 os.ftruncate(fd, 4096)
 with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -125,7 +126,7 @@ with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
     socket.send_fds(s, [b"t" * 16], [fd, fd, fd])  # three descriptors
     socket.send_fds(s, [b"u" * 16], [fd] * 8)  # more than one datagram may carry
     for i in range(n):  # a flood of well-formed ones nobody attaches with
-        socket.send_fds(s, [i.to_bytes(16, "big")], [fd])
+        socket.send_fds(s, [(first + i).to_bytes(16, "big")], [fd])
 """
 
 
@@ -172,6 +173,51 @@ def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors_and_push_out_only_
     assert not os.path.exists(path)  # removed at stop
 
 
+def test_floods_from_many_processes_never_push_out_a_parked_memfd(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Six processes send MAX_PER_SENDER memfds each (more than MAX_PARKED in all): the memfd a worker
+    handed over before them is not pushed out (its Attach succeeds); once the socket is full a new
+    arrival is refused and its Attach hears RESOURCE_EXHAUSTED, saying why; the daemon goes on."""
+    d = daemon_factory("dnode", settings={"metrics": {"listen": "127.0.0.1:0"}})
+    path = fdpass.fd_socket_path(d.sock)
+    size = 16 * 4096
+    fd = sealed_memfd("mf-victim", size)
+    try:
+        token = hand_over(d.sock, [MemfdMemory(fd, size)])[0]
+        n = fdpass.MAX_PER_SENDER
+        procs = [subprocess.Popen([sys.executable, "-c", _FLOOD, path, str(n), str(k * n)]) for k in range(6)]
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+        sent = 1 + 6 * (4 + fdpass.MAX_PER_SENDER)
+
+        def fd_socket() -> tuple[float, float]:
+            m = scrape(d)
+            return value(m, "kvpushd_fd_socket_parked"), value(m, "kvpushd_fd_socket_dropped_total")
+
+        assert wait_for(lambda: sum(fd_socket()) == sent, timeout=20), fd_socket()
+        assert fd_socket()[0] == fdpass.MAX_PARKED
+        stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
+        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
+        req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
+        resp = stub.Attach(req, timeout=30)  # the victim's memfd was kept
+        stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id), timeout=30)
+        kv = make_kv("mf-late", regions=1, num_blocks=16)  # one slot freed by the Attach above, then full
+        kv2 = make_kv("mf-later", regions=1, num_blocks=16)
+        try:
+            w = d.client.attach("e", Role.CONSUMER, 0, 1, [kv.buf.memory], kv.region_list)
+            w.detach()
+            fill = subprocess.run([sys.executable, "-c", _FLOOD, path, "1", str(7 * n)], timeout=60)
+            assert fill.returncode == 0
+            with pytest.raises(KVPushError) as ei:
+                d.client.attach("e", Role.CONSUMER, 0, 1, [kv2.buf.memory], kv2.region_list)
+            assert ei.value.code == "RESOURCE_EXHAUSTED" and "already holds" in ei.value.message, ei.value
+        finally:
+            kv.close()
+            kv2.close()
+        assert d.proc.poll() is None
+    finally:
+        os.close(fd)
+
+
 def _inbox_sent(tmp_path, tokens: bytes) -> tuple[fdpass.FdInbox, int]:  # type: ignore[no-untyped-def]
     """An inbox alone (bound, read when taken from), and a memfd this process sent it under each of
     ``tokens`` (a byte each, repeated to 16); the caller closes both."""
@@ -185,15 +231,18 @@ def _inbox_sent(tmp_path, tokens: bytes) -> tuple[fdpass.FdInbox, int]:  # type:
     return inbox, fd
 
 
-def test_inbox_expires_and_evicts(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The inbox alone: parked descriptors go after their TTL, the oldest first past MAX_PARKED."""
+def test_inbox_expires_and_refuses_when_full(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inbox alone: parked descriptors go after their TTL; past MAX_PARKED a new arrival is
+    refused (RESOURCE_EXHAUSTED at its Attach), none that waits is pushed out."""
+    from kvpushd.core.errors import ResourceExhausted
+
     monkeypatch.setattr(fdpass, "MAX_PARKED", 2)
+    monkeypatch.setattr(fdpass, "MAX_PER_SENDER", 8)
     inbox, fd = _inbox_sent(tmp_path, b"abc")
     try:
-        got = inbox.take(b"c" * 16)
-        os.close(got)
-        with pytest.raises(Exception, match="no descriptor arrived"):
-            inbox.take(b"a" * 16)  # evicted: only two may wait
+        with pytest.raises(ResourceExhausted, match="already holds 2 descriptors"):
+            inbox.take(b"c" * 16)  # refused: two wait already
+        os.close(inbox.take(b"a" * 16))  # the first two were kept
         monkeypatch.setattr(fdpass, "TTL_S", 0.0)
         time.sleep(0.01)
         with pytest.raises(Exception, match="no descriptor arrived"):
@@ -220,7 +269,7 @@ def test_inbox_bounds_each_sending_process_and_not_senders_it_cannot_name(
             inbox._park(bytes([i]) * 16, os.dup(fd), 0)
         assert inbox.parked == 6 and inbox.dropped == 1
         os.close(inbox.take(b"c" * 16))
-        with pytest.raises(Exception, match="or 2 by its sender"):
+        with pytest.raises(Exception, match="pushed out by 2 its sender sent after it"):
             inbox.take(b"a" * 16)
     finally:
         inbox.close()
