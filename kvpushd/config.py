@@ -140,9 +140,14 @@ class PeerApiConfig(Section, frozen=True):
     max_registers_per_s: Annotated[float, Positive, Meta(description=(
         "Registrations one decode daemon may make per second (a token bucket with one second's burst)"))] = 20000.0
     max_registrations_per_peer: Annotated[int, Positive, Meta(description=(
-        "Registrations one decode daemon may have pending here"))] = 65536
+        "Registrations one peer identity (its TLS certificate, else the host it connects from) may have "
+        "pending here, over all its sessions"))] = 65536
     max_blocks_per_peer: Annotated[int, Positive, Meta(description=(
-        "Destination blocks the pending registrations of one decode daemon may cover"))] = 1 << 24
+        "Destination blocks the pending registrations of one peer identity may cover, over all its sessions "
+        "(about 45 bytes of daemon memory each)"))] = 1 << 21
+    max_sessions_per_peer: Annotated[int, Positive, Meta(description=(
+        "Peer sessions one identity may have open here at once (a restarted daemon's new session replaces "
+        "its old one)"))] = 16
     max_stream_items: Annotated[int, Positive, Meta(description=(
         "Items queued to or unanswered by one peer's Channel stream; beyond it new ones fail PEER_UNREACHABLE"))] = 8192
     max_concurrent_handshakes: Annotated[int, Positive, Meta(description=(

@@ -12,6 +12,7 @@ from .. import PROTOCOL_VERSION
 from ..core import notif
 from ..core.errors import SessionUnknown
 from ..peer_security import cert_names
+from ..runtime.inbound import Hello
 from ..runtime.node import Node
 from .errors import stream, unary
 from .pump import PEER, Pump, packed, woken
@@ -25,9 +26,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     @unary
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
-        token = self.node.handshake(request.protocol_version, request.compat_hash, request.node_id,
-                                    request.peer_address, request.instance_id, session_of(context),
-                                    tls_names_of(context))
+        token = self.node.handshake(Hello(request.protocol_version, request.compat_hash, request.node_id,
+                                          request.peer_address, request.instance_id, session_of(context),
+                                          tls_names_of(context), host_of(context)))
         return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                           node_id=self.node.ident.node_id, instance_id=self.node.ident.instance_id,
                                           session_token=token)
@@ -62,6 +63,15 @@ def tls_names_of(context: Ctx) -> tuple[str, ...]:
     """The caller's client certificate CN and SANs (empty without TLS), at most 64 of 256 characters."""
     auth = {k: list(v) for k, v in (context.auth_context() or {}).items()}
     return tuple(n[:256] for n in cert_names(auth)[:64])
+
+
+def host_of(context: Ctx) -> str:
+    """The caller's source address without its port ("ipv4:10.0.0.5:41234" -> "10.0.0.5")."""
+    peer = str(context.peer() or "")
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return rest.rsplit(":", 1)[0] if kind == "ipv4" else peer[:256]
 
 
 def session_of(context: Ctx) -> str:

@@ -60,7 +60,7 @@ class Executor:
         self.figures = figures
         self.obs = obs
         self.tracing = tracing
-        self.inbound = Inbound(self.forget_remote, cfg.transfer.peer_timeout_s)
+        self.inbound = Inbound(self.forget_remote, cfg.transfer.peer_timeout_s, cfg.peer_api.max_sessions_per_peer)
         self.outbound = Outbound(ident, cfg.peer_api, self._peer_restarted)
         self.xfer: TransferThread | None = None
         self.tasks: set[asyncio.Task[None]] = set()

@@ -30,6 +30,27 @@ MAX_AGENT_METADATA = 1 << 20   # bytes of NIXL agent metadata a peer may send
 MAX_AGENT_REGIONS = 4096       # as for Attach
 
 
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A peer daemon's handshake as this daemon sees it: what the caller says, and what its
+    connection proves (its certificate's names, the address it connects from)."""
+
+    protocol_version: int
+    compat_hash: str
+    node_id: str
+    peer_address: str
+    instance_id: str
+    token: str = ""  # the session token it presents, if any
+    tls_names: tuple[str, ...] = ()  # its client certificate's CN and SANs (TLS)
+    host: str = ""  # the connection's source address, without its port (gRPC's peer)
+
+    @property
+    def identity(self) -> str:
+        """Who the caller is for quotas: its certificate under TLS, else the host it connects from
+        (what it claims, node id, address or instance id, proves nothing)."""
+        return f"tls:{self.tls_names[0]}" if self.tls_names else f"host:{self.host}"
+
+
 @dataclass(slots=True)
 class Origin:
     """A daemon that handshook with us (from its handshake)."""
@@ -38,6 +59,7 @@ class Origin:
     node_id: str
     address: str
     token: str = ""  # secret of this session (HandshakeResponse.session_token)
+    identity: str = ""  # who it is for quotas (Hello.identity): its sessions share them
     tls_names: tuple[str, ...] = ()  # CN and SANs of the client certificate it handshook with (TLS)
     last_seen: float = field(default_factory=time.monotonic)
     tokens: float = -1.0  # Register rate limit: a token bucket (-1: full at the first call)
@@ -171,40 +193,42 @@ class AgentTable:
 class Inbound:
     """Sessions of the daemons that call us, and the agents they introduced."""
 
-    def __init__(self, forget_remote: Callable[[str], None], quiet_s: float = 10.0) -> None:
+    def __init__(self, forget_remote: Callable[[str], None], quiet_s: float = 10.0,
+                 max_sessions: int = 16) -> None:
         self.quiet_s = quiet_s  # transfer.peer_timeout_s: a session unheard this long, streamless, has ended
+        self.max_sessions = max_sessions  # peer_api.max_sessions_per_peer: sessions open of one identity
         self.origins: dict[str, Origin] = {}
+        self.identities: dict[str, set[str]] = {}  # identity -> instance ids of its sessions
         self._at: dict[str, set[str]] = {}  # peer address -> instance ids of sessions from it (no scan per handshake)
         self.consumers = AgentTable("consumer", MAX_AGENTS_PER_ORIGIN, forget_remote)
         self.producers = AgentTable("producer", MAX_AGENTS_PER_ORIGIN, forget_remote)
 
-    def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str, busy: Callable[[str], bool],
-                  tls_names: tuple[str, ...] = ()) -> tuple[str, list[Origin]]:
+    def handshake(self, hello: Hello, busy: Callable[[str], bool]) -> tuple[str, list[Origin]]:
         """A peer daemon introduces itself; returns the secret token of its session, and the sessions
         it replaces (a restarted daemon's old ones, whose pending transfers the caller fails).
 
         A session is taken over only by the daemon it belongs to, never on a claim: the same instance
-        id again needs the session's token (``presented_token``), unless that session has ended
+        id again needs the session's token (``Hello.token``), unless that session has ended
         (``Origin.ended``) and holds nothing (``busy``: whether an instance id has transfers pending
         here). A new instance at the address of others replaces them only where the restart is proven:
         the same TLS identity (certificate names), or an old session that has ended; otherwise it
         stands beside them and they end by liveness (``silent``), so a handshake that merely claims
         another daemon's address or instance id drops nothing of it."""
-        if protocol_version != PROTOCOL_VERSION or compat_hash != notif.compat_hash():
+        h, instance_id, peer_address = hello, hello.instance_id, hello.peer_address
+        if h.protocol_version != PROTOCOL_VERSION or h.compat_hash != notif.compat_hash():
             raise FailedPrecondition(
-                f"incompatible peer {node_id[:64]!r}: protocol {protocol_version}/{compat_hash}, "
+                f"incompatible peer {h.node_id[:64]!r}: protocol {h.protocol_version}/{h.compat_hash[:64]}, "
                 f"ours {PROTOCOL_VERSION}/{notif.compat_hash()}")
         if not instance_id or not peer_address:
             raise InvalidArgument("handshake needs instance_id and peer_address")
-        if max(len(node_id), len(peer_address), len(instance_id)) > 256:
+        if max(len(h.node_id), len(peer_address), len(instance_id)) > 256:
             raise InvalidArgument("handshake: node_id, peer_address and instance_id are limited to 256 characters")
         now = time.monotonic()
         known = self.origins.get(instance_id)
         if known is not None:
-            if presented_token and secrets.compare_digest(presented_token, known.token):
+            if h.token and secrets.compare_digest(h.token, known.token):
                 known.last_seen = now
-                known.tls_names = tls_names
+                known.tls_names = h.tls_names
                 return known.token, []  # the same session again
             if busy(instance_id):
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
@@ -213,13 +237,22 @@ class Inbound:
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a live peer session; "
                                        "present its session token")
             self.drop(known)  # an ended session holding nothing: its instance starts afresh
-        replaced = [o for i in self._at.get(peer_address, ()) if i != instance_id
-                    and ((o := self.origins[i]).ended(now, self.quiet_s) or (tls_names and o.tls_names == tls_names))]
+        replaced = [o for i in self._at.get(peer_address, ()) if i != instance_id and (
+            (o := self.origins[i]).ended(now, self.quiet_s) or (h.tls_names and o.tls_names == h.tls_names))]
+        mine = self.identities.get(h.identity, set())
+        if len(mine) - sum(o.identity == h.identity for o in replaced) >= self.max_sessions:
+            raise ResourceExhausted(f"{len(mine)} peer sessions open from {h.identity[:128]}; at most "
+                                    f"{self.max_sessions} (peer_api.max_sessions_per_peer)")
         self._at.setdefault(peer_address, set()).add(instance_id)
-        origin = self.origins[instance_id] = Origin(instance_id, node_id, peer_address, token=secrets.token_hex(16),
-                                                    tls_names=tls_names)
-        log.info("peer handshake", peer_node=node_id, peer_address=peer_address)
+        self.identities.setdefault(h.identity, set()).add(instance_id)
+        origin = self.origins[instance_id] = Origin(instance_id, h.node_id, peer_address, token=secrets.token_hex(16),
+                                                    identity=h.identity, tls_names=h.tls_names)
+        log.info("peer handshake", peer_node=h.node_id, peer_address=peer_address, identity=h.identity[:128])
         return origin.token, replaced
+
+    def of_identity(self, origin: Origin) -> list[str]:
+        """Instance ids of the sessions that share ``origin``'s quotas (its own included)."""
+        return list(self.identities.get(origin.identity, ())) or [origin.instance_id]
 
     def session_ok(self, instance_id: str, token: str) -> bool:
         origin = self.origins.get(instance_id)
@@ -241,10 +274,11 @@ class Inbound:
         """Forget a session and every agent it introduced."""
         gone = self.origins.pop(origin.instance_id, None)
         if gone is not None:
-            same = self._at.get(gone.address, set())
-            same.discard(gone.instance_id)
-            if not same:
-                self._at.pop(gone.address, None)
+            for index, key in ((self._at, gone.address), (self.identities, gone.identity)):
+                same = index.get(key, set())
+                same.discard(gone.instance_id)
+                if not same:
+                    index.pop(key, None)
         self.consumers.drop_owner(origin.instance_id)
         self.producers.drop_owner(origin.instance_id)
 

@@ -32,7 +32,7 @@ from ..transfer.descs import RemoteAgent
 from .executor import Executor
 from .figures import FigureBook
 from .identity import Identity
-from .inbound import Origin
+from .inbound import Hello, Origin
 from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Started, WorkerGone
 from .peerbook import PeerBook
 from .rendezvous import Rendezvous
@@ -235,15 +235,12 @@ class Node:
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
 
-    def handshake(self, protocol_version: int, compat_hash: str, node_id: str, peer_address: str,
-                  instance_id: str, presented_token: str = "", tls_names: tuple[str, ...] = ()) -> str:
-        """A peer daemon introduces itself (``tls_names``: its client certificate's CN and SANs, under
-        TLS); returns the secret token of its session."""
-        token, replaced = self.inbound.handshake(protocol_version, compat_hash, node_id, peer_address, instance_id,
-                                                 presented_token, self.rv.send.holds, tls_names)
+    def handshake(self, hello: Hello) -> str:
+        """A peer daemon introduces itself; returns the secret token of its session."""
+        token, replaced = self.inbound.handshake(hello, self.rv.send.holds)
         for old in replaced:
             self.ex.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
-        self.obs.emit(PeerHeard(peer_address, node_id, inbound=True))
+        self.obs.emit(PeerHeard(hello.peer_address, hello.node_id, inbound=True))
         return token
 
     def session_ok(self, instance_id: str, token: str) -> bool:
@@ -300,16 +297,19 @@ class Node:
         """What one decode daemon may ask of us: Registers (and Declines) per second, registrations and
         blocks held (``n_blocks`` None: a Decline, which holds nothing)."""
         pa = self.cfg.peer_api
-        regs, blocks = self.rv.send.held_by(origin.instance_id)
+        regs = blocks = 0
+        for instance in self.inbound.of_identity(origin):  # the caller's sessions share its quotas
+            r, b = self.rv.send.held_by(instance)
+            regs, blocks = regs + r, blocks + b
         why = ""
         if not origin.take(pa.max_registers_per_s):
             why = (f"more than {pa.max_registers_per_s:g} Registers and Declines per second "
                    "(peer_api.max_registers_per_s)")
         elif n_blocks is not None and regs + 1 > pa.max_registrations_per_peer:
-            why = (f"{regs} registrations pending from this daemon; at most {pa.max_registrations_per_peer} "
-                   "(peer_api.max_registrations_per_peer)")
+            why = (f"{regs} registrations pending from {origin.identity[:128]}; at most "
+                   f"{pa.max_registrations_per_peer} (peer_api.max_registrations_per_peer)")
         elif n_blocks is not None and blocks + n_blocks > pa.max_blocks_per_peer:
-            why = (f"{blocks} destination blocks held for this daemon, {n_blocks} more asked; at most "
+            why = (f"{blocks} destination blocks held for {origin.identity[:128]}, {n_blocks} more asked; at most "
                    f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
         if why:
             origin.refused += 1

@@ -115,18 +115,23 @@ def test_handshake_asks_only_whether_that_peer_is_busy() -> None:
         asked.append(instance)
         return instance == "held"
 
+    from kvpushd.runtime.inbound import Hello
+
     inbound = Inbound(lambda name: None)
-    hello = (PROTOCOL_VERSION, notif.compat_hash(), "decode-1")
-    token, _ = inbound.handshake(*hello, "10.0.0.1:7700", "held", "", busy)
+
+    def hs(address: str, instance: str, token: str, busy):  # type: ignore[no-untyped-def]
+        return inbound.handshake(Hello(PROTOCOL_VERSION, notif.compat_hash(), "decode-1", address, instance, token,
+                                       host="10.0.0.9"), busy)
+    token, _ = hs("10.0.0.1:7700", "held", "", busy)
     assert asked == []  # a new instance: nothing to ask
-    assert inbound.handshake(*hello, "10.0.0.1:7700", "held", token, busy)[0] == token  # its own token
+    assert hs("10.0.0.1:7700", "held", token, busy)[0] == token  # its own token
     with pytest.raises(PermissionDenied):  # without it, while transfers are pending: refused
-        inbound.handshake(*hello, "10.0.0.1:7700", "held", "", busy)
-    inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)
+        hs("10.0.0.1:7700", "held", "", busy)
+    hs("10.0.0.2:7700", "idle", "", busy)
     with pytest.raises(PermissionDenied):  # idle but live: a claim without its token is refused
-        inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)
+        hs("10.0.0.2:7700", "idle", "", busy)
     inbound.origins["idle"].stream_ended = time.monotonic()  # its stream ended, nothing heard since
-    assert inbound.handshake(*hello, "10.0.0.2:7700", "idle", "", busy)[0]  # ended and idle: anew
+    assert hs("10.0.0.2:7700", "idle", "", busy)[0]  # ended and idle: anew
     assert asked == ["held", "idle", "idle"]
 
 
@@ -136,21 +141,24 @@ def test_sessions_and_agents_counted_as_they_come_and_go() -> None:
     does not: a claimed address proves nothing); counts follow drops."""
     from kvpushd import PROTOCOL_VERSION
     from kvpushd.core import notif
-    from kvpushd.runtime.inbound import AgentTable, Inbound, Origin
+    from kvpushd.runtime.inbound import AgentTable, Hello, Inbound, Origin
     from kvpushd.transfer.descs import RegionSpec, RemoteAgent
 
     inbound = Inbound(lambda name: None)
-    hello = (PROTOCOL_VERSION, notif.compat_hash(), "decode-1", "10.0.0.1:7700")
-    inbound.handshake(*hello, "first", "", lambda i: False)
-    _, replaced = inbound.handshake(*hello, "beside", "", lambda i: False)
+
+    def hs(instance: str):  # type: ignore[no-untyped-def]
+        return inbound.handshake(Hello(PROTOCOL_VERSION, notif.compat_hash(), "decode-1", "10.0.0.1:7700",
+                                       instance, host="10.0.0.1"), lambda i: False)
+    hs("first")
+    _, replaced = hs("beside")
     assert replaced == []  # "first" is live: the claim of its address replaces nothing
     inbound.drop(inbound.origins["beside"])
     inbound.origins["first"].stream_ended = time.monotonic()
-    _, replaced = inbound.handshake(*hello, "second", "", lambda i: False)
+    _, replaced = hs("second")
     assert [o.instance_id for o in replaced] == ["first"]
     inbound.drop(replaced[0])
     inbound.origins["second"].stream_ended = time.monotonic()
-    _, replaced = inbound.handshake(*hello, "third", "", lambda i: False)
+    _, replaced = hs("third")
     assert [o.instance_id for o in replaced] == ["second"]
 
     forgotten: list[str] = []

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     settings: dict[str, dict[str, object]] = {
         "log": {"level": "warning", "format": "json"}, "metrics": {"enabled": False},
         "transfer": {"expect_timeout_s": long, "publish_timeout_s": long, "peer_timeout_s": long},
-        "peer_api": {"idle_close_s": long}}
+        # every synthetic peer connects from loopback: one host, so one identity for the per-peer bounds
+        "peer_api": {"idle_close_s": long, "max_sessions_per_peer": args.peers + 16}}
     d = launch.spawn(workdir, "peers-pnode", settings=settings)
     kv = KVMemory("kvpushd-bench-peers", Layout(layers=1, num_blocks=64), fill=0)
     gens: list[subprocess.Popen[str]] = []
