@@ -1364,8 +1364,10 @@ def bug_lines(log: str) -> list[str]:
     return [line[:400] for line in log.splitlines() if BUG_LINES.search(line) and "[DecodeError]" not in line]
 
 
-def test_fuzz_daemon_pair(daemon_pair: tuple[DaemonProc, DaemonProc], kv_pair: tuple[KV, KV]) -> None:
-    p, d = daemon_pair
+def test_fuzz_daemon_pair(daemon_factory: Any, kv_pair: tuple[KV, KV]) -> None:
+    # the fuzzer's made-up peers all handshake from loopback, one identity: no bound on its sessions
+    p, d = daemon_factory.pair(settings={"transfer": {"publish_timeout_s": 20.0, "expect_timeout_s": 20.0},
+                                         "peer_api": {"max_sessions_per_peer": 1_000_000}})
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
     fsrc = make_kv("kvpushd-fuzz-src", F_REGIONS, F_BLOCKS, F_BLOCK_LEN, seed=3)

@@ -92,8 +92,9 @@ def test_a_stream_ended_badly_mid_write_wedges_nothing(daemon_factory) -> None: 
 
 def test_many_streams_ended_badly_are_released(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Twenty workers whose streams half-close and are then cancelled at varying moments: each is
-    released, and the daemon still serves."""
-    p = daemon_factory("pnode")
+    released (one whose stream ended before its session opened, when worker_api.session_grace_s
+    passed), and the daemon still serves."""
+    p = daemon_factory("pnode", settings={"worker_api": {"session_grace_s": 2.0}})
     kvs = [make_kv(f"kvp-end-{i}", regions=2, num_blocks=8) for i in range(20)]
     try:
         for i, kv in enumerate(kvs):
