@@ -57,6 +57,7 @@ _GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 # ("decline", transfer id, (), address, engine, reason).
 _Queued = tuple[Any, ...]
 _Step = tuple[int, list[_Queued]]  # the seq of the step's first command, its commands
+MAX_BATCH = 4096  # commands in one CommandBatch: the daemon's limit (kvpushd.rpc.services)
 _CALLS = 1 << 62  # seqs of ``call``: their own range, so any thread can number one
 _RING_WAIT_S = 100e-6  # next_completion: how often it reads the ring while it waits
 _TERMINAL = (CompletionKind.FINISHED_RECEIVING, CompletionKind.FAILED)
@@ -259,15 +260,16 @@ class StreamWorker:
         return self._base + len(b)
 
     def step(self) -> int:
-        """Send this step's commands as one message (nothing when there are none); returns how many.
-        No lock: the batch goes to the sender thread as it is (a queue put)."""
+        """Send this step's commands as one message (several past MAX_BATCH; nothing when there are
+        none); returns how many. No lock: the batch goes to the sender thread as it is (a queue put)."""
         batch = self._batch
         n = len(batch)
         if n:
             self._batch = []
             base = self._base
             self._base = base + n
-            self._out.put((base + 1, batch))
+            for i in range(0, n, MAX_BATCH):  # the daemon refuses a bigger CommandBatch unparsed
+                self._out.put((base + 1 + i, batch[i:i + MAX_BATCH]))
             if self.session_error is not None:  # the stream is gone: nobody will send it
                 with self._cond:
                     self._drain_locked(self.session_error)

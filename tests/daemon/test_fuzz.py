@@ -1185,7 +1185,9 @@ class Fuzz:
             what = data.draw(st.sampled_from(calls))
             if what in ("command", "batch"):
                 w = data.draw(st.sampled_from([self.fuzzp, self.fuzzd]))
-                n = 1 if what == "command" else data.draw(st.sampled_from([0, 2, 3, 6, 4097]))
+                # (a batch over the 4,096 items one may hold ends the worker's stream unparsed, which
+                # would end the fuzz worker's session: tests/daemon/test_batch_cost.py covers it)
+                n = 1 if what == "command" else data.draw(st.sampled_from([0, 2, 3, 6]))
                 cmds = []
                 for _ in range(min(n, 6)):
                     c = worker_pb2.Command()

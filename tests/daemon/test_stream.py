@@ -215,3 +215,20 @@ def test_a_burst_of_completions_larger_than_a_message_reaches_the_worker(workdir
         d.client.close()
         d.stop()
         dst.close()
+
+
+def test_a_step_of_more_commands_than_one_batch_holds_goes_as_several(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """5,000 commands in one engine step (the daemon refuses a CommandBatch of more than 4,096 unparsed):
+    the client sends them as two batches, every one answered, the session intact."""
+    p, d = daemon_pair
+    src, dst = kv_pair
+    pw, dw = _stream_pair(p, d, src, dst)
+    for i in range(5000):
+        dw.abort_nowait(f"none-{i}")
+    assert dw.step() == 5000
+    assert dw.flush(60) and dw.alive
+    dw.expect("after", [1], p.peer_address, "prefill", 1)
+    pw.publish("after", [2])
+    assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
+    pw.detach()
+    dw.detach()
