@@ -50,7 +50,6 @@ def test_publish_first_then_register(daemon_pair, kv_pair) -> None:
     check_poison_elsewhere(dst, {30, 5})
 
 
-@both_backends
 def test_many_concurrent_requests_both_orders(daemon_pair) -> None:
     p, d = daemon_pair
     src = make_kv("kvpushd-test-src", regions=8, num_blocks=512, block_len=2048)

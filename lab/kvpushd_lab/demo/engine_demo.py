@@ -94,13 +94,15 @@ class _EngineDemo:
         self.log(f"kvpushd demo (engine mode): 2 daemons, prefill engine TP{a.prefill_tp} -> decode engine "
                  f"TP{a.decode_tp}, {a.requests} requests of {a.prompt_tokens} prompt tokens ({blocks_prompt} blocks "
                  f"x {2 * a.layers} regions) + {a.max_new_tokens} new tokens, {a.concurrency} in flight; "
+                 f"NIXL backend {a.backend}; "
                  f"logs in {self.workdir}")
         if self.lab is not None:
             self.log(f"hosts: network namespaces {self.lab.names[0]} (prefill, {self.lab.addrs[0]}) and "
-                     f"{self.lab.names[1]} (decode, {self.lab.addrs[1]}), one veth pair; UCX_TLS=tcp")
+                     f"{self.lab.names[1]} (decode, {self.lab.addrs[1]}), one veth pair; "
+                     f"{_env_text(self._link_env())}")
         for host, name in enumerate(("prefill-node", "decode-node")):
             # --hosts netns: peer API on the namespace's address, UCX over TCP on its veth only
-            self.daemons.append(launch.spawn(self.workdir, name, die_with_parent=True,
+            self.daemons.append(launch.spawn(self.workdir, name, die_with_parent=True, backend=a.backend,
                                              netns=(self.lab, host) if self.lab is not None else None))
         socks = {"prefill": self.daemons[0].sock, "decode": self.daemons[1].sock}
         # The daemons start first, on their own: on a small machine, engines importing torch next to
@@ -359,7 +361,7 @@ class _EngineDemo:
             "unknown_events": int(pstats.get("unknown_events", 0)) + int(dstats.get("unknown_events", 0)),
             "descriptors_requested": p_status.counters.descriptors_requested,
             "descriptors_posted": p_status.counters.descriptors_posted,
-            "daemon_rss_kib": rss, "workdir": self.workdir, **hosts,
+            "daemon_rss_kib": rss, "workdir": self.workdir, "backend": self.args.backend, **hosts,
         }
 
     def _hosts(self) -> dict[str, Any]:
@@ -370,9 +372,19 @@ class _EngineDemo:
         p_link, d_link = lab.link_stats(0), lab.link_stats(1)
         return {"hosts": "netns", "namespaces": {"prefill": lab.names[0], "decode": lab.names[1]},
                 "addresses": {"prefill": lab.addrs[0], "decode": lab.addrs[1]}, "link": "veth pair",
-                "ucx": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": lab.veth}, "in_namespace": self.placed,
+                self._link_env_key(): self._link_env(), "in_namespace": self.placed,
                 "veth_bytes": {"prefill_tx": p_link["tx_bytes"], "decode_rx": d_link["rx_bytes"],
                                "decode_tx": d_link["tx_bytes"]}}
+
+    def _link_env_key(self) -> str:
+        return "libfabric" if self.args.backend == "LIBFABRIC" else "ucx"
+
+    def _link_env(self) -> dict[str, str]:
+        """--hosts netns: the environment that keeps the daemons' NIXL backend on the veth pair."""
+        veth = self.lab.veth if self.lab is not None else ""
+        if self.args.backend == "LIBFABRIC":
+            return {"FI_PROVIDER": "tcp", "FI_TCP_IFACE": veth}
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": veth}
 
     def stop(self) -> None:
         for q in self.outboxes.values():
@@ -386,3 +398,7 @@ class _EngineDemo:
         self.log("engines exited; stopping the daemons")
         launch.stop_all(self.daemons)
         self.log("daemons stopped")
+
+
+def _env_text(env: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in env.items())

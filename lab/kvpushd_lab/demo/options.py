@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ..backend import BACKENDS, available
+
 POISON = 0x5A
 
 
@@ -59,6 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="push: the prefill daemon WRITEs; pull: the decode daemon READs (default push)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--workdir", help="where sockets and logs go (default: a temporary directory)")
+    p.add_argument("--backend", choices=BACKENDS, default="UCX",
+                   help="the daemons' NIXL backend (default UCX); LIBFABRIC needs scripts/libfabric.sh's build "
+                        "(docs/efa.md) and runs its tcp provider here; engine mode")
     p.add_argument("--hosts", choices=("local", "netns"), default="local",
                    help="local (default): both nodes on this host's loopback; netns: the prefill daemon and "
                         "engine in one network namespace, the decode daemon and engine in another, joined by a "
@@ -82,6 +87,11 @@ def resolve(args: argparse.Namespace) -> str:
                  "layers", "prefill_block_size", "decode_block_size", "kv_heads", "head_dim"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if args.backend != "UCX":
+        if args.mode == "bytes":
+            return f"--backend {args.backend} runs the engine mode (--mode engine) only"
+        if why := available(args.backend):
+            return why
     if args.mode == "bytes":
         if args.hosts != "local":
             return "--hosts netns runs the engine mode (--mode engine) only"

@@ -36,6 +36,7 @@ def _print_engine(out: dict[str, Any]) -> None:
         ("KV bytes verified", f"{out['bytes_verified']:,}, mismatched {out['mismatched_bytes']:,} "
                               f"(outside requests {out['bytes_outside_requests']:,}, "
                               f"unverified requests {out['kv_unverified']})"),
+        ("backend", f"NIXL {out['backend']}"),
         ("notifications", f"{out['notifications_received']} received by decode"),
         ("descriptors", f"{out['descriptors_requested']:,} requested -> {out['descriptors_posted']:,} posted"),
         ("latency", f"request dispatch -> decoded p50 {out['request_latency_ms']['p50']} ms, "
@@ -44,7 +45,8 @@ def _print_engine(out: dict[str, Any]) -> None:
     if out.get("hosts") == "netns":
         rows.append(("hosts", f"netns {out['namespaces']['prefill']} ({out['addresses']['prefill']}) -> "
                               f"{out['namespaces']['decode']} ({out['addresses']['decode']}) over a veth pair, "
-                              f"UCX_TLS=tcp; {out['veth_bytes']['decode_rx']:,} bytes received on decode's veth; "
+                              f"{'FI_PROVIDER' if 'libfabric' in out else 'UCX_TLS'}=tcp; "
+                              f"{out['veth_bytes']['decode_rx']:,} bytes received on decode's veth; "
                               f"in their namespaces: {all(out['in_namespace'].values())}"))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -1,0 +1,113 @@
+"""Two daemons in two network namespaces joined by one rate-limited veth pair, on each NIXL backend.
+
+The KV bytes cross the veth (UCX over TCP on it; LIBFABRIC's tcp provider on it, ``FI_TCP_IFACE``) and are
+checked bit for bit; then the decode daemon is SIGKILLed while a WRITE is on the wire (the link is slow
+enough for that to be seen on its byte counters): the prefill worker's publish must end, FAILED with its
+blocks, nothing may stay held, and the prefill daemon must move exact bytes to the decode daemon started
+again on the same address. Skipped, saying why, without namespaces or without the LIBFABRIC build.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvpushd_client import CompletionKind, Role
+from kvpushd_lab import launch
+from kvpushd_lab.netns import NetnsLab, available, sweep_stale
+from support import KV, POISON, both_backends, make_kv, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+RATE = "200mbit"  # 25 MB/s: a 24 MiB WRITE is on the wire for about a second
+BLOCK = 256 << 10
+REGIONS, BLOCKS = 4, 64
+SETTINGS: dict[str, dict[str, object]] = {
+    "transfer": {"publish_timeout_s": 30.0, "expect_timeout_s": 30.0, "heartbeat_interval_s": 0.2,
+                 "peer_timeout_s": 2.0, "write_timeout_s": 20.0},
+    "peer_api": {"connect_timeout_s": 2.0, "rpc_timeout_s": 3.0}}
+
+
+@pytest.fixture
+def lab() -> Iterator[NetnsLab]:
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"multi-host tests need network namespaces: {why}")
+    sweep_stale()
+    with NetnsLab(2, link="pair") as lab:
+        for i in range(2):
+            lab.run(i, ["tc", "qdisc", "replace", "dev", lab.veth, "root", "tbf", "rate", RATE, "burst", "256kb",
+                        "latency", "100ms"])
+        yield lab
+
+
+def _kv(name: str, fill: str) -> KV:
+    return make_kv(name, regions=REGIONS, num_blocks=BLOCKS, block_len=BLOCK, fill=fill)
+
+
+@both_backends
+def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab, workdir: Path,
+                                                                    nixl_backend: str) -> None:
+    p, d = launch.start_all(workdir, ["pnode", "dnode"], backend=nixl_backend, die_with_parent=True, timeout_s=120,
+                            settings=SETTINGS, per_daemon={"pnode": {"netns": (lab, 0)}, "dnode": {"netns": (lab, 1)}})
+    src, dst = _kv("kvpushd-test-ns-src", "random"), _kv("kvpushd-test-ns-dst", "poison")
+    try:
+        pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        rx0 = lab.link_stats(1)["rx_bytes"]
+        dw.expect("across", [1, 2], p.peer_address, "prefill", 1)
+        pw.publish("across", [3, 4])
+        c = dw.next_completion(30)
+        assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+        assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
+        assert np.array_equal(dst.arr[:, [1, 2]], src.arr[:, [3, 4]])
+        assert lab.link_stats(1)["rx_bytes"] - rx0 >= 2 * REGIONS * BLOCK  # the bytes crossed the veth
+
+        # A WRITE of 24 blocks (24 MiB) on the wire, and the decode daemon SIGKILLed under it.
+        big = list(range(8, 32))
+        dw.expect("doomed", big, p.peer_address, "prefill", 1)
+        assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
+        rx0 = lab.link_stats(1)["rx_bytes"]
+        pw.publish("doomed", big)
+        assert wait_for(lambda: lab.link_stats(1)["rx_bytes"] - rx0 > (2 << 20), timeout=20, interval=0.01)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        t0 = time.monotonic()
+        c = pw.next_completion(60)
+        waited = time.monotonic() - t0
+        assert c is not None and c.kind is CompletionKind.FAILED and c.block_ids == tuple(big), c
+        assert c.code in ("TRANSFER_ERROR", "PEER_UNREACHABLE"), c
+        assert waited < 30, f"{nixl_backend}: {waited:.1f} s to end a WRITE whose peer died ({c.reason})"
+        assert wait_for(lambda: not p.client.status().transfers, timeout=20)
+
+        if nixl_backend == "LIBFABRIC":
+            # Seen 2026-12-05 (NIXL 1.5.1, libfabric af8ddbe92f03, tcp): the cancelled operations of the dead
+            # peer's WRITE stay in the rail's completion queue ("fi_cq_read returned error -259 ... Operation
+            # canceled prov_errno: 107"); the handshake with the restarted peer's new agent fails on them
+            # ("loadRemoteMD: ... NIXL_ERR_BACKEND"), the next WRITEs cannot be posted, and later ones are
+            # posted but never notified. docs/efa.md, "A dead peer".
+            pytest.xfail("LIBFABRIC: the agent cannot reach a restarted peer after a WRITE to its dead one failed")
+
+        # The same decode node again (new process, new agent): exact bytes.
+        dst.arr[:] = POISON
+        d.restart()
+        launch.wait_ready(d, 120)
+        dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        dw.expect("after", [5, 6, 7], p.peer_address, "prefill", 1)
+        pw.publish("after", [40, 41, 42])
+        c = dw.next_completion(30)
+        assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, (c, p.logs()[-4000:])
+        assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
+        assert np.array_equal(dst.arr[:, [5, 6, 7]], src.arr[:, [40, 41, 42]])
+        others = [b for b in range(BLOCKS) if b not in (5, 6, 7)]
+        assert np.all(dst.arr[:, others] == POISON)
+        assert p.proc.poll() is None
+    finally:
+        rcs = launch.stop_all([p, d])
+        src.close()
+        dst.close()
+    assert rcs["pnode"] == 0, p.logs()[-3000:]
