@@ -241,6 +241,14 @@ class Inbound:
             (o := self.origins[i]).ended(now, self.quiet_s) or (h.tls_names and o.tls_names == h.tls_names))]
         mine = self.identities.get(h.identity, set())
         if len(mine) - sum(o.identity == h.identity for o in replaced) >= self.max_sessions:
+            # at its bound: its least recently heard session with no stream open and nothing pending
+            # goes (a live daemon keeps its Channel open; one forgotten handshakes again when it calls)
+            spare = sorted((o.last_seen, o.instance_id) for i in mine if i != instance_id
+                           and (o := self.origins[i]).streams == 0 and o not in replaced and not busy(i))
+            if spare:
+                self.drop(self.origins[spare[0][1]])
+            mine = self.identities.get(h.identity, set())
+        if len(mine) - sum(o.identity == h.identity for o in replaced) >= self.max_sessions:
             raise ResourceExhausted(f"{len(mine)} peer sessions open from {h.identity[:128]}; at most "
                                     f"{self.max_sessions} (peer_api.max_sessions_per_peer)")
         self._at.setdefault(peer_address, set()).add(instance_id)

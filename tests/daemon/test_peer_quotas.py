@@ -51,12 +51,37 @@ def test_sessions_of_one_host_share_its_block_quota(daemon_factory) -> None:  # 
             kv.close()
 
 
-def test_one_host_opens_a_bounded_number_of_sessions(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_one_host_holds_a_bounded_number_of_sessions(daemon_factory, kv_pair) -> None:  # type: ignore[no-untyped-def]
+    """A flood of handshakes from the decode daemon's own host: past peer_api.max_sessions_per_peer
+    its least recently heard sessions with no stream open and nothing pending go, never the decode
+    daemon's live one; with every session live and busy, a new one is refused RESOURCE_EXHAUSTED."""
     p = daemon_factory("pnode", settings={"peer_api": {"max_sessions_per_peer": 3}})
-    for _ in range(3):
+    d = daemon_factory("dnode")
+    src, dst = kv_pair
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+    dw.expect("before", [1], p.peer_address, "prefill", 1)  # d's session, its stream open
+    assert wait_for(lambda: any(t.transfer_id == "before" for t in p.client.status().transfers))
+    for _ in range(50):
         assert _hello(p.peer_address).session_token
-    with pytest.raises(grpc.RpcError) as ei:
-        _hello(p.peer_address)
-    assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "at most 3 (peer_api.max_sessions_per_peer)" in (ei.value.details() or "")
-    assert p.client.status()  # the daemon goes on
+    assert len(p.client.status().peers) <= 3 + 1  # sessions by address, and the outbound view
+    pw.publish("before", [2])
+    assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
+    assert (dst.arr[:, 1] == src.arr[:, 2]).all()
+    pw.detach()
+    dw.detach()
+
+
+def test_a_host_whose_sessions_are_all_busy_gets_no_more(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    from kvpushd.runtime.inbound import Hello, Inbound
+
+    inbound = Inbound(lambda name: None, max_sessions=2)
+
+    def hs(instance: str) -> str:
+        return inbound.handshake(Hello(PROTOCOL_VERSION, notif.compat_hash(), "n", "10.0.0.1:1", instance,
+                                       host="10.0.0.1"), lambda i: True)[0]
+
+    hs("a")
+    hs("b")
+    with pytest.raises(Exception, match=r"at most 2 \(peer_api.max_sessions_per_peer\)"):
+        hs("c")

@@ -13,6 +13,8 @@ LONG_FROM = 500
 # file -> why it may be long (one state machine or one table)
 LONG: dict[str, str] = {
     "kvpushd/core/send.py": "SendSide: the send side's state machine (legs, publishes, registrations) in one object",
+    "kvpushd/transfer/thread.py": ("TransferThread: the one owner of every NIXL call, the state of the transfers in "
+                                   "flight (posted, polled, cancelled, drained) in one object"),
 }
 
 
