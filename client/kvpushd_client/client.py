@@ -90,7 +90,8 @@ class KVPushClient:
             if isinstance(e, grpc.RpcError):
                 raise errors.from_rpc_error(e) from None
             raise
-        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True, ring)
+        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True, ring,
+                            resp.worker_token)
 
     def close(self) -> None:
         self.channel.close()

@@ -91,8 +91,9 @@ class StreamWorker:
 
     def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str,
                  doorbell: Doorbell | None = None, owns_doorbell: bool = False,
-                 ring: RingReader | None = None) -> None:
+                 ring: RingReader | None = None, token: bytes = b"") -> None:
         self.client = client
+        self.token = token  # the Attach's worker_token: this session and its Detach are ours alone
         self.doorbell = doorbell  # progressive push: the engine thread rings it (kvpushd_client.doorbell)
         self._owns_doorbell = owns_doorbell
         self.worker_id = worker_id
@@ -129,7 +130,7 @@ class StreamWorker:
         # engine's process, the GIL included, beside the engine thread's own appends and step())
         self.sender_cpu_ns = 0
         self.reader_cpu_ns = 0
-        self._out.put(worker_pb2.CommandBatch(worker_id=worker_id))
+        self._out.put(worker_pb2.CommandBatch(worker_id=worker_id, worker_token=token))
         self._call = client.stub.Stream(self._requests())
         self._reader = threading.Thread(target=self._read, name=f"kvpushd-stream-{worker_id}", daemon=True)
         self._reader.start()
@@ -351,7 +352,8 @@ class StreamWorker:
         self.flush(self.client.timeout_s)
         self._closed = True
         try:  # detached when this returns, so the same engine may attach again at once
-            self.client.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id), timeout=self.client.timeout_s)
+            self.client.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id, worker_token=self.token),
+                                    timeout=self.client.timeout_s)
         except grpc.RpcError as e:
             if e.code() not in _GONE:
                 raise errors.from_rpc_error(e) from None

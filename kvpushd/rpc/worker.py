@@ -37,11 +37,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.node.workers.fds.discard(handed_tokens(request))
             raise
         return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
-                                         peer_address=self.node.ident.peer_address)
+                                         peer_address=self.node.ident.peer_address, worker_token=w.token)
 
     @unary
     async def Detach(self, request: worker_pb2.DetachRequest, context: Ctx) -> worker_pb2.DetachResponse:
-        self.node.worker(request.worker_id)
+        self.node.workers.owned(request.worker_id, request.worker_token)
         await self.node.detach(request.worker_id, "detached by the worker")
         return worker_pb2.DetachResponse()
 
@@ -58,7 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if isinstance(first, Oversized):
             raise ResourceExhausted(first.why())
         wid = first.worker_id
-        self.node.worker(wid)  # NOT_FOUND before anything else
+        self.node.workers.owned(wid, first.worker_token)  # NOT_FOUND, or PERMISSION_DENIED, before anything else
 
         def counted(batch: worker_pb2.CommandBatch) -> None:
             if batch.commands:  # the first batch may only name the worker

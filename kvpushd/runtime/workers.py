@@ -9,6 +9,7 @@ import asyncio
 import collections
 import itertools
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -70,6 +71,7 @@ class Worker:
     session_open: bool = False
     gone: bool = False
     bell: Doorbell | None = None  # its engine steps' progress (read-only); a receiver's completion ring
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)  # AttachResponse.worker_token
     command_batches: int = 0  # Stream batches it sent, and the commands in them
     stream_commands: int = 0
 
@@ -256,6 +258,15 @@ class Workers:
         w = self.by_id.get(worker_id)
         if w is None or w.gone:
             raise NotFound(f"unknown worker {worker_id!r} (not attached, or its session ended)")
+        return w
+
+    def owned(self, worker_id: str, token: bytes) -> Worker:
+        """The worker, for a caller that presents its token (the Attach's answer): its session and its
+        Detach are its own, not any process's on the worker socket that read its id in the status."""
+        w = self.get(worker_id)
+        if not secrets.compare_digest(bytes(token), w.token):
+            raise PermissionDenied(f"worker {worker_id[:128]!r}: its Stream and Detach need the worker_token its "
+                                   "Attach answered")
         return w
 
     def live(self, worker_id: str) -> Worker | None:

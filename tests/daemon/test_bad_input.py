@@ -101,14 +101,25 @@ def test_request_errors(daemon_pair, kv_pair) -> None:
     with pytest.raises(grpc.RpcError) as ei:
         list(p.client.stub.Stream(iter([first]), timeout=10))
     assert ei.value.code() is grpc.StatusCode.NOT_FOUND
-    # a second stream of an attached worker is refused; the first goes on
-    raw = p.client.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=pw.worker_id)]), timeout=10)
-    with pytest.raises(grpc.RpcError) as ei:
-        list(raw)
-    assert ei.value.code() is grpc.StatusCode.ALREADY_EXISTS and pw.alive
+    # a second stream of an attached worker is refused (with its token: ALREADY_EXISTS; without it, as
+    # any other process on the worker socket that read its id in the status: PERMISSION_DENIED); the
+    # first goes on
+    for token, code in ((pw.token, grpc.StatusCode.ALREADY_EXISTS), (b"", grpc.StatusCode.PERMISSION_DENIED),
+                        (b"x" * 16, grpc.StatusCode.PERMISSION_DENIED)):
+        raw = p.client.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=pw.worker_id, worker_token=token)]),
+                                   timeout=10)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(raw)
+        assert ei.value.code() is code and pw.alive, ei.value
     with pytest.raises(grpc.RpcError) as ei:
         p.client.stub.Detach(worker_pb2.DetachRequest(worker_id="nope"), timeout=10)
     assert ei.value.code() is grpc.StatusCode.NOT_FOUND
+    # Detach by name alone, from another process's client: refused, the worker stays
+    for token in (b"", b"x" * 16):
+        with pytest.raises(grpc.RpcError) as ei:
+            d.client.stub.Detach(worker_pb2.DetachRequest(worker_id=dw.worker_id, worker_token=token), timeout=10)
+        assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED and "worker_token" in (ei.value.details() or "")
+    assert dw.alive and [w.worker_id for w in d.client.status().workers] == [dw.worker_id]
     # a second attach of the same engine rank is refused while the first is attached
     got, msg = code_of(lambda: p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list))
     assert got == "ALREADY_EXISTS" and "already attached" in msg

@@ -75,9 +75,9 @@ def test_a_batch_of_millions_of_empty_items_costs_little(daemon_pair, kv_pair, s
     if stream == "worker":
         kv = make_kv("kvp-cost", regions=2, num_blocks=8)
         tokens = hand_over(p.sock, [kv.buf.memory], 10)
-        wid = p.client.stub.Attach(_convert.attach_request("junk", Role.PRODUCER, 0, 1, [kv.buf.memory],
-                                                           kv.region_list, 0, "", tokens), timeout=10).worker_id
-        head = worker_pb2.CommandBatch(worker_id=wid).SerializeToString()
+        ans = p.client.stub.Attach(_convert.attach_request("junk", Role.PRODUCER, 0, 1, [kv.buf.memory],
+                                                           kv.region_list, 0, "", tokens), timeout=10)
+        head = worker_pb2.CommandBatch(worker_id=ans.worker_id, worker_token=ans.worker_token).SerializeToString()
         junk = head + b"\x12\x00" * EMPTY_ITEMS  # field 2 (commands), empty
 
         raw_worker = p.client.channel.stream_stream("/kvpushd.v1.WorkerService/Stream")

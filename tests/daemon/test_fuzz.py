@@ -325,9 +325,10 @@ class RawWorker:
 
     def __init__(self, chan: grpc.Channel, req: worker_pb2.AttachRequest) -> None:
         self.stub = stub = worker_pb2_grpc.WorkerServiceStub(chan)
-        self.worker_id = stub.Attach(req, timeout=30).worker_id
+        resp = stub.Attach(req, timeout=30)
+        self.worker_id, self.token = resp.worker_id, resp.worker_token
         self._out: queue.SimpleQueue[worker_pb2.CommandBatch | None] = queue.SimpleQueue()
-        self._out.put(worker_pb2.CommandBatch(worker_id=self.worker_id))
+        self._out.put(worker_pb2.CommandBatch(worker_id=self.worker_id, worker_token=self.token))
         self._seq = itertools.count(1)
         self._cond = threading.Condition()
         self._results: dict[int, worker_pb2.CommandResult] = {}
@@ -371,7 +372,7 @@ class RawWorker:
 
     def detach(self) -> None:
         """A Detach (done when it returns), then the stream's end."""
-        self.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id), timeout=30)
+        self.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id, worker_token=self.token), timeout=30)
         self._out.put(None)
         self._call.cancel()
         self._reader.join(10)
@@ -1278,8 +1279,9 @@ class Fuzz:
                 h.token = token
             code, _, resp = self.call("attach", daemon, "local", WORKER_SVC, "Attach", req)
             if code is grpc.StatusCode.OK:
-                wid = worker_pb2.AttachResponse.FromString(resp or b"").worker_id
-                self.call("attach", daemon, "local", WORKER_SVC, "Detach", worker_pb2.DetachRequest(worker_id=wid),
+                ans = worker_pb2.AttachResponse.FromString(resp or b"")
+                self.call("attach", daemon, "local", WORKER_SVC, "Detach",
+                          worker_pb2.DetachRequest(worker_id=ans.worker_id, worker_token=ans.worker_token),
                           want=("OK", lambda c: c is grpc.StatusCode.OK))
 
         run()

@@ -155,7 +155,7 @@ def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors_and_push_out_only_
         req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
         stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
         resp = stub.Attach(req, timeout=30)
-        stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id), timeout=30)
+        stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id, worker_token=resp.worker_token), timeout=30)
         # what was dropped (4 malformed, the flood's oldest) and what waits shows in the metrics
         assert fd_socket() == (fdpass.MAX_PER_SENDER, 4 + flood - fdpass.MAX_PER_SENDER)
         assert base <= _open_fds(d.proc.pid) <= base + fdpass.MAX_PER_SENDER  # held until their TTL
@@ -199,7 +199,7 @@ def test_floods_from_many_processes_never_push_out_a_parked_memfd(daemon_factory
         req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
         req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
         resp = stub.Attach(req, timeout=30)  # the victim's memfd was kept
-        stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id), timeout=30)
+        stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id, worker_token=resp.worker_token), timeout=30)
         kv = make_kv("mf-late", regions=1, num_blocks=16)  # one slot freed by the Attach above, then full
         kv2 = make_kv("mf-later", regions=1, num_blocks=16)
         try:

@@ -19,16 +19,19 @@ from kvpushd_client.shm import hand_over
 from support import make_kv, wait_for
 
 
-def _raw_attach(client, kv, engine: str, role: Role = Role.PRODUCER) -> str:  # type: ignore[no-untyped-def]
-    """An Attach with no stream opened for it (the test opens and ends the stream itself)."""
+def _raw_attach(client, kv, engine: str, role: Role = Role.PRODUCER) -> tuple[str, bytes]:  # type: ignore[no-untyped-def]
+    """An Attach with no stream opened for it (the test opens and ends the stream itself): the worker's
+    id and token."""
     tokens = hand_over(client.socket_path, [kv.buf.memory], 10)
     req = _convert.attach_request(engine, role, 0, 1, [kv.buf.memory], kv.region_list, 0, "", tokens)
-    return str(client.stub.Attach(req, timeout=10).worker_id)
+    ans = client.stub.Attach(req, timeout=10)
+    return ans.worker_id, ans.worker_token
 
 
-def _half_close_then_cancel(client, wid: str, hold_s: float) -> None:  # type: ignore[no-untyped-def]
+def _half_close_then_cancel(client, worker: tuple[str, bytes], hold_s: float) -> None:  # type: ignore[no-untyped-def]
     """The worker's stream sends its first batch, half-closes, and is cancelled ``hold_s`` later."""
-    call = client.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=wid)]), timeout=30)
+    wid, token = worker
+    call = client.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=wid, worker_token=token)]), timeout=30)
     if hold_s:
         time.sleep(hold_s)
     call.cancel()
@@ -46,15 +49,15 @@ def test_a_stream_ended_badly_mid_write_wedges_nothing(daemon_factory) -> None: 
     dst = make_kv("kvp-end-dst", regions=4, num_blocks=16, block_len=1 << 20, fill="poison")
     try:
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        wid = _raw_attach(p.client, src, "prefill")
+        wid, token = _raw_attach(p.client, src, "prefill")
         dw.expect("held", list(range(8)), p.peer_address, "prefill", 1)
         assert wait_for(lambda: any(t.side == "send" for t in p.client.status().transfers))
         d.proc.send_signal(signal.SIGSTOP)
         try:
             publish = worker_pb2.Command(seq=1, publish=worker_pb2.PublishRequest(
                 transfer_id="held", block_ids=list(range(8, 16))))
-            call = p.client.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=wid, commands=[publish])]),
-                                        timeout=30)
+            first = worker_pb2.CommandBatch(worker_id=wid, worker_token=token, commands=[publish])
+            call = p.client.stub.Stream(iter([first]), timeout=30)
             time.sleep(0.5)  # published, WRITE posted, the stream half-closed: its session is ending
             call.cancel()
             time.sleep(0.5)
@@ -98,8 +101,7 @@ def test_many_streams_ended_badly_are_released(daemon_factory) -> None:  # type:
     kvs = [make_kv(f"kvp-end-{i}", regions=2, num_blocks=8) for i in range(20)]
     try:
         for i, kv in enumerate(kvs):
-            wid = _raw_attach(p.client, kv, f"ended-{i}")
-            _half_close_then_cancel(p.client, wid, (i % 5) * 0.002)
+            _half_close_then_cancel(p.client, _raw_attach(p.client, kv, f"ended-{i}"), (i % 5) * 0.002)
         assert wait_for(lambda: not p.client.status().workers, timeout=20), \
             [w.worker_id for w in p.client.status().workers]
     finally:
@@ -115,8 +117,8 @@ def test_a_worker_gone_mid_stream_is_released(daemon_factory, kv_pair, how: str)
     src, dst = kv_pair
     if how == "reset":
         c = KVPushClient(p.sock)
-        wid = _raw_attach(c, src, "prefill")
-        call = c.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=wid)]), timeout=30)
+        wid, token = _raw_attach(c, src, "prefill")
+        call = c.stub.Stream(iter([worker_pb2.CommandBatch(worker_id=wid, worker_token=token)]), timeout=30)
         time.sleep(0.5)  # the daemon holds the session
         c.close()
         del call
@@ -153,10 +155,10 @@ def test_a_second_detach_waits_for_the_release(daemon_factory, kv_pair) -> None:
     """A second Detach of a worker being released by its stream's end is answered, not held."""
     p, _ = daemon_factory.pair()
     src, _ = kv_pair
-    wid = _raw_attach(p.client, src, "prefill")
-    _half_close_then_cancel(p.client, wid, 0)
+    wid, token = _raw_attach(p.client, src, "prefill")
+    _half_close_then_cancel(p.client, (wid, token), 0)
     try:
-        p.client.stub.Detach(worker_pb2.DetachRequest(worker_id=wid), timeout=5)
+        p.client.stub.Detach(worker_pb2.DetachRequest(worker_id=wid, worker_token=token), timeout=5)
     except grpc.RpcError as e:
         assert e.code() is grpc.StatusCode.NOT_FOUND, e
     assert wait_for(lambda: not p.client.status().workers, timeout=10)

@@ -53,7 +53,7 @@ class AsyncKVPushClient:
             resp = await self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
-        return AsyncWorker(self, resp.worker_id, resp.node_id, resp.peer_address)
+        return AsyncWorker(self, resp.worker_id, resp.node_id, resp.peer_address, resp.worker_token)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -63,8 +63,10 @@ class AsyncWorker:
     """An attached worker on its stream, with coroutines: each call awaits its own answer; the calls
     made in one turn of the loop go out as one CommandBatch."""
 
-    def __init__(self, client: AsyncKVPushClient, worker_id: str, node_id: str, peer_address: str) -> None:
+    def __init__(self, client: AsyncKVPushClient, worker_id: str, node_id: str, peer_address: str,
+                 token: bytes = b"") -> None:
         self.client = client
+        self.token = token
         self.worker_id = worker_id
         self.node_id = node_id
         self.peer_address = peer_address
@@ -76,7 +78,7 @@ class AsyncWorker:
         self._batch: list[worker_pb2.Command] = []
         self._waiting: dict[int, tuple[str, asyncio.Future[worker_pb2.CommandResult]]] = {}
         self._out: asyncio.Queue[worker_pb2.CommandBatch | None] = asyncio.Queue()
-        self._out.put_nowait(worker_pb2.CommandBatch(worker_id=worker_id))
+        self._out.put_nowait(worker_pb2.CommandBatch(worker_id=worker_id, worker_token=token))
         self._call = client.stub.Stream(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -170,7 +172,7 @@ class AsyncWorker:
             return
         self._closed = True
         try:  # detached when this returns, so the same engine may attach again at once
-            await self.client.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id),
+            await self.client.stub.Detach(worker_pb2.DetachRequest(worker_id=self.worker_id, worker_token=self.token),
                                           timeout=self.client.timeout_s)
         except grpc.RpcError as e:
             if e.code() not in _GONE:

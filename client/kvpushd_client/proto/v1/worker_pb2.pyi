@@ -77,8 +77,11 @@ class CommandBatch(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     COMMANDS_FIELD_NUMBER: _builtins.int
+    WORKER_TOKEN_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """required in the first batch; later batches may leave it empty"""
+    worker_token: _builtins.bytes
+    """required in the first batch: AttachResponse.worker_token"""
     @_builtins.property
     def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___Command]: ...
     def __init__(
@@ -86,10 +89,11 @@ class CommandBatch(_message.Message):
         *,
         worker_id: _builtins.str = ...,
         commands: _abc.Iterable[Global___Command] | None = ...,
+        worker_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "worker_id", b"worker_id", "worker_token", b"worker_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -222,11 +226,16 @@ class AttachResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    WORKER_TOKEN_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     node_id: _builtins.str
     peer_address: _builtins.str
     """Address other nodes' daemons reach this daemon at (host:port): what a prefill engine hands
     its decode partners as remote_host/remote_port.
+    """
+    worker_token: _builtins.bytes
+    """The worker's secret: its Stream's first batch and its Detach present it, so no other process on
+    the worker socket can open its session or detach it by its (public) worker id.
     """
     def __init__(
         self,
@@ -234,10 +243,11 @@ class AttachResponse(_message.Message):
         worker_id: _builtins.str = ...,
         node_id: _builtins.str = ...,
         peer_address: _builtins.str = ...,
+        worker_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "peer_address", b"peer_address", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "peer_address", b"peer_address", "worker_id", b"worker_id", "worker_token", b"worker_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -500,15 +510,19 @@ class DetachRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    WORKER_TOKEN_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
+    worker_token: _builtins.bytes
+    """AttachResponse.worker_token"""
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
+        worker_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id", "worker_token", b"worker_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
