@@ -14,7 +14,7 @@ import pytest
 from kvpushd_client import Role, _convert
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, worker_pb2
 from kvpushd_client.shm import hand_over
-from support import make_kv
+from support import make_kv, rss
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core.notif import compat_hash
@@ -23,14 +23,6 @@ from kvpushd.rpc.services import MAX_BATCH, Oversized, bounded, count_items
 
 EMPTY_ITEMS = 4_190_000  # 2 bytes each: just under the 8 MiB message limit
 RSS_SLACK = 150 << 20
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 class StatusProbe:

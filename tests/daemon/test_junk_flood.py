@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from kvpushd_client import CompletionKind
-from support import attach_pair, wait_for
+from support import attach_pair, rss, wait_for
 
 # rounds of oversized junk: just under the peer port's former 64 MiB limit (then read whole: RSS rose by
 # hundreds of MiB) and far over it; both over today's bound (8 MiB at the default max_blocks_per_request)
@@ -19,14 +19,6 @@ JUNK_CALLS = len(JUNK_MIB)                                         # rounds
 JUNK_PARALLEL = 4                                                  # calls in flight at once per round
 RSS_SLACK = 100 << 20
 CLIENT_OPTS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 def junk(mib: int) -> bytes:

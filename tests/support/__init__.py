@@ -86,6 +86,15 @@ def layered_kv(prefix: str, regions: int, num_blocks: int, seed: int) -> tuple[K
     return src, dst, np.random.default_rng(seed).integers(0, 256, src.arr.shape, dtype=np.uint8)
 
 
+def rss(pid: int) -> int:
+    """A process's resident set size in bytes (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
 def wait_for(pred: Callable[[], object], timeout: float = 20.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
