@@ -239,17 +239,20 @@ class Inbound:
             self.drop(known)  # an ended session holding nothing: its instance starts afresh
         replaced = [o for i in self._at.get(peer_address, ()) if i != instance_id and (
             (o := self.origins[i]).ended(now, self.quiet_s) or (h.tls_names and o.tls_names == h.tls_names))]
-        mine = self.identities.get(h.identity, set())
-        if len(mine) - sum(o.identity == h.identity for o in replaced) >= self.max_sessions:
+        leaving = sum(o.identity == h.identity for o in replaced)  # its sessions this one replaces
+
+        def open_now() -> int:
+            return len(self.identities.get(h.identity, ())) - leaving
+
+        if open_now() >= self.max_sessions:
             # at its bound: its least recently heard session with no stream open and nothing pending
             # goes (a live daemon keeps its Channel open; one forgotten handshakes again when it calls)
-            spare = sorted((o.last_seen, o.instance_id) for i in mine if i != instance_id
-                           and (o := self.origins[i]).streams == 0 and o not in replaced and not busy(i))
+            spare = [o for i in self.identities[h.identity] if i != instance_id
+                     and (o := self.origins[i]).streams == 0 and o not in replaced and not busy(i)]
             if spare:
-                self.drop(self.origins[spare[0][1]])
-            mine = self.identities.get(h.identity, set())
-        if len(mine) - sum(o.identity == h.identity for o in replaced) >= self.max_sessions:
-            raise ResourceExhausted(f"{len(mine)} peer sessions open from {h.identity[:128]}; at most "
+                self.drop(min(spare, key=lambda o: o.last_seen))
+        if open_now() >= self.max_sessions:
+            raise ResourceExhausted(f"{open_now() + leaving} peer sessions open from {h.identity[:128]}; at most "
                                     f"{self.max_sessions} (peer_api.max_sessions_per_peer)")
         self._at.setdefault(peer_address, set()).add(instance_id)
         self.identities.setdefault(h.identity, set()).add(instance_id)
