@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -72,12 +73,14 @@ def _ask(gens: list[subprocess.Popen[str]], line: str | None, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     for g in gens:
         assert g.stdout is not None
-        text = g.stdout.readline()  # the generators bound their own calls; a dead one gives EOF
+        # the generators bound their own calls; a dead one gives EOF, a stuck one the deadline
+        ready, _, _ = select.select([g.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise BenchError(f"load generators did not answer {line!r} within {timeout_s:g}s")
+        text = g.stdout.readline()
         if not text:
             raise BenchError(f"a load generator exited (rc {g.poll()}); see its log")
         out.append(json.loads(text))
-        if time.monotonic() > deadline:
-            raise BenchError(f"load generators did not answer {line!r} within {timeout_s:g}s")
     return out
 
 
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             logs.append(open(workdir / f"peergen-{k}.log", "w"))  # noqa: SIM115 (closed below)
             gens.append(_gen(spec, logs[-1]))
             first += count
+        progress(f"peers: daemon ready (pid {pid}); starting {g} load generators")
         _ask(gens, None, 120)  # imported and ready: what follows is cold (no channel connected yet)
         time.sleep(1.0)
         rss0, cpu0 = rss_kib(pid), _cpu_ms(pid)
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         time.sleep(2.0)
         idle_ms_per_s = (_cpu_ms(pid) - c0) / (time.monotonic() - w0)
         status_bytes, status_ms, listed, sends = _status(d.sock)
+        progress(f"peers: GetStatus {status_bytes} bytes in {status_ms:.1f} ms; {args.rounds} heartbeat rounds")
         rounds, walls, beats = [], [], []
         for _ in range(args.rounds):
             c = _cpu_ms(pid)
