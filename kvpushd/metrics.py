@@ -290,3 +290,14 @@ def _peer_gauges(v: View) -> Iterator[Metric]:
     peers.add_metric(["outbound"], outbound)
     peers.add_metric(["inbound"], inbound)
     yield peers
+    pa, idents = v.cfg.peer_api, v.peer_identities()
+    yield GaugeMetricFamily("kvpushd_peer_identities", "Caller identities of the peer API with a session here (TLS "
+                            "certificate name, else host): the per-peer quotas count each", value=len(idents))
+    use = GaugeMetricFamily("kvpushd_peer_quota_use_ratio", "The largest share of a per-peer quota that one identity "
+                            "uses now (1: at its bound, further calls of that kind refused RESOURCE_EXHAUSTED)",
+                            labels=["quota"])
+    for quota, bound, got in (("sessions", pa.max_sessions_per_peer, lambda i: i.sessions),
+                              ("registrations", pa.max_registrations_per_peer, lambda i: i.registrations),
+                              ("blocks", pa.max_blocks_per_peer, lambda i: i.blocks)):
+        use.add_metric([quota], max((got(i) for i in idents), default=0) / bound)
+    yield use

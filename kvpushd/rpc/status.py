@@ -58,6 +58,11 @@ def node_status(v: View) -> status_pb2.NodeStatus:
         peers = sorted(peers, key=lambda p: -p.last_contact_unix)
     st.peers.extend(peers[:MAX_PEERS])
     st.peers_omitted = max(0, len(peers) - MAX_PEERS)
+    idents = sorted(v.peer_identities(), key=lambda i: (-i.blocks, -i.sessions, i.identity))
+    st.peer_identities.extend(status_pb2.PeerIdentityStatus(
+        identity=i.identity, sessions=i.sessions, registrations=i.registrations, blocks=i.blocks, refused=i.refused)
+        for i in idents[:MAX_PEERS])
+    st.peer_identities_omitted = max(0, len(idents) - MAX_PEERS)
     for s in v.send_transfers():
         peer = next((t.peer for wid in s.workers if (t := ev.open.get((wid, s.transfer_id))) and t.peer), "")
         st.transfers.append(status_pb2.TransferStatus(
@@ -114,7 +119,7 @@ def peer_status(v: View, wall: float) -> list[status_pb2.PeerStatus]:
             transfers_failed=pv.transfers_failed, errors=pv.errors, last_error=pv.last_error,
             streams_opened=pv.streams_opened, stream_batches_sent=pv.stream_batches_sent,
             stream_items_pending=pv.stream_items_pending, inbound_streams=pv.inbound_streams,
-            stream_batches_received=pv.stream_batches_received)
+            stream_batches_received=pv.stream_batches_received, identity=pv.identity)
         if pv.last_contact_unix:
             p.last_contact_unix, p.last_contact_age_s = pv.last_contact_unix, max(wall - pv.last_contact_unix, 0.0)
         out.append(p)

@@ -46,6 +46,18 @@ class PeerView:
     stream_items_pending: int = 0
     inbound_streams: int = 0
     stream_batches_received: int = 0
+    identity: str = ""  # inbound: whom its quotas count under
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityView:
+    """One caller identity of the peer API and what its sessions hold here (the per-peer quotas)."""
+
+    identity: str
+    sessions: int
+    registrations: int
+    blocks: int
+    refused: int
 
 
 class View:
@@ -159,7 +171,8 @@ class View:
                             errors=stats.errors, last_error=stats.last_error)
             if origin is not None:
                 p = replace(p, node_id=p.node_id or origin.node_id, instance_id=origin.instance_id, state="connected",
-                            inbound_streams=origin.streams, stream_batches_received=origin.stream_batches)
+                            inbound_streams=origin.streams, stream_batches_received=origin.stream_batches,
+                            identity=origin.identity)
             if client is not None:
                 p = replace(p, node_id=client.remote_node_id or p.node_id,
                             instance_id=client.remote_instance or p.instance_id, state=client.link.state.value,
@@ -171,4 +184,17 @@ class View:
             elif origin is None:
                 p = replace(p, state="lost")
             out.append(p)
+        return out
+
+    def peer_identities(self) -> list[IdentityView]:
+        """Each identity with a session here and what its sessions hold, summed as the quotas sum them."""
+        inbound, send = self._ex.inbound, self._rv.send
+        out = []
+        for identity, instances in list(inbound.identities.items()):
+            regs = blocks = refused = 0
+            for i in instances:
+                r, b = send.held_by(i)
+                origin = inbound.origins.get(i)
+                regs, blocks, refused = regs + r, blocks + b, refused + (origin.refused if origin else 0)
+            out.append(IdentityView(identity, len(instances), regs, blocks, refused))
         return out

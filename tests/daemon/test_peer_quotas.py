@@ -11,6 +11,7 @@ import pytest
 from kvpushd_client import CompletionKind, Role
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import make_kv, wait_for
+from support.daemons import scrape, value
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core import notif
@@ -24,7 +25,8 @@ def _hello(address: str) -> peer_pb2.HandshakeResponse:
 
 
 def test_sessions_of_one_host_share_its_block_quota(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    p = daemon_factory("pnode", settings={"peer_api": {"max_blocks_per_peer": 100}})
+    p = daemon_factory("pnode", settings={"peer_api": {"max_blocks_per_peer": 100},
+                                          "metrics": {"listen": "127.0.0.1:0"}})
     d1, d2 = daemon_factory("dnode1"), daemon_factory("dnode2")  # two sessions from one host (loopback)
     src = make_kv("kvp-q-src", regions=1, num_blocks=128)
     dst1 = make_kv("kvp-q-d1", regions=1, num_blocks=128, fill="poison")
@@ -39,6 +41,16 @@ def test_sessions_of_one_host_share_its_block_quota(daemon_factory) -> None:  # 
         c = w2.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED, c
         assert "100 (peer_api.max_blocks_per_peer)" in c.reason and "host:127.0.0.1" in c.reason, c.reason
+        # what the identity holds, in the status and the metrics
+        st = p.client.status()
+        (ident,) = st.peer_identities
+        assert (ident.identity, ident.sessions, ident.registrations, ident.blocks) == ("host:127.0.0.1", 2, 1, 60)
+        assert ident.refused >= 1, ident
+        assert {x.identity for x in st.peers if x.direction in ("inbound", "both")} == {"host:127.0.0.1"}
+        m = scrape(p)
+        assert value(m, "kvpushd_peer_identities") == 1
+        assert value(m, "kvpushd_peer_quota_use_ratio", quota="blocks") == 0.6
+        assert value(m, "kvpushd_peer_quota_use_ratio", quota="sessions") == 2 / 16
         pw.publish("first", list(range(60, 120)))  # the first goes through; its blocks come back to the quota
         assert w1.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert (dst1.arr[0, :60] == src.arr[0, 60:120]).all()
@@ -46,6 +58,7 @@ def test_sessions_of_one_host_share_its_block_quota(daemon_factory) -> None:  # 
         pw.publish("third", list(range(60)))
         assert w2.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert (dst2.arr[0, :60] == src.arr[0, :60]).all()
+        assert wait_for(lambda: p.client.status().peer_identities[0].blocks == 0)  # released when done
     finally:
         for kv in (src, dst1, dst2):
             kv.close()

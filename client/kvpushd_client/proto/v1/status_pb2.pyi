@@ -118,6 +118,8 @@ class NodeStatus(_message.Message):
     WATCHERS_FIELD_NUMBER: _builtins.int
     TRANSFERS_OMITTED_FIELD_NUMBER: _builtins.int
     PEERS_OMITTED_FIELD_NUMBER: _builtins.int
+    PEER_IDENTITIES_FIELD_NUMBER: _builtins.int
+    PEER_IDENTITIES_OMITTED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     version: _builtins.str
     instance_id: _builtins.str
@@ -137,6 +139,7 @@ class NodeStatus(_message.Message):
     (the oldest transfers and the peers heard from most recently are the ones listed) are counted here
     """
     peers_omitted: _builtins.int
+    peer_identities_omitted: _builtins.int
     @_builtins.property
     def backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -154,6 +157,12 @@ class NodeStatus(_message.Message):
     @_builtins.property
     def recent_failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailureRecord]:
         """the last ones (at most 100), oldest first"""
+
+    @_builtins.property
+    def peer_identities(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerIdentityStatus]:
+        """Whom the per-peer quotas count (peer_api.max_sessions_per_peer, max_registrations_per_peer,
+        max_blocks_per_peer): each identity with a session here, most blocks first (at most 256 listed)
+        """
 
     def __init__(
         self,
@@ -177,14 +186,55 @@ class NodeStatus(_message.Message):
         watchers: _builtins.int = ...,
         transfers_omitted: _builtins.int = ...,
         peers_omitted: _builtins.int = ...,
+        peer_identities: _abc.Iterable[Global___PeerIdentityStatus] | None = ...,
+        peer_identities_omitted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "config", b"config", "counters", b"counters", "draining", b"draining", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "node_id", b"node_id", "peer_address", b"peer_address", "peers", b"peers", "peers_omitted", b"peers_omitted", "recent_failures", b"recent_failures", "started_unix", b"started_unix", "transfers", b"transfers", "transfers_omitted", b"transfers_omitted", "uptime_s", b"uptime_s", "version", b"version", "watchers", b"watchers", "worker_socket", b"worker_socket", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "config", b"config", "counters", b"counters", "draining", b"draining", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "node_id", b"node_id", "peer_address", b"peer_address", "peer_identities", b"peer_identities", "peer_identities_omitted", b"peer_identities_omitted", "peers", b"peers", "peers_omitted", b"peers_omitted", "recent_failures", b"recent_failures", "started_unix", b"started_unix", "transfers", b"transfers", "transfers_omitted", b"transfers_omitted", "uptime_s", b"uptime_s", "version", b"version", "watchers", b"watchers", "worker_socket", b"worker_socket", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeStatus: _TypeAlias = NodeStatus  # noqa: Y015
+
+@_typing.final
+class PeerIdentityStatus(_message.Message):
+    """One caller identity of the peer API: "tls:<certificate name>" with mutual TLS, else "host:<address>".
+    Its sessions share its quotas; what they hold is released when they end.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    REGISTRATIONS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    identity: _builtins.str
+    sessions: _builtins.int
+    """sessions open here now"""
+    registrations: _builtins.int
+    """registrations pending, over all its sessions"""
+    blocks: _builtins.int
+    """destination blocks those registrations cover"""
+    refused: _builtins.int
+    """its calls refused at a bound, counted by its sessions open now"""
+    def __init__(
+        self,
+        *,
+        identity: _builtins.str = ...,
+        sessions: _builtins.int = ...,
+        registrations: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        refused: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "identity", b"identity", "refused", b"refused", "registrations", b"registrations", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerIdentityStatus: _TypeAlias = PeerIdentityStatus  # noqa: Y015
 
 @_typing.final
 class RegionSummary(_message.Message):
@@ -417,6 +467,7 @@ class PeerStatus(_message.Message):
     STREAM_ITEMS_PENDING_FIELD_NUMBER: _builtins.int
     INBOUND_STREAMS_FIELD_NUMBER: _builtins.int
     STREAM_BATCHES_RECEIVED_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     node_id: _builtins.str
     state: _builtins.str
@@ -448,6 +499,8 @@ class PeerStatus(_message.Message):
     stream_items_pending: _builtins.int
     inbound_streams: _builtins.int
     stream_batches_received: _builtins.int
+    identity: _builtins.str
+    """inbound: the identity its quotas count under (PeerIdentityStatus)"""
     def __init__(
         self,
         *,
@@ -471,10 +524,11 @@ class PeerStatus(_message.Message):
         stream_items_pending: _builtins.int = ...,
         inbound_streams: _builtins.int = ...,
         stream_batches_received: _builtins.int = ...,
+        identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "channel_state", b"channel_state", "direction", b"direction", "errors", b"errors", "inbound_streams", b"inbound_streams", "instance_id", b"instance_id", "last_contact_age_s", b"last_contact_age_s", "last_contact_unix", b"last_contact_unix", "last_error", b"last_error", "node_id", b"node_id", "since_s", b"since_s", "state", b"state", "stream_batches_received", b"stream_batches_received", "stream_batches_sent", b"stream_batches_sent", "stream_items_pending", b"stream_items_pending", "streams_opened", b"streams_opened", "transfers_failed", b"transfers_failed", "transfers_finished", b"transfers_finished"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "channel_state", b"channel_state", "direction", b"direction", "errors", b"errors", "identity", b"identity", "inbound_streams", b"inbound_streams", "instance_id", b"instance_id", "last_contact_age_s", b"last_contact_age_s", "last_contact_unix", b"last_contact_unix", "last_error", b"last_error", "node_id", b"node_id", "since_s", b"since_s", "state", b"state", "stream_batches_received", b"stream_batches_received", "stream_batches_sent", b"stream_batches_sent", "stream_items_pending", b"stream_items_pending", "streams_opened", b"streams_opened", "transfers_failed", b"transfers_failed", "transfers_finished", b"transfers_finished"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
