@@ -296,8 +296,7 @@ def _peer_gauges(v: View) -> Iterator[Metric]:
     use = GaugeMetricFamily("kvpushd_peer_quota_use_ratio", "The largest share of a per-peer quota that one identity "
                             "uses now (1: at its bound, further calls of that kind refused RESOURCE_EXHAUSTED)",
                             labels=["quota"])
-    for quota, bound, got in (("sessions", pa.max_sessions_per_peer, lambda i: i.sessions),
-                              ("registrations", pa.max_registrations_per_peer, lambda i: i.registrations),
-                              ("blocks", pa.max_blocks_per_peer, lambda i: i.blocks)):
-        use.add_metric([quota], max((got(i) for i in idents), default=0) / bound)
+    for quota, bound in (("sessions", pa.max_sessions_per_peer), ("registrations", pa.max_registrations_per_peer),
+                         ("blocks", pa.max_blocks_per_peer)):
+        use.add_metric([quota], max((int(getattr(i, quota)) for i in idents), default=0) / bound)
     yield use
