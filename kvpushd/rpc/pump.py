@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -32,6 +33,7 @@ from . import convert
 from .errors import refusal
 from .services import MAX_BATCH, Oversized
 
+SLICE_S = 0.005  # work on one batch between two chances for the rest of the loop (it lets go between items)
 MAX_UNSENT = 4 * MAX_BATCH  # answers held for a caller that does not read them: then the pump stops reading
 # An answer message's largest encoded size: gRPC's default receive limit (4 MiB), which a worker's
 # client or a peer may keep. More answers and completions than that go out as several messages.
@@ -138,13 +140,21 @@ class Pump(Generic[R]):
         self._room = asyncio.Event()
         self._room.set()
 
-    def batch(self, batch: Any) -> None:
+    async def batch(self, batch: Any) -> None:
+        """Each item in order; past SLICE_S of work the loop is let go between two items, so one message
+        of large items (a batch of Registers of a million block ids each) never holds it for longer
+        than its largest item."""
         if isinstance(batch, Oversized):  # never parsed (services.bounded): the stream ends
             raise ResourceExhausted(batch.why())
         items = getattr(batch, self.wire.items)
         refuse = self._admit(batch)
+        t0 = time.perf_counter()
         for it in items:
             self._item(it, refuse)
+            if time.perf_counter() - t0 > SLICE_S:
+                self._wake()
+                await asyncio.sleep(0)
+                t0 = time.perf_counter()
         self._wake()
 
     def _item(self, it: Any, refuse: BaseException | None) -> None:
@@ -190,9 +200,9 @@ class Pump(Generic[R]):
 
     async def _read(self, requests: AsyncIterator[Any], first: Any) -> None:
         if first is not None:
-            self.batch(first)
+            await self.batch(first)
         async for batch in requests:
-            self.batch(batch)
+            await self.batch(batch)
             if not self._room.is_set():
                 await self._room.wait()
 

@@ -106,6 +106,7 @@ class PeerClient:
         self.remote_instance = ""
         self.session: tuple[tuple[str, str], ...] = ()  # (("kvpushd-session", token),) from the handshake
         self.sent_agents: set[str] = set()
+        self._md_on_way: set[str] = set()  # agents whose metadata a Register not yet answered carries
         self._hs_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
         self.link = PeerLink(created=self._loop.time())  # the link's state, fed the loop's time
@@ -286,11 +287,20 @@ class PeerClient:
             regs: list[Message] = []
             for i in todo:
                 a, w = items[i]
-                md = w.agent_name not in self.sent_agents and w.agent_name not in with_md
-                with_md.add(w.agent_name)
+                # once per agent: not again while a Register carrying it is on its way (a worker's batch
+                # may reach here in more than one loop turn); one that misses it is asked for it
+                name = w.agent_name
+                md = name not in self.sent_agents and name not in self._md_on_way and name not in with_md
+                if md:
+                    with_md.add(w.agent_name)
                 regs.append(pb.register(a, w, md, traceparents[i] if traceparents else ""))
+            self._md_on_way |= with_md
+            try:
+                answers = await self._items("register", regs)
+            finally:
+                self._md_on_way -= with_md
             again = []
-            for i, r in zip(todo, await self._items("register", regs), strict=True):
+            for i, r in zip(todo, answers, strict=True):
                 w = items[i][1]
                 if isinstance(r, KvpushdError):
                     out[i] = r
