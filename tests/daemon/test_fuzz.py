@@ -254,10 +254,10 @@ def block_lists(draw: st.DrawFn, dense_max: int = F_BLOCKS) -> list[int]:
         return draw(st.lists(st.sampled_from(U32_EDGES), min_size=1, max_size=4))
     if kind == "big":
         return list(range(draw(st.sampled_from([1000, 50_000]))))
-    if kind == "huge":  # within max_blocks_per_request (1 Mi) and gRPC's message limit
-        n = 1 << 20
+    if kind == "huge":  # within max_blocks_per_request (256 Ki) and gRPC's message limit
+        n = 1 << 18
         return list(range(n)) if draw(st.booleans()) else [0] * n
-    return [0] * ((1 << 20) + 1)  # one over max_blocks_per_request
+    return [0] * ((1 << 18) + 1)  # one over max_blocks_per_request
 
 
 @st.composite
