@@ -5,16 +5,16 @@ transfer beside it moves exact bytes. Real daemons, real NIXL."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
 import grpc
 import pytest
 from kvpushd_client import Role, _convert
-from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, status_pb2, worker_pb2
+from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, worker_pb2
 from kvpushd_client.shm import hand_over
 from support import make_kv, rss
+from support.bystander import RSS_BOUND, StatusProbe, transfer
 
 from kvpushd import PROTOCOL_VERSION
 from kvpushd.core.notif import compat_hash
@@ -22,38 +22,6 @@ from kvpushd.rpc.pump import packed
 from kvpushd.rpc.services import MAX_BATCH, Oversized, bounded, count_items
 
 EMPTY_ITEMS = 4_190_000  # 2 bytes each: just under the 8 MiB message limit
-RSS_SLACK = 150 << 20
-
-
-class StatusProbe:
-    """GetStatus every 20 ms in a thread while it runs; the slowest answer."""
-
-    def __init__(self, client) -> None:  # type: ignore[no-untyped-def]
-        self.client, self.worst, self._stop = client, 0.0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            self.client.status_stub.GetStatus(status_pb2.GetStatusRequest(), timeout=10)
-            self.worst = max(self.worst, time.perf_counter() - t0)
-            time.sleep(0.02)
-
-    def __enter__(self) -> StatusProbe:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(15)
-
-
-def _transfer(p, d, pw, dw, src, dst, tid: str, a: int, b: int) -> None:  # type: ignore[no-untyped-def]
-    dw.expect(tid, [a], p.peer_address, "prefill", 1)
-    pw.publish(tid, [b])
-    assert dw.next_completion(30).kind.name == "FINISHED_RECEIVING"
-    assert pw.next_completion(30).kind.name == "FINISHED_SENDING"
-    assert (dst.arr[:, a] == src.arr[:, b]).all()
 
 
 @pytest.mark.parametrize("stream", ["worker", "peer"])
@@ -62,7 +30,7 @@ def test_a_batch_of_millions_of_empty_items_costs_little(daemon_pair, kv_pair, s
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    _transfer(p, d, pw, dw, src, dst, "warm", 1, 2)
+    transfer(p, pw, dw, src, dst, "warm", 1, 2)
     base = rss(p.pid)
     if stream == "worker":
         kv = make_kv("kvp-cost", regions=2, num_blocks=8)
@@ -90,21 +58,20 @@ def test_a_batch_of_millions_of_empty_items_costs_little(daemon_pair, kv_pair, s
             return list(raw(iter([junk]), timeout=30, metadata=(("kvpushd-session", token),
                                                                   ("kvpushd-instance", instance))))
     assert len(junk) < 8 << 20
-    peak = base
-    with StatusProbe(p.client) as probe:
+    with StatusProbe(p) as probe:
         t0 = time.perf_counter()
         with pytest.raises(grpc.RpcError) as ei:
             call()
         took = time.perf_counter() - t0
-        peak = max(peak, rss(p.pid))
-        _transfer(p, d, pw, dw, src, dst, "beside", 3, 4)
+        peak = max(probe.peak, rss(p.pid))
+        transfer(p, pw, dw, src, dst, "beside", 3, 4)
     after = rss(p.pid)
     print(f"{stream}: refused in {took * 1e3:.0f} ms; GetStatus worst {probe.worst * 1e3:.1f} ms; "
           f"RSS base {base >> 20} MiB, peak +{(peak - base) >> 20}, after +{(after - base) >> 20}")
     assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
     assert f"more than {MAX_BATCH} items" in (ei.value.details() or "")
     assert probe.worst < 0.1 + 0.4, probe.worst  # 100 ms, with room for a loaded test machine
-    assert peak - base < RSS_SLACK and after - base < RSS_SLACK
+    assert peak - base < RSS_BOUND and after - base < RSS_BOUND
 
 
 def test_counting_stops_past_the_cap() -> None:

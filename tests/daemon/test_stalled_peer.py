@@ -10,27 +10,34 @@ import time
 
 from kvpushd_client import CompletionKind, Role
 from support import make_kv, wait_for
+from support.bystander import Bystander
 
 LIVENESS_BOUND_S = 15.0  # docs/security.md: peer_timeout_s (10 s) + heartbeat and housekeeping slack
 
 
 def test_a_stalled_decode_daemon_releases_prefill_blocks_at_the_liveness_bound(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     p, d = daemon_factory.pair()
+    other = daemon_factory("dnode2")  # a decode daemon that keeps answering: its transfer goes on meanwhile
     # 256 MiB in one WRITE (4 regions x 64 blocks of 1 MiB), as a long prompt's KV would be
     src = make_kv("kvp-stall-src", regions=4, num_blocks=64, block_len=1 << 20)
     dst = make_kv("kvp-stall-dst", regions=4, num_blocks=64, block_len=1 << 20, fill="poison")
+    dst2 = make_kv("kvp-stall-dst2", regions=4, num_blocks=8, block_len=1 << 20, fill="poison")
     stopped = False
     try:
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
+        ow = other.client.attach("decode", Role.CONSUMER, 0, 1, [dst2.buf.memory], dst2.region_list)
         dw.expect("stalled", list(range(64)), p.peer_address, "prefill", 1)
         assert wait_for(lambda: any(t.side == "send" for t in p.client.status().transfers))
-        d.proc.send_signal(signal.SIGSTOP)
-        stopped = True
-        t0 = time.monotonic()
-        pw.publish("stalled", list(range(64)))
-        c = pw.next_completion(60)
-        took = time.monotonic() - t0
+        with Bystander(p, pw, ow, src, dst2, target=p, blocks=(5, 60)) as b:
+            d.proc.send_signal(signal.SIGSTOP)
+            stopped = True
+            t0 = time.monotonic()
+            pw.publish("stalled", list(range(64)))
+            c = pw.next_completion(60)
+            took = time.monotonic() - t0
+        print(b.line("a decode daemon stalled during a 256 MiB WRITE"))
+        b.check()
         assert c is not None and c.transfer_id == "stalled", c
         print(f"stalled decode daemon: publish ended {c.kind.name} {c.code} after {took:.1f} s: {c.reason}")
         assert c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE", c
@@ -51,3 +58,4 @@ def test_a_stalled_decode_daemon_releases_prefill_blocks_at_the_liveness_bound(d
             d.proc.send_signal(signal.SIGCONT)
         src.close()
         dst.close()
+        dst2.close()

@@ -17,6 +17,7 @@ from kvpushd_client import KVPushClient, Role, _convert
 from kvpushd_client.proto.v1 import worker_pb2
 from kvpushd_client.shm import hand_over
 from support import make_kv, wait_for
+from support.bystander import Bystander
 
 
 def _raw_attach(client, kv, engine: str, role: Role = Role.PRODUCER) -> tuple[str, bytes]:  # type: ignore[no-untyped-def]
@@ -93,17 +94,23 @@ def test_a_stream_ended_badly_mid_write_wedges_nothing(daemon_factory) -> None: 
         dst.close()
 
 
-def test_many_streams_ended_badly_are_released(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_many_streams_ended_badly_are_released(daemon_factory, kv_pair) -> None:  # type: ignore[no-untyped-def]
     """Twenty workers whose streams half-close and are then cancelled at varying moments: each is
     released (one whose stream ended before its session opened, when worker_api.session_grace_s
-    passed), and the daemon still serves."""
-    p = daemon_factory("pnode", settings={"worker_api": {"session_grace_s": 2.0}})
+    passed), and meanwhile the daemon answers its status and a transfer beside them is exact."""
+    p, d = daemon_factory.pair(settings={"worker_api": {"session_grace_s": 2.0}})
+    src, dst = kv_pair
+    pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+    dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     kvs = [make_kv(f"kvp-end-{i}", regions=2, num_blocks=8) for i in range(20)]
     try:
-        for i, kv in enumerate(kvs):
-            _half_close_then_cancel(p.client, _raw_attach(p.client, kv, f"ended-{i}"), (i % 5) * 0.002)
-        assert wait_for(lambda: not p.client.status().workers, timeout=20), \
-            [w.worker_id for w in p.client.status().workers]
+        with Bystander(p, pw, dw, src, dst, target=p) as b:
+            for i, kv in enumerate(kvs):
+                _half_close_then_cancel(p.client, _raw_attach(p.client, kv, f"ended-{i}"), (i % 5) * 0.002)
+            assert wait_for(lambda: [w.worker_id for w in p.client.status().workers] == [pw.worker_id],
+                            timeout=20), [w.worker_id for w in p.client.status().workers]
+        print(b.line("20 worker streams half-closed then cancelled"))
+        b.check()
     finally:
         for kv in kvs:
             kv.close()
