@@ -24,29 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpushd/v1/common.proto\x12\nkvpushd.v1\"\'\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x8b\x02\n\rCudaIpcHandle\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x10\n\x08sentinel\x18\t \x01(\x0c\x12\x17\n\x0fsentinel_offset\x18\n \x01(\x04\x12\x18\n\x10sentinel_restore\x18\x0b \x01(\x0c\"*\n\x0bMemfdHandle\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x95\x01\n\x0cMemoryHandle\x12$\n\x03shm\x18\x01 \x01(\x0b\x32\x15.kvpushd.v1.ShmHandleH\x00\x12-\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x19.kvpushd.v1.CudaIpcHandleH\x00\x12(\n\x05memfd\x18\x03 \x01(\x0b\x32\x17.kvpushd.v1.MemfdHandleH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x06Region\x12\x14\n\x0cmemory_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tblock_len\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x05 \x01(\x04\x12\x19\n\x11\x62lock_size_tokens\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0e\x32\x14.kvpushd.v1.KVLayout\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x12\n\nreplicated\x18\t \x01(\x08*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_PRODUCER\x10\x01\x12\x11\n\rROLE_CONSUMER\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*K\n\x08KVLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_LAYOUT_HND\x10\x01\x12\x11\n\rKV_LAYOUT_NHD\x10\x02*\x9e\x02\n\x0b\x46\x61ilureCode\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46\x41ILURE_TIMEOUT\x10\x01\x12\x13\n\x0f\x46\x41ILURE_ABORTED\x10\x02\x12\x1c\n\x18\x46\x41ILURE_PEER_UNREACHABLE\x10\x03\x12\x19\n\x15\x46\x41ILURE_PEER_REJECTED\x10\x04\x12\x1a\n\x16\x46\x41ILURE_TRANSFER_ERROR\x10\x05\x12\x1b\n\x17\x46\x41ILURE_LAYOUT_MISMATCH\x10\x06\x12\x17\n\x13\x46\x41ILURE_WORKER_GONE\x10\x07\x12\x16\n\x12\x46\x41ILURE_SUPERSEDED\x10\x08\x12\x14\n\x10\x46\x41ILURE_SHUTDOWN\x10\t\x12\x13\n\x0f\x46\x41ILURE_REFUSED\x10\n*]\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_PUSH\x10\x01\x12\x16\n\x12TRANSFER_MODE_PULL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpushd/v1/common.proto\x12\nkvpushd.v1\"\'\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x8b\x02\n\rCudaIpcHandle\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x10\n\x08sentinel\x18\t \x01(\x0c\x12\x17\n\x0fsentinel_offset\x18\n \x01(\x04\x12\x18\n\x10sentinel_restore\x18\x0b \x01(\x0c\"*\n\x0bMemfdHandle\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\"7\n\x08VmmChunk\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xaf\x01\n\tVmmHandle\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x10\n\x08reserved\x18\x02 \x01(\x04\x12\x13\n\x0bgranularity\x18\x03 \x01(\x04\x12$\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x14.kvpushd.v1.VmmChunk\x12\x10\n\x08sentinel\x18\x05 \x01(\x0c\x12\x17\n\x0fsentinel_offset\x18\x06 \x01(\x04\x12\x18\n\x10sentinel_restore\x18\x07 \x01(\x0c\"\xbb\x01\n\x0cMemoryHandle\x12$\n\x03shm\x18\x01 \x01(\x0b\x32\x15.kvpushd.v1.ShmHandleH\x00\x12-\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x19.kvpushd.v1.CudaIpcHandleH\x00\x12(\n\x05memfd\x18\x03 \x01(\x0b\x32\x17.kvpushd.v1.MemfdHandleH\x00\x12$\n\x03vmm\x18\x04 \x01(\x0b\x32\x15.kvpushd.v1.VmmHandleH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x06Region\x12\x14\n\x0cmemory_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tblock_len\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x05 \x01(\x04\x12\x19\n\x11\x62lock_size_tokens\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0e\x32\x14.kvpushd.v1.KVLayout\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x12\n\nreplicated\x18\t \x01(\x08*Q\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_PRODUCER\x10\x01\x12\x11\n\rROLE_CONSUMER\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*K\n\x08KVLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_LAYOUT_HND\x10\x01\x12\x11\n\rKV_LAYOUT_NHD\x10\x02*\x9e\x02\n\x0b\x46\x61ilureCode\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46\x41ILURE_TIMEOUT\x10\x01\x12\x13\n\x0f\x46\x41ILURE_ABORTED\x10\x02\x12\x1c\n\x18\x46\x41ILURE_PEER_UNREACHABLE\x10\x03\x12\x19\n\x15\x46\x41ILURE_PEER_REJECTED\x10\x04\x12\x1a\n\x16\x46\x41ILURE_TRANSFER_ERROR\x10\x05\x12\x1b\n\x17\x46\x41ILURE_LAYOUT_MISMATCH\x10\x06\x12\x17\n\x13\x46\x41ILURE_WORKER_GONE\x10\x07\x12\x16\n\x12\x46\x41ILURE_SUPERSEDED\x10\x08\x12\x14\n\x10\x46\x41ILURE_SHUTDOWN\x10\t\x12\x13\n\x0f\x46\x41ILURE_REFUSED\x10\n*]\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_PUSH\x10\x01\x12\x16\n\x12TRANSFER_MODE_PULL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpushd_client.proto.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=760
-  _globals['_ROLE']._serialized_end=841
-  _globals['_KVLAYOUT']._serialized_start=843
-  _globals['_KVLAYOUT']._serialized_end=918
-  _globals['_FAILURECODE']._serialized_start=921
-  _globals['_FAILURECODE']._serialized_end=1207
-  _globals['_TRANSFERMODE']._serialized_start=1209
-  _globals['_TRANSFERMODE']._serialized_end=1302
+  _globals['_ROLE']._serialized_start=1033
+  _globals['_ROLE']._serialized_end=1114
+  _globals['_KVLAYOUT']._serialized_start=1116
+  _globals['_KVLAYOUT']._serialized_end=1191
+  _globals['_FAILURECODE']._serialized_start=1194
+  _globals['_FAILURECODE']._serialized_end=1480
+  _globals['_TRANSFERMODE']._serialized_start=1482
+  _globals['_TRANSFERMODE']._serialized_end=1575
   _globals['_SHMHANDLE']._serialized_start=39
   _globals['_SHMHANDLE']._serialized_end=78
   _globals['_CUDAIPCHANDLE']._serialized_start=81
   _globals['_CUDAIPCHANDLE']._serialized_end=348
   _globals['_MEMFDHANDLE']._serialized_start=350
   _globals['_MEMFDHANDLE']._serialized_end=392
-  _globals['_MEMORYHANDLE']._serialized_start=395
-  _globals['_MEMORYHANDLE']._serialized_end=544
-  _globals['_REGION']._serialized_start=547
-  _globals['_REGION']._serialized_end=758
+  _globals['_VMMCHUNK']._serialized_start=394
+  _globals['_VMMCHUNK']._serialized_end=449
+  _globals['_VMMHANDLE']._serialized_start=452
+  _globals['_VMMHANDLE']._serialized_end=627
+  _globals['_MEMORYHANDLE']._serialized_start=630
+  _globals['_MEMORYHANDLE']._serialized_end=817
+  _globals['_REGION']._serialized_start=820
+  _globals['_REGION']._serialized_end=1031
 # @@protoc_insertion_point(module_scope)

@@ -3,8 +3,10 @@
 isort:skip_file
 Types shared by the worker, peer and status APIs."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -263,6 +265,89 @@ class MemfdHandle(_message.Message):
 Global___MemfdHandle: _TypeAlias = MemfdHandle  # noqa: Y015
 
 @_typing.final
+class VmmChunk(_message.Message):
+    """One physical chunk of a VmmHandle's range (cuMemCreate with the POSIX-fd handle type), exported by
+    the worker (cuMemExportToShareableHandle) and sent to the fd socket as one datagram: the byte 'V'
+    (the kind tag; a memfd's datagram has none), these 16 token bytes, and the descriptor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    token: _builtins.bytes
+    """16 random bytes, the datagram's payload after the tag"""
+    offset: _builtins.int
+    """where the chunk is mapped in the worker's reserved range (whole granules)"""
+    size: _builtins.int
+    """bytes of the chunk (whole granules)"""
+    def __init__(
+        self,
+        *,
+        token: _builtins.bytes = ...,
+        offset: _builtins.int = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "size", b"size", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VmmChunk: _TypeAlias = VmmChunk  # noqa: Y015
+
+@_typing.final
+class VmmHandle(_message.Message):
+    """GPU memory as CUDA virtual memory (vLLM 0.34's extensible KV cache): chunks mapped into one range the
+    worker reserved. The daemon imports the chunks, maps them at the same offsets in a range of its own as
+    large as the worker's, and opens them to its device; regions' offsets are offsets in that range, and
+    every block a region names must lie in mapped chunks. The sentinel is as in CudaIpcHandle, its offset
+    in the range.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_UUID_FIELD_NUMBER: _builtins.int
+    RESERVED_FIELD_NUMBER: _builtins.int
+    GRANULARITY_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    SENTINEL_FIELD_NUMBER: _builtins.int
+    SENTINEL_OFFSET_FIELD_NUMBER: _builtins.int
+    SENTINEL_RESTORE_FIELD_NUMBER: _builtins.int
+    gpu_uuid: _builtins.str
+    """the GPU, by UUID"""
+    reserved: _builtins.int
+    """bytes of the worker's reserved range"""
+    granularity: _builtins.int
+    """the driver's allocation granularity there (a power of two)"""
+    sentinel: _builtins.bytes
+    sentinel_offset: _builtins.int
+    sentinel_restore: _builtins.bytes
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___VmmChunk]:
+        """sorted by offset, none overlapping; holes between them stay unmapped"""
+
+    def __init__(
+        self,
+        *,
+        gpu_uuid: _builtins.str = ...,
+        reserved: _builtins.int = ...,
+        granularity: _builtins.int = ...,
+        chunks: _abc.Iterable[Global___VmmChunk] | None = ...,
+        sentinel: _builtins.bytes = ...,
+        sentinel_offset: _builtins.int = ...,
+        sentinel_restore: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "gpu_uuid", b"gpu_uuid", "granularity", b"granularity", "reserved", b"reserved", "sentinel", b"sentinel", "sentinel_offset", b"sentinel_offset", "sentinel_restore", b"sentinel_restore"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VmmHandle: _TypeAlias = VmmHandle  # noqa: Y015
+
+@_typing.final
 class MemoryHandle(_message.Message):
     """A piece of memory the worker hands over once, when it attaches."""
 
@@ -271,24 +356,28 @@ class MemoryHandle(_message.Message):
     SHM_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
     MEMFD_FIELD_NUMBER: _builtins.int
+    VMM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def shm(self) -> Global___ShmHandle: ...
     @_builtins.property
     def cuda_ipc(self) -> Global___CudaIpcHandle: ...
     @_builtins.property
     def memfd(self) -> Global___MemfdHandle: ...
+    @_builtins.property
+    def vmm(self) -> Global___VmmHandle: ...
     def __init__(
         self,
         *,
         shm: Global___ShmHandle | None = ...,
         cuda_ipc: Global___CudaIpcHandle | None = ...,
         memfd: Global___MemfdHandle | None = ...,
+        vmm: Global___VmmHandle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "memfd", b"memfd", "shm", b"shm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "memfd", b"memfd", "shm", b"shm", "vmm", b"vmm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "memfd", b"memfd", "shm", b"shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "memfd", b"memfd", "shm", b"shm", "vmm", b"vmm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shm", "cuda_ipc", "memfd"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shm", "cuda_ipc", "memfd", "vmm"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpushd_client.proto.v1 import common_pb2 as kvpushd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpushd/v1/worker.proto\x12\nkvpushd.v1\x1a\x17kvpushd/v1/common.proto\"\xd2\x01\n\x07\x43ommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06\x65xpect\x18\x02 \x01(\x0b\x32\x19.kvpushd.v1.ExpectRequestH\x00\x12-\n\x07publish\x18\x03 \x01(\x0b\x32\x1a.kvpushd.v1.PublishRequestH\x00\x12)\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x18.kvpushd.v1.AbortRequestH\x00\x12-\n\x07\x64\x65\x63line\x18\x05 \x01(\x0b\x32\x1a.kvpushd.v1.DeclineRequestH\x00\x42\x04\n\x02op\"^\n\x0c\x43ommandBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x13.kvpushd.v1.Command\x12\x14\n\x0cworker_token\x18\x03 \x01(\x0c\"X\n\rCommandResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\r\n\x05\x66ound\x18\x05 \x01(\x08\"e\n\nEventBatch\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvpushd.v1.CommandResult\x12+\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x16.kvpushd.v1.Completion\"\x83\x02\n\rAttachRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvpushd.v1.Role\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12(\n\x06memory\x18\x06 \x03(\x0b\x32\x18.kvpushd.v1.MemoryHandle\x12#\n\x07regions\x18\x07 \x03(\x0b\x32\x12.kvpushd.v1.Region\x12\x13\n\x0b\x64\x65scription\x18\x08 \x01(\t\x12\x10\n\x08\x64oorbell\x18\t \x01(\t\x12\x16\n\x0e\x64oorbell_token\x18\n \x01(\x0c\"`\n\x0e\x41ttachResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x14\n\x0cworker_token\x18\x04 \x01(\x0c\"\xa3\x03\n\nCompletion\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvpushd.v1.Completion.Kind\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12%\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x17.kvpushd.v1.FailureCode\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x16\n\x0enixl_transfers\x18\x07 \x01(\r\x12\x13\n\x0b\x64\x65scriptors\x18\x08 \x01(\r\x12\x14\n\x0cpost_seconds\x18\t \x01(\x01\x12\x18\n\x10transfer_seconds\x18\n \x01(\x01\x12\x1f\n\x17rendezvous_wait_seconds\x18\x0b \x01(\x01\x12\x17\n\x0f\x65lapsed_seconds\x18\x0c \x01(\x01\"e\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15KIND_FINISHED_SENDING\x10\x01\x12\x1b\n\x17KIND_FINISHED_RECEIVING\x10\x02\x12\x0f\n\x0bKIND_FAILED\x10\x03\"\xe8\x01\n\rExpectRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x18\n\x10producer_address\x18\x04 \x01(\t\x12\x1a\n\x12producer_engine_id\x18\x05 \x01(\t\x12\x18\n\x10producer_tp_size\x18\x06 \x01(\r\x12/\n\rtransfer_mode\x18\x07 \x01(\x0e\x32\x18.kvpushd.v1.TransferMode\x12\x13\n\x0bskip_tokens\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\tJ\x04\x08\x01\x10\x02\"\xbc\x01\n\x0ePublishRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x18\n\x10\x63onsumer_node_id\x18\x05 \x01(\t\x12\x19\n\x11\x63onsumer_tls_name\x18\x06 \x01(\t\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x0e\n\x06layers\x18\x08 \x01(\r\x12\x14\n\x0cready_blocks\x18\t \x01(\rJ\x04\x08\x01\x10\x02\")\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"q\n\x0e\x44\x65\x63lineRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10producer_address\x18\x03 \x01(\t\x12\x1a\n\x12producer_engine_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02\"8\n\rDetachRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0cworker_token\x18\x02 \x01(\x0c\"\x10\n\x0e\x44\x65tachResponse2\xd1\x01\n\rWorkerService\x12?\n\x06\x41ttach\x12\x19.kvpushd.v1.AttachRequest\x1a\x1a.kvpushd.v1.AttachResponse\x12?\n\x06\x44\x65tach\x12\x19.kvpushd.v1.DetachRequest\x1a\x1a.kvpushd.v1.DetachResponse\x12>\n\x06Stream\x12\x18.kvpushd.v1.CommandBatch\x1a\x16.kvpushd.v1.EventBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpushd/v1/worker.proto\x12\nkvpushd.v1\x1a\x17kvpushd/v1/common.proto\"\xd2\x01\n\x07\x43ommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06\x65xpect\x18\x02 \x01(\x0b\x32\x19.kvpushd.v1.ExpectRequestH\x00\x12-\n\x07publish\x18\x03 \x01(\x0b\x32\x1a.kvpushd.v1.PublishRequestH\x00\x12)\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x18.kvpushd.v1.AbortRequestH\x00\x12-\n\x07\x64\x65\x63line\x18\x05 \x01(\x0b\x32\x1a.kvpushd.v1.DeclineRequestH\x00\x42\x04\n\x02op\"^\n\x0c\x43ommandBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x13.kvpushd.v1.Command\x12\x14\n\x0cworker_token\x18\x03 \x01(\x0c\"X\n\rCommandResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\r\n\x05\x66ound\x18\x05 \x01(\x08\"e\n\nEventBatch\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvpushd.v1.CommandResult\x12+\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x16.kvpushd.v1.Completion\"\xbc\x02\n\rAttachRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvpushd.v1.Role\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12(\n\x06memory\x18\x06 \x03(\x0b\x32\x18.kvpushd.v1.MemoryHandle\x12#\n\x07regions\x18\x07 \x03(\x0b\x32\x12.kvpushd.v1.Region\x12\x13\n\x0b\x64\x65scription\x18\x08 \x01(\t\x12\x10\n\x08\x64oorbell\x18\t \x01(\t\x12\x16\n\x0e\x64oorbell_token\x18\n \x01(\x0c\x12\x19\n\x11\x65xtends_worker_id\x18\x0b \x01(\t\x12\x1c\n\x14\x65xtends_worker_token\x18\x0c \x01(\x0c\"`\n\x0e\x41ttachResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x14\n\x0cworker_token\x18\x04 \x01(\x0c\"\xa3\x03\n\nCompletion\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvpushd.v1.Completion.Kind\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12%\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x17.kvpushd.v1.FailureCode\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x16\n\x0enixl_transfers\x18\x07 \x01(\r\x12\x13\n\x0b\x64\x65scriptors\x18\x08 \x01(\r\x12\x14\n\x0cpost_seconds\x18\t \x01(\x01\x12\x18\n\x10transfer_seconds\x18\n \x01(\x01\x12\x1f\n\x17rendezvous_wait_seconds\x18\x0b \x01(\x01\x12\x17\n\x0f\x65lapsed_seconds\x18\x0c \x01(\x01\"e\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15KIND_FINISHED_SENDING\x10\x01\x12\x1b\n\x17KIND_FINISHED_RECEIVING\x10\x02\x12\x0f\n\x0bKIND_FAILED\x10\x03\"\xe8\x01\n\rExpectRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x18\n\x10producer_address\x18\x04 \x01(\t\x12\x1a\n\x12producer_engine_id\x18\x05 \x01(\t\x12\x18\n\x10producer_tp_size\x18\x06 \x01(\r\x12/\n\rtransfer_mode\x18\x07 \x01(\x0e\x32\x18.kvpushd.v1.TransferMode\x12\x13\n\x0bskip_tokens\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\tJ\x04\x08\x01\x10\x02\"\xbc\x01\n\x0ePublishRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x18\n\x10\x63onsumer_node_id\x18\x05 \x01(\t\x12\x19\n\x11\x63onsumer_tls_name\x18\x06 \x01(\t\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x0e\n\x06layers\x18\x08 \x01(\r\x12\x14\n\x0cready_blocks\x18\t \x01(\rJ\x04\x08\x01\x10\x02\")\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"q\n\x0e\x44\x65\x63lineRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10producer_address\x18\x03 \x01(\t\x12\x1a\n\x12producer_engine_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02\"8\n\rDetachRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0cworker_token\x18\x02 \x01(\x0c\"\x10\n\x0e\x44\x65tachResponse2\xd1\x01\n\rWorkerService\x12?\n\x06\x41ttach\x12\x19.kvpushd.v1.AttachRequest\x1a\x1a.kvpushd.v1.AttachResponse\x12?\n\x06\x44\x65tach\x12\x19.kvpushd.v1.DetachRequest\x1a\x1a.kvpushd.v1.DetachResponse\x12>\n\x06Stream\x12\x18.kvpushd.v1.CommandBatch\x1a\x16.kvpushd.v1.EventBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,25 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTBATCH']._serialized_start=463
   _globals['_EVENTBATCH']._serialized_end=564
   _globals['_ATTACHREQUEST']._serialized_start=567
-  _globals['_ATTACHREQUEST']._serialized_end=826
-  _globals['_ATTACHRESPONSE']._serialized_start=828
-  _globals['_ATTACHRESPONSE']._serialized_end=924
-  _globals['_COMPLETION']._serialized_start=927
-  _globals['_COMPLETION']._serialized_end=1346
-  _globals['_COMPLETION_KIND']._serialized_start=1245
-  _globals['_COMPLETION_KIND']._serialized_end=1346
-  _globals['_EXPECTREQUEST']._serialized_start=1349
-  _globals['_EXPECTREQUEST']._serialized_end=1581
-  _globals['_PUBLISHREQUEST']._serialized_start=1584
-  _globals['_PUBLISHREQUEST']._serialized_end=1772
-  _globals['_ABORTREQUEST']._serialized_start=1774
-  _globals['_ABORTREQUEST']._serialized_end=1815
-  _globals['_DECLINEREQUEST']._serialized_start=1817
-  _globals['_DECLINEREQUEST']._serialized_end=1930
-  _globals['_DETACHREQUEST']._serialized_start=1932
-  _globals['_DETACHREQUEST']._serialized_end=1988
-  _globals['_DETACHRESPONSE']._serialized_start=1990
-  _globals['_DETACHRESPONSE']._serialized_end=2006
-  _globals['_WORKERSERVICE']._serialized_start=2009
-  _globals['_WORKERSERVICE']._serialized_end=2218
+  _globals['_ATTACHREQUEST']._serialized_end=883
+  _globals['_ATTACHRESPONSE']._serialized_start=885
+  _globals['_ATTACHRESPONSE']._serialized_end=981
+  _globals['_COMPLETION']._serialized_start=984
+  _globals['_COMPLETION']._serialized_end=1403
+  _globals['_COMPLETION_KIND']._serialized_start=1302
+  _globals['_COMPLETION_KIND']._serialized_end=1403
+  _globals['_EXPECTREQUEST']._serialized_start=1406
+  _globals['_EXPECTREQUEST']._serialized_end=1638
+  _globals['_PUBLISHREQUEST']._serialized_start=1641
+  _globals['_PUBLISHREQUEST']._serialized_end=1829
+  _globals['_ABORTREQUEST']._serialized_start=1831
+  _globals['_ABORTREQUEST']._serialized_end=1872
+  _globals['_DECLINEREQUEST']._serialized_start=1874
+  _globals['_DECLINEREQUEST']._serialized_end=1987
+  _globals['_DETACHREQUEST']._serialized_start=1989
+  _globals['_DETACHREQUEST']._serialized_end=2045
+  _globals['_DETACHRESPONSE']._serialized_start=2047
+  _globals['_DETACHRESPONSE']._serialized_end=2063
+  _globals['_WORKERSERVICE']._serialized_start=2066
+  _globals['_WORKERSERVICE']._serialized_end=2275
 # @@protoc_insertion_point(module_scope)

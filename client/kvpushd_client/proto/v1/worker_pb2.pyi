@@ -174,6 +174,8 @@ class AttachRequest(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     DOORBELL_FIELD_NUMBER: _builtins.int
     DOORBELL_TOKEN_FIELD_NUMBER: _builtins.int
+    EXTENDS_WORKER_ID_FIELD_NUMBER: _builtins.int
+    EXTENDS_WORKER_TOKEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: _common_pb2.Role.ValueType
     tp_rank: _builtins.int
@@ -193,6 +195,15 @@ class AttachRequest(_message.Message):
     daemon also writes each FINISHED_RECEIVING into its completion ring (docs/protocol.md, "The
     completion ring").
     """
+    extends_worker_id: _builtins.str
+    """Growth (vLLM 0.34 committing more KV blocks after start): set both, and this Attach adds to that
+    live worker instead of attaching a new one. `memory` then holds one VmmHandle per memory of the
+    worker, in its order, each naming only the chunks that are new (same gpu_uuid, reserved and
+    granularity; an empty chunk list for a memory that did not grow); `regions` are the worker's regions
+    again, the same but for num_blocks, which may grow. The answer names the same worker. engine_id,
+    role, ranks and doorbell must be those of the worker.
+    """
+    extends_worker_token: _builtins.bytes
     @_builtins.property
     def memory(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryHandle]: ...
     @_builtins.property
@@ -210,10 +221,12 @@ class AttachRequest(_message.Message):
         description: _builtins.str = ...,
         doorbell: _builtins.str = ...,
         doorbell_token: _builtins.bytes = ...,
+        extends_worker_id: _builtins.str = ...,
+        extends_worker_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "doorbell", b"doorbell", "doorbell_token", b"doorbell_token", "engine_id", b"engine_id", "memory", b"memory", "pp_rank", b"pp_rank", "regions", b"regions", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "doorbell", b"doorbell", "doorbell_token", b"doorbell_token", "engine_id", b"engine_id", "extends_worker_id", b"extends_worker_id", "extends_worker_token", b"extends_worker_token", "memory", b"memory", "pp_rank", b"pp_rank", "regions", b"regions", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
