@@ -14,6 +14,7 @@ from typing import Protocol
 from kvpushd_client.types import CudaMemory, ShmMemory  # what the wire's handles say: one definition
 
 from ..core.errors import PermissionDenied
+from .vmm import VmmSpec
 
 
 class Mapping(Protocol):
@@ -31,7 +32,7 @@ class MemfdSpec:
     size: int
 
 
-MemorySpec = ShmMemory | CudaMemory | MemfdSpec
+MemorySpec = ShmMemory | CudaMemory | MemfdSpec | VmmSpec
 
 
 def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) -> list[Mapping]:
@@ -49,6 +50,14 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) 
                     "WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
             if isinstance(spec, MemfdSpec):
                 out.append(ShmMapping(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
+            elif isinstance(spec, VmmSpec):  # CUDA virtual memory by its chunks' descriptors (memory/vmm.py)
+                from .vmm import close_fds, open_vmm
+
+                chunk_fds = [fds.pop(t) for t in spec.tokens]
+                try:
+                    out.append(open_vmm(spec, chunk_fds))
+                finally:
+                    close_fds(chunk_fds)
             else:
                 from .cuda import CudaIpcMapping
 

@@ -12,11 +12,15 @@ and why), so descriptors parked before a flood are never pushed out by it. At mo
 SO_PASSCRED; only CAP_SYS_ADMIN may name another): past that a process pushes out its own oldest,
 never another's. A sender in another pid namespace (a pod, without hostPID) shows as pid 0 and only
 the overall bound applies to it. A datagram of any other shape is dropped with every descriptor it
-carried. Only shared memory is parked (a memfd or a /dev/shm object, on tmpfs): anything else is
-refused on arrival and closed off the event loop, since closing a socket set to linger, or a FUSE or
-NFS file, can wait on whoever holds its other end; hugetlbfs is refused too (a hole punched in it
-faults SIGBUS in the daemon once the huge-page pool is empty). One wake-up takes at most
-``_MAX_PER_WAKE`` datagrams, so senders that keep the queue full cannot hold the loop.
+carried. A datagram of 17 bytes whose first is ``V`` (``VMM_TAG``) carries a chunk of CUDA virtual memory
+exported as a POSIX fd (``cuMemExportToShareableHandle``; its Attach names it in a ``VmmHandle``): it is
+parked only if it is a character device or an anonymous inode, what the NVIDIA driver hands out, and
+counts against the same bounds; ``take`` hands it only to an Attach that names it as a chunk, and a
+memfd only to one that names a memfd. Otherwise only shared memory is parked (a memfd or a /dev/shm
+object, on tmpfs): anything else is refused on arrival and closed off the event loop, since closing
+a socket set to linger, or a FUSE or NFS file, can wait on whoever holds its other end; hugetlbfs is
+refused too (a hole punched in it faults SIGBUS in the daemon once the huge-page pool is empty). One wake-up takes
+at most ``_MAX_PER_WAKE`` datagrams, so senders that keep the queue full cannot hold the loop.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from collections.abc import Iterable
 
 import structlog
 
-from ..core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
+from ..core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .shm import libc
 
 TOKEN_BYTES = 16
+VMM_TAG = b"V"  # the first byte of a datagram that carries a VMM chunk (then its token)
+MEMFD, VMM = "memfd", "VMM chunk"  # what a parked descriptor was sent as
 MAX_MEMORY_HANDLES = 256  # what one Attach may name (vLLM: a memfd per layer's KV storage)
 MAX_PARKED = 16 * MAX_MEMORY_HANDLES  # sixteen Attaches naming the most they may, sent at once
 MAX_PER_SENDER = 4 * MAX_MEMORY_HANDLES  # one process: an Attach and three retries of it
@@ -88,6 +94,23 @@ def not_shmem(fd: int) -> str:
     return "" if f_type == TMPFS_MAGIC else f"a file on a file system of type {f_type:#x}, not shared memory (tmpfs)"
 
 
+def not_vmm_chunk(fd: int) -> str:
+    """Why ``fd`` cannot be a CUDA VMM chunk exported as a POSIX fd, or "" when it may be: the NVIDIA
+    driver hands out a descriptor of its device (a character device) or an anonymous inode; a file,
+    socket, pipe or directory is refused (closing a socket or a network file may wait on its peer)."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        return f"cannot be inspected: {e.strerror}"
+    if stat.S_ISCHR(mode) or stat.S_IFMT(mode) == 0:
+        return ""
+    what = ("a regular file" if stat.S_ISREG(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a pipe" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a block device"
+            if stat.S_ISBLK(mode) else f"of file type {stat.S_IFMT(mode):#o}")
+    return (f"{what}, not a CUDA VMM chunk (a character device or anonymous inode from "
+            "cuMemExportToShareableHandle)")
+
+
 def fd_socket_path(worker_socket: str) -> str:
     return f"{worker_socket}.fd"
 
@@ -102,8 +125,8 @@ class FdInbox:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each datagram says its sender's pid
         self._bound = False
-        # token -> (descriptor, arrival, sender pid), oldest first; and each sender's tokens, oldest first
-        self._parked: collections.OrderedDict[bytes, tuple[int, float, int]] = collections.OrderedDict()
+        # token -> (descriptor, arrival, sender pid, kind), oldest first; and each sender's tokens, oldest first
+        self._parked: collections.OrderedDict[bytes, tuple[int, float, int, str]] = collections.OrderedDict()
         self._by_sender: dict[int, collections.OrderedDict[bytes, None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next expiry, while any descriptor waits
@@ -146,7 +169,7 @@ class FdInbox:
             if not self._bound or self._closing >= _MAX_CLOSING:
                 break
             try:
-                msg, anc, flags, _ = self._sock.recvmsg(TOKEN_BYTES + 1, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
+                msg, anc, flags, _ = self._sock.recvmsg(TOKEN_BYTES + 2, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:  # e.g. EMFILE: the kernel keeps nothing it could not hand over
@@ -159,15 +182,18 @@ class FdInbox:
                     fds.extend(memoryview(data)[: len(data) - len(data) % 4].cast("i"))
                 elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CRED.size:
                     pid = _CRED.unpack_from(data)[0]
+            sent_as = VMM if len(msg) == TOKEN_BYTES + 1 and msg[:1] == VMM_TAG else MEMFD
+            if sent_as == VMM:
+                msg = msg[1:]
             if len(msg) != TOKEN_BYTES or len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
                 for fd in fds:
                     self._close_later(fd)
                 self.dropped += 1
                 continue
-            if why := not_shmem(fds[0]):
+            if why := (not_vmm_chunk(fds[0]) if sent_as == VMM else not_shmem(fds[0])):
                 self._refuse(msg, fds[0], why)
                 continue
-            self._park(msg, fds[0], pid)
+            self._park(msg, fds[0], pid, sent_as)
         if self._closing >= _MAX_CLOSING:
             self._read(False)  # until the closer catches up (_closed)
         self._expire(time.monotonic())
@@ -218,14 +244,14 @@ class FdInbox:
         if self._closing < _MAX_CLOSING // 2:
             self._read(True)
 
-    def _park(self, token: bytes, fd: int, pid: int = 0) -> None:
+    def _park(self, token: bytes, fd: int, pid: int = 0, kind: str = MEMFD) -> None:
         self._unpark(token, close=True)
         mine = self._by_sender.get(pid) if pid else None
         if len(self._parked) >= MAX_PARKED and not (mine and len(mine) >= MAX_PER_SENDER):
             self._refuse(token, fd, f"the fd socket already holds {MAX_PARKED} descriptors waiting for their "
                                     f"Attach (at most {TTL_S:.0f} s each); send it again later", full=True)
             return
-        self._parked[token] = (fd, time.monotonic(), pid)
+        self._parked[token] = (fd, time.monotonic(), pid, kind)
         if pid:
             mine = self._by_sender.setdefault(pid, collections.OrderedDict())
             mine[token] = None
@@ -234,12 +260,17 @@ class FdInbox:
                 self.dropped += 1
         self._arm()
 
-    def _unpark(self, token: bytes, close: bool = False) -> int | None:
-        """Take ``token``'s descriptor out of the books; closed with ``close``, else returned."""
-        got = self._parked.pop(token, None)
+    def _unpark(self, token: bytes, close: bool = False, kind: str = "") -> int | None:
+        """Take ``token``'s descriptor out of the books; closed with ``close``, else returned. With
+        ``kind``, one sent as another kind is refused (and left parked)."""
+        got = self._parked.get(token)
         if got is None:
             return None
-        fd, _t, pid = got
+        fd, _t, pid, sent_as = got
+        if kind and sent_as != kind:
+            raise InvalidArgument(f"the descriptor sent under this token came as a {sent_as}, and the Attach names "
+                                  f"it as a {kind}")
+        del self._parked[token]
         if (mine := self._by_sender.get(pid)) is not None:
             mine.pop(token, None)
             if not mine:
@@ -251,7 +282,7 @@ class FdInbox:
 
     def _expire(self, now: float) -> None:
         while self._parked:
-            token, (_fd, t, _pid) = next(iter(self._parked.items()))
+            token, (_fd, t, _pid, _kind) = next(iter(self._parked.items()))
             if now - t < TTL_S:
                 break
             self._unpark(token, close=True)
@@ -281,18 +312,20 @@ class FdInbox:
     def parked(self) -> int:
         return len(self._parked)
 
-    def take(self, token: bytes) -> int:
-        """The descriptor sent under ``token``; the caller owns (closes) it."""
+    def take(self, token: bytes, kind: str = MEMFD) -> int:
+        """The descriptor sent under ``token`` as ``kind``; the caller owns (closes) it."""
         self.drain()
-        got = self._unpark(bytes(token))
+        got = self._unpark(bytes(token), kind=kind)
         if got is None and (refused := self._refused.pop(bytes(token), None)) is not None:
             why, full = refused
             if full:
                 raise ResourceExhausted(f"the descriptor sent under this memfd token was refused on arrival: {why}")
+            if kind == VMM:
+                raise PermissionDenied(f"the descriptor sent under this VMM chunk token was refused on arrival: {why}")
             raise PermissionDenied(f"the descriptor sent under this memfd token was refused on arrival: {why}; "
                                    "host KV and doorbell pages go as memfds (kvpushd_client.SealedBuffer)")
         if got is None:
-            raise NotFound(f"no descriptor arrived on {self.path} under this memfd token (sent to another "
+            raise NotFound(f"no descriptor arrived on {self.path} under this {kind} token (sent to another "
                            f"daemon's socket, waited over {TTL_S:.0f} s for its Attach, or pushed out by "
                            f"{MAX_PER_SENDER} its sender sent after it)")
         return got
@@ -311,7 +344,7 @@ class FdInbox:
             self._bound = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        for fd, _t, _pid in self._parked.values():
+        for fd, _t, _pid, _kind in self._parked.values():
             os.close(fd)
         self._parked.clear()
         self._by_sender.clear()

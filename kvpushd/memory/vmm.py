@@ -1,15 +1,19 @@
 """Import a worker's CUDA virtual memory (vLLM 0.34's extensible KV cache) from POSIX file descriptors.
 
-The worker exports each physical chunk of its KV range (``kvpushd_client.vmm``) and sends the fds with
-each chunk's offset, the device's UUID and granularity. The daemon imports every chunk
-(``cuMemImportFromShareableHandle``), reserves one range as large as the worker's reservation
-(``cuMemAddressReserve``), maps the chunks at their offsets in the same order (``cuMemMap``) and opens
-them to its device (``cuMemSetAccess``); the range is then registered with NIXL as VRAM. Growth maps
-more chunks into the same reservation; an address past what is mapped is refused, never written.
+The worker exports each physical chunk of its KV range (``kvpushd_client.vmm``) and sends the fds to the
+fd socket tagged as VMM chunks (``memory/fdpass.py``), then names them in its Attach (``VmmHandle``):
+each chunk's offset in the range, the range's reserved size, the device's UUID and granularity. The
+daemon imports every chunk (``cuMemImportFromShareableHandle``), reserves one range as large as the
+worker's (``cuMemAddressReserve``), maps the chunks at their offsets (``cuMemMap``), opens them to its
+device (``cuMemSetAccess``) and checks the sentinel the worker wrote, as for CUDA IPC; each run of
+adjacent chunks is then registered with NIXL as VRAM. vLLM keeps one segment per layer in the range and
+commits a prefix of each, so the mapped part may have holes: a region (and so every block it names)
+must lie in mapped chunks, anything past them is refused, never written. Growth maps more chunks into
+the same reservation.
 
-Status (2026-12-05): the plan and the refusals run on CPU against a stand-in driver
-(tests/daemon/test_vmm_import.py); the driver calls wait for a GPU (``scripts/gpu_check.sh run``). Not yet
-wired into the worker attach (a ``MemoryHandle`` kind in the proto and ``runtime/workers.py``).
+Status (2026-12-05): the plan, the refusals and the fd protocol run on CPU (stand-in driver in
+tests/daemon/test_vmm_import.py; real daemons without CUDA in tests/daemon/test_vmm_attach.py); the
+driver calls wait for a GPU (``scripts/gpu_check.sh run``, tests/daemon/test_vmm_gpu.py).
 """
 
 from __future__ import annotations
@@ -17,17 +21,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from ..core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+MAX_RESERVED = 1 << 46  # 64 TiB: more than any GPU's memory, so a bad size is refused before the driver
+MAX_CHUNKS = 1024  # of one Attach: what the fd socket parks for one sender (fdpass.MAX_PER_SENDER)
+MAX_SENTINEL = 64
+
+Interval = tuple[int, int]  # (offset, end) in the range
 
 
-class VmmImportError(ValueError):
+class VmmImportError(InvalidArgument):
     """The chunks cannot be mapped as described, or an address lies past what is mapped."""
 
 
@@ -39,30 +51,86 @@ class ChunkSpec:
     size: int
 
 
-def check_chunks(chunks: Sequence[ChunkSpec], granularity: int, mapped: int, reserved: int) -> int:
-    """The bytes mapped once ``chunks`` follow the ``mapped`` bytes already there: they must continue
-    at ``mapped`` without a hole, be whole granules, and stay inside the reservation."""
+@dataclass(frozen=True)
+class VmmSpec:
+    """A ``VmmHandle`` as the daemon reads it; ``tokens[i]`` is what chunk i's fd came under."""
+
+    gpu_uuid: str
+    reserved: int
+    granularity: int
+    chunks: tuple[ChunkSpec, ...]
+    tokens: tuple[bytes, ...]
+    sentinel: bytes = b""
+    sentinel_offset: int = 0
+    sentinel_restore: bytes = b""
+
+
+def merge(intervals: Sequence[Interval]) -> list[Interval]:
+    """Sorted, with adjacent ones joined (one NIXL registration each)."""
+    out: list[Interval] = []
+    for a, b in sorted(intervals):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def check_chunks(chunks: Sequence[ChunkSpec], granularity: int, mapped: Sequence[Interval],
+                 reserved: int) -> list[Interval]:
+    """The mapped intervals once ``chunks`` join those in ``mapped``: chunks sorted by offset, whole
+    granules at whole-granule offsets, overlapping neither each other nor what is mapped, inside the
+    reservation."""
     if granularity <= 0 or granularity & (granularity - 1):
         raise VmmImportError(f"granularity {granularity} is not a power of two")
-    end = mapped
+    if not 0 < reserved <= MAX_RESERVED or reserved % granularity:
+        raise VmmImportError(f"reserved size {reserved}: 1 to {MAX_RESERVED} bytes, whole granules of {granularity}")
+    if len(chunks) > MAX_CHUNKS:
+        raise VmmImportError(f"{len(chunks)} chunks in one handle; at most {MAX_CHUNKS}")
+    prev = -1
     for i, c in enumerate(chunks):
-        if c.offset != end:
-            raise VmmImportError(f"chunk {i} starts at offset {c.offset}, expected {end} (chunks must follow "
-                                 "each other from the range's start)")
-        if c.size <= 0 or c.size % granularity:
-            raise VmmImportError(f"chunk {i} is {c.size} bytes, not whole granules of {granularity}")
-        end += c.size
-    if end > reserved:
-        raise VmmImportError(f"chunks end at {end} bytes, past the reservation of {reserved}")
-    return end
+        if c.size <= 0 or c.size % granularity or c.offset % granularity:
+            raise VmmImportError(f"chunk {i} at offset {c.offset} of {c.size} bytes is not whole granules of "
+                                 f"{granularity}")
+        if c.offset < prev:
+            raise VmmImportError(f"chunk {i} starts at offset {c.offset}, inside or before chunk {i - 1} (chunks "
+                                 "go sorted by offset, none overlapping)")
+        if c.offset + c.size > reserved:
+            raise VmmImportError(f"chunk {i} ends at {c.offset + c.size} bytes, past the reservation of {reserved}")
+        for a, b in mapped:
+            if c.offset < b and a < c.offset + c.size:
+                raise VmmImportError(f"chunk {i} ({c.offset}..{c.offset + c.size}) overlaps memory already mapped "
+                                     f"({a}..{b})")
+        prev = c.offset + c.size
+    return merge([*mapped, *((c.offset, c.offset + c.size) for c in chunks)])
 
 
-def check_within_mapped(mapped: int, what: str, start: int, length: int) -> None:
-    """Refuse an access to ``[start, start+length)`` of the range past what is mapped."""
-    if start < 0 or length < 0 or start + length > mapped:
-        raise VmmImportError(f"{what} ({start}..{start + length}) lies past the mapped {mapped} bytes of this "
-                             "worker's KV (vLLM committed more blocks than it handed over): refused, nothing "
-                             "written")
+def check_within_mapped(mapped: Sequence[Interval] | int, what: str, start: int, length: int) -> None:
+    """Refuse an access to ``[start, start+length)`` of the range that is not inside one mapped run of
+    chunks (``mapped``: the intervals, or a byte count mapped from offset 0)."""
+    runs = [(0, mapped)] if isinstance(mapped, int) else merge(mapped)
+    if start >= 0 and length >= 0 and any(a <= start and start + length <= b for a, b in runs):
+        return
+    shown = ", ".join(f"{a}..{b}" for a, b in runs[:4]) + (" ..." if len(runs) > 4 else "")
+    raise VmmImportError(f"{what} ({start}..{start + length}) lies past the mapped bytes of this worker's KV "
+                         f"({shown or 'none'}; vLLM committed more blocks than it handed over): refused, nothing "
+                         "written")
+
+
+def check_spec(spec: VmmSpec) -> list[Interval]:
+    """What can be refused before any driver call: the mapped intervals the handle describes."""
+    if not spec.gpu_uuid or len(spec.gpu_uuid) > 128:
+        raise VmmImportError("VMM handle: gpu_uuid must name the GPU (1-128 characters)")
+    if not spec.chunks:
+        raise VmmImportError("VMM handle: no chunks")
+    mapped = check_chunks(spec.chunks, spec.granularity, [], spec.reserved)
+    s, r = spec.sentinel, spec.sentinel_restore
+    if len(s) > MAX_SENTINEL or len(r) not in (0, len(s)):
+        raise VmmImportError(f"VMM handle: sentinel of {len(s)} bytes (at most {MAX_SENTINEL}) and restore bytes of "
+                             f"{len(r)} (none or as many)")
+    if s:
+        check_within_mapped(mapped, "the sentinel", spec.sentinel_offset, len(s))
+    return mapped
 
 
 class Driver(Protocol):
@@ -77,23 +145,41 @@ class Driver(Protocol):
 
 @dataclass
 class VmmMapping:
-    """One worker's range as this daemon maps it: grows by chunks, unmaps in reverse at close."""
+    """One worker's range as this daemon maps it: grows by chunks, unmaps in reverse at close.
+    ``addr``/``size``: the whole reservation; ``pieces()``: what is mapped (and registered)."""
 
     driver: Driver
     device: int
     granularity: int
     reserved: int
     base: int = 0
-    mapped: int = 0
+    mapped: list[Interval] = field(default_factory=list)
     handles: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, size, handle)
+    mem_type: str = "VRAM"
+    gpu_uuid: str = ""
+
+    addr: int = field(init=False, default=0)  # as Mapping: the reservation (base, reserved, device)
+    size: int = field(init=False, default=0)
+    device_id: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.size, self.device_id = self.reserved, self.device
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(b - a for a, b in self.mapped)
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(address, size, device) of each run of adjacent mapped chunks: what NIXL registers."""
+        return [(self.base + a, b - a, self.device) for a, b in self.mapped]
 
     @classmethod
     def open(cls, driver: Driver, device: int, granularity: int, reserved: int, chunks: Sequence[ChunkSpec],
              fds: Sequence[int]) -> VmmMapping:
         reserved = -(-reserved // granularity) * granularity
         m = cls(driver, device, granularity, reserved)
-        check_chunks(chunks, granularity, 0, reserved)
-        m.base = driver.reserve(reserved, granularity)
+        check_chunks(chunks, granularity, [], reserved)
+        m.base = m.addr = driver.reserve(reserved, granularity)
         try:
             m.extend(chunks, fds)
         except BaseException:
@@ -102,10 +188,10 @@ class VmmMapping:
         return m
 
     def extend(self, chunks: Sequence[ChunkSpec], fds: Sequence[int]) -> None:
-        """Map more chunks after those mapped (growth); the fds are the caller's, closed by it."""
+        """Map more chunks beside those mapped (growth); the fds are the caller's, closed by it."""
         if len(chunks) != len(fds):
             raise VmmImportError(f"{len(chunks)} chunk(s) described, {len(fds)} descriptor(s) received")
-        end = check_chunks(chunks, self.granularity, self.mapped, self.reserved)
+        after = check_chunks(chunks, self.granularity, self.mapped, self.reserved)
         for c, fd in zip(chunks, fds, strict=True):
             h = self.driver.import_fd(fd)
             try:
@@ -114,18 +200,23 @@ class VmmMapping:
                 self.driver.release(h)
                 raise
             self.handles.append((c.offset, c.size, h))
-        self.driver.set_access(self.base + self.mapped, end - self.mapped, self.device)
-        self.mapped = end
+        for a, b in merge([(c.offset, c.offset + c.size) for c in chunks]):
+            self.driver.set_access(self.base + a, b - a, self.device)
+        self.mapped = after
 
     def close(self) -> None:
         """Unmap and release every chunk, then the reservation (after NIXL deregistered the range)."""
         for off, size, h in reversed(self.handles):
-            self.driver.unmap(self.base + off, size)
-            self.driver.release(h)
+            with contextlib.suppress(VmmImportError):
+                self.driver.unmap(self.base + off, size)
+            with contextlib.suppress(VmmImportError):
+                self.driver.release(h)
         self.handles.clear()
         if self.base:
-            self.driver.free_reserved(self.base, self.reserved)
-        self.base = self.mapped = 0
+            with contextlib.suppress(VmmImportError):
+                self.driver.free_reserved(self.base, self.reserved)
+        self.base = self.addr = 0
+        self.mapped = []
 
 
 class CudaDriver:
@@ -136,12 +227,16 @@ class CudaDriver:
 
     def _check(self, what: str, rc: int) -> None:
         if rc != 0:
-            raise VmmImportError(f"{what} failed: CUresult {rc}")
+            name = ctypes.c_char_p()
+            with contextlib.suppress(Exception):
+                self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise VmmImportError(f"{what} failed: {(name.value or b'CUresult').decode()} ({rc})")
 
     def import_fd(self, fd: int) -> int:
         h = ctypes.c_uint64()
-        self._check("cuMemImportFromShareableHandle", self.lib.cuMemImportFromShareableHandle(
-            ctypes.byref(h), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        self._check("cuMemImportFromShareableHandle (is the descriptor a chunk exported with the POSIX-fd handle "
+                    "type?)", self.lib.cuMemImportFromShareableHandle(
+                        ctypes.byref(h), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         return h.value
 
     def reserve(self, size: int, granularity: int) -> int:
@@ -157,7 +252,7 @@ class CudaDriver:
                                                   ctypes.c_ulonglong(0)))
 
     def set_access(self, addr: int, size: int, device: int) -> None:
-        class _Desc(ctypes.Structure):  # CUmemAccessDesc
+        class _Desc(ctypes.Structure):  # CUmemAccessDesc: CUmemLocation {type, id}, flags
             _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int), ("flags", ctypes.c_int)]
 
         d = _Desc(CU_MEM_LOCATION_TYPE_DEVICE, device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
@@ -173,9 +268,99 @@ class CudaDriver:
     def free_reserved(self, addr: int, size: int) -> None:
         self._check("cuMemAddressFree", self.lib.cuMemAddressFree(ctypes.c_uint64(addr), ctypes.c_size_t(size)))
 
+    def read(self, addr: int, n: int) -> bytes:
+        buf = ctypes.create_string_buffer(n)
+        self._check("cuMemcpyDtoH", self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(addr), ctypes.c_size_t(n)))
+        return buf.raw
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(ctypes.c_uint64(addr), data, ctypes.c_size_t(len(data))))
+
+
+_ctx_lock = threading.Lock()
+_contexts: dict[int, int] = {}  # ordinal -> its primary context, retained for the daemon's life
+
+
+def cuda_device(gpu_uuid: str, lib: ctypes.CDLL | None = None) -> tuple[CudaDriver, int]:
+    """libcuda with the primary context of the GPU named by UUID current on this thread, and its ordinal.
+    FAILED_PRECONDITION, naming what is missing, where there is no driver or no device; NOT_FOUND where
+    no visible GPU has that UUID."""
+    from kvpushd_client.cuda import uuid_hex
+
+    if lib is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise FailedPrecondition(f"VMM memory (vLLM 0.34's extensible KV cache) needs the NVIDIA driver in the "
+                                     f"daemon, and libcuda.so.1 cannot be loaded here ({e}); the chunks' "
+                                     "descriptors were closed") from None
+    if (rc := lib.cuInit(0)) != 0:
+        raise FailedPrecondition(f"VMM memory handed to a daemon where cuInit fails (CUresult {rc}: no usable "
+                                 "CUDA device or driver); the chunks' descriptors were closed")
+    drv = CudaDriver(lib)
+    n = ctypes.c_int()
+    drv._check("cuDeviceGetCount", lib.cuDeviceGetCount(ctypes.byref(n)))
+    want = uuid_hex(gpu_uuid)
+    for i in range(n.value):
+        dev, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+        drv._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), i))
+        drv._check("cuDeviceGetUuid", lib.cuDeviceGetUuid(raw, dev))
+        if bytes(raw).hex() != want:
+            continue
+        with _ctx_lock:
+            ctx = _contexts.get(i)
+            if ctx is None:
+                c = ctypes.c_void_p()
+                drv._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
+                ctx = _contexts[i] = c.value or 0
+        drv._check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)))
+        return drv, i
+    raise NotFound(f"no GPU with UUID {gpu_uuid[:128]!r} is visible to the daemon ({n.value} visible)")
+
+
+def open_vmm(spec: VmmSpec, fds: Sequence[int], lib: ctypes.CDLL | None = None) -> VmmMapping:
+    """Import, reserve, map, open to the device, check the sentinel (then put the worker's bytes back).
+    The fds are the caller's (closed by it: the imported chunks hold their own references)."""
+    check_spec(spec)
+    drv, ordinal = cuda_device(spec.gpu_uuid, lib)
+    m = VmmMapping.open(drv, ordinal, spec.granularity, spec.reserved, spec.chunks, fds)
+    m.gpu_uuid = spec.gpu_uuid
+    try:
+        if spec.sentinel:
+            probe = drv.read(m.base + spec.sentinel_offset, len(spec.sentinel))
+            if probe != spec.sentinel:
+                raise VmmImportError("VMM mapping does not hold the sentinel the worker wrote (chunks out of order, "
+                                     "or not the worker's); refusing to register it")
+            if spec.sentinel_restore:
+                drv.write(m.base + spec.sentinel_offset, spec.sentinel_restore)
+    except BaseException:
+        m.close()
+        raise
+    return m
+
 
 def close_fds(fds: Sequence[int]) -> None:
     """The imported chunks hold their own references: the received descriptors are closed at once."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def check_regions_mapped(mapped: dict[int, list[Interval]], regions: Sequence[tuple[int, int, int]]) -> None:
+    """Each region ``(memory index, offset, span)`` on VMM memory (``mapped``: its intervals by memory
+    index) lies inside one mapped run of chunks: no block it names is past what the worker handed over."""
+    for i, (mi, off, span) in enumerate(regions):
+        if mi in mapped:
+            check_within_mapped(mapped[mi], f"region {i}'s blocks", off, span)
+
+
+def check_growth(spec: VmmSpec, m: VmmMapping, gpu_uuid: str) -> list[Interval]:
+    """A growth handle for a mapped range: the same GPU, reservation and granularity, new chunks only;
+    the intervals mapped once they are."""
+    from kvpushd_client.cuda import uuid_hex
+
+    if uuid_hex(spec.gpu_uuid) != uuid_hex(gpu_uuid) or spec.granularity != m.granularity or \
+            -(-spec.reserved // m.granularity) * m.granularity != m.reserved:
+        raise VmmImportError("a growth handle must name the GPU, reservation and granularity of the memory it "
+                             f"grows ({gpu_uuid}, {m.reserved} bytes, granules of {m.granularity})")
+    return check_chunks(spec.chunks, m.granularity, m.mapped, m.reserved)

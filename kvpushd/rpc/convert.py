@@ -9,6 +9,7 @@ from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
 from ..memory import MemfdSpec, MemorySpec
 from ..memory.fdpass import TOKEN_BYTES
+from ..memory.vmm import ChunkSpec, VmmSpec
 from ..runtime.workers import RegionArg
 from ..transfer.descs import RegionSpec, RemoteAgent
 
@@ -57,7 +58,12 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
                           c.sentinel_offset, c.sentinel_restore)
     if kind == "memfd":
         return MemfdSpec(token(h.memfd.token, optional=False), h.memfd.size)
-    raise InvalidArgument("memory handle has none of shm, cuda_ipc and memfd set")
+    if kind == "vmm":
+        v = h.vmm
+        return VmmSpec(v.gpu_uuid, v.reserved, v.granularity, tuple(ChunkSpec(c.offset, c.size) for c in v.chunks),
+                       tuple(token(c.token, optional=False) for c in v.chunks), v.sentinel, v.sentinel_offset,
+                       v.sentinel_restore)
+    raise InvalidArgument("memory handle has none of shm, cuda_ipc, memfd and vmm set")
 
 
 def region(r: common_pb2.Region) -> RegionArg:

@@ -25,6 +25,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @unary
     async def Attach(self, request: worker_pb2.AttachRequest, context: Ctx) -> worker_pb2.AttachResponse:
         try:
+            if request.extends_worker_id:  # growth of a live worker's VMM memory (runtime/workers.py extend)
+                w = await self.node.workers.extend(request.extends_worker_id[:256], request.extends_worker_token,
+                                                   request.engine_id, [convert.memory(m) for m in request.memory],
+                                                   [convert.region(r) for r in request.regions])
+                return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
+                                                 peer_address=self.node.ident.peer_address, worker_token=w.token)
             w = await self.node.attach(request.engine_id, convert.role(request.role), request.tp_rank,
                                        request.tp_size, request.pp_rank,
                                        [convert.memory(m) for m in request.memory],
@@ -73,6 +79,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 def handed_tokens(request: worker_pb2.AttachRequest) -> list[bytes]:
     """The tokens under which an Attach says its descriptors were sent to the fd socket."""
     tokens = [m.memfd.token for m in request.memory if m.WhichOneof("kind") == "memfd"]
+    tokens += [c.token for m in request.memory if m.WhichOneof("kind") == "vmm" for c in m.vmm.chunks]
     return [*tokens, request.doorbell_token] if request.doorbell_token else tokens
 
 

@@ -264,7 +264,7 @@ def test_inbox_bounds_each_sending_process_and_not_senders_it_cannot_name(
     try:
         inbox.drain()
         assert inbox.parked == 2 and inbox.dropped == 1  # this process's oldest went
-        assert {pid for _fd, _t, pid in inbox._parked.values()} == {os.getpid()}
+        assert {pid for _fd, _t, pid, _kind in inbox._parked.values()} == {os.getpid()}
         for i in range(4):  # as if from other pid namespaces
             inbox._park(bytes([i]) * 16, os.dup(fd), 0)
         assert inbox.parked == 6 and inbox.dropped == 1

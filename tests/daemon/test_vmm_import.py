@@ -100,9 +100,9 @@ def test_chunks_exported_sent_and_mapped_in_order() -> None:
     assert [int.from_bytes(os.pread(fd, 8, 0), "little") - 0x1000_0000 for fd in fds] == [s.offset for s in specs]
     d = FakeDaemonDriver()
     m = VmmMapping.open(d, device=3, granularity=G, reserved=8 * G, chunks=specs[:2], fds=fds[:2])
-    assert m.mapped == 3 * G
+    assert m.mapped == [(0, 3 * G)] and m.mapped_bytes == 3 * G
     m.extend(specs[2:], fds[2:])  # growth: one more chunk into the same reservation
-    assert m.mapped == 4 * G
+    assert m.mapped == [(0, 4 * G)] and m.pieces() == [(0x7F0000000000, 4 * G, 3)]
     for fd in fds:
         os.close(fd)
     assert [c for c in d.calls if c[0] in ("map", "access")] == [
@@ -111,7 +111,7 @@ def test_chunks_exported_sent_and_mapped_in_order() -> None:
     m.close()
     assert d.calls[-7:] == [("unmap", 3 * G, G), ("release", 103), ("unmap", G, 2 * G), ("release", 102),
                             ("unmap", 0, G), ("release", 101), ("free", 8 * G)]  # in reverse, then the range
-    assert m.mapped == 0
+    assert m.mapped == [] and m.addr == 0
 
 
 def test_a_range_that_is_not_whole_chunks_is_refused_and_its_fds_closed() -> None:
@@ -126,20 +126,35 @@ def test_a_range_that_is_not_whole_chunks_is_refused_and_its_fds_closed() -> Non
 
 
 @pytest.mark.parametrize(("chunks", "mapped", "match"), [
-    ([ChunkSpec(G, G)], 0, "starts at offset"),
-    ([ChunkSpec(0, G + 4096)], 0, "not whole granules"),
-    ([ChunkSpec(0, G), ChunkSpec(2 * G, G)], 0, "expected"),
-    ([ChunkSpec(2 * G, 8 * G)], 2 * G, "past the reservation"),
+    ([ChunkSpec(0, G + 4096)], [], "not whole granules"),
+    ([ChunkSpec(4096, G)], [], "not whole granules"),
+    ([ChunkSpec(2 * G, G), ChunkSpec(0, G)], [], "sorted by offset"),
+    ([ChunkSpec(0, 2 * G), ChunkSpec(G, G)], [], "sorted by offset"),
+    ([ChunkSpec(G, G)], [(0, 2 * G)], "overlaps memory already mapped"),
+    ([ChunkSpec(2 * G, 8 * G)], [(0, 2 * G)], "past the reservation"),
 ])
-def test_chunk_plans_refused(chunks: list[ChunkSpec], mapped: int, match: str) -> None:
+def test_chunk_plans_refused(chunks: list[ChunkSpec], mapped: list[tuple[int, int]], match: str) -> None:
     with pytest.raises(VmmImportError, match=match):
         check_chunks(chunks, G, mapped, 8 * G)
+
+
+def test_segments_with_holes_map_and_merge() -> None:
+    """vLLM keeps one segment per layer in the range and commits a prefix of each: holes between."""
+    assert check_chunks([ChunkSpec(0, G), ChunkSpec(4 * G, G)], G, [], 8 * G) == [(0, G), (4 * G, 5 * G)]
+    assert check_chunks([ChunkSpec(G, G), ChunkSpec(5 * G, G)], G, [(0, G), (4 * G, 5 * G)], 8 * G) == [
+        (0, 2 * G), (4 * G, 6 * G)]  # growth of both segments: each run stays one registration
 
 
 def test_a_block_past_the_mapped_range_is_refused() -> None:
     check_within_mapped(4 * G, "block 7 of region 0", 3 * G, G)
     with pytest.raises(VmmImportError, match=r"past the mapped .* refused, nothing written"):
         check_within_mapped(4 * G, "block 8 of region 0", 4 * G, G)
+    runs = [(0, G), (4 * G, 5 * G)]
+    check_within_mapped(runs, "region 1", 4 * G, G)
+    with pytest.raises(VmmImportError, match=r"region 1 .* past the mapped bytes .*0..2097152, 8388608..10485760"):
+        check_within_mapped(runs, "region 1", 4 * G, G + 1)
+    with pytest.raises(VmmImportError, match="past the mapped"):  # across a hole, even with both ends mapped
+        check_within_mapped([(0, G), (2 * G, 3 * G)], "region 0", 0, 3 * G)
 
 
 def test_a_failed_map_releases_what_was_imported() -> None:
