@@ -18,6 +18,7 @@ from .types import (
     TransferFigures,
     TransferMode,
 )
+from .vmm import VmmMemory
 
 
 def transfer_mode(mode: str) -> common_pb2.TransferMode.ValueType:
@@ -34,13 +35,25 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
+def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory | VmmMemory],
                    regions: Sequence[Region], pp_rank: int, description: str,
-                   tokens: Mapping[int, bytes] | None = None) -> worker_pb2.AttachRequest:
-    """``tokens``: what each MemfdMemory's descriptor was sent under (shm.hand_over), by index."""
+                   tokens: Mapping[int, bytes] | None = None,
+                   chunk_tokens: Mapping[int, Sequence[bytes]] | None = None) -> worker_pb2.AttachRequest:
+    """``tokens``: what each MemfdMemory's descriptor was sent under (shm.hand_over), by index;
+    ``chunk_tokens``: each VmmMemory's chunks' (vmm.hand_over_chunks)."""
     mem = []
     for i, m in enumerate(memory):
-        if isinstance(m, MemfdMemory):
+        if isinstance(m, VmmMemory):
+            got = (chunk_tokens or {}).get(i)
+            if got is None or len(got) != len(m.chunks):
+                raise ValueError(f"memory {i} is VMM memory whose chunks were not handed over (vmm.hand_over_chunks)")
+            sentinel, sentinel_offset, restore = m.arm_sentinel() if m.arm_sentinel is not None else (b"", 0, b"")
+            mem.append(common_pb2.MemoryHandle(vmm=common_pb2.VmmHandle(
+                gpu_uuid=m.gpu_uuid, reserved=m.reserved, granularity=m.granularity,
+                chunks=[common_pb2.VmmChunk(token=t, offset=c.offset, size=c.size) for t, c in zip(got, m.chunks,
+                                                                                                strict=True)],
+                sentinel=sentinel, sentinel_offset=sentinel_offset, sentinel_restore=restore)))
+        elif isinstance(m, MemfdMemory):
             if tokens is None or i not in tokens:
                 raise ValueError(f"memory {i} is a memfd that was not handed over (shm.hand_over)")
             mem.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[i], size=m.size)))
@@ -55,7 +68,7 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
                 event_handle=m.event_handle, event_sync_required=m.event_sync_required,
                 sentinel=sentinel, sentinel_offset=sentinel_offset, sentinel_restore=restore)))
         else:
-            raise TypeError(f"memory must be ShmMemory, MemfdMemory or CudaMemory, got {type(m).__name__}")
+            raise TypeError(f"memory must be ShmMemory, MemfdMemory, CudaMemory or VmmMemory, got {type(m).__name__}")
     regs = [common_pb2.Region(memory_index=r.memory_index, offset=r.offset, num_blocks=r.num_blocks,
                               block_len=r.block_len, block_stride=r.block_stride or r.block_len,
                               block_size_tokens=r.block_size_tokens,

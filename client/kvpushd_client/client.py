@@ -27,6 +27,7 @@ from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .shm import hand_over
 from .stream import StreamWorker
 from .types import CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
+from .vmm import VmmMemory, hand_over_chunks
 
 T = TypeVar("T")
 
@@ -51,7 +52,7 @@ class KVPushClient:
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
 
-    def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
+    def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory | VmmMemory],
                regions: Sequence[Region], pp_rank: int = 0, description: str = "",
                doorbell: Doorbell | bool = False, doorbell_fd: int | None = None) -> StreamWorker:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
@@ -63,7 +64,7 @@ class KVPushClient:
         gpu_doorbell.make_doorbell); a receiver reads its finished receives there first (the
         completion ring, emptied here for the new attachment). ``doorbell_fd``: a descriptor of that
         page to hand over instead of ``doorbell.fd`` (ReconnectingStreamWorker's own copy)."""
-        gpu = any(isinstance(m, CudaMemory) for m in memory)
+        gpu = any(isinstance(m, CudaMemory | VmmMemory) for m in memory)
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
         ring: RingReader | None = None
         try:
@@ -73,9 +74,10 @@ class KVPushClient:
             if bell is not None:
                 bell_fd = bell.fd if doorbell_fd is None else doorbell_fd
                 pages.append(MemfdMemory(bell_fd, BELL_SIZE))
-            tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)
+            tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)  # type: ignore[list-item]
+            chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
             req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
-                                          tokens)
+                                          tokens, chunk_tokens)
             if bell is not None:
                 req.doorbell_token = tokens[len(memory)]
                 if role.can_receive:
@@ -92,6 +94,22 @@ class KVPushClient:
             raise
         return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True, ring,
                             resp.worker_token)
+
+    def extend(self, worker: StreamWorker, engine_id: str, role: Role, tp_rank: int, tp_size: int,
+               memory: Sequence[VmmMemory], regions: Sequence[Region], pp_rank: int = 0) -> None:
+        """Growth: hand a live worker's new VMM chunks to the daemon (an Attach naming the worker by
+        ``extends_worker_id`` and its token): ``memory`` holds, per memory of the worker, only the chunks
+        that are new (none where it did not grow); ``regions`` are the worker's regions with their new
+        ``num_blocks``. Today's daemon checks the growth and refuses it (FAILED_PRECONDITION: the NIXL
+        side of growth is not built); detach and attach with every chunk instead."""
+        try:
+            chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
+            req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, "",
+                                          {}, chunk_tokens)
+            req.extends_worker_id, req.extends_worker_token = worker.worker_id, worker.token
+            self.stub.Attach(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
 
     def close(self) -> None:
         self.channel.close()

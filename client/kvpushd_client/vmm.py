@@ -6,17 +6,26 @@ its chunks with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, so each chunk can 
 chunks at the same offsets in one range of its own. This module finds the chunks behind a device range
 and exports them: ctypes on libcuda, no new dependency.
 
-Status (2026-12-05): written and tested on CPU against a stand-in driver (the chunk walk, the plan);
-not run on a GPU. ``scripts/gpu_check.sh run`` is where the driver calls get checked.
+The chunks' fds go to the daemon's fd socket (``hand_over_chunks``: one datagram per chunk, the tag
+byte ``V``, a 16-byte token, the fd) and the Attach names them in a ``VmmHandle`` (``VmmMemory``; an
+Attach with ``extends_worker_id`` adds chunks to a live worker: ``KVPushClient.extend``).
+
+Status (2026-12-05): written and tested on CPU against a stand-in driver (the chunk walk, the plan) and
+with real daemons (the fd protocol; tests/daemon/test_vmm_attach.py); not run on a GPU.
+``scripts/gpu_check.sh run`` (tests/daemon/test_vmm_gpu.py) is where the driver calls get checked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
-from dataclasses import dataclass
-from typing import Protocol
+import secrets
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
@@ -49,6 +58,82 @@ class VmmExport:
         for c in self.chunks:
             with contextlib.suppress(OSError):
                 os.close(c.fd)
+
+
+@dataclass(frozen=True)
+class VmmMemory:
+    """One worker range of CUDA virtual memory for an Attach (``VmmHandle``): the chunks mapped in it so far,
+    each with its exported fd (kept open by the caller for as long as it may attach; ``close()``).
+    ``arm_sentinel``, where given, writes a fresh sentinel for every attach request and returns
+    (sentinel, its offset in the range, the bytes that were there)."""
+
+    gpu_uuid: str
+    reserved: int
+    granularity: int
+    chunks: tuple[VmmChunk, ...]
+    arm_sentinel: Callable[[], tuple[bytes, int, bytes]] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+    def close(self) -> None:
+        VmmExport(0, 0, "", self.chunks).close()
+
+
+VMM_TAG = b"V"  # the fd socket's kind tag of a chunk (kvpushd/memory/fdpass.py)
+TOKEN_BYTES = 16
+
+
+def hand_over_chunks(socket_path: str, memory: Sequence[Any], timeout_s: float = 10.0) -> dict[int, list[bytes]]:
+    """Send every chunk fd of each VmmMemory in ``memory`` to the daemon's fd socket (the worker socket's
+    path plus ".fd"), tagged as a VMM chunk, each under a fresh token; returns the tokens by memory index,
+    in chunk order, for the Attach that follows."""
+    from .errors import DaemonUnavailable, InvalidArgument
+
+    out: dict[int, list[bytes]] = {}
+    targets = [(i, m) for i, m in enumerate(memory) if isinstance(m, VmmMemory)]
+    if not any(m.chunks for _i, m in targets):
+        return {i: [] for i, _m in targets}
+    path = f"{socket_path}.fd"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(path)
+        except OSError as e:
+            raise DaemonUnavailable("UNAVAILABLE", f"cannot reach the daemon's fd socket {path}: "
+                                                   f"{e.strerror or e}") from None
+        for i, m in targets:
+            out[i] = []
+            for j, c in enumerate(m.chunks):
+                token = secrets.token_bytes(TOKEN_BYTES)
+                try:
+                    socket.send_fds(s, [VMM_TAG + token], [c.fd])
+                except OSError as e:
+                    if e.errno == errno.EBADF:
+                        raise InvalidArgument("INVALID_ARGUMENT", f"memory {i} chunk {j}: descriptor {c.fd} is not "
+                                              "open (its VmmMemory closed?)") from None
+                    raise DaemonUnavailable("UNAVAILABLE", f"cannot hand memory {i} chunk {j} to the daemon's fd "
+                                            f"socket {path}: {e.strerror or e}") from None
+                out[i].append(token)
+    return out
+
+
+def export_segments(driver: Driver, base: int, reserved: int, segments: Sequence[tuple[int, int]],
+                    device: int) -> VmmMemory:
+    """The chunks mapped in each ``(offset, size)`` of the range at ``base`` (vLLM: one segment per
+    layer, a committed prefix of each), exported; offsets are in the range."""
+    chunks: list[VmmChunk] = []
+    granularity, uuid = driver.granularity(device), driver.device_uuid(device)
+    try:
+        for off, size in segments:
+            if size:
+                exp = export_range(driver, base + off, size, device)
+                chunks += [VmmChunk(off + c.offset, c.size, c.fd) for c in exp.chunks]
+    except BaseException:
+        VmmExport(0, 0, "", tuple(chunks)).close()
+        raise
+    return VmmMemory(uuid, reserved, granularity, tuple(chunks))
 
 
 class Driver(Protocol):
@@ -133,3 +218,27 @@ class CudaDriver:
         self._check("cuDeviceGetUuid", self.lib.cuDeviceGetUuid(raw, dev))
         h = bytes(raw).hex()
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+    def read(self, addr: int, n: int) -> bytes:
+        buf = ctypes.create_string_buffer(n)
+        self._check("cuMemcpyDtoH", self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(addr), ctypes.c_size_t(n)))
+        return buf.raw
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(ctypes.c_uint64(addr), data, ctypes.c_size_t(len(data))))
+
+
+def sentinel_arm(driver: CudaDriver, base: int, offset: int = 0, n: int = 16) -> Callable[[], tuple[bytes, int, bytes]]:
+    """``VmmMemory.arm_sentinel`` for the range at ``base``: writes ``n`` random bytes at ``offset`` (a mapped
+    byte) and returns them with the bytes that were there, which the daemon writes back after its check.
+    Synchronous copies: the bytes are on the GPU before the Attach leaves."""
+
+    def arm() -> tuple[bytes, int, bytes]:
+        old = driver.read(base + offset, n)
+        s = secrets.token_bytes(n)
+        while s == old:
+            s = secrets.token_bytes(n)
+        driver.write(base + offset, s)
+        return s, offset, old
+
+    return arm
