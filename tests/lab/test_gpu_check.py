@@ -79,6 +79,8 @@ def test_run_half_skips_gpu_parts_without_a_gpu(tmp_path: Path) -> None:
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line["gpu"] is False and line["ok"] and "skipped" in line
     assert line["gpu_tests_collect_rc"] == 0  # the GPU tests import and collect here
+    collected = (tmp_path / "out" / "pytest.log").read_text()
+    assert "test_vmm_gpu.py::test_vmm_chunks_by_fd_push_growth_and_restore" in collected  # the VMM path too
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) <= 8 and "gpu-check.json" in files
     assert json.loads((tmp_path / "out" / "gpu-check.json").read_text()) == line
