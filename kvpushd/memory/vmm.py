@@ -346,15 +346,17 @@ def close_fds(fds: Sequence[int]) -> None:
             os.close(fd)
 
 
-def check_regions_mapped(mapped: dict[int, list[Interval]], regions: Sequence[tuple[int, int, int]]) -> None:
+def check_regions_mapped(mapped: dict[int, list[Interval]], regions: Sequence[tuple[int, int, int]],
+                         first: int = 0) -> None:
     """Each region ``(memory index, offset, span)`` on VMM memory (``mapped``: its intervals by memory
-    index) lies inside one mapped run of chunks: no block it names is past what the worker handed over."""
-    for i, (mi, off, span) in enumerate(regions):
+    index) lies inside one mapped run of chunks: no block it names is past what the worker handed over.
+    ``first``: the index of the first region, for the message."""
+    for i, (mi, off, span) in enumerate(regions, first):
         if mi in mapped:
             check_within_mapped(mapped[mi], f"region {i}'s blocks", off, span)
 
 
-def check_growth(spec: VmmSpec, m: VmmMapping, gpu_uuid: str) -> list[Interval]:
+def check_chunk_growth(spec: VmmSpec, m: VmmMapping, gpu_uuid: str) -> list[Interval]:
     """A growth handle for a mapped range: the same GPU, reservation and granularity, new chunks only;
     the intervals mapped once they are."""
     from kvpushd_client.cuda import uuid_hex
@@ -364,3 +366,52 @@ def check_growth(spec: VmmSpec, m: VmmMapping, gpu_uuid: str) -> list[Interval]:
         raise VmmImportError("a growth handle must name the GPU, reservation and granularity of the memory it "
                              f"grows ({gpu_uuid}, {m.reserved} bytes, granules of {m.granularity})")
     return check_chunks(spec.chunks, m.granularity, m.mapped, m.reserved)
+
+
+def check_described(memory: Sequence[object], regions: Sequence[tuple[int, int, int]]) -> None:
+    """At Attach, before any fd is taken: each VmmSpec in ``memory`` (check_spec), and each region
+    ``(memory index, offset, span)`` against the chunks its memory describes."""
+    check_regions_mapped({i: check_spec(m) for i, m in enumerate(memory) if isinstance(m, VmmSpec)}, regions)
+
+
+def check_growth(worker_id: str, engine_id: str, named_engine: str, mappings: Sequence[object], old: Sequence[object],
+                 memory: Sequence[object], regions: Sequence[tuple[int, int, int, int, int, int]]) -> None:
+    """A growth Attach (AttachRequest.extends_worker_id) for a worker of ``engine_id`` holding ``mappings``
+    with regions ``old`` (transfer.descs.RegionSpec), checked whole: ``memory`` one VmmSpec per mapping (the
+    same GPU, reservation and granularity; new chunks beside the mapped ones), ``regions`` the worker's
+    again as (memory index, offset, block_len, block_stride, num_blocks, span), the same but for num_blocks,
+    which may only grow, every block inside the grown mapping. Then refused, FAILED_PRECONDITION: mapping
+    the chunks is written (VmmMapping.extend), registering memory for an agent the NIXL thread already
+    holds (and telling peers the larger regions) is not; detach and attach with every chunk instead."""
+    from ..core.errors import FailedPrecondition
+
+    if named_engine and named_engine != engine_id:
+        raise VmmImportError(f"worker {worker_id} is engine {engine_id!r}'s, not {named_engine[:128]!r}")
+    if not all(isinstance(m, VmmMapping) for m in mappings):
+        raise FailedPrecondition(f"worker {worker_id}'s memory is not CUDA virtual memory (VmmHandle): only that "
+                                 "grows; attach again with the larger memory")
+    if len(memory) != len(mappings) or len(regions) != len(old):
+        raise VmmImportError(f"a growth names the worker's {len(mappings)} memories and {len(old)} regions again, "
+                             f"got {len(memory)} and {len(regions)}")
+    grown: dict[int, list[Interval]] = {}
+    for i, (spec, m) in enumerate(zip(memory, mappings, strict=True)):
+        if not isinstance(spec, VmmSpec) or not isinstance(m, VmmMapping):
+            raise VmmImportError(f"memory {i}: a growth names VMM handles only")
+        grown[i] = check_chunk_growth(spec, m, m.gpu_uuid)
+    for i, ((mi, off, block_len, stride, num_blocks, _span), was) in enumerate(zip(regions, old, strict=True)):
+        same = 0 <= mi < len(mappings) and (mappings[mi].addr + off, block_len, stride) == (  # type: ignore[attr-defined]
+            was.addr, was.block_len, was.block_stride)  # type: ignore[attr-defined]
+        if not same or num_blocks < was.num_blocks:  # type: ignore[attr-defined]
+            raise VmmImportError(f"region {i}: a growth keeps each region's memory, offset, block_len and "
+                                 "block_stride, and its num_blocks may only grow")
+    check_regions_mapped(grown, [(mi, off, span) for mi, off, _bl, _st, _nb, span in regions])
+    raise FailedPrecondition(f"worker {worker_id}: growing memory the NIXL thread has registered is not built yet "
+                             "(the chunks check out); detach and attach again with every chunk")
+
+
+def registrations(m: object) -> list[tuple[int, int, int]]:
+    """(address, size, device) NIXL registers for a mapping: each run of mapped chunks of VMM memory,
+    the whole mapping otherwise."""
+    if isinstance(m, VmmMapping):
+        return m.pieces()
+    return [(m.addr, m.size, m.device_id)]  # type: ignore[attr-defined]

@@ -35,14 +35,7 @@ from ..memory import Mapping, MemfdSpec, MemorySpec, open_all
 from ..memory.doorbell import Doorbell, fd_label
 from ..memory.fdpass import MAX_MEMORY_HANDLES, VMM, FdInbox, fd_socket_path
 from ..memory.shm import ShmMapping
-from ..memory.vmm import (
-    VmmMapping,
-    VmmSpec,
-    check_growth,
-    check_regions_mapped,
-    check_spec,
-    check_within_mapped,
-)
+from ..memory.vmm import VmmMapping, VmmSpec, check_described, check_growth, check_regions_mapped, registrations
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
 from .identity import Identity, agent_prefix
@@ -135,9 +128,7 @@ class Workers:
                                 doorbell: str, doorbell_token: bytes) -> Worker:
         check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
         check_geometry([r.layout for r in regions])
-        # VMM memory: the handles and the regions against the chunks they describe, before any fd is taken
-        check_regions_mapped({i: check_spec(m) for i, m in enumerate(memory) if isinstance(m, VmmSpec)},
-                             [(r.memory_index, r.offset, r.layout.span()) for r in regions])
+        check_described(memory, [(r.memory_index, r.offset, r.layout.span()) for r in regions])  # VMM handles
         rank = ("rank", engine_id, tp_rank, pp_rank)
         for w in self.by_id.values():
             # A worker that is gone (its detach waits for WRITEs from its memory to settle) does
@@ -182,7 +173,7 @@ class Workers:
                         f"region {i} does not fit its memory: offset {r.offset} + span "
                         f"{r.layout.span()} > size {m.size}")
                 if isinstance(m, VmmMapping):
-                    check_within_mapped(m.mapped, f"region {i}'s blocks", r.offset, r.layout.span())
+                    check_regions_mapped({0: m.mapped}, [(0, r.offset, r.layout.span())], i)
                 specs.append(RegionSpec(m.addr + r.offset, r.layout.num_blocks, r.layout.block_len,
                                         r.layout.block_stride, m.device_id, r.layout.block_tokens,
                                         r.layout.num_heads, r.layout.kv_layout, r.layout.replicated))
@@ -194,9 +185,7 @@ class Workers:
                        min(r.layout.num_blocks for r in regions), bell=bell)
             assert self.xfer is not None
             w.metadata = await self.xfer.attach(wid, agent, mem_type,
-                                                [p for m in mappings for p in (
-                                                    m.pieces() if isinstance(m, VmmMapping)
-                                                    else [(m.addr, m.size, m.device_id)])],
+                                                [p for m in mappings for p in registrations(m)],
                                                 specs, role.can_receive, bell)
         except BaseException:
             for m in mappings:
@@ -217,36 +206,13 @@ class Workers:
 
     async def extend(self, worker_id: str, token: bytes, engine_id: str, memory: Sequence[MemorySpec],
                      regions: Sequence[RegionArg]) -> Worker:
-        """Growth of a live worker's VMM memory (AttachRequest.extends_worker_id), checked whole: the
-        worker's own (its token), VMM memory, per memory the same GPU, reservation and granularity and new
-        chunks beside the mapped ones, the regions the same but for more blocks, all inside the grown
-        mapping. Mapping the chunks is written (VmmMapping.extend); registering memory for an agent the
-        NIXL thread already holds is not, so a valid growth is refused (FAILED_PRECONDITION) for now,
-        naming the way that works: detach and attach again with every chunk (restore_kv_caches does)."""
+        """Growth of a live worker's VMM memory (AttachRequest.extends_worker_id): checked whole, then
+        refused for now (memory/vmm.py check_growth: the NIXL side of growth is not built)."""
         w = self.owned(worker_id, token)
-        if engine_id and engine_id != w.engine_id:
-            raise InvalidArgument(f"worker {worker_id} is engine {w.engine_id!r}'s, not {engine_id[:128]!r}")
-        if not all(isinstance(m, VmmMapping) for m in w.mappings):
-            raise FailedPrecondition(f"worker {worker_id}'s memory is not CUDA virtual memory (VmmHandle): only that "
-                                     "grows; attach again with the larger memory")
-        if len(memory) != len(w.mappings) or len(regions) != len(w.regions):
-            raise InvalidArgument(f"a growth names the worker's {len(w.mappings)} memories and {len(w.regions)} "
-                                  f"regions again, got {len(memory)} and {len(regions)}")
-        grown: dict[int, list[tuple[int, int]]] = {}
-        for i, (spec, m) in enumerate(zip(memory, w.mappings, strict=True)):
-            if not isinstance(spec, VmmSpec) or not isinstance(m, VmmMapping):
-                raise InvalidArgument(f"memory {i}: a growth names VMM handles only")
-            grown[i] = check_growth(spec, m, m.gpu_uuid)
-        for i, (r, old) in enumerate(zip(regions, w.regions, strict=True)):
-            lay = r.layout
-            if not 0 <= r.memory_index < len(w.mappings) or (
-                    w.mappings[r.memory_index].addr + r.offset, lay.block_len, lay.block_stride) != (
-                    old.addr, old.block_len, old.block_stride) or lay.num_blocks < old.num_blocks:
-                raise InvalidArgument(f"region {i}: a growth keeps each region's memory, offset, block_len and "
-                                      "block_stride, and its num_blocks may only grow")
-        check_regions_mapped(grown, [(r.memory_index, r.offset, r.layout.span()) for r in regions])
-        raise FailedPrecondition(f"worker {worker_id}: growing memory the NIXL thread has registered is not built "
-                                 "yet (the chunks check out); detach and attach again with every chunk")
+        check_growth(w.worker_id, w.engine_id, engine_id, w.mappings, w.regions, memory,
+                     [(r.memory_index, r.offset, r.layout.block_len, r.layout.block_stride, r.layout.num_blocks,
+                       r.layout.span()) for r in regions])
+        return w
 
     def _open_bell(self, name: str, token: bytes, ring: bool) -> Doorbell | None:
         """The worker's doorbell page, by descriptor from the fd socket; by /dev/shm name it is refused."""
