@@ -11,7 +11,7 @@ commits a prefix of each, so the mapped part may have holes: a region (and so ev
 must lie in mapped chunks, anything past them is refused, never written. Growth maps more chunks into
 the same reservation.
 
-Status (2026-12-05): the plan, the refusals and the fd protocol run on CPU (stand-in driver in
+Status (2026-12-05): the plan, the refusals and the fd protocol run on CPU (stand-in driver and libcuda in
 tests/daemon/test_vmm_import.py; real daemons without CUDA in tests/daemon/test_vmm_attach.py); the
 driver calls wait for a GPU (``scripts/gpu_check.sh run``, tests/daemon/test_vmm_gpu.py).
 """
@@ -224,6 +224,11 @@ class CudaDriver:
 
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        self.ctx = 0  # made current again before the calls of a close, which may run on another thread
+
+    def _current(self) -> None:
+        if self.ctx:
+            self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(ctypes.c_void_p(self.ctx)))
 
     def _check(self, what: str, rc: int) -> None:
         if rc != 0:
@@ -260,6 +265,7 @@ class CudaDriver:
                                                               ctypes.byref(d), ctypes.c_size_t(1)))
 
     def unmap(self, addr: int, size: int) -> None:
+        self._current()
         self._check("cuMemUnmap", self.lib.cuMemUnmap(ctypes.c_uint64(addr), ctypes.c_size_t(size)))
 
     def release(self, handle: int) -> None:
@@ -313,7 +319,8 @@ def cuda_device(gpu_uuid: str, lib: ctypes.CDLL | None = None) -> tuple[CudaDriv
                 c = ctypes.c_void_p()
                 drv._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
                 ctx = _contexts[i] = c.value or 0
-        drv._check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)))
+        drv.ctx = ctx
+        drv._current()
         return drv, i
     raise NotFound(f"no GPU with UUID {gpu_uuid[:128]!r} is visible to the daemon ({n.value} visible)")
 

@@ -79,7 +79,7 @@ class Worker:
 
     @property
     def registered_bytes(self) -> int:
-        return sum(m.size for m in self.mappings)
+        return sum(getattr(m, "mapped_bytes", m.size) for m in self.mappings)  # VMM: its chunks, not the range
 
     @property
     def block_bytes(self) -> int:

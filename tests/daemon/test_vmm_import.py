@@ -4,6 +4,7 @@ stand-in drivers that keep the calls; the driver calls themselves run in ``scrip
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 from typing import Any
@@ -11,7 +12,17 @@ from typing import Any
 import pytest
 from kvpushd_client.vmm import VmmError, export_range
 
-from kvpushd.memory.vmm import ChunkSpec, VmmImportError, VmmMapping, check_chunks, check_within_mapped
+from kvpushd.memory.vmm import (
+    ChunkSpec,
+    VmmImportError,
+    VmmMapping,
+    VmmSpec,
+    check_chunks,
+    check_growth,
+    check_within_mapped,
+    close_fds,
+    open_vmm,
+)
 
 G = 2 << 20  # a 2 MiB granule
 
@@ -173,3 +184,173 @@ def test_a_failed_map_releases_what_was_imported() -> None:
         for fd in fds:
             os.close(fd)
     assert ("release", 102) in d.calls and ("release", 101) in d.calls and d.calls[-1] == ("free", 4 * G)
+
+
+class FakeLib:
+    """A stand-in libcuda for ``open_vmm``: one device with UUID bytes 0x11..., memory as a bytearray per
+    mapped chunk; the fds it imports are memfds whose first bytes stand for the chunk's contents."""
+
+    UUID = "GPU-11111111-1111-1111-1111-111111111111"
+
+    def __init__(self, init_rc: int = 0) -> None:
+        self.init_rc = init_rc
+        self.mem: dict[int, bytearray] = {}  # address -> chunk bytes
+        self.calls: list[str] = []
+        self.next = 0
+
+    @staticmethod
+    def _set(ref: Any, v: int) -> int:
+        ref._obj.value = v
+        return 0
+
+    def cuInit(self, flags: int) -> int:
+        return self.init_rc
+
+    def cuGetErrorName(self, rc: int, ref: Any) -> int:
+        return 0
+
+    def cuDeviceGetCount(self, ref: Any) -> int:
+        return self._set(ref, 1)
+
+    def cuDeviceGet(self, ref: Any, i: int) -> int:
+        return self._set(ref, i)
+
+    def cuDeviceGetUuid(self, raw: Any, dev: Any) -> int:
+        ctypes.memmove(raw, b"\x11" * 16, 16)
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ref: Any, dev: Any) -> int:
+        return self._set(ref, 0xC7)
+
+    def cuCtxSetCurrent(self, ctx: Any) -> int:
+        self.calls.append("current")
+        return 0
+
+    def cuMemImportFromShareableHandle(self, ref: Any, fd: Any, kind: int) -> int:
+        self.calls.append("import")
+        self.next += 1
+        return self._set(ref, fd.value)  # the handle is the fd: map reads the chunk from it
+
+    def cuMemAddressReserve(self, ref: Any, size: Any, align: Any, addr: Any, flags: Any) -> int:
+        return self._set(ref, 0x7F0000000000)
+
+    def cuMemMap(self, addr: Any, size: Any, off: Any, handle: Any, flags: Any) -> int:
+        self.calls.append("map")
+        self.mem[addr.value] = bytearray(os.pread(handle.value, size.value, 0).ljust(size.value, b"\0"))
+        return 0
+
+    def cuMemSetAccess(self, addr: Any, size: Any, desc: Any, n: Any) -> int:
+        self.calls.append("access")
+        return 0
+
+    def _at(self, addr: int) -> tuple[bytearray, int]:
+        for a, b in self.mem.items():
+            if a <= addr < a + len(b):
+                return b, addr - a
+        raise AssertionError(f"nothing mapped at {addr:#x}")
+
+    def cuMemcpyDtoH_v2(self, buf: Any, addr: Any, n: Any) -> int:
+        b, off = self._at(addr.value)
+        ctypes.memmove(buf, bytes(b[off:off + n.value]), n.value)
+        return 0
+
+    def cuMemcpyHtoD_v2(self, addr: Any, data: bytes, n: Any) -> int:
+        b, off = self._at(addr.value)
+        b[off:off + n.value] = data
+        return 0
+
+    def cuMemUnmap(self, addr: Any, size: Any) -> int:
+        self.calls.append("unmap")
+        del self.mem[addr.value]
+        return 0
+
+    def cuMemRelease(self, h: Any) -> int:
+        self.calls.append("release")
+        return 0
+
+    def cuMemAddressFree(self, addr: Any, size: Any) -> int:
+        self.calls.append("free")
+        return 0
+
+
+def _chunk_fds(contents: list[bytes]) -> list[int]:
+    fds = []
+    for c in contents:
+        fd = os.memfd_create("chunk")
+        os.write(fd, c)
+        fds.append(fd)
+    return fds
+
+
+def _spec(sentinel: bytes = b"", restore: bytes = b"", uuid: str = FakeLib.UUID, offset: int = 8) -> VmmSpec:
+    return VmmSpec(uuid, 4 * G, G, (ChunkSpec(0, G), ChunkSpec(2 * G, G)), (b"a" * 16, b"b" * 16), sentinel, offset,
+                   restore)
+
+
+def test_open_vmm_checks_the_sentinel_and_puts_the_bytes_back() -> None:
+    lib = FakeLib()
+    fds = _chunk_fds([b"\0" * 8 + b"SENTINEL" + b"tail", b"second"])
+    try:
+        m = open_vmm(_spec(b"SENTINEL", b"original"), fds, lib)  # type: ignore[arg-type]
+        assert m.pieces() == [(0x7F0000000000, G, 0), (0x7F0000000000 + 2 * G, G, 0)] and m.mapped_bytes == 2 * G
+        assert bytes(lib.mem[0x7F0000000000][:20]) == b"\0" * 8 + b"originaltail"  # the worker's bytes, back
+        m.close()
+        assert lib.calls[-7:] == ["current", "unmap", "release", "current", "unmap", "release", "free"]
+        assert not lib.mem
+    finally:
+        close_fds(fds)
+
+
+def test_open_vmm_refuses_a_wrong_sentinel_writes_nothing_and_unmaps() -> None:
+    lib = FakeLib()
+    fds = _chunk_fds([b"\0" * 8 + b"SOMETHING ELSE", b""])
+    try:
+        with pytest.raises(VmmImportError, match="does not hold the sentinel"):
+            open_vmm(_spec(b"SENTINEL", b"original"), fds, lib)  # type: ignore[arg-type]
+        assert not lib.mem and lib.calls.count("unmap") == 2 and lib.calls[-1] == "free"
+    finally:
+        close_fds(fds)
+
+
+def test_open_vmm_without_a_usable_driver_or_gpu() -> None:
+    from kvpushd.core.errors import FailedPrecondition, NotFound
+
+    with pytest.raises(FailedPrecondition, match="cuInit fails"):
+        open_vmm(_spec(), [], FakeLib(init_rc=100))  # type: ignore[arg-type]
+    with pytest.raises(NotFound, match="no GPU with UUID"):
+        open_vmm(_spec(uuid="GPU-22222222-2222-2222-2222-222222222222"), [], FakeLib())  # type: ignore[arg-type]
+
+
+def test_a_growth_is_checked_whole_then_refused() -> None:
+    from kvpushd.core.errors import FailedPrecondition
+    from kvpushd.transfer.descs import RegionSpec
+
+    d = FakeDaemonDriver()
+    fds = [os.memfd_create("c")]
+    try:
+        m = VmmMapping.open(d, 0, G, 4 * G, [ChunkSpec(0, G)], fds)
+    finally:
+        close_fds(fds)
+    m.gpu_uuid = FakeLib.UUID
+    base = m.addr
+    old = [RegionSpec(base, 16, G // 16, G // 16, 0)]
+
+    def grow(chunks: list[ChunkSpec], regions: list[tuple[int, int, int, int, int, int]], uuid: str = FakeLib.UUID,
+             engine: str = "e") -> None:
+        spec = VmmSpec(uuid, 4 * G, G, tuple(chunks), tuple(bytes([i]) * 16 for i in range(len(chunks))))
+        check_growth("w1", "e", engine, [m], old, [spec], regions)
+
+    bl = G // 16
+    with pytest.raises(FailedPrecondition, match="not built yet"):  # valid: one more chunk, 32 blocks
+        grow([ChunkSpec(G, G)], [(0, 0, bl, bl, 32, 32 * bl)])
+    with pytest.raises(VmmImportError, match="overlaps memory already mapped"):
+        grow([ChunkSpec(0, G)], [(0, 0, bl, bl, 16, 16 * bl)])
+    with pytest.raises(VmmImportError, match="num_blocks may only grow"):
+        grow([ChunkSpec(G, G)], [(0, 0, bl, bl, 8, 8 * bl)])
+    with pytest.raises(VmmImportError, match=r"region 0.s blocks .* past the mapped"):
+        grow([ChunkSpec(2 * G, G)], [(0, 0, bl, bl, 32, 32 * bl)])  # a hole between: the region runs into it
+    with pytest.raises(VmmImportError, match="must name the GPU, reservation and granularity"):
+        grow([ChunkSpec(G, G)], [(0, 0, bl, bl, 32, 32 * bl)], uuid="GPU-2222")
+    with pytest.raises(VmmImportError, match="is engine 'e'"):
+        grow([ChunkSpec(G, G)], [(0, 0, bl, bl, 32, 32 * bl)], engine="other")
+    m.close()
