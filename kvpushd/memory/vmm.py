@@ -39,8 +39,9 @@ MAX_SENTINEL = 64
 Interval = tuple[int, int]  # (offset, end) in the range
 
 
-class VmmImportError(InvalidArgument):
-    """The chunks cannot be mapped as described, or an address lies past what is mapped."""
+# The chunks cannot be mapped as described, or an address lies past what is mapped: INVALID_ARGUMENT
+# (one error tree, kvpushd_client.errors.KINDS: no class of its own).
+VmmImportError = InvalidArgument
 
 
 @dataclass(frozen=True)
