@@ -13,6 +13,7 @@ all; the stream's end is how the daemon learns that this worker is gone (``kvpus
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -102,6 +103,7 @@ class KVPushClient:
         that are new (none where it did not grow); ``regions`` are the worker's regions with their new
         ``num_blocks``. Today's daemon checks the growth and refuses it (FAILED_PRECONDITION: the NIXL
         side of growth is not built); detach and attach with every chunk instead."""
+        memory = [dataclasses.replace(m, arm_sentinel=None) for m in memory]  # no sentinel: live KV, not checked
         try:
             chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
             req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, "",

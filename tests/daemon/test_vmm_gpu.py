@@ -113,7 +113,7 @@ class Range:
 
     def memory(self, start=0):
         m = export_segments(drv, self.base, self.reserved, [(start, self.committed - start)], 0)
-        return dataclasses.replace(m, arm_sentinel=sentinel_arm(drv, self.base + start))
+        return dataclasses.replace(m, arm_sentinel=sentinel_arm(drv, self.base, start))  # at the first new chunk
 
     def blocks(self):
         return np.frombuffer(drv.read(self.base, self.committed), dtype=np.uint8).reshape(-1, BL)
