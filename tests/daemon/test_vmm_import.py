@@ -354,3 +354,26 @@ def test_a_growth_is_checked_whole_then_refused() -> None:
     with pytest.raises(VmmImportError, match="is engine 'e'"):
         grow([ChunkSpec(G, G)], [(0, 0, bl, bl, 32, 32 * bl)], engine="other")
     m.close()
+
+
+def test_segments_exported_and_named_in_the_attach_request() -> None:
+    """vLLM's layout: one segment per layer with a committed prefix each; the Attach names every chunk."""
+    from kvpushd_client import Region, Role, _convert
+    from kvpushd_client.vmm import export_segments
+
+    w = FakeWorkerDriver(0x1000_0000, [])
+    w.maps = [(0x1000_0000, G), (0x1000_0000 + G, G), (0x1000_0000 + 4 * G, G)]  # segments at 0 and 4G
+    mem = export_segments(w, 0x1000_0000, 8 * G, [(0, 2 * G), (4 * G, G), (6 * G, 0)], device=0)
+    try:
+        assert [(c.offset, c.size) for c in mem.chunks] == [(0, G), (G, G), (4 * G, G)] and mem.size == 3 * G
+        regs = [Region(0, 0, 32, G // 16), Region(0, 4 * G, 16, G // 16)]
+        with pytest.raises(ValueError, match="were not handed over"):
+            _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], regs, 0, "", {}, {0: [b"t" * 16]})
+        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], regs, 0, "", {},
+                                      {0: [bytes([i]) * 16 for i in range(3)]})
+        h = req.memory[0].vmm
+        assert (h.gpu_uuid, h.reserved, h.granularity) == (mem.gpu_uuid, 8 * G, G)
+        assert [(c.token[0], c.offset, c.size) for c in h.chunks] == [(0, 0, G), (1, G, G), (2, 4 * G, G)]
+        assert not h.sentinel
+    finally:
+        mem.close()
