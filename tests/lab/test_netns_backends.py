@@ -84,14 +84,6 @@ def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab
         assert waited < 30, f"{nixl_backend}: {waited:.1f} s to end a WRITE whose peer died ({c.reason})"
         assert wait_for(lambda: not p.client.status().transfers, timeout=20)
 
-        if nixl_backend == "LIBFABRIC":
-            # Seen 2026-12-05 (NIXL 1.5.1, libfabric af8ddbe92f03, tcp): the cancelled operations of the dead
-            # peer's WRITE stay in the rail's completion queue ("fi_cq_read returned error -259 ... Operation
-            # canceled prov_errno: 107"); the handshake with the restarted peer's new agent fails on them
-            # ("loadRemoteMD: ... NIXL_ERR_BACKEND"), the next WRITEs cannot be posted, and later ones are
-            # posted but never notified. docs/efa.md, "A dead peer".
-            pytest.xfail("LIBFABRIC: the agent cannot reach a restarted peer after a WRITE to its dead one failed")
-
         # The same decode node again (new process, new agent): exact bytes.
         dst.arr[:] = POISON
         d.restart()
