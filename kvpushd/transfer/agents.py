@@ -35,7 +35,9 @@ from .descs import (
 from .records import Local, Xfer
 
 log = structlog.get_logger(__name__)
-READ_OUT_S = 1.0  # read_out_errors: at most this long (each read costs NIXL's error lines in the log)
+# read_out_errors: at most this long on the NIXL thread (about 50 us and five NIXL log lines per error here),
+# so that an agent that stays broken costs each failing call a bounded stall
+READ_OUT_S = 0.1
 
 
 class AgentBook:
