@@ -375,6 +375,7 @@ class TransferThread:
     def _poll_inflight(self) -> bool:
         """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled.
         True when any of them ended."""
+        self._sweep([f.local for f in self._inflight])
         done: list[Inflight] = []
         keep: list[Inflight] = []
         now = time.perf_counter()
@@ -491,6 +492,28 @@ class TransferThread:
         if reads and self._on_read_notifications is not None:
             self._loop.call_soon_threadsafe(self._on_read_notifications, reads)
         return bool(got or reads)
+
+    def _sweep(self, locs: Sequence[Local]) -> None:
+        """LIBFABRIC agents with transfers in flight are progressed by a notification poll before
+        their transfers are checked. A completion in error is read by whichever call progresses the
+        agent first, and a check that reads one fails its own transfer, whoever's the error was (NIXL
+        does not say): with transfers to several peers on one agent, a dead peer's error failed a live
+        peer's WRITE (and, its handle failed for good, a second check did not save it). Read by this
+        poll, an error fails no transfer; the dead peer's ends when the daemon declares the peer lost
+        (cancel_to: peer_timeout_s, or at once when it comes back restarted), else at write_timeout_s."""
+        seen: set[str] = set()
+        for loc in locs:
+            if loc.worker_id in seen or not self._sweeps(loc):
+                continue
+            seen.add(loc.worker_id)
+            try:
+                notifs = loc.agent.get_new_notifs()
+            except Exception as e:
+                notifs = self._recover(loc, f"progressing the agent: {e}")
+            self._hand_over(notifs)
+
+    def _sweeps(self, loc: Local) -> bool:
+        return any(b.name == "LIBFABRIC" for b in self._book.agent_backends.get(loc.worker_id, ()))
 
     def _recover(self, loc: Local, why: str) -> dict[str, list[bytes]]:
         """NIXL failed a call on ``loc``'s agent: read out the completions in error left behind
