@@ -8,6 +8,7 @@ path (thread.py) builds only index arrays from these.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,9 @@ from .descs import (
 from .records import Local, Xfer
 
 log = structlog.get_logger(__name__)
+# read_out_errors: at most this long on the NIXL thread (about 50 us and five NIXL log lines per error here),
+# so that an agent that stays broken costs each failing call a bounded stall
+READ_OUT_S = 0.1
 
 
 class AgentBook:
@@ -169,17 +173,42 @@ class AgentBook:
             loc.pairs[key] = plan
         return plan
 
+    @staticmethod
+    def unload(loc: Local, name: str, always: bool = False) -> None:
+        """Drop one remote agent's prepared lists, pair plans and metadata from one local agent (the
+        metadata ``always``: also after a load that failed half way, where ``loaded`` lacks it)."""
+        for key in [k for k in loc.remotes if k[0] == name]:
+            loc.remotes.pop(key)[0].release()
+        for pk in [k for k in loc.pairs if k[0] == name]:
+            del loc.pairs[pk]
+        if name in loc.loaded or always:
+            loc.loaded.discard(name)
+            loc.agent.remove_remote_agent(name)
+
+    @staticmethod
+    def read_out_errors(loc: Local, budget_s: float = READ_OUT_S) -> tuple[int, dict[str, list[bytes]], bool]:
+        """Read the completions in error out of a local agent's queues: -> (errors read, the notifications
+        of the first clean poll, clean). NIXL 1.5.1's LIBFABRIC backend leaves every other cancelled
+        operation of a dead peer's transfer in the rail's completion queue, and each later call that
+        progresses the agent (a check, a post, the handshake that loading a new peer's metadata sends)
+        reads one of them and fails with NIXL_ERR_BACKEND. Polling notifications progresses the agent
+        and reads one per call; it stops at the first clean poll or after ``budget_s``. On UCX the first
+        poll is clean."""
+        t0 = time.perf_counter()
+        errors = 0
+        while True:
+            try:
+                return errors, loc.agent.get_new_notifs(), True
+            except Exception:
+                errors += 1
+                if time.perf_counter() - t0 > budget_s:
+                    return errors, {}, False
+
     def forget_remote(self, name: str) -> None:
         """Drop a remote agent's prepared lists, pair plans and metadata from every local agent."""
         for loc in self.locals.values():
             try:
-                for key in [k for k in loc.remotes if k[0] == name]:
-                    loc.remotes.pop(key)[0].release()
-                for pk in [k for k in loc.pairs if k[0] == name]:
-                    del loc.pairs[pk]
-                if name in loc.loaded:
-                    loc.loaded.discard(name)
-                    loc.agent.remove_remote_agent(name)
+                self.unload(loc, name)
             except Exception:
                 log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
 

@@ -87,12 +87,13 @@ class Stages:
     """The staged legs and watched steps of one NIXL thread (called on that thread only)."""
 
     def __init__(self, on_sealed: Callable[[list[tuple[str, int]]], object] | None, min_write_bytes: int = 0,
-                 stall_s: float = 60.0) -> None:
+                 stall_s: float = 60.0, on_error: Callable[[Local, str], object] | None = None) -> None:
         self.legs: list[Staged] = []
         self.min_write_bytes = min_write_bytes  # a WRITE gathers layer groups until it has this many bytes
         self.stall_s = stall_s  # a leg with no new group within this long stops (the producer stalled)
         self.watched: list[tuple[Local, int]] = []  # (worker, step): report when that step is complete
         self._on_sealed = on_sealed
+        self._on_error = on_error  # NIXL failed a post on this agent (the thread reads out its errors)
         self.writes_posted = 0
 
     def __bool__(self) -> bool:
@@ -128,8 +129,7 @@ class Stages:
             s.failed = f.result.reason
             s.stop = s.stop or "an earlier layer group's WRITE failed"
 
-    @staticmethod
-    def _post(s: Staged, lo: int, hi: int, msg: bytes, track: Callable[[Inflight], None]) -> bool:
+    def _post(self, s: Staged, lo: int, hi: int, msg: bytes, track: Callable[[Inflight], None]) -> bool:
         """Post one WRITE of a staged leg: descriptor indices ``lo`` to ``hi`` (0, 0: all of them)."""
         try:
             handle = s.make(msg, lo, hi)
@@ -137,6 +137,8 @@ class Stages:
         except Exception as e:
             log.warning("posting a layer group WRITE failed", transfer_id=s.key.transfer_id, exc_info=True)
             s.stop = f"NIXL could not post the WRITE: {e}"
+            if self._on_error is not None:
+                self._on_error(s.loc, f"posting a layer group WRITE: {e}")
             return False
         if state == "ERR":
             handle.release()

@@ -77,12 +77,14 @@ class TransferThread:
         self._inflight: list[Inflight] = []
         # progressive push: legs written layer group by layer group, steps watched for completion
         self._stages = Stages(on_sealed and (lambda steps: loop.call_soon_threadsafe(on_sealed, steps)),
-                              min_write_bytes, write_timeout_s)
+                              min_write_bytes, write_timeout_s,
+                              on_error=lambda loc, why: self._hand_over(self._recover(loc, why)))
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
         self.pulling = 0  # offered legs waiting for a READ notification (set_pulling)
         self.stray_notifications = 0
+        self.errors_read_out = 0  # completions in error read out of the agents' queues (_recover)
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
 
@@ -317,9 +319,16 @@ class TransferThread:
         loc = self._book.locals.get(plan.producer_worker if isinstance(plan, StartWrite) else plan.worker_id)
         if loc is None:
             return fail(f"{'producer' if write else 'decode'} worker detached")
+        if remote.name not in loc.loaded:
+            # Loading a new remote agent's metadata sends it a handshake; on LIBFABRIC that send fails on
+            # a dead peer's completions in error still queued (and the pair stays unusable after), so they
+            # are read out first. One poll of notifications when there are none.
+            self._hand_over(self._recover(loc, "before loading a remote agent's metadata"))
         try:
             x = self._book.xfer_maker(loc, plan, remote)
         except Exception as e:
+            if _nixl_error(e):
+                self._hand_over(self._recover(loc, f"preparing descriptors: {e}"))
             return fail(self._descs_failed(plan, e))
         if isinstance(plan, StartWrite) and plan.layers:  # progressive push: layer groups go as they become ready
             r = result(True, "", x)  # the leg's figures, whatever WRITEs carry it
@@ -332,6 +341,7 @@ class TransferThread:
             state = loc.agent.transfer(handle)
         except Exception as e:
             log.warning(f"posting {what} failed", transfer_id=key.transfer_id, exc_info=True)
+            self._hand_over(self._recover(loc, f"posting a {what}: {e}"))
             return fail(f"NIXL could not post the {what}: {e}")
         t_post = time.perf_counter()
         if state == "ERR":
@@ -365,6 +375,7 @@ class TransferThread:
     def _poll_inflight(self) -> bool:
         """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled.
         True when any of them ended."""
+        self._sweep([f.local for f in self._inflight])
         done: list[Inflight] = []
         keep: list[Inflight] = []
         now = time.perf_counter()
@@ -375,6 +386,8 @@ class TransferThread:
             except Exception as e:  # e.g. the remote agent was invalidated mid-transfer: it failed, and says why
                 log.warning(f"checking a {f.what} failed", transfer_id=transfer_id_of(f), error=str(e))
                 state, why = "ERR", f"{why}: {e}"
+                # LIBFABRIC: the rest of the dead peer's cancelled operations go now, not one per later call
+                self._hand_over(self._recover(f.local, f"checking a {f.what}: {e}"))
             if state == "PROC" and now - f.t_post > self._write_timeout_s:
                 self._cancel(f, f"not complete within transfer.write_timeout_s = {self._write_timeout_s:g}s")
                 done.append(f)
@@ -450,12 +463,22 @@ class TransferThread:
     def _poll_notifs(self, locs: Sequence[Local] | None = None) -> bool:
         """Hand new notifications to the loop (of every agent that may get some, or of ``locs``);
         True when there were any."""
-        got: list[Notified] = []
-        reads: list[tuple[str, int, int]] = []  # pull mode: (remote agent, registration id, rank)
+        polled: list[dict[str, list[bytes]]] = []
         for loc in self._book.locals.values() if locs is None else locs:
             if not loc.receives and self.pulling <= 0:
                 continue
-            for remote_name, msgs in loc.agent.get_new_notifs().items():
+            try:
+                polled.append(loc.agent.get_new_notifs())
+            except Exception as e:
+                polled.append(self._recover(loc, f"polling notifications: {e}"))
+        return self._hand_over(*polled)
+
+    def _hand_over(self, *polled: dict[str, list[bytes]]) -> bool:
+        """Hand notifications NIXL returned to the loop; True when there were any."""
+        got: list[Notified] = []
+        reads: list[tuple[str, int, int]] = []  # pull mode: (remote agent, registration id, rank)
+        for notifs in polled:
+            for remote_name, msgs in notifs.items():
                 for m in msgs:
                     parsed = decode_notif(m)
                     if parsed is not None:
@@ -469,6 +492,42 @@ class TransferThread:
         if reads and self._on_read_notifications is not None:
             self._loop.call_soon_threadsafe(self._on_read_notifications, reads)
         return bool(got or reads)
+
+    def _sweep(self, locs: Sequence[Local]) -> None:
+        """LIBFABRIC agents with transfers in flight are progressed by a notification poll before
+        their transfers are checked. A completion in error is read by whichever call progresses the
+        agent first, and a check that reads one fails its own transfer, whoever's the error was (NIXL
+        does not say): with transfers to several peers on one agent, a dead peer's error failed a live
+        peer's WRITE (and, its handle failed for good, a second check did not save it). Read by this
+        poll, an error fails no transfer; the dead peer's ends when the daemon declares the peer lost
+        (cancel_to: peer_timeout_s, or at once when it comes back restarted), else at write_timeout_s."""
+        seen: set[str] = set()
+        for loc in locs:
+            if loc.worker_id in seen or not self._sweeps(loc):
+                continue
+            seen.add(loc.worker_id)
+            try:
+                notifs = loc.agent.get_new_notifs()
+            except Exception as e:
+                notifs = self._recover(loc, f"progressing the agent: {e}")
+            self._hand_over(notifs)
+
+    def _sweeps(self, loc: Local) -> bool:
+        return any(b.name == "LIBFABRIC" for b in self._book.agent_backends.get(loc.worker_id, ()))
+
+    def _recover(self, loc: Local, why: str) -> dict[str, list[bytes]]:
+        """NIXL failed a call on ``loc``'s agent: read out the completions in error left behind
+        (agents.AgentBook.read_out_errors), so that the agent's next call, and its handshake with a
+        restarted peer's new agent, do not fail on them; -> the notifications of its clean poll."""
+        t0 = time.perf_counter()
+        errors, notifs, clean = self._book.read_out_errors(loc)
+        self.errors_read_out += errors
+        if errors:
+            (log.warning if clean else log.error)(
+                "completions in error read out of the agent" if clean else
+                "the agent still fails after reading completions in error out of it",
+                worker_id=loc.worker_id, errors=errors, seconds=round(time.perf_counter() - t0, 4), after=why[:300])
+        return notifs
 
     def _check_drained(self) -> None:
         still: list[tuple[str, Future[None]]] = []
@@ -495,6 +554,11 @@ class TransferThread:
 
 _NOOP: Any = object()
 HOT_S = 0.02  # after any command, completion or notification, poll at the short interval this long
+
+
+def _nixl_error(e: Exception) -> bool:
+    """An error NIXL raised (nixlBackendError, nixlNotFoundError, ...), not one of ours or numpy's."""
+    return type(e).__name__.startswith("nixl")
 
 
 def _wake() -> None:

@@ -9,6 +9,7 @@ the libraries by path: ``preload``); the systemd unit and deploy/ never do (docs
 
     env = backend_env("LIBFABRIC", os.environ)     # raises BackendUnavailable, naming what is missing
     launch.spawn(workdir, name, backend="LIBFABRIC", ...)
+    agent = nixl_agent("bench-target", "LIBFABRIC")  # a raw agent in this process (benchmarks, in-engine)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ctypes.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 BACKENDS = ("UCX", "LIBFABRIC")
 LD_ENV = "KVPUSHD_LIBFABRIC_LD_PATH"
@@ -89,3 +91,19 @@ def preload(backend: str) -> None:
             if (Path(d) / lib).exists():
                 ctypes.CDLL(str(Path(d) / lib), mode=ctypes.RTLD_GLOBAL)
                 break
+
+
+def nixl_agent(name: str, backend: str = "UCX") -> Any:
+    """A NIXL agent on ``backend`` without NIXL's progress thread (it spins a core; the owner polls, as
+    the daemon does). LIBFABRIC: its libraries loaded by path first (``preload``) and the tcp provider
+    unless ``FI_PROVIDER`` names one; in a namespace the caller sets ``FI_TCP_IFACE``."""
+    preload(backend)
+    if backend == "LIBFABRIC":
+        os.environ.setdefault("FI_PROVIDER", DEFAULT_PROVIDER)
+    import nixl._api as nx
+
+    if backend == "UCX":
+        return nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent = nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent.create_backend(backend, {})
+    return agent

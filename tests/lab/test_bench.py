@@ -49,6 +49,18 @@ def test_ceiling_fragmented() -> None:
     assert 8 < row["descriptors_posted"] <= row["descriptors_requested"]  # random order: little to merge
 
 
+def test_ceiling_on_libfabric() -> None:
+    from kvpushd_lab.backend import available
+
+    if why := available("LIBFABRIC"):
+        pytest.skip(why)
+    out = bench("ceiling", "--tokens", "256", "--repeat", "1", "--layers", "4", "--backend", "LIBFABRIC")
+    (row,) = out["rows"]
+    assert out["backend"] == "LIBFABRIC"
+    assert row["bytes"] == row["bytes_verified"] == 8 * 16 * 4096
+    positive(row, "ceiling_gbps", "raw_blocks_gbps", "daemon_gbps", "declared_ms")
+
+
 def test_critical_path() -> None:
     out = bench("critical-path", "--samples", "20")
     assert out["samples"] == 20

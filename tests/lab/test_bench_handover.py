@@ -47,6 +47,21 @@ def test_handover_across_namespaces_on_a_shaped_veth() -> None:
     assert data["veth_bytes"]["decode_rx_bytes"] >= 8 * per_request  # every KV byte crossed the pair
 
 
+def test_handover_on_libfabric_across_namespaces() -> None:
+    """--backend LIBFABRIC: the daemons and the in-engine agents on libfabric's tcp provider, on the veth."""
+    from kvpushd_lab.backend import available as backend_available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"--fabric veth needs network namespaces: {why}")
+    if why := backend_available("LIBFABRIC"):
+        pytest.skip(why)
+    data = _bench("--prompt-lens", "64", "--requests", "1", "--fabric", "veth:10gbit", "--backend", "LIBFABRIC")
+    assert {r["mode"] for r in data["rows"]} == MODES and data["backend"] == "LIBFABRIC"
+    assert data["requests_checked"] == 4 * 2
+    assert data["veth_bytes"]["decode_rx_bytes"] >= 8 * 4 * 128 * 4096  # every KV byte crossed the pair
+
+
 def test_handover_refuses_an_unknown_fabric() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpushd", "bench", "handover", "--fabric", "infiniband"],
                          capture_output=True, text=True, timeout=120)

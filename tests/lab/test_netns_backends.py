@@ -4,7 +4,9 @@ The KV bytes cross the veth (UCX over TCP on it; LIBFABRIC's tcp provider on it,
 checked bit for bit; then the decode daemon is SIGKILLed while a WRITE is on the wire (the link is slow
 enough for that to be seen on its byte counters): the prefill worker's publish must end, FAILED with its
 blocks, nothing may stay held, and the prefill daemon must move exact bytes to the decode daemon started
-again on the same address. Skipped, saying why, without namespaces or without the LIBFABRIC build.
+again on the same address. With two decode daemons, one killed while the same prefill worker WRITEs to
+both, the other's WRITE completes with exact bytes. Skipped, saying why, without namespaces or without the
+LIBFABRIC build.
 """
 
 from __future__ import annotations
@@ -32,17 +34,27 @@ SETTINGS: dict[str, dict[str, object]] = {
     "peer_api": {"connect_timeout_s": 2.0, "rpc_timeout_s": 3.0}}
 
 
-@pytest.fixture
-def lab() -> Iterator[NetnsLab]:
+def _shaped(hosts: int, link: str) -> Iterator[NetnsLab]:
     ok, why = available()
     if not ok:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
     sweep_stale()
-    with NetnsLab(2, link="pair") as lab:
-        for i in range(2):
+    with NetnsLab(hosts, link=link) as lab:
+        for i in range(hosts):
             lab.run(i, ["tc", "qdisc", "replace", "dev", lab.veth, "root", "tbf", "rate", RATE, "burst", "256kb",
                         "latency", "100ms"])
         yield lab
+
+
+@pytest.fixture
+def lab() -> Iterator[NetnsLab]:
+    yield from _shaped(2, "pair")
+
+
+@pytest.fixture
+def lab3() -> Iterator[NetnsLab]:
+    """A prefill host and two decode hosts on a bridge, each host's link shaped."""
+    yield from _shaped(3, "bridge")
 
 
 def _kv(name: str, fill: str) -> KV:
@@ -84,14 +96,6 @@ def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab
         assert waited < 30, f"{nixl_backend}: {waited:.1f} s to end a WRITE whose peer died ({c.reason})"
         assert wait_for(lambda: not p.client.status().transfers, timeout=20)
 
-        if nixl_backend == "LIBFABRIC":
-            # Seen 2026-12-05 (NIXL 1.5.1, libfabric af8ddbe92f03, tcp): the cancelled operations of the dead
-            # peer's WRITE stay in the rail's completion queue ("fi_cq_read returned error -259 ... Operation
-            # canceled prov_errno: 107"); the handshake with the restarted peer's new agent fails on them
-            # ("loadRemoteMD: ... NIXL_ERR_BACKEND"), the next WRITEs cannot be posted, and later ones are
-            # posted but never notified. docs/efa.md, "A dead peer".
-            pytest.xfail("LIBFABRIC: the agent cannot reach a restarted peer after a WRITE to its dead one failed")
-
         # The same decode node again (new process, new agent): exact bytes.
         dst.arr[:] = POISON
         d.restart()
@@ -111,3 +115,50 @@ def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab
         src.close()
         dst.close()
     assert rcs["pnode"] == 0, p.logs()[-3000:]
+
+
+@both_backends
+def test_a_decode_daemon_killed_mid_write_fails_only_its_own_write(lab3: NetnsLab, workdir: Path,
+                                                                   nixl_backend: str) -> None:
+    """One prefill worker (one NIXL agent) WRITEs to two decode daemons at once and one of them is
+    SIGKILLed: only its WRITE fails. (LIBFABRIC reports a dead peer's cancelled operations as completions
+    in error on the agent, with nothing that says whose; a check that read one failed the live peer's
+    WRITE before the NIXL thread read them out by a notification poll first.)"""
+    p, a, b = launch.start_all(workdir, ["pnode", "anode", "bnode"], backend=nixl_backend, die_with_parent=True,
+                               timeout_s=120, settings=SETTINGS,
+                               per_daemon={"pnode": {"netns": (lab3, 0)}, "anode": {"netns": (lab3, 1)},
+                                           "bnode": {"netns": (lab3, 2)}})
+    src, da, db = _kv("kvpushd-test-ns3-src", "random"), _kv("kvpushd-test-ns3-a", "poison"), \
+        _kv("kvpushd-test-ns3-b", "poison")
+    try:
+        pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
+        aw = a.client.attach("decode-a", Role.CONSUMER, 0, 1, [da.buf.memory], da.region_list)
+        bw = b.client.attach("decode-b", Role.CONSUMER, 0, 1, [db.buf.memory], db.region_list)
+        big = list(range(8, 32))
+        aw.expect("to-a", big, p.peer_address, "prefill", 1)
+        bw.expect("to-b", big, p.peer_address, "prefill", 1)
+        for d in (a, b):
+            assert wait_for(lambda d=d: any(t.state == "registered" for t in d.client.status().transfers))
+        rx0 = lab3.link_stats(1)["rx_bytes"]
+        pw.publish("to-b", big)  # the live peer's WRITE first: its checks come first
+        pw.publish("to-a", big)
+        assert wait_for(lambda: lab3.link_stats(1)["rx_bytes"] - rx0 > (2 << 20), timeout=20, interval=0.01)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        ends = {}
+        for _ in range(2):
+            c = pw.next_completion(60)
+            assert c is not None, ends
+            ends[c.transfer_id] = c
+        assert ends["to-a"].kind is CompletionKind.FAILED, ends
+        assert ends["to-b"].kind is CompletionKind.FINISHED_SENDING, (ends["to-b"], p.logs()[-3000:])
+        c = bw.next_completion(30)
+        assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
+        assert np.array_equal(db.arr[:, big], src.arr[:, big])
+        assert wait_for(lambda: not p.client.status().transfers, timeout=20)
+        assert p.proc.poll() is None and b.proc.poll() is None
+    finally:
+        rcs = launch.stop_all([p, a, b])
+        for kv in (src, da, db):
+            kv.close()
+    assert rcs["pnode"] == 0 and rcs["bnode"] == 0, p.logs()[-3000:]

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 from kvpushd_client import CompletionKind, Role, StreamWorker
 
+from ..backend import BACKENDS, available
 from .common import (
     POISON,
     BenchError,
@@ -59,6 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "in us (default 200: the daemon's default)")
     p.add_argument("--no-ring", action="store_true",
                    help="the decode worker without a completion ring (finished receives by its stream only)")
+    p.add_argument("--backend", choices=BACKENDS, default="UCX",
+                   help="NIXL backend of the daemons and of the raw agents (default UCX); LIBFABRIC needs "
+                        "scripts/libfabric.sh's build and runs libfabric's tcp provider here")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -123,13 +127,15 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     sizes = sorted(set(args.tokens))
     if not sizes or min(sizes) < 1 or args.repeat < 1:
         raise BenchError("--tokens must be positive and --repeat at least 1")
+    if why := available(args.backend):
+        raise BenchError(f"--backend {args.backend}: {why}")
     base = Layout(layers=args.layers)
     pool = base.blocks_for(max(sizes))
     lay = Layout(layers=args.layers, num_blocks=pool)
     rng = np.random.default_rng(args.seed)
     progress(f"ceiling: {lay.regions} regions x {pool} blocks of {lay.block_len} B "
              f"({lay.total_bytes / 2**20:.0f} MiB per side), sizes {sizes} tokens, "
-             f"{'fragmented' if args.fragmented else 'contiguous'} blocks, {args.repeat} reps")
+             f"{'fragmented' if args.fragmented else 'contiguous'} blocks, {args.repeat} reps, NIXL {args.backend}")
     from .rawnixl import Initiator, Target, preload
 
     preload()
@@ -140,10 +146,10 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     init: Initiator | None = None
     rows: list[dict[str, Any]] = []
     try:
-        target = Target(dst, args.poll_us * 1e-6)
+        target = Target(dst, args.poll_us * 1e-6, backend=args.backend)
         # debug: the prefill daemon logs post_us and xfer_us per WRITE
         with daemon_pair(workdir, prefill_log_level="debug",
-                         transfer={"poll_interval_s": args.poll_us * 1e-6}) as (p, d):
+                         transfer={"poll_interval_s": args.poll_us * 1e-6}, backend=args.backend) as (p, d):
             init = Initiator(src, target)  # the target process started meanwhile
             pw = p.client.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
                                  description="kvpushd bench ceiling", doorbell=True)
@@ -259,6 +265,7 @@ def _result(args: argparse.Namespace, lay: Layout, rows: list[dict[str, Any]]) -
         "efficiency": top["efficiency"], "ceiling_gbps": top["ceiling_gbps"], "daemon_gbps": top["daemon_gbps"],
         "at_tokens": top["tokens"], "target_efficiency": TARGET_EFFICIENCY,
         "target_met": top["efficiency"] >= TARGET_EFFICIENCY,
+        "backend": args.backend,
         "fragmented": bool(args.fragmented), "repeat": args.repeat, "poll_us": args.poll_us, "ring": not args.no_ring,
         "layout": lay.describe(), "rows": rows,
     }
@@ -274,6 +281,7 @@ def _result(args: argparse.Namespace, lay: Layout, rows: list[dict[str, Any]]) -
              f"GB/s / ceiling {top['ceiling_gbps']:.3f} GB/s)  target >= {TARGET_EFFICIENCY}: "
              f"{met(top['efficiency'], TARGET_EFFICIENCY, True)}"]
     method = [
+        f"NIXL backend {args.backend} (daemons and raw agents).",
         f"Qwen3-32B per-rank layout: {lay.layers} layers x K,V = {lay.regions} regions, block of "
         f"{lay.block_tokens} tokens x {lay.kv_heads} KV head x {lay.head_dim} x {lay.dtype_bytes} B = "
         f"{lay.block_len} B; {'blocks in random order on both sides' if args.fragmented else 'contiguous blocks'}.",

@@ -135,17 +135,19 @@ def start_daemon(workdir: Path, name: str, log_level: str = "info", extra_config
 
 
 @contextlib.contextmanager
-def daemon_pair(workdir: Path, prefill_log_level: str = "info",
-                transfer: dict[str, float] | None = None) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+def daemon_pair(workdir: Path, prefill_log_level: str = "info", transfer: dict[str, float] | None = None,
+                backend: str = "UCX") -> Iterator[tuple[DaemonProc, DaemonProc]]:
     """A prefill-node daemon and a decode-node daemon, stopped (SIGTERM, drain) on exit.
 
-    ``transfer``: settings of the daemons' [transfer] section (for example poll_interval_s).
+    ``transfer``: settings of the daemons' [transfer] section (for example poll_interval_s);
+    ``backend``: their NIXL backend (``kvpushd_lab.backend``).
     """
     section = {"publish_timeout_s": 60.0, "expect_timeout_s": 60.0,
                **{k: float(v) for k, v in (transfer or {}).items()}}
     # Both start at once: each spends seconds importing NIXL and torch.
-    ps = launch.spawn(workdir, "bench-pnode", settings={**_settings(prefill_log_level), "transfer": section})
-    ds = launch.spawn(workdir, "bench-dnode", settings={**_settings("info"), "transfer": section})
+    ps = launch.spawn(workdir, "bench-pnode", settings={**_settings(prefill_log_level), "transfer": section},
+                      backend=backend)
+    ds = launch.spawn(workdir, "bench-dnode", settings={**_settings("info"), "transfer": section}, backend=backend)
     try:
         p = _ready(ps)
     except BaseException:

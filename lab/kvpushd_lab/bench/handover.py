@@ -34,7 +34,8 @@ by the bench as a push proxy would, reached the decode engine, after (> 0) or be
 After every request both engines digest the
 request's blocks in all 128 regions and the bench compares them. ``--fabric veth:10gbit`` runs each
 node (daemon and engines) in its own network namespace, joined by a veth pair shaped with ``tc tbf``,
-UCX over TCP on it.
+UCX over TCP on it. ``--backend LIBFABRIC``: the daemons and the in-engine agents run NIXL's LIBFABRIC
+backend (libfabric's tcp provider here, on the veth with ``--fabric veth:...``; ``kvpushd_lab.backend``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..backend import BACKENDS, available
 from .common import BenchError, Result, dist, machine_load, progress
 from .handover_engines import LAYERS, EnginePair
 from .handover_fabric import Nodes
@@ -63,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="loopback (default: both nodes on this host, UCX picks shared memory) or veth:RATE "
                         "(e.g. veth:10gbit, veth:25gbit: two network namespaces, tc tbf on the veth pair, "
                         "UCX_TLS=tcp; needs root and iproute2)")
+    p.add_argument("--backend", choices=BACKENDS, default="UCX",
+                   help="NIXL backend of the daemons and of the in-engine agents (default UCX); LIBFABRIC needs "
+                        "scripts/libfabric.sh's build and runs libfabric's tcp provider here")
     p.add_argument("--window", type=int, default=128, help="the model's attention window in tokens (default 128)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -128,6 +133,8 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
         raise BenchError("--prompt-lens must be multiples of 16 (at least 16), --requests at least 1")
     if args.fabric != "loopback" and not re.fullmatch(r"veth:\d+(\.\d+)?[kmg]bit", args.fabric):
         raise BenchError(f"--fabric {args.fabric!r}: loopback or veth:RATE (veth:10gbit, veth:25gbit)")
+    if why := available(args.backend):
+        raise BenchError(f"--backend {args.backend}: {why}")
     modes = [m for m in MODES if m in args.modes]
     kinds = sorted({KIND[m] for m in modes})
     from ..refengine import random_prompt
@@ -136,12 +143,13 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     blocks = -(-max(lens) // 16) + 2
     cfg = config(max(lens) + 16, args.window)
     spec = {"max_positions": max(lens) + 16, "window": args.window, "seed": args.seed, "num_blocks": blocks}
-    progress(f"handover: {', '.join(modes)}; {lens} tokens, {args.requests} requests per cell, fabric "
-             f"{args.fabric}, the reference engine ({LAYERS} layers, window {args.window}) in the qwen3-32b-tp8 shape")
+    progress(f"handover: {', '.join(modes)}; {lens} tokens, {args.requests} requests per cell, NIXL {args.backend}, "
+             f"fabric {args.fabric}, the reference engine ({LAYERS} layers, window {args.window}) in the "
+             "qwen3-32b-tp8 shape")
     rows: list[dict[str, Any]] = []
     load0 = machine_load()
     checked = 0
-    with Nodes(args.fabric, workdir) as nodes:
+    with Nodes(args.fabric, workdir, args.backend) as nodes:
         pairs: dict[str, EnginePair] = {}
         try:
             for kind in kinds:
@@ -189,9 +197,9 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                 if r is not None:
                     x[f"{name}_p50_progressive_over_{tag}"] = r
         ratios.append(x)
-    data = {"fabric": args.fabric, "engine": {"model": "refengine TinyModel", "layers": LAYERS, "window": args.window,
-                                              "kv_shape": "qwen3-32b-tp8", "regions": 2 * LAYERS,
-                                              "block_len": 4096, "num_blocks": blocks},
+    data = {"fabric": args.fabric, "backend": args.backend,
+            "engine": {"model": "refengine TinyModel", "layers": LAYERS, "window": args.window,
+                       "kv_shape": "qwen3-32b-tp8", "regions": 2 * LAYERS, "block_len": 4096, "num_blocks": blocks},
             "requests": args.requests, "modes": modes, "rows": rows, "ratios": ratios,
             "requests_checked": checked, "veth_bytes": veth, "load_before": load0, "load_after": machine_load()}
     cols = [("tokens", "tokens", "d"), ("mode", "mode", "s"), ("handover_p50", "handover p50 ms", ".2f"),
@@ -205,7 +213,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
     method = [
         f"The reference engine ({LAYERS} layers x K,V = the 128 regions of 4 KiB blocks of one Qwen3-32B TP8 rank, "
         f"attention window {args.window}), one prefill and one decode engine process per connector kind; "
-        f"fabric {args.fabric}.",
+        f"fabric {args.fabric}; NIXL {args.backend} in the daemons and the in-engine agents.",
         "One request at a time; modes alternate, one untimed warm-up per mode and length. handover = the prefill "
         "forward's end -> the decode engine reads finished receiving; TTFT = request sent -> the decode engine's "
         "first decode step produced its token.",

@@ -108,11 +108,14 @@ def _engine_main(kind: str, role: str, spec: dict[str, Any], conn: Connection) -
     from ..demo.engine_proc import run_engine_child
 
     def body() -> None:
-        if spec.get("netns"):  # --fabric veth: this engine runs on its node's "host", UCX over TCP there
+        if spec.get("netns"):  # --fabric veth: this engine runs on its node's "host", over TCP on the veth
             from ..netns import enter_host
 
-            os.environ["UCX_TLS"] = "tcp"
-            os.environ["UCX_NET_DEVICES"] = str(spec["veth"])
+            if spec.get("backend", "UCX") == "LIBFABRIC":
+                os.environ["FI_TCP_IFACE"] = str(spec["veth"])
+            else:
+                os.environ["UCX_TLS"] = "tcp"
+                os.environ["UCX_NET_DEVICES"] = str(spec["veth"])
             enter_host(str(spec["netns"]))  # with its /sys: UCX finds the veth there
         _engine_loop(kind, role, spec, conn)
 
@@ -150,7 +153,7 @@ def _engine_loop(kind: str, role: str, spec: dict[str, Any], conn: Connection) -
             from ..refengine.inengine import InEnginePullHooks, InEnginePushHooks
 
             cls = InEnginePullHooks if kind == "inengine-pull" else InEnginePushHooks
-            inner = cls(kv, f"handover-{kind}-{role}", host=str(spec["host"]))
+            inner = cls(kv, f"handover-{kind}-{role}", host=str(spec["host"]), backend=str(spec.get("backend", "UCX")))
             static = inner.kv_params
         hooks = Timed(inner, LAYERS)
         engine = Engine(model, kv, role, hooks, max_num_seqs=1, max_prefills_per_step=1)

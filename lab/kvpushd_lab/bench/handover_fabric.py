@@ -22,8 +22,9 @@ ROLES = ("prefill", "decode")
 class Nodes:
     """Context manager: the daemons ready, the namespaces (if any) set up; torn down on exit."""
 
-    def __init__(self, fabric: str, workdir: Path) -> None:
+    def __init__(self, fabric: str, workdir: Path, backend: str = "UCX") -> None:
         self.fabric = fabric
+        self.backend = backend  # the daemons' NIXL backend (the in-engine agents run the same)
         self.workdir = workdir
         self.rate = fabric.split(":", 1)[1] if fabric.startswith("veth:") else ""
         self.lab: Any = None
@@ -56,10 +57,11 @@ class Nodes:
                 self.lab.run(i, ["tc", "qdisc", "replace", "dev", self.lab.veth, "root", "tbf", "rate", self.rate,
                                  "burst", "4mb", "latency", "100ms"])
             progress(f"  fabric: {self.lab.names[0]} ({self.lab.addrs[0]}) <-> {self.lab.names[1]} "
-                     f"({self.lab.addrs[1]}), veth pair, tc tbf {self.rate}, UCX_TLS=tcp")
+                     f"({self.lab.addrs[1]}), veth pair, tc tbf {self.rate}, "
+                     f"{'FI_PROVIDER=tcp' if self.backend == 'LIBFABRIC' else 'UCX_TLS=tcp'}")
         for i, role in enumerate(ROLES):
             self.daemons.append(launch.spawn(self.workdir, f"handover-{role}-node", settings=settings,
-                                             die_with_parent=True,
+                                             die_with_parent=True, backend=self.backend,
                                              netns=(self.lab, i) if self.lab is not None else None))
         for d in self.daemons:
             try:
@@ -72,7 +74,8 @@ class Nodes:
         out = {}
         for i, role in enumerate(ROLES):
             lab = self.lab
-            out[role] = {"sock": self.daemons[i].sock, "netns": lab.names[i] if lab is not None else "",
+            out[role] = {"sock": self.daemons[i].sock, "backend": self.backend,
+                         "netns": lab.names[i] if lab is not None else "",
                          "veth": lab.veth if lab is not None else "",
                          "host": lab.addrs[i] if lab is not None else "127.0.0.1"}
         return out

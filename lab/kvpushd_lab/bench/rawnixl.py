@@ -29,14 +29,16 @@ import numpy.typing as npt
 
 from kvpushd.transfer.descs import RegionSpec, block_descs, leg_indices, region_bases
 
+from ..backend import nixl_agent
+from ..backend import preload as preload_backend
 from .common import BenchError, KVMemory, Layout
 
-AGENT_BACKENDS = ["UCX"]
 IDLE_S = 0.05  # the daemon's NIXL thread's idle wait
 
 
-def _agent(name: str) -> Any:
-    import nixl._api as nx
+def _agent(name: str, backend: str = "UCX") -> Any:
+    preload_backend(backend)  # LIBFABRIC's libraries, before NIXL loads its plugin
+    import nixl._api  # noqa: F401 - first: importing it sets the "nixl" logger's level
 
     # NIXL logs to stdout at INFO; stdout is for the bench's table or JSON.
     nlog = logging.getLogger("nixl")
@@ -46,10 +48,11 @@ def _agent(name: str) -> Any:
             h.setStream(sys.stderr)
 
     # As the daemon does: no NIXL progress thread (it spins a core); the owner polls instead.
-    return nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=AGENT_BACKENDS))
+    return nixl_agent(name, backend)
 
 
-def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection, populate: bool = False) -> None:
+def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection, populate: bool = False,
+                 backend: str = "UCX") -> None:
     """Like the decode daemon's NIXL thread: poll every ``poll_s`` while a WRITE is awaited (or while
     told to stay busy), otherwise wake every 50 ms only; ``poll_s`` 0 spins while awaiting."""
     from kvpushd.memory.shm import ShmMapping
@@ -57,7 +60,7 @@ def _target_main(shm_name: str, size: int, poll_s: float, conn: Connection, popu
     m = ShmMapping(os.open(shm_name, os.O_RDWR | os.O_CLOEXEC), size, shm_name)  # KVMemory.name: a path
     if populate:  # as a daemon does for host KV (worker_api.populate_host_kv)
         m.populate()
-    agent = _agent(f"kvpushd-bench-target-{os.getpid()}")
+    agent = _agent(f"kvpushd-bench-target-{os.getpid()}", backend)
     reg = agent.register_memory([(m.addr, m.size, 0, "")], "DRAM")
     conn.send(("ready", bytes(agent.get_agent_metadata()), m.addr, agent.name))
     arrivals: dict[bytes, int] = {}
@@ -106,11 +109,12 @@ def preload() -> threading.Thread:
 class Target:
     """The destination agent in its own process (like a decode node's daemon)."""
 
-    def __init__(self, mem: KVMemory, poll_s: float, populate: bool = False) -> None:
+    def __init__(self, mem: KVMemory, poll_s: float, populate: bool = False, backend: str = "UCX") -> None:
         ctx = mp.get_context("spawn")
         self._conn, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(mem.name, mem.layout.total_bytes, poll_s, theirs, populate),
-                                 daemon=True)
+        self.backend = backend  # the Initiator's agent runs the same
+        self._proc = ctx.Process(target=_target_main, args=(mem.name, mem.layout.total_bytes, poll_s, theirs, populate,
+                                                            backend), daemon=True)
         self._proc.start()
         self.layout = mem.layout
         self.metadata = b""
@@ -173,7 +177,7 @@ class Initiator:
         self._map = ShmMapping(os.open(mem.name, os.O_RDWR | os.O_CLOEXEC), mem.layout.total_bytes, mem.name)
         if populate:
             self._map.populate()
-        self.agent = _agent(name or f"kvpushd-bench-initiator-{os.getpid()}")
+        self.agent = _agent(name or f"kvpushd-bench-initiator-{os.getpid()}", target.backend)
         self._reg = self.agent.register_memory([(self._map.addr, self._map.size, 0, "")], "DRAM")
         self.remote = self.agent.add_remote_agent(target.wait_ready().metadata)
         if isinstance(self.remote, bytes):

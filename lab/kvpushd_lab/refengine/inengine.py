@@ -122,16 +122,20 @@ def connect(host: str, port: int, timeout_s: float = 10.0) -> socket.socket:
     return s
 
 
-def _new_agent(name: str) -> Any:
-    """A UCX agent without NIXL's progress thread (it would spin a core): the engine thread polls."""
+def _new_agent(name: str, backend: str = "UCX") -> Any:
+    """An agent on ``backend`` (UCX, or LIBFABRIC: ``kvpushd_lab.backend``) without NIXL's progress
+    thread (it would spin a core): the engine thread polls."""
     import logging
 
-    import nixl._api as nx
+    from ..backend import nixl_agent, preload
+
+    preload(backend)
+    import nixl._api  # noqa: F401 - first: importing it sets the "nixl" logger's level
 
     # NIXL logs INFO lines to stdout, which belongs to the bench's table or JSON. (Only the level:
     # re-pointing its handler's stream, as rawnixl does, upsets pytest's capture in process.)
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    return nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    return nixl_agent(name, backend)
 
 
 @dataclass
@@ -146,7 +150,8 @@ class _InEngineBase:
 
     mode = ""
 
-    def __init__(self, kv: PagedKV | Sequence[PagedKV], engine_id: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, kv: PagedKV | Sequence[PagedKV], engine_id: str, host: str = "127.0.0.1",
+                 backend: str = "UCX") -> None:
         caches = as_caches(kv)
         if len(caches) != 1:
             raise ValueError("the in-engine baselines run TP1 engines only")
@@ -155,7 +160,7 @@ class _InEngineBase:
         layout = c.region_layout()
         base = c.k[0].data_ptr() - layout[0][0]  # address of the memory the cache's views start at
         self.regions = [RegionSpec(base + off, nb, bl, st, 0) for off, nb, bl, st in layout]
-        self.agent = _new_agent(f"inengine-{self.mode}-{engine_id}-{os.getpid()}")
+        self.agent = _new_agent(f"inengine-{self.mode}-{engine_id}-{os.getpid()}", backend)
         start = self.regions[0].addr
         self._reg = self.agent.register_memory([(start, c.nbytes, 0, "")], "DRAM")
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(self.regions), "DRAM")
@@ -235,8 +240,9 @@ class InEnginePullHooks(_InEngineBase):
 
     mode = "pull"
 
-    def __init__(self, kv: PagedKV | Sequence[PagedKV], engine_id: str, host: str = "127.0.0.1") -> None:
-        super().__init__(kv, engine_id, host)
+    def __init__(self, kv: PagedKV | Sequence[PagedKV], engine_id: str, host: str = "127.0.0.1",
+                 backend: str = "UCX") -> None:
+        super().__init__(kv, engine_id, host, backend)
         self._held: set[str] = set()                         # prefill: transfer ids whose blocks wait
         self._reads: dict[str, tuple[Any, str, str]] = {}    # decode: req id -> (handle, tid, remote agent)
 
@@ -287,8 +293,9 @@ class InEnginePushHooks(_InEngineBase):
 
     mode = "push"
 
-    def __init__(self, kv: PagedKV | Sequence[PagedKV], engine_id: str, host: str = "127.0.0.1") -> None:
-        super().__init__(kv, engine_id, host)
+    def __init__(self, kv: PagedKV | Sequence[PagedKV], engine_id: str, host: str = "127.0.0.1",
+                 backend: str = "UCX") -> None:
+        super().__init__(kv, engine_id, host, backend)
         # prefill side
         self._done: dict[str, list[int]] = {}               # tid -> source blocks (prefill done)
         self._regs: dict[str, tuple[str, list[int]]] = {}   # tid -> (decode engine, destination blocks)
