@@ -76,6 +76,61 @@ class CompletionKind(enum.IntEnum):
     FAILED = 3
 
 
+# -- the commands a worker sends on its stream: one record each, from the caller that makes it to the
+# daemon's core (the client builds it, its stream queues it as it is, the daemon's rpc/convert.py
+# makes the same record from the wire). Frozen dataclasses: this package stays on grpcio and protobuf.
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """Decode side: destination blocks, as soon as they are allocated (StreamWorker.expect)."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    producer_address: str
+    producer_engine_id: str
+    producer_tp_size: int = 1
+    skip_tokens: int = 0  # the prompt's first tokens the worker holds already; block_ids start there
+    transfer_mode: TransferMode = TransferMode.PUSH
+    traceparent: str = ""  # the engine request's W3C trace context
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Prefill side: the source blocks are complete, or (``step``, ``layers``: progressive push) will
+    be as the doorbell's step ``step`` goes; ``ready_blocks``: the first that many are complete now.
+    ``consumer_*``: the only decode daemon whose registration is accepted (both "": the first)."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    traceparent: str = ""
+    consumer_node_id: str = ""
+    consumer_tls_name: str = ""
+    step: int = 0
+    layers: int = 0
+    ready_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Withdraw a transfer of this worker; best effort (its answer says whether it was pending)."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decline:
+    """Decode side: this transfer will never be expected here; best effort, like Abort."""
+
+    transfer_id: str
+    producer_address: str
+    producer_engine_id: str
+    reason: str = ""
+
+
+Command = Expect | Publish | Abort | Decline
+
+
 @dataclass(frozen=True, slots=True)
 class ShmMemory:
     """A POSIX shared memory object (/dev/shm/<name>) holding KV blocks."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
-from kvpushd_client.types import CudaMemory, ShmMemory
+from kvpushd_client.types import Abort, CudaMemory, Decline, Expect, Publish, ShmMemory
 
 from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
@@ -32,6 +32,24 @@ def failure_code(v: int) -> FailureCode:
         return FailureCode(v)
     except ValueError:
         return FailureCode.UNSPECIFIED
+
+
+def expect(r: worker_pb2.ExpectRequest) -> Expect:
+    return Expect(r.transfer_id, tuple(r.block_ids), r.producer_address, r.producer_engine_id, r.producer_tp_size,
+                  r.skip_tokens, transfer_mode(r.transfer_mode), r.traceparent[:128])
+
+
+def publish(r: worker_pb2.PublishRequest) -> Publish:
+    return Publish(r.transfer_id, tuple(r.block_ids), r.traceparent[:128], r.consumer_node_id, r.consumer_tls_name,
+                   r.step, r.layers, r.ready_blocks)
+
+
+def abort(r: worker_pb2.AbortRequest) -> Abort:
+    return Abort(r.transfer_id)
+
+
+def decline(r: worker_pb2.DeclineRequest) -> Decline:
+    return Decline(r.transfer_id, r.producer_address, r.producer_engine_id, r.reason)
 
 
 def notice(n: peer_pb2.FailNotice) -> tuple[str, int, FailureCode, str]:

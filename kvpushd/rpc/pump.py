@@ -74,13 +74,11 @@ def _beat(res: Any, instance_id: str) -> None:
     res.heartbeat.instance_id, res.heartbeat.knows_caller = instance_id, True
 
 
-WORKER_OPS: Mapping[str, Op] = {
-    "expect": Op(lambda r: (r.transfer_id, r.block_ids, r.producer_address, r.producer_engine_id, r.producer_tp_size,
-                            convert.transfer_mode(r.transfer_mode), r.skip_tokens, r.traceparent[:128]), Node.expect),
-    "publish": Op(lambda r: (r.transfer_id, r.block_ids, r.traceparent[:128], r.consumer_node_id,
-                                r.consumer_tls_name, r.step, r.layers, r.ready_blocks), Node.publish),
-    "abort": Op(lambda r: (r.transfer_id,), Node.abort, _found),
-    "decline": Op(lambda r: (r.transfer_id, r.producer_address, r.producer_engine_id, r.reason), Node.decline),
+WORKER_OPS: Mapping[str, Op] = {  # each command as its record (kvpushd_client.types), made once
+    "expect": Op(lambda r: (convert.expect(r),), Node.expect),
+    "publish": Op(lambda r: (convert.publish(r),), Node.publish),
+    "abort": Op(lambda r: (convert.abort(r),), Node.abort, _found),
+    "decline": Op(lambda r: (convert.decline(r),), Node.decline),
 }
 
 PEER_OPS: Mapping[str, Op] = {

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import structlog
+from kvpushd_client.types import Abort, Decline, Expect, Publish
 
 from ..config import Config
 from ..core.errors import (
@@ -23,7 +24,7 @@ from ..core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ..core.rendezvous import Binding, Registration
+from ..core.rendezvous import Registration
 from ..core.types import Completion, FailureCode, Role, TransferMode
 from ..events import EventHub
 from ..memory import MemorySpec
@@ -141,71 +142,64 @@ class Node:
     def worker(self, worker_id: str) -> Worker:
         return self.workers.get(worker_id)
 
-    def expect(self, worker_id: str, transfer_id: str, block_ids: Sequence[int],
-               producer_address: str, producer_engine_id: str, producer_tp_size: int,
-               transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0, traceparent: str = "") -> None:
+    def expect(self, worker_id: str, cmd: Expect) -> None:
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_receive:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot expect")
-        check_blocks(w, block_ids, self.cfg)
-        check_skip(w, skip_tokens)
-        check_transfer_id(transfer_id)
-        if not producer_engine_id:
+        check_blocks(w, cmd.block_ids, self.cfg)
+        check_skip(w, cmd.skip_tokens)
+        check_transfer_id(cmd.transfer_id)
+        if not cmd.producer_engine_id:
             raise InvalidArgument("producer_engine_id must not be empty")
         self.rv.bounded()
-        actions = self.rv.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id, block_ids,
-                                      producer_address, producer_engine_id, producer_tp_size,
-                                      TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=w.regions)
-        self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "recv", len(block_ids),
-                              len(block_ids) * w.block_bytes, producer_address, traceparent))
+        actions = self.rv.recv.expect(time.monotonic(), w, cmd)
+        n = len(cmd.block_ids)
+        self.obs.emit(Started(w.worker_id, cmd.transfer_id, w.engine_id, "recv", n, n * w.block_bytes,
+                              cmd.producer_address, cmd.traceparent))
         self.run(actions)
 
-    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
-                ready_blocks: int = 0) -> None:
-        """``consumer_*``: the only decode daemon whose registration is accepted (both "": the first).
+    def publish(self, worker_id: str, cmd: Publish) -> None:
+        """``cmd.consumer_*``: the only decode daemon whose registration is accepted (both "": the first).
         ``step``, ``layers``: progressive push (declared before that engine step computes the blocks);
         ``ready_blocks``: how many of the first blocks are complete already (written at once)."""
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
-        check_blocks(w, block_ids, self.cfg)
-        check_transfer_id(transfer_id)
-        if max(len(consumer_node_id), len(consumer_tls_name)) > 256:
+        check_blocks(w, cmd.block_ids, self.cfg)
+        check_transfer_id(cmd.transfer_id)
+        if max(len(cmd.consumer_node_id), len(cmd.consumer_tls_name)) > 256:
             raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
-        check_progressive(w, step, layers)
+        check_progressive(w, cmd.step, cmd.layers)
         self.rv.bounded()
-        actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
-                                       transfer_id, block_ids, layouts=w.regions,
-                                       consumer=Binding(consumer_node_id, consumer_tls_name), at_step=step,
-                                       layers=layers, ready_blocks=ready_blocks)
-        if layers:
-            self.ex.watch_step(w.worker_id, step)
-        self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))
+        actions = self.rv.send.publish(time.monotonic(), w, cmd)
+        if cmd.layers:
+            self.ex.watch_step(w.worker_id, cmd.step)
+        self.obs.emit(Started(w.worker_id, cmd.transfer_id, w.engine_id, "send", len(cmd.block_ids),
+                              traceparent=cmd.traceparent))
         self.run(actions)
 
-    def abort(self, worker_id: str, transfer_id: str) -> bool:
+    def abort(self, worker_id: str, cmd: Abort) -> bool:
         w = self.workers.get(worker_id)
-        found, actions = self.rv.abort(w.worker_id, w.engine_id, transfer_id)
+        found, actions = self.rv.abort(w.worker_id, w.engine_id, cmd.transfer_id)
         self.run(actions)
         return found
 
-    def decline(self, worker_id: str, transfer_id: str, producer_address: str, producer_engine_id: str,
-                reason: str) -> None:
+    def decline(self, worker_id: str, cmd: Decline) -> None:
         """Decode side: the worker will never Expect this transfer (its Expect failed before it got
         here); the prefill daemon hears so and frees the transfer's source blocks at once."""
         w = self.workers.get(worker_id)
         if not w.role.can_receive:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot decline")
-        check_transfer_id(transfer_id)
-        if not producer_engine_id or not producer_address:
+        tid, address, engine = cmd.transfer_id, cmd.producer_address, cmd.producer_engine_id
+        check_transfer_id(tid)
+        if not engine or not address:
             raise InvalidArgument("producer_address and producer_engine_id must not be empty")
-        if self.rv.recv.pending(w.worker_id, transfer_id):
-            raise FailedPrecondition(f"transfer {transfer_id[:256]!r} is pending on this worker: abort it instead")
-        log.info("transfer declined", transfer_id=transfer_id[:256], worker_id=w.worker_id, peer=producer_address)
-        self.ex.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id, reason[:2000])
+        if self.rv.recv.pending(w.worker_id, tid):
+            raise FailedPrecondition(f"transfer {tid[:256]!r} is pending on this worker: abort it instead")
+        log.info("transfer declined", transfer_id=tid[:256], worker_id=w.worker_id, peer=address)
+        self.ex.decline(address[:256], tid, engine[:256], w.engine_id, cmd.reason[:2000])
 
     def called(self, worker_id: str, commands: int) -> None:
         """Count a worker's Stream batch of ``commands`` commands, for status."""
