@@ -9,6 +9,7 @@ from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
 from ..memory import MemfdSpec, MemorySpec
 from ..memory.fdpass import TOKEN_BYTES
+from ..runtime.peerops import Declined, Notice, Offer, ReadFailed, Register
 from ..runtime.workers import RegionArg
 from ..transfer.descs import RegionSpec, RemoteAgent
 
@@ -52,9 +53,28 @@ def decline(r: worker_pb2.DeclineRequest) -> Decline:
     return Decline(r.transfer_id, r.producer_address, r.producer_engine_id, r.reason)
 
 
-def notice(n: peer_pb2.FailNotice) -> tuple[str, int, FailureCode, str]:
-    """A Fail or Withdraw item -> (transfer id, registration id, code, reason)."""
-    return n.transfer_id, n.registration_id, failure_code(n.code), n.reason[:2000]
+def notice(n: peer_pb2.FailNotice) -> Notice:
+    """A Fail or Withdraw item."""
+    return Notice(n.transfer_id, n.registration_id, failure_code(n.code), n.reason[:2000])
+
+
+def register(r: peer_pb2.RegisterRequest) -> Register:
+    return Register(r.transfer_id, r.registration_id, r.producer_engine_id, r.producer_tp_size, r.consumer_engine_id,
+                    r.consumer_tp_rank, r.consumer_tp_size, remote_agent(r.consumer_agent), tuple(r.block_ids),
+                    transfer_mode(r.transfer_mode), r.skip_tokens, r.traceparent)
+
+
+def offer(r: peer_pb2.OfferRequest) -> Offer:
+    return Offer(r.transfer_id, r.registration_id, r.producer_rank, remote_agent(r.producer_agent),
+                 tuple(r.block_ids))
+
+
+def read_failed(r: peer_pb2.ReadFailedNotice) -> ReadFailed:
+    return ReadFailed(r.registration_id, r.producer_rank, r.reason)
+
+
+def declined(r: peer_pb2.DeclineNotice) -> Declined:
+    return Declined(r.transfer_id, r.producer_engine_id, r.consumer_engine_id, r.reason)
 
 
 def token(t: bytes, optional: bool = True) -> bytes:
