@@ -10,7 +10,7 @@ from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMo
 from ..memory import MemfdSpec, MemorySpec
 from ..memory.fdpass import TOKEN_BYTES
 from ..runtime.peerops import Declined, Notice, Offer, ReadFailed, Register
-from ..runtime.workers import RegionArg
+from ..runtime.workers import Attach, RegionArg
 from ..transfer.descs import RegionSpec, RemoteAgent
 
 
@@ -101,6 +101,11 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
 def region(r: common_pb2.Region) -> RegionArg:
     return RegionArg(r.memory_index, r.offset, RegionLayout(r.num_blocks, r.block_len, r.block_stride,
                                                             r.block_size_tokens, r.num_heads, r.layout, r.replicated))
+
+
+def attach(r: worker_pb2.AttachRequest) -> Attach:
+    return Attach(r.engine_id, role(r.role), r.tp_rank, r.tp_size, r.pp_rank, tuple(memory(m) for m in r.memory),
+                  tuple(region(x) for x in r.regions), r.description, r.doorbell[:256], token(r.doorbell_token))
 
 
 def completion(c: Completion) -> worker_pb2.Completion:

@@ -25,11 +25,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @unary
     async def Attach(self, request: worker_pb2.AttachRequest, context: Ctx) -> worker_pb2.AttachResponse:
         try:
-            w = await self.node.attach(request.engine_id, convert.role(request.role), request.tp_rank,
-                                       request.tp_size, request.pp_rank,
-                                       [convert.memory(m) for m in request.memory],
-                                       [convert.region(r) for r in request.regions], request.description,
-                                       request.doorbell[:256], convert.token(request.doorbell_token))
+            w = await self.node.attach(convert.attach(request))
         except BaseException:
             # whatever refused it (a malformed handle after good ones, a rank taken, a draining daemon),
             # the descriptors handed over for this Attach are closed now, not at the inbox's expiry: a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import structlog
 from kvpushd_client.types import Abort, Decline, Expect, Publish
@@ -25,9 +25,8 @@ from ..core.errors import (
     Unavailable,
 )
 from ..core.rendezvous import Registration
-from ..core.types import Completion, Role, TransferMode
+from ..core.types import Completion, TransferMode
 from ..events import EventHub
-from ..memory import MemorySpec
 from ..tracing import Tracing
 from .executor import Executor
 from .figures import FigureBook
@@ -40,7 +39,7 @@ from .rendezvous import Rendezvous
 from .sinks import Tally
 from .view import View
 from .workers import (
-    RegionArg,
+    Attach,
     Worker,
     Workers,
     check_block_ids,
@@ -132,12 +131,9 @@ class Node:
 
     # -- worker API -----------------------------------------------------------------------------
 
-    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                     doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
+    async def attach(self, a: Attach) -> Worker:
         self._not_draining()
-        return await self.workers.attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
-                                         doorbell, doorbell_token)
+        return await self.workers.attach(a)
 
     def worker(self, worker_id: str) -> Worker:
         return self.workers.get(worker_id)

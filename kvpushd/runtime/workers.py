@@ -50,6 +50,22 @@ class RegionArg:
     layout: RegionLayout
 
 
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """One Attach, as rpc/convert.py makes it from the request: checked and carried out whole."""
+
+    engine_id: str
+    role: Role
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    memory: tuple[MemorySpec, ...]
+    regions: tuple[RegionArg, ...]
+    description: str = ""
+    doorbell: str = ""           # the doorbell page's label, if one is handed over
+    doorbell_token: bytes = b""  # the token it was handed over under (fdpass)
+
+
 @dataclass(slots=True)
 class Worker:
     worker_id: str
@@ -106,26 +122,22 @@ class Workers:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                     doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
+    async def attach(self, a: Attach) -> Worker:
         """An Attach whose caller goes (its deadline passed, its call cancelled) runs to its end anyway,
         holding its claims: cut short, it left what a thread had mapped for it mapped for good, or
         unmapped memory the NIXL thread was registering. Finished, its worker is detached like any that
         never opens its session (``worker_api.session_grace_s``)."""
-        task = asyncio.ensure_future(self._claim_and_attach(engine_id, role, tp_rank, tp_size, pp_rank, memory,
-                                                            regions, description, doorbell, doorbell_token))
+        task = asyncio.ensure_future(self._claim_and_attach(a))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(_abandoned)
             raise
 
-    async def _claim_and_attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                                memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                                doorbell: str, doorbell_token: bytes) -> Worker:
-        check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
-        check_geometry([r.layout for r in regions])
+    async def _claim_and_attach(self, a: Attach) -> Worker:
+        check_attach(a, self.cfg)
+        check_geometry([r.layout for r in a.regions])
+        engine_id, tp_rank, pp_rank = a.engine_id, a.tp_rank, a.pp_rank
         rank = ("rank", engine_id, tp_rank, pp_rank)
         for w in self.by_id.values():
             # A worker that is gone (its detach waits for WRITEs from its memory to settle) does
@@ -143,19 +155,18 @@ class Workers:
         claims: set[tuple[object, ...]] = {rank}
         self._claims.add(rank)
         try:
-            return await self._attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
-                                      doorbell, doorbell_token, claims)
+            return await self._attach(a, claims)
         finally:
             self._claims -= claims
 
-    async def _attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                      doorbell: str, doorbell_token: bytes, claims: set[tuple[object, ...]]) -> Worker:
+    async def _attach(self, a: Attach, claims: set[tuple[object, ...]]) -> Worker:
+        engine_id, role, tp_rank, tp_size, pp_rank = a.engine_id, a.role, a.tp_rank, a.tp_size, a.pp_rank
+        memory, regions = a.memory, a.regions
         loop = asyncio.get_running_loop()
         mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory))
         bell: Doorbell | None = None
         try:
-            bell = self._open_bell(doorbell, doorbell_token, role.can_receive)
+            bell = self._open_bell(a.doorbell, a.doorbell_token, role.can_receive)
             if bell is not None:
                 self._claim_bell(bell, claims)
             kinds = {m.mem_type for m in mappings}
@@ -176,7 +187,7 @@ class Workers:
             prefix = agent_prefix(self.ident.node_id, self.ident.instance_id)
             agent = f"{prefix}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
             w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
-                       tuple(specs), description, time.monotonic(),
+                       tuple(specs), a.description, time.monotonic(),
                        min(r.layout.num_blocks for r in regions), bell=bell)
             assert self.xfer is not None
             w.metadata = await self.xfer.attach(wid, agent, mem_type,
@@ -403,11 +414,12 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, 
         raise InvalidArgument("block_ids contain duplicates")
 
 
-def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[MemorySpec],
-                 regions: Sequence[RegionArg], cfg: Config, description: str = "") -> None:
+def check_attach(a: Attach, cfg: Config) -> None:
+    engine_id, tp_rank, tp_size, memory, regions, description = (a.engine_id, a.tp_rank, a.tp_size, a.memory,
+                                                                  a.regions, a.description)
     if not engine_id or len(engine_id) > 128 or not engine_id.isprintable() or "." in engine_id:
         raise InvalidArgument(f"engine_id {engine_id!r}: 1-128 printable characters, no '.'")
-    if role is Role.UNSPECIFIED:
+    if a.role is Role.UNSPECIFIED:
         raise InvalidArgument("role must be PRODUCER, CONSUMER or BOTH")
     if tp_size < 1 or tp_rank >= tp_size:
         raise InvalidArgument(f"tp_rank {tp_rank} must be below tp_size {tp_size} (>= 1)")

@@ -612,13 +612,13 @@ def test_an_attach_whose_caller_leaves_runs_to_its_end_and_holds_its_rank(tmp_pa
         ws.fds.start(asyncio.get_running_loop())
         try:
             spec = [memory.MemfdSpec(hand_over(sock, [MemfdMemory(fd, 4 * 4096)])[0], 4 * 4096)]
-            first = asyncio.ensure_future(ws.attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region, ""))
+            first = asyncio.ensure_future(ws.attach(room.Attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region)))
             await asyncio.sleep(0.1)  # the thread is mapping
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
             with pytest.raises(AlreadyExists):  # the rank is still the first Attach's
-                await ws.attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region, "")
+                await ws.attach(room.Attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region))
             for _ in range(50):
                 if ws.by_id:
                     break
