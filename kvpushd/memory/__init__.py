@@ -52,10 +52,7 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) 
             else:
                 from .cuda import CudaIpcMapping
 
-                out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
-                                          spec.ref_counter_handle, spec.ref_counter_offset,
-                                          spec.event_handle, spec.event_sync_required,
-                                          spec.sentinel, spec.sentinel_offset, spec.sentinel_restore))
+                out.append(CudaIpcMapping(spec))
     except BaseException:
         for m in out:
             m.close()
