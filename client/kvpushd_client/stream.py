@@ -314,9 +314,7 @@ class StreamWorker:
         ``traceparent``: the engine request's W3C trace context; a daemon with tracing on continues it."""
         cmd = Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
                      skip_tokens, _mode(transfer_mode), traceparent)  # a bad mode raises here
-        self.step()
-        self._watch(transfer_id)
-        self.call(cmd)
+        self.send(cmd)
 
     def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
                 consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
@@ -325,20 +323,24 @@ class StreamWorker:
         the only decode daemon whose registration the prefill daemon accepts, by its node id and/or
         its client certificate's name (the router names it; both "": the first registration wins).
         ``step``, ``layers``, ``ready_blocks``: progressive push, as ``publish_nowait``."""
-        self.step()
-        self.call(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
+        self.send(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
                           step, layers, ready_blocks))
 
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
         """Decode side: this transfer will never be expected here (its Expect failed before it
         reached the daemon); the prefill daemon frees the transfer's source blocks at once."""
-        self.step()
-        self.call(Decline(transfer_id, producer_address, producer_engine_id, reason))
+        self.send(Decline(transfer_id, producer_address, producer_engine_id, reason))
 
     def abort(self, transfer_id: str) -> bool:
         """Whether the transfer was pending; everything for it is released on both nodes."""
+        return self.send(Abort(transfer_id))
+
+    def send(self, cmd: Command) -> bool:
+        """Send the step, then the command record, and wait for its answer (``call``)."""
         self.step()
-        return self.call(Abort(transfer_id))
+        if isinstance(cmd, Expect):
+            self._watch(cmd.transfer_id)
+        return self.call(cmd)
 
     def call(self, q: Command, timeout_s: float | None = None) -> bool:
         """One command record on its own batch, from any thread, and its answer: True, or an Abort's
