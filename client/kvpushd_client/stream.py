@@ -17,9 +17,9 @@ finished receive reaches the engine in its own step, before the stream's copy. E
 reported once: the stream's copy of a transfer the ring reported is held back, its figures kept for
 ``take_late()``.
 
-Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` send the step
-and one command, and return its answer (raising the daemon's refusal); ``call`` does the same for
-one command from any thread, unordered with the engine thread's step.
+Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` (or ``send``
+with a record) send the step and one command, and return its answer (raising the daemon's refusal);
+``call`` does the same for one command from any thread, unordered with the engine thread's step.
 """
 
 from __future__ import annotations
