@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .stream import StreamWorker
 from .types import (
     Abort,
+    Attach,
     Command,
     Completion,
     CompletionKind,
@@ -32,9 +33,9 @@ from .types import (
 )
 
 __all__ = [
-    "Abort", "Command", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "Decline", "Expect",
-    "KVLayout", "KVPushClient", "KVPushError", "MemfdMemory", "Publish", "ReconnectingStreamWorker", "Region",
-    "Role", "SealedBuffer", "ShmMemory", "StreamWorker", "TransferFigures",
+    "Abort", "Attach", "Command", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "Decline",
+    "Expect", "KVLayout", "KVPushClient", "KVPushError", "MemfdMemory", "Publish", "ReconnectingStreamWorker",
+    "Region", "Role", "SealedBuffer", "ShmMemory", "StreamWorker", "TransferFigures",
 ]
 
 _LAZY = {"KVPushClient": "client", "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm",

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from .proto.v1 import common_pb2, worker_pb2
 from .types import (
+    Attach,
     Completion,
     CompletionKind,
     CudaMemory,
     FailureCode,
     MemfdMemory,
-    Memory,
-    Region,
-    Role,
     ShmMemory,
     TransferFigures,
     TransferMode,
@@ -34,12 +32,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory],
-                   regions: Sequence[Region], pp_rank: int, description: str,
-                   tokens: Mapping[int, bytes] | None = None) -> worker_pb2.AttachRequest:
+def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None) -> worker_pb2.AttachRequest:
     """``tokens``: what each MemfdMemory's descriptor was sent under (shm.hand_over), by index."""
     mem = []
-    for i, m in enumerate(memory):
+    for i, m in enumerate(a.memory):
         if isinstance(m, MemfdMemory):
             if tokens is None or i not in tokens:
                 raise ValueError(f"memory {i} is a memfd that was not handed over (shm.hand_over)")
@@ -61,10 +57,10 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
                               block_size_tokens=r.block_size_tokens,
                               layout=common_pb2.KVLayout.ValueType(int(r.layout)), num_heads=r.num_heads,
                               replicated=r.replicated)
-            for r in regions]
-    return worker_pb2.AttachRequest(engine_id=engine_id, role=common_pb2.Role.ValueType(int(role)),
-                                    tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, memory=mem,
-                                    regions=regs, description=description)
+            for r in a.regions]
+    return worker_pb2.AttachRequest(engine_id=a.engine_id, role=common_pb2.Role.ValueType(int(a.role)),
+                                    tp_rank=a.tp_rank, tp_size=a.tp_size, pp_rank=a.pp_rank, memory=mem,
+                                    regions=regs, description=a.description)
 
 
 def failure_code_name(v: int) -> str:

@@ -26,7 +26,7 @@ from .gpu_doorbell import make_doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .shm import hand_over
 from .stream import StreamWorker
-from .types import CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
+from .types import Attach, CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
 
 T = TypeVar("T")
 
@@ -74,8 +74,8 @@ class KVPushClient:
                 bell_fd = bell.fd if doorbell_fd is None else doorbell_fd
                 pages.append(MemfdMemory(bell_fd, BELL_SIZE))
             tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)
-            req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
-                                          tokens)
+            req = _convert.attach_request(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
+                                                 pp_rank, description), tokens)
             if bell is not None:
                 req.doorbell_token = tokens[len(memory)]
                 if role.can_receive:

@@ -191,6 +191,21 @@ class Region:
 
 
 @dataclass(frozen=True, slots=True)
+class Attach:
+    """What a worker hands its daemon once: KVPushClient.attach makes it, _convert.attach_request
+    turns it into the AttachRequest."""
+
+    engine_id: str
+    role: Role
+    tp_rank: int
+    tp_size: int
+    memory: tuple[Memory, ...]
+    regions: tuple[Region, ...]
+    pp_rank: int = 0
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TransferFigures:
     """What the daemon measured of the transfer (0: not known on this side). The daemon that posted
     the NIXL transfers (prefill in push mode, decode in pull mode) knows ``nixl_transfers``,

@@ -15,6 +15,7 @@ from kvpushd_client.shm import hand_over
 from kvpushd_client.stream import _GONE, _command, _mode
 from kvpushd_client.types import (
     Abort,
+    Attach,
     Command,
     Completion,
     DaemonUnavailable,
@@ -58,8 +59,8 @@ class AsyncKVPushClient:
                      regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> AsyncWorker:
         # a local datagram per memfd (off the loop: a full queue makes a send wait)
         tokens = await asyncio.to_thread(hand_over, self.socket_path, memory, self.timeout_s)
-        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
-                                      tokens)
+        req = _convert.attach_request(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
+                                             pp_rank, description), tokens)
         try:
             resp = await self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
