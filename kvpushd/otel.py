@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -25,6 +26,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from .config import TracingConfig
 from .core.types import Completion, CompletionKind
 from .tracing import Tracing
+
+if TYPE_CHECKING:
+    from .transfer.records import ReadResult, WriteResult
 
 Key = tuple[str, str]  # (worker id, transfer id)
 _CAP = 100_000  # open spans and remembered contexts at most (a transfer that never ends is dropped)
@@ -164,8 +168,7 @@ class OtelTracing(Tracing):
                     {"kvpushd.transfer_id": transfer_id, "kvpushd.peer": peer})
 
     # both -------------------------------------------------------------------------------------
-    def nixl_done(self, worker_id: str, transfer_id: str, read: bool, ok: bool, reason: str, nbytes: int,
-                  descriptors: int, post_s: float, transfer_s: float) -> None:
+    def nixl_done(self, worker_id: str, transfer_id: str, read: bool, x: WriteResult | ReadResult) -> None:
         if read:
             o = self._recv.get((worker_id, transfer_id))
             parent = o.span if o is not None else None
@@ -174,15 +177,15 @@ class OtelTracing(Tracing):
         if parent is None:
             return
         now = time.time_ns()
-        start = _ns_ago(post_s + transfer_s, now)
+        start = _ns_ago(x.post_s + x.xfer_s, now)
         s = self._tracer.start_span("kvpushd.nixl_read" if read else "kvpushd.nixl_write",
                                     context=trace.set_span_in_context(parent), start_time=start,
-                                    attributes={"kvpushd.transfer_id": transfer_id, "kvpushd.bytes": nbytes,
-                                                "kvpushd.descriptors": descriptors, "kvpushd.post_s": post_s,
-                                                "kvpushd.transfer_s": transfer_s})
-        s.add_event("posted", timestamp=_ns_ago(transfer_s, now))
-        if not ok:
-            s.set_status(Status(StatusCode.ERROR, reason))
+                                    attributes={"kvpushd.transfer_id": transfer_id, "kvpushd.bytes": x.nbytes,
+                                                "kvpushd.descriptors": x.descs_posted, "kvpushd.post_s": x.post_s,
+                                                "kvpushd.transfer_s": x.xfer_s})
+        s.add_event("posted", timestamp=_ns_ago(x.xfer_s, now))
+        if not x.ok:
+            s.set_status(Status(StatusCode.ERROR, x.reason))
         s.end(end_time=now)
 
     def delivered(self, worker_id: str, side: str, c: Completion) -> None:

@@ -18,7 +18,12 @@ Spans per transfer (all in the trace of the engine request's W3C ``traceparent``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .core.types import Completion
+
+if TYPE_CHECKING:
+    from .transfer.records import ReadResult, WriteResult
 
 
 class Tracing:
@@ -48,8 +53,7 @@ class Tracing:
         """The second of publish and registration arrived ``waited_s`` after the first: a WRITE starts."""
 
     # both
-    def nixl_done(self, worker_id: str, transfer_id: str, read: bool, ok: bool, reason: str, nbytes: int,
-                  descriptors: int, post_s: float, transfer_s: float) -> None:
+    def nixl_done(self, worker_id: str, transfer_id: str, read: bool, x: WriteResult | ReadResult) -> None:
         """A WRITE (prefill) or READ (decode, pull) this daemon posted is done."""
 
     def delivered(self, worker_id: str, side: str, c: Completion) -> None:

@@ -13,13 +13,19 @@ if TYPE_CHECKING:
     from .shm import SealedBuffer
     from .stream import StreamWorker
 from .types import (
+    Abort,
+    Attach,
+    Command,
     Completion,
     CompletionKind,
     CudaMemory,
     DaemonUnavailable,
+    Decline,
+    Expect,
     KVLayout,
     KVPushError,
     MemfdMemory,
+    Publish,
     Region,
     Role,
     ShmMemory,
@@ -27,9 +33,9 @@ from .types import (
 )
 
 __all__ = [
-    "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "KVLayout", "KVPushClient", "KVPushError",
-    "MemfdMemory", "ReconnectingStreamWorker", "Region", "Role", "SealedBuffer", "ShmMemory", "StreamWorker",
-    "TransferFigures",
+    "Abort", "Attach", "Command", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "Decline",
+    "Expect", "KVLayout", "KVPushClient", "KVPushError", "MemfdMemory", "Publish", "ReconnectingStreamWorker",
+    "Region", "Role", "SealedBuffer", "ShmMemory", "StreamWorker", "TransferFigures",
 ]
 
 _LAZY = {"KVPushClient": "client", "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm",

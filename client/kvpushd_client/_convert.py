@@ -6,14 +6,12 @@ from collections.abc import Mapping, Sequence
 
 from .proto.v1 import common_pb2, worker_pb2
 from .types import (
+    Attach,
     Completion,
     CompletionKind,
     CudaMemory,
     FailureCode,
     MemfdMemory,
-    Memory,
-    Region,
-    Role,
     ShmMemory,
     TransferFigures,
     TransferMode,
@@ -35,14 +33,12 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory | VmmMemory],
-                   regions: Sequence[Region], pp_rank: int, description: str,
-                   tokens: Mapping[int, bytes] | None = None,
+def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None,
                    chunk_tokens: Mapping[int, Sequence[bytes]] | None = None) -> worker_pb2.AttachRequest:
     """``tokens``: what each MemfdMemory's descriptor was sent under (shm.hand_over), by index;
     ``chunk_tokens``: each VmmMemory's chunks' (vmm.hand_over_chunks)."""
     mem = []
-    for i, m in enumerate(memory):
+    for i, m in enumerate(a.memory):
         if isinstance(m, VmmMemory):
             got = (chunk_tokens or {}).get(i)
             if got is None or len(got) != len(m.chunks):
@@ -74,10 +70,12 @@ def attach_request(engine_id: str, role: Role, tp_rank: int, tp_size: int, memor
                               block_size_tokens=r.block_size_tokens,
                               layout=common_pb2.KVLayout.ValueType(int(r.layout)), num_heads=r.num_heads,
                               replicated=r.replicated)
-            for r in regions]
-    return worker_pb2.AttachRequest(engine_id=engine_id, role=common_pb2.Role.ValueType(int(role)),
-                                    tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, memory=mem,
-                                    regions=regs, description=description)
+            for r in a.regions]
+    return worker_pb2.AttachRequest(engine_id=a.engine_id, role=common_pb2.Role.ValueType(int(a.role)),
+                                    tp_rank=a.tp_rank, tp_size=a.tp_size, pp_rank=a.pp_rank, memory=mem,
+                                    regions=regs, description=a.description,
+                                    extends_worker_id=a.extends_worker_id,
+                                    extends_worker_token=a.extends_worker_token)
 
 
 def failure_code_name(v: int) -> str:

@@ -27,7 +27,7 @@ from .gpu_doorbell import make_doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .shm import hand_over
 from .stream import StreamWorker
-from .types import CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
+from .types import Attach, CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
 from .vmm import VmmMemory, hand_over_chunks
 
 T = TypeVar("T")
@@ -77,8 +77,8 @@ class KVPushClient:
                 pages.append(MemfdMemory(bell_fd, BELL_SIZE))
             tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)  # type: ignore[list-item]
             chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
-            req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
-                                          tokens, chunk_tokens)
+            req = _convert.attach_request(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
+                                                 pp_rank, description), tokens, chunk_tokens)
             if bell is not None:
                 req.doorbell_token = tokens[len(memory)]
                 if role.can_receive:
@@ -106,9 +106,9 @@ class KVPushClient:
         memory = [dataclasses.replace(m, arm_sentinel=None) for m in memory]  # no sentinel: live KV, not checked
         try:
             chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
-            req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, "",
-                                          {}, chunk_tokens)
-            req.extends_worker_id, req.extends_worker_token = worker.worker_id, worker.token
+            req = _convert.attach_request(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
+                                                 pp_rank, extends_worker_id=worker.worker_id,
+                                                 extends_worker_token=worker.token), {}, chunk_tokens)
             self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None

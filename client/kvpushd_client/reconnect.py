@@ -3,7 +3,7 @@
     rw = ReconnectingStreamWorker("/run/kvpushd/worker.sock", dict(engine_id=..., role=..., tp_rank=...,
                                   tp_size=..., memory=[...], regions=[...]))
     rw.start()                          # attach (waiting for the daemon), start the background thread
-    call = rw.expect_nowait("req-1", [3, 4], producer_address, "prefill-0", 1)   # only appends
+    call = rw.send_nowait(Expect("req-1", (3, 4), producer_address, "prefill-0", 1))   # only appends
     rw.step()                           # once per engine step: the step's commands as one message
     for ev in rw.poll():                # no RPC: completions, refusals and losses, in order
         ...
@@ -24,14 +24,23 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from . import _convert
 from .client import KVPushClient, retry_unavailable
 from .stream import StreamWorker
-from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError, MemfdMemory
+from .types import (
+    Abort,
+    Completion,
+    CompletionKind,
+    DaemonUnavailable,
+    Decline,
+    Expect,
+    KVPushError,
+    MemfdMemory,
+    Publish,
+)
 
 MAX_DECLINES = 4096  # declines kept while the daemon is away
 
@@ -41,7 +50,7 @@ class Call:
     """One command handed to the link. ``epoch``: the attachment it went out on (None: it did not go
     out, it was refused or dropped at once); ``tag``: the caller's own."""
 
-    method: str  # "Expect" | "Publish" | "Abort"
+    method: str  # "Expect" | "Publish" | "Abort": its command's record type
     transfer_id: str
     block_ids: tuple[int, ...] = ()
     tag: Any = None
@@ -100,9 +109,8 @@ class ReconnectingStreamWorker:
         self._stopped = False
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        # Declines not yet made (transfer, producer address, producer engine, reason): made from the
-        # background thread once attached; the oldest dropped past the cap
-        self._declines: collections.deque[tuple[str, str, str, str]] = collections.deque(maxlen=MAX_DECLINES)
+        # Declines not yet made: made from the background thread once attached; the oldest dropped past the cap
+        self._declines: collections.deque[Decline] = collections.deque(maxlen=MAX_DECLINES)
 
     def _own_descriptors(self, attach: dict[str, Any]) -> dict[str, Any]:
         """The attach arguments with this link's own copies (dup) of the memfds and the doorbell page's
@@ -233,36 +241,21 @@ class ReconnectingStreamWorker:
         call.epoch = live[1]
         return live[0]
 
-    def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push", tag: Any = None, traceparent: str = "") -> Call:
-        call = Call("Expect", transfer_id, tuple(block_ids), tag=tag)
+    def send_nowait(self, cmd: Expect | Publish | Abort, tag: Any = None, only_epoch: int | None = None) -> Call:
+        """Append the command record to the current attachment's step, as it is (a Publish with
+        ``step``/``layers`` is declared before that step's forward: ``StreamWorker.publish_nowait``).
+        An Abort goes after every earlier command; with ``only_epoch``, only on that attachment (the
+        one the transfer's Expect ran on), dropped otherwise, as when not attached."""
+        call = Call(type(cmd).__name__, cmd.transfer_id, () if isinstance(cmd, Abort) else cmd.block_ids, tag=tag)
+        if only_epoch is not None and (live := self._live) is not None and live[1] != only_epoch:
+            return call
         if (w := self._current(call)) is not None:
-            w.expect_nowait(transfer_id, call.block_ids, producer_address, producer_engine_id,
-                            producer_tp_size, skip_tokens, transfer_mode, traceparent)
-        return call
-
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], tag: Any = None,
-                       traceparent: str = "", consumer_node_id: str = "", consumer_tls_name: str = "",
-                       step: int = 0, layers: int = 0, ready_blocks: int = 0) -> Call:
-        """``step``, ``layers``, ``ready_blocks``: progressive push (declared before that step's forward;
-        ``StreamWorker.publish_nowait``)."""
-        call = Call("Publish", transfer_id, tuple(block_ids), tag=tag)
-        if (w := self._current(call)) is not None:
-            w.publish_nowait(transfer_id, call.block_ids, traceparent, consumer_node_id, consumer_tls_name,
-                             step, layers, ready_blocks)
+            w.send_nowait(cmd)
         return call
 
     def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:
-        """After every earlier command. With ``only_epoch``, sent only on that attachment (the one the
-        transfer's Expect ran on); dropped otherwise, as when not attached."""
-        call = Call("Abort", transfer_id, tag=tag)
-        live = self._live
-        if live is not None and only_epoch is not None and live[1] != only_epoch:
-            return call
-        if (w := self._current(call)) is not None:
-            w.abort_nowait(transfer_id)
-        return call
+        """``send_nowait(Abort(transfer_id), tag, only_epoch)``."""
+        return self.send_nowait(Abort(transfer_id), tag, only_epoch)
 
     def step(self) -> int:
         """Send this step's commands as one message on the current attachment; returns how many."""
@@ -283,7 +276,7 @@ class ReconnectingStreamWorker:
         from the background thread (within ``reconnect_interval_s``) once attached, whether or not
         the engine steps."""
         with self._lock:
-            self._declines.append((transfer_id, producer_address, producer_engine_id, reason[:1000]))
+            self._declines.append(Decline(transfer_id, producer_address, producer_engine_id, reason[:1000]))
 
     @property
     def declines_pending(self) -> int:
@@ -318,15 +311,15 @@ class ReconnectingStreamWorker:
             self._declines.clear()
         if w is None:
             return
-        for i, (tid, address, engine, reason) in enumerate(todo):
+        for i, cmd in enumerate(todo):
             try:
-                w.call(("decline", tid, (), address, engine, reason))
+                w.call(cmd)
             except KVPushError as e:
                 if isinstance(e, DaemonUnavailable) or e.code == "NOT_FOUND":  # again once re-attached
                     with self._lock:
                         self._declines.extendleft(reversed(todo[i:]))
                     return
-                self.log.warning("kvpushd: declining transfer %s failed: %s", tid, e)
+                self.log.warning("kvpushd: declining transfer %s failed: %s", cmd.transfer_id, e)
 
     def _reconnect(self) -> None:
         self._next_attempt = time.monotonic() + self.reconnect_interval_s

@@ -17,9 +17,9 @@ finished receive reaches the engine in its own step, before the stream's copy. E
 reported once: the stream's copy of a transfer the ring reported is held back, its figures kept for
 ``take_late()``.
 
-Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` send the step
-and one command, and return its answer (raising the daemon's refusal); ``call`` does the same for
-one command from any thread, unordered with the engine thread's step.
+Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` (or ``send``
+with a record) send the step and one command, and return its answer (raising the daemon's refusal);
+``call`` does the same for one command from any thread, unordered with the engine thread's step.
 """
 
 from __future__ import annotations
@@ -36,8 +36,19 @@ import grpc
 
 from . import _convert, errors
 from .doorbell import Doorbell, RingReader, ring_key
-from .proto.v1 import worker_pb2
-from .types import Completion, CompletionKind, DaemonUnavailable, KVPushError
+from .proto.v1 import common_pb2, worker_pb2
+from .types import (
+    Abort,
+    Command,
+    Completion,
+    CompletionKind,
+    DaemonUnavailable,
+    Decline,
+    Expect,
+    KVPushError,
+    Publish,
+    TransferMode,
+)
 
 
 class _Client(Protocol):
@@ -49,41 +60,42 @@ class _Client(Protocol):
 _END = None
 # Detach's answers that mean the worker is already gone (the daemon restarted, or the stream ended first)
 _GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
-# One command as the engine thread appends it (one tuple, nothing else built on that thread):
-# ("expect", transfer id, blocks, address, engine, tp size, skip, mode, traceparent),
-# ("publish", transfer id, blocks, traceparent, consumer node id, consumer TLS name, step, layers,
-#  ready blocks),
-# ("abort", transfer id, ()) or
-# ("decline", transfer id, (), address, engine, reason).
-_Queued = tuple[Any, ...]
-_Step = tuple[int, list[_Queued]]  # the seq of the step's first command, its commands
+# The engine thread appends each command as its record (kvpushd_client.types: Expect, Publish, Abort,
+# Decline); the sender thread turns a step's records into protobuf.
+_Step = tuple[int, list[Command]]  # the seq of the step's first command, its commands
 MAX_BATCH = 4096  # commands in one CommandBatch: the daemon's limit (kvpushd.rpc.services)
 _CALLS = 1 << 62  # seqs of ``call``: their own range, so any thread can number one
 _RING_WAIT_S = 100e-6  # next_completion: how often it reads the ring while it waits
 _TERMINAL = (CompletionKind.FINISHED_RECEIVING, CompletionKind.FAILED)
 
 
-def _command(seq: int, q: _Queued) -> worker_pb2.Command:
-    op, tid, blocks = q[0], q[1], q[2]
-    if op == "expect":
-        _, _, _, address, engine, tp, skip, mode, tp_ctx = q
+def _command(seq: int, c: Command) -> worker_pb2.Command:
+    if isinstance(c, Expect):
         return worker_pb2.Command(seq=seq, expect=worker_pb2.ExpectRequest(
-            transfer_id=tid, block_ids=blocks, producer_address=str(address), producer_engine_id=str(engine),
-            producer_tp_size=int(tp), skip_tokens=int(skip),
-            transfer_mode=_convert.transfer_mode(str(mode)), traceparent=str(tp_ctx)))
-    if op == "publish":
+            transfer_id=c.transfer_id, block_ids=c.block_ids, producer_address=str(c.producer_address),
+            producer_engine_id=str(c.producer_engine_id), producer_tp_size=int(c.producer_tp_size),
+            skip_tokens=int(c.skip_tokens), transfer_mode=common_pb2.TransferMode.ValueType(int(c.transfer_mode)),
+            traceparent=str(c.traceparent)))
+    if isinstance(c, Publish):
         return worker_pb2.Command(seq=seq, publish=worker_pb2.PublishRequest(
-            transfer_id=tid, block_ids=blocks, traceparent=str(q[3]), consumer_node_id=str(q[4]),
-            consumer_tls_name=str(q[5]),
-            step=int(q[6]) if len(q) > 7 else 0, layers=int(q[7]) if len(q) > 7 else 0,
-            ready_blocks=int(q[8]) if len(q) > 8 else 0))
-    if op == "decline":
+            transfer_id=c.transfer_id, block_ids=c.block_ids, traceparent=str(c.traceparent),
+            consumer_node_id=str(c.consumer_node_id), consumer_tls_name=str(c.consumer_tls_name),
+            step=int(c.step), layers=int(c.layers), ready_blocks=int(c.ready_blocks)))
+    if isinstance(c, Decline):
         return worker_pb2.Command(seq=seq, decline=worker_pb2.DeclineRequest(
-            transfer_id=tid, producer_address=str(q[3]), producer_engine_id=str(q[4]), reason=str(q[5])))
-    return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=tid))
+            transfer_id=c.transfer_id, producer_address=str(c.producer_address),
+            producer_engine_id=str(c.producer_engine_id), reason=str(c.reason)))
+    return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=c.transfer_id))
 
-# Commands whose refusal fails no request (nothing to free): no REFUSED completion for them.
-_BEST_EFFORT = ("abort", "decline")
+
+# vLLM's kv_transfer_params["transfer_mode"] as the engine thread gives it: looked up, not parsed
+_MODES = {"push": TransferMode.PUSH, "pull": TransferMode.PULL, TransferMode.PUSH: TransferMode.PUSH,
+          TransferMode.PULL: TransferMode.PULL}
+
+
+def _mode(mode: str | TransferMode) -> TransferMode:
+    """"push" | "pull" (or the enum) -> TransferMode; a bad one raises ValueError here, on the caller's thread."""
+    return _MODES.get(mode) or TransferMode.parse(mode)
 
 
 class StreamWorker:
@@ -106,10 +118,10 @@ class StreamWorker:
         # the engine thread's own (no lock): this step's commands, and the seq before them (a
         # command's seq is its place in the worker's stream). What was sent is recorded, and the
         # protobuf messages built, by the stream's sender thread, off the engine thread.
-        self._batch: list[_Queued] = []
+        self._batch: list[Command] = []
         self._base = 0
         self._recorded = 0  # the sender thread has recorded every command up to this seq in _sent
-        self._sent: dict[int, tuple[str, tuple[int, ...], str]] = {}  # seq -> (transfer, blocks, op), unanswered
+        self._sent: dict[int, Command] = {}  # seq -> its command, unanswered
         self._out: queue.SimpleQueue[worker_pb2.CommandBatch | _Step | None] = queue.SimpleQueue()
         self._calls = itertools.count(_CALLS)
         self._waited: set[int] = set()  # commands of ``call``: answered here, a refusal raised, not queued
@@ -226,14 +238,19 @@ class StreamWorker:
 
     # -- the engine thread ----------------------------------------------------------------------
 
+    def send_nowait(self, cmd: Command) -> int:
+        """Append one command record to this step's batch, as it is; returns its seq."""
+        if isinstance(cmd, Expect):
+            self._watch(cmd.transfer_id)
+        b = self._batch
+        b.append(cmd)
+        return self._base + len(b)
+
     def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                       producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str = "push", traceparent: str = "") -> int:
-        self._watch(transfer_id)
-        b = self._batch
-        b.append(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
-                  skip_tokens, transfer_mode, traceparent))
-        return self._base + len(b)
+                      transfer_mode: str | TransferMode = "push", traceparent: str = "") -> int:
+        return self.send_nowait(Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id,
+                                       producer_tp_size, skip_tokens, _mode(transfer_mode), traceparent))
 
     def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
                        consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0,
@@ -244,20 +261,20 @@ class StreamWorker:
         that many of ``block_ids`` are complete already (earlier prefill chunks, prefix-cache hits):
         they are written at once, before any layer group."""
         b = self._batch
-        b.append(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
-                  step, layers, ready_blocks))
+        b.append(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
+                         step, layers, ready_blocks))
         return self._base + len(b)
 
     def abort_nowait(self, transfer_id: str) -> int:
         b = self._batch
-        b.append(("abort", transfer_id, ()))
+        b.append(Abort(transfer_id))
         return self._base + len(b)
 
     def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
                        reason: str = "") -> int:
         """Decode side: this transfer will never be expected here; best effort, like abort."""
         b = self._batch
-        b.append(("decline", transfer_id, (), producer_address, producer_engine_id, reason))
+        b.append(Decline(transfer_id, producer_address, producer_engine_id, reason))
         return self._base + len(b)
 
     def step(self) -> int:
@@ -287,7 +304,7 @@ class StreamWorker:
     # call and wait (the engine thread's: after this step's commands), for tools and tests
     def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-               transfer_mode: str = "push", traceparent: str = "") -> None:
+               transfer_mode: str | TransferMode = "push", traceparent: str = "") -> None:
         """Decode side: destination blocks, as soon as they are allocated.
 
         ``skip_tokens``: the prompt's first tokens this worker already holds (a prefix-cache hit,
@@ -295,11 +312,9 @@ class StreamWorker:
         ``transfer_mode``: "push" (the prefill node's daemon WRITEs) or "pull" (this node's daemon
         READs once the prefill side has published), vLLM's kv_transfer_params["transfer_mode"].
         ``traceparent``: the engine request's W3C trace context; a daemon with tracing on continues it."""
-        _convert.transfer_mode(transfer_mode)  # a bad one raises here, not on the stream's thread
-        self.step()
-        self._watch(transfer_id)
-        self.call(("expect", transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
-                   skip_tokens, transfer_mode, traceparent))
+        cmd = Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
+                     skip_tokens, _mode(transfer_mode), traceparent)  # a bad mode raises here
+        self.send(cmd)
 
     def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
                 consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
@@ -308,24 +323,28 @@ class StreamWorker:
         the only decode daemon whose registration the prefill daemon accepts, by its node id and/or
         its client certificate's name (the router names it; both "": the first registration wins).
         ``step``, ``layers``, ``ready_blocks``: progressive push, as ``publish_nowait``."""
-        self.step()
-        self.call(("publish", transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
-                   step, layers, ready_blocks))
+        self.send(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
+                          step, layers, ready_blocks))
 
     def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
         """Decode side: this transfer will never be expected here (its Expect failed before it
         reached the daemon); the prefill daemon frees the transfer's source blocks at once."""
-        self.step()
-        self.call(("decline", transfer_id, (), producer_address, producer_engine_id, reason))
+        self.send(Decline(transfer_id, producer_address, producer_engine_id, reason))
 
     def abort(self, transfer_id: str) -> bool:
         """Whether the transfer was pending; everything for it is released on both nodes."""
-        self.step()
-        return self.call(("abort", transfer_id, ()))
+        return self.send(Abort(transfer_id))
 
-    def call(self, q: _Queued, timeout_s: float | None = None) -> bool:
-        """One command (as the engine thread queues it) on its own batch, from any thread, and its
-        answer: True, or an Abort's ``found``; raises the daemon's refusal, or the stream's end."""
+    def send(self, cmd: Command) -> bool:
+        """Send the step, then the command record, and wait for its answer (``call``)."""
+        self.step()
+        if isinstance(cmd, Expect):
+            self._watch(cmd.transfer_id)
+        return self.call(cmd)
+
+    def call(self, q: Command, timeout_s: float | None = None) -> bool:
+        """One command record on its own batch, from any thread, and its answer: True, or an Abort's
+        ``found``; raises the daemon's refusal, or the stream's end."""
         seq = next(self._calls)
         timeout = self.client.timeout_s if timeout_s is None else timeout_s
         with self._cond:
@@ -382,7 +401,7 @@ class StreamWorker:
             self.sender_cpu_ns += now - t
             t = now
 
-    def _record(self, first: int, batch: list[_Queued]) -> worker_pb2.CommandBatch | None:
+    def _record(self, first: int, batch: list[Command]) -> worker_pb2.CommandBatch | None:
         """What a step sends, in ``_sent`` until answered; None when the stream is already gone (then
         refused at once)."""
         with self._cond:
@@ -390,17 +409,18 @@ class StreamWorker:
                 self._refuse_locked(first, batch, self.session_error)
                 return None
             for i, q in enumerate(batch, first):
-                self._sent[i] = (q[1], q[2], q[0])
+                self._sent[i] = q
             if first < _CALLS:
                 self._recorded = first + len(batch) - 1
             self._cond.notify_all()
         return worker_pb2.CommandBatch(commands=[_command(i, q) for i, q in enumerate(batch, first)])
 
-    def _refuse_locked(self, first: int, batch: list[_Queued], err: KVPushError) -> None:
+    def _refuse_locked(self, first: int, batch: list[Command], err: KVPushError) -> None:
         for i, q in enumerate(batch, first):
-            if q[0] not in _BEST_EFFORT and i not in self._waited:  # a blocking form raises the stream's error
-                self._queue.append(Completion(CompletionKind.FAILED, q[1], _convert.REFUSED,
-                                              f"{err.code}: stream ended before the command was sent", q[2],
+            # an Abort or Decline fails no request (nothing to free); a blocking form raises the stream's error
+            if isinstance(q, (Expect, Publish)) and i not in self._waited:
+                self._queue.append(Completion(CompletionKind.FAILED, q.transfer_id, _convert.REFUSED,
+                                              f"{err.code}: stream ended before the command was sent", q.block_ids,
                                               unanswered=True))
         if first < _CALLS:
             self._recorded = first + len(batch) - 1
@@ -425,15 +445,17 @@ class StreamWorker:
                 got = [_convert.completion(c) for c in ev.completions]  # built before taking the lock
                 with self._cond:
                     for r in ev.results:
-                        tid, blocks, op = self._sent.pop(r.seq, ("", (), ""))
+                        q = self._sent.pop(r.seq, None)
                         if r.seq in self._waited:
                             if r.code == "OK":
-                                self._answers[r.seq] = r.found if op == "abort" else True
+                                self._answers[r.seq] = r.found if isinstance(q, Abort) else True
                             else:
-                                self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind, tid)
-                        elif r.code != "OK" and op not in _BEST_EFFORT:
-                            self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
-                                                          f"{r.code}: {r.message}", blocks))
+                                self._refusals[r.seq] = errors.error_of(r.code, r.message, r.kind,
+                                                                        q.transfer_id if q is not None else "")
+                        elif r.code != "OK" and not isinstance(q, (Abort, Decline)):  # those free nothing
+                            self._queue.append(Completion(CompletionKind.FAILED, q.transfer_id if q else "",
+                                                          _convert.REFUSED, f"{r.code}: {r.message}",
+                                                          q.block_ids if q else ()))
                     self._queue.extend(got)
                     self._cond.notify_all()
                 now = time.thread_time_ns()
@@ -446,10 +468,11 @@ class StreamWorker:
             if not self._closed:
                 self.session_error = err
                 # commands that got no answer end as refused: the engine frees their blocks
-                for seq, (tid, blocks, op) in sorted(self._sent.items()):
-                    if op not in _BEST_EFFORT and seq not in self._waited:  # ``call`` raises the error
-                        self._queue.append(Completion(CompletionKind.FAILED, tid, _convert.REFUSED,
-                                                      f"{err.code}: stream ended before an answer", blocks,
+                for seq in sorted(self._sent):
+                    q = self._sent[seq]
+                    if isinstance(q, (Expect, Publish)) and seq not in self._waited:  # ``call`` raises the error
+                        self._queue.append(Completion(CompletionKind.FAILED, q.transfer_id, _convert.REFUSED,
+                                                      f"{err.code}: stream ended before an answer", q.block_ids,
                                                       unanswered=True))
                 self._sent.clear()
                 self._drain_locked(err)  # and so do those not sent yet

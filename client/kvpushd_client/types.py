@@ -7,8 +7,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import DaemonUnavailable, KVPushError
+
+if TYPE_CHECKING:
+    from .vmm import VmmMemory
 
 __all__ = ["DaemonUnavailable", "KVPushError"]  # kept here for older imports
 
@@ -76,6 +80,61 @@ class CompletionKind(enum.IntEnum):
     FAILED = 3
 
 
+# -- the commands a worker sends on its stream: one record each, from the caller that makes it to the
+# daemon's core (the client builds it, its stream queues it as it is, the daemon's rpc/convert.py
+# makes the same record from the wire). Frozen dataclasses: this package stays on grpcio and protobuf.
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """Decode side: destination blocks, as soon as they are allocated (StreamWorker.expect)."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    producer_address: str
+    producer_engine_id: str
+    producer_tp_size: int = 1
+    skip_tokens: int = 0  # the prompt's first tokens the worker holds already; block_ids start there
+    transfer_mode: TransferMode = TransferMode.PUSH
+    traceparent: str = ""  # the engine request's W3C trace context
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Prefill side: the source blocks are complete, or (``step``, ``layers``: progressive push) will
+    be as the doorbell's step ``step`` goes; ``ready_blocks``: the first that many are complete now.
+    ``consumer_*``: the only decode daemon whose registration is accepted (both "": the first)."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    traceparent: str = ""
+    consumer_node_id: str = ""
+    consumer_tls_name: str = ""
+    step: int = 0
+    layers: int = 0
+    ready_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Withdraw a transfer of this worker; best effort (its answer says whether it was pending)."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decline:
+    """Decode side: this transfer will never be expected here; best effort, like Abort."""
+
+    transfer_id: str
+    producer_address: str
+    producer_engine_id: str
+    reason: str = ""
+
+
+Command = Expect | Publish | Abort | Decline
+
+
 @dataclass(frozen=True, slots=True)
 class ShmMemory:
     """A POSIX shared memory object (/dev/shm/<name>) holding KV blocks."""
@@ -133,6 +192,25 @@ class Region:
     layout: KVLayout = KVLayout.HND
     num_heads: int = 0     # KV heads of this rank in one block (0: not said; needed for HND across block sizes)
     replicated: bool = False  # MLA: one latent per token, the same on every TP rank
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """What a worker hands its daemon once: KVPushClient.attach makes it, _convert.attach_request
+    turns it into the AttachRequest. A growth Attach (KVPushClient.extend) names the live worker
+    whose VMM memory it adds chunks to by ``extends_worker_id`` and its token; its ``memory`` holds
+    only the new chunks."""
+
+    engine_id: str
+    role: Role
+    tp_rank: int
+    tp_size: int
+    memory: tuple[Memory | VmmMemory, ...]
+    regions: tuple[Region, ...]
+    pp_rank: int = 0
+    description: str = ""
+    extends_worker_id: str = ""
+    extends_worker_token: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

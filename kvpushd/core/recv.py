@@ -11,10 +11,9 @@ from . import notif
 from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegister, SendWithdraw, StartRead
 from .deadlines import Deadlines
 from .errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
-from .layout import Shape
 from .table import Move, State, step
 from .topology import block_parts, check_tp_pair, writer_sources
-from .types import Completion, CompletionKind, FailureCode, TransferMode
+from .types import Completion, CompletionKind, Expect, FailureCode, TransferMode, WorkerInfo
 
 
 class RecvState(State):
@@ -178,28 +177,16 @@ class RecvSide:
                                 r.mode.name.lower()))
         return out
 
-    def expect(
-        self,
-        now: float,
-        worker_id: str,
-        consumer_rank: int,
-        consumer_tp_size: int,
-        transfer_id: str,
-        block_ids: Iterable[int],
-        producer_address: str,
-        producer_engine_id: str,
-        producer_tp_size: int,
-        mode: TransferMode = TransferMode.PUSH,
-        skip_tokens: int = 0,
-        mla: bool = False,
-        layouts: tuple[Shape, ...] = (),
-    ) -> list[Action]:
-        """A decode worker allocated destination blocks: register them with the prefill side.
+    def expect(self, now: float, w: WorkerInfo, cmd: Expect) -> list[Action]:
+        """Decode worker ``w`` allocated destination blocks: register them with the prefill side.
 
-        ``skip_tokens``: the worker holds the prompt's first tokens already (``block_ids`` start
-        there). ``mla`` (or ``layouts`` all replicated): fewer producer ranks write to it."""
-        blocks = tuple(block_ids)
-        mla = mla or (bool(layouts) and all(r.replicated for r in layouts))
+        ``cmd.skip_tokens``: the worker holds the prompt's first tokens already (``block_ids`` start
+        there). Its regions all replicated (MLA): fewer producer ranks write to it."""
+        worker_id, consumer_rank, consumer_tp_size, layouts = w.worker_id, w.tp_rank, w.tp_size, w.regions
+        transfer_id, blocks, producer_address = cmd.transfer_id, tuple(cmd.block_ids), cmd.producer_address
+        producer_engine_id, producer_tp_size = cmd.producer_engine_id, cmd.producer_tp_size
+        mode = TransferMode.parse(cmd.transfer_mode)
+        mla = bool(layouts) and all(r.replicated for r in layouts)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
         if (worker_id, transfer_id) in self._ending_keys:
@@ -234,7 +221,7 @@ class RecvSide:
         self._by_reg[rid] = r
         self._deadlines.arm(ExpectLease(rid), now + self.expect_timeout_s)
         actions.append(SendRegister(producer_address, rid, worker_id, transfer_id, producer_engine_id,
-                                    producer_tp_size, consumer_rank, consumer_tp_size, blocks, mode, skip_tokens))
+                                    producer_tp_size, consumer_rank, consumer_tp_size, blocks, mode, cmd.skip_tokens))
         return actions
 
     def registered(self, registration_id: int) -> list[Action]:

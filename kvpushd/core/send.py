@@ -5,12 +5,9 @@ Its records, their tables and deadline keys are in sendstate.py; what a leg carr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from .actions import Action, Deliver, Dropped, LegKey, Registration, SendFailNotice, StartWrite, StopWrite
 from .deadlines import Deadlines
 from .errors import AlreadyExists, InvalidArgument, PermissionDenied
-from .layout import Shape
 from .legplan import by_tokens, leg_action, mismatch
 from .sendstate import (
     LEG_TABLE,
@@ -32,10 +29,10 @@ from .sendstate import (
 )
 from .table import Move, step
 from .topology import check_tp_pair, consumer_targets, writer_sources, writer_targets
-from .types import Completion, CompletionKind, FailureCode, TransferMode
+from .types import Completion, CompletionKind, FailureCode, TransferMode, WorkerInfo
+from .types import Publish as PublishCommand
 
 MAX_DECLINED = 65536  # transfers remembered as declined (the oldest are forgotten first)
-UNBOUND = Binding()
 
 class SendSide:
     """Prefill-node rendezvous: publishes x registrations -> legs, and the questions asked of its tables."""
@@ -57,27 +54,16 @@ class SendSide:
 
     # -- events -------------------------------------------------------------------------------
 
-    def publish(
-        self,
-        now: float,
-        worker_id: str,
-        engine_id: str,
-        rank: int,
-        tp_size: int,
-        transfer_id: str,
-        block_ids: Iterable[int],
-        layouts: tuple[Shape, ...] = (),
-        consumer: Binding = UNBOUND,
-        at_step: int = 0,
-        layers: int = 0,
-        ready_blocks: int = 0,
-    ) -> list[Action]:
-        """A producer rank's source blocks are complete (``layouts``: its regions, if known; ``consumer``:
-        the only decode daemon whose registrations are accepted, if named), or, progressive push
-        (``layers`` > 0), will be once engine step ``at_step`` of its worker has computed them: push legs
-        start now and are written layer group by layer group (the first ``ready_blocks`` blocks, complete
-        already, at once), pull legs wait for ``sealed``."""
-        blocks = tuple(block_ids)
+    def publish(self, now: float, w: WorkerInfo, cmd: PublishCommand) -> list[Action]:
+        """Producer rank ``w``'s source blocks are complete (``w.regions``: its regions, if known;
+        ``cmd.consumer_*``: the only decode daemon whose registrations are accepted, if named), or,
+        progressive push (``cmd.layers`` > 0), will be once engine step ``cmd.step`` of its worker has
+        computed them: push legs start now and are written layer group by layer group (the first
+        ``cmd.ready_blocks`` blocks, complete already, at once), pull legs wait for ``sealed``."""
+        worker_id, engine_id, rank, tp_size, layouts = w.worker_id, w.engine_id, w.tp_rank, w.tp_size, w.regions
+        transfer_id, blocks, at_step, layers = cmd.transfer_id, tuple(cmd.block_ids), cmd.step, cmd.layers
+        ready_blocks = cmd.ready_blocks
+        consumer = Binding(cmd.consumer_node_id, cmd.consumer_tls_name)
         if not transfer_id:
             raise InvalidArgument("transfer_id must not be empty")
         if not blocks:

@@ -1,14 +1,46 @@
-"""Plain types shared by the core and the runtime. The enums and the figures record are the client
-library's (kvpushd_client.types: one definition, the wire's values); the rest are the daemon's own."""
+"""Plain types shared by the core and the runtime. The enums, the figures record and the worker's
+command records are the client library's (kvpushd_client.types: one definition, the wire's values);
+the rest are the daemon's own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-from kvpushd_client.types import CompletionKind, FailureCode, Role, TransferMode
+from kvpushd_client.types import CompletionKind, Expect, FailureCode, Publish, Role, TransferMode
 from kvpushd_client.types import TransferFigures as Figures
 
-__all__ = ["Completion", "CompletionKind", "FailureCode", "Figures", "RegionLayout", "Role", "TransferMode"]
+if TYPE_CHECKING:
+    from .layout import Shape
+
+__all__ = ["Completion", "CompletionKind", "Expect", "FailureCode", "Figures", "Publish", "RegionLayout", "Role",
+           "TransferMode", "WorkerInfo", "WorkerRef"]
+
+
+class WorkerInfo(Protocol):
+    """The worker a command came from, as the rendezvous needs it (the runtime's attached Worker is one)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def regions(self) -> tuple[Shape, ...]: ...  # its KV regions, if known (block sizes, layout, replication)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRef:
+    """A WorkerInfo of plain values (tests and tools feed the core with it)."""
+
+    worker_id: str
+    engine_id: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    regions: tuple[Shape, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpushd_client.types import CudaMemory, ShmMemory  # what the wire's handles say: one definition
 
-from ..core.errors import PermissionDenied
+from ..core.errors import InvalidArgument, PermissionDenied
 from .vmm import VmmSpec
+
+if TYPE_CHECKING:
+    from .fdpass import FdInbox
 
 
 class Mapping(Protocol):
@@ -61,10 +64,7 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) 
             else:
                 from .cuda import CudaIpcMapping
 
-                out.append(CudaIpcMapping(spec.gpu_uuid, spec.ipc_handle, spec.size, spec.storage_offset,
-                                          spec.ref_counter_handle, spec.ref_counter_offset,
-                                          spec.event_handle, spec.event_sync_required,
-                                          spec.sentinel, spec.sentinel_offset, spec.sentinel_restore))
+                out.append(CudaIpcMapping(spec))
     except BaseException:
         for m in out:
             m.close()
@@ -73,3 +73,24 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) 
         for fd in fds.values():
             os.close(fd)
     return out
+
+
+def take_fds(inbox: FdInbox, memory: Sequence[MemorySpec]) -> dict[bytes, int]:
+    """The descriptors of the sealed memfds and VMM chunks among ``memory``, each taken from the fd
+    socket as the kind it was sent as (all or none: what was taken is closed when one is missing)."""
+    from .fdpass import MEMFD, VMM
+
+    kinds = {m.token: MEMFD for m in memory if isinstance(m, MemfdSpec)}
+    chunks = [t for m in memory if isinstance(m, VmmSpec) for t in m.tokens]
+    kinds.update((t, VMM) for t in chunks)
+    if len(kinds) != len(chunks) + sum(isinstance(m, MemfdSpec) for m in memory):
+        raise InvalidArgument("two memfd handles or VMM chunks name the same token")
+    fds: dict[bytes, int] = {}
+    try:
+        for t, kind in kinds.items():
+            fds[t] = inbox.take(t, kind)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds

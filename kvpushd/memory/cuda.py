@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpushd_client.cuda import EXPANDABLE_MESSAGE, driver, handle_kind, uuid_hex
+from kvpushd_client.types import CudaMemory
 
 from ..core.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -94,27 +95,25 @@ class CudaIpcMapping:
 
     mem_type = "VRAM"
 
-    def __init__(self, gpu_uuid: str, ipc_handle: bytes, size: int, storage_offset: int,
-                 ref_counter_handle: bytes, ref_counter_offset: int, event_handle: bytes,
-                 event_sync_required: bool, sentinel: bytes = b"", sentinel_offset: int = 0,
-                 sentinel_restore: bytes = b"") -> None:
-        check_handle(ipc_handle, sentinel, sentinel_offset, sentinel_restore, size)
+    def __init__(self, h: CudaMemory) -> None:
+        """``h``: the worker's handle as the Attach carried it (its sentinel armed already)."""
+        check_handle(h.ipc_handle, h.sentinel, h.sentinel_offset, h.sentinel_restore, h.size)
         import torch
 
-        self.device_id = gpu_ordinal(gpu_uuid)
+        self.device_id = gpu_ordinal(h.gpu_uuid)
         try:
             with torch.cuda.device(self.device_id):
                 self._storage: Any = torch.UntypedStorage._new_shared_cuda(
-                    self.device_id, ipc_handle, size, storage_offset,
-                    ref_counter_handle or None, ref_counter_offset,
-                    event_handle or None, event_sync_required,
+                    self.device_id, h.ipc_handle, h.size, h.storage_offset,
+                    h.ref_counter_handle or None, h.ref_counter_offset,
+                    h.event_handle or None, h.event_sync_required,
                 )
         except RuntimeError as e:
             raise InvalidArgument(f"CUDA IPC handle cannot be opened: {e}") from None
         self.addr = int(self._storage.data_ptr())
-        self.size = size
+        self.size = h.size
         try:
-            self._verify(sentinel, sentinel_offset, sentinel_restore)
+            self._verify(h.sentinel, h.sentinel_offset, h.sentinel_restore)
         except BaseException:
             self.close()
             raise

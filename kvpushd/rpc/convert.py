@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
-from kvpushd_client.types import CudaMemory, ShmMemory
+from kvpushd_client.types import Abort, CudaMemory, Decline, Expect, Publish, ShmMemory
 
 from ..core.errors import InvalidArgument
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
 from ..memory import MemfdSpec, MemorySpec
 from ..memory.fdpass import TOKEN_BYTES
 from ..memory.vmm import ChunkSpec, VmmSpec
-from ..runtime.workers import RegionArg
+from ..runtime.peerops import Declined, Notice, Offer, ReadFailed, Register
+from ..runtime.workers import Attach, RegionArg
 from ..transfer.descs import RegionSpec, RemoteAgent
 
 
@@ -35,9 +36,46 @@ def failure_code(v: int) -> FailureCode:
         return FailureCode.UNSPECIFIED
 
 
-def notice(n: peer_pb2.FailNotice) -> tuple[str, int, FailureCode, str]:
-    """A Fail or Withdraw item -> (transfer id, registration id, code, reason)."""
-    return n.transfer_id, n.registration_id, failure_code(n.code), n.reason[:2000]
+def expect(r: worker_pb2.ExpectRequest) -> Expect:
+    return Expect(r.transfer_id, tuple(r.block_ids), r.producer_address, r.producer_engine_id, r.producer_tp_size,
+                  r.skip_tokens, transfer_mode(r.transfer_mode), r.traceparent[:128])
+
+
+def publish(r: worker_pb2.PublishRequest) -> Publish:
+    return Publish(r.transfer_id, tuple(r.block_ids), r.traceparent[:128], r.consumer_node_id, r.consumer_tls_name,
+                   r.step, r.layers, r.ready_blocks)
+
+
+def abort(r: worker_pb2.AbortRequest) -> Abort:
+    return Abort(r.transfer_id)
+
+
+def decline(r: worker_pb2.DeclineRequest) -> Decline:
+    return Decline(r.transfer_id, r.producer_address, r.producer_engine_id, r.reason)
+
+
+def notice(n: peer_pb2.FailNotice) -> Notice:
+    """A Fail or Withdraw item."""
+    return Notice(n.transfer_id, n.registration_id, failure_code(n.code), n.reason[:2000])
+
+
+def register(r: peer_pb2.RegisterRequest) -> Register:
+    return Register(r.transfer_id, r.registration_id, r.producer_engine_id, r.producer_tp_size, r.consumer_engine_id,
+                    r.consumer_tp_rank, r.consumer_tp_size, remote_agent(r.consumer_agent), tuple(r.block_ids),
+                    transfer_mode(r.transfer_mode), r.skip_tokens, r.traceparent)
+
+
+def offer(r: peer_pb2.OfferRequest) -> Offer:
+    return Offer(r.transfer_id, r.registration_id, r.producer_rank, remote_agent(r.producer_agent),
+                 tuple(r.block_ids))
+
+
+def read_failed(r: peer_pb2.ReadFailedNotice) -> ReadFailed:
+    return ReadFailed(r.registration_id, r.producer_rank, r.reason)
+
+
+def declined(r: peer_pb2.DeclineNotice) -> Declined:
+    return Declined(r.transfer_id, r.producer_engine_id, r.consumer_engine_id, r.reason)
 
 
 def token(t: bytes, optional: bool = True) -> bytes:
@@ -69,6 +107,12 @@ def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
 def region(r: common_pb2.Region) -> RegionArg:
     return RegionArg(r.memory_index, r.offset, RegionLayout(r.num_blocks, r.block_len, r.block_stride,
                                                             r.block_size_tokens, r.num_heads, r.layout, r.replicated))
+
+
+def attach(r: worker_pb2.AttachRequest) -> Attach:
+    return Attach(r.engine_id, role(r.role), r.tp_rank, r.tp_size, r.pp_rank, tuple(memory(m) for m in r.memory),
+                  tuple(region(x) for x in r.regions), r.description, r.doorbell[:256], token(r.doorbell_token),
+                  r.extends_worker_id[:256], r.extends_worker_token)
 
 
 def completion(c: Completion) -> worker_pb2.Completion:

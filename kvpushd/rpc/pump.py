@@ -2,8 +2,8 @@
 what their items do.
 
 Each request item names one operation (its oneof field); ``WORKER_OPS`` and ``PEER_OPS`` say, per
-operation, how its message becomes the node method's arguments, which node method runs it (for the
-stream's worker or calling daemon), and what the answer carries. Every item is answered on its own
+operation, how its message becomes the one record the node method takes, which node method runs it
+(for the stream's worker or calling daemon), and what the answer carries. Every item is answered on its own
 (a bad one fails alone with the status a call of it would have had, ``errors.refusal``); an item
 whose method is a coroutine (a Withdraw waits for WRITEs into its blocks) is answered when it ends,
 so answers may come back out of order. A batch that comes after the caller's session ended has every
@@ -49,8 +49,8 @@ def _nothing(res: Any, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    args: Callable[[Any], tuple[Any, ...]]  # the item's message -> the node method's arguments after the caller
-    call: Callable[..., Any]                # the node method: (node, the stream's caller, *args)
+    record: Callable[[Any], Any]  # the item's message -> the one record the node method takes (rpc/convert.py)
+    call: Callable[..., Any]      # the node method: (node, the stream's caller, record)
     answer: Callable[[Any, Any], None] = _nothing  # (result message, what the method returned)
     later: bool = field(init=False)  # the method is a coroutine: answered when it ends (from ``call``)
 
@@ -66,7 +66,7 @@ def _found(res: Any, found: bool) -> None:
     res.found = found
 
 
-def _heartbeat(node: Node, instance_id: str) -> str:
+def _heartbeat(node: Node, instance_id: str, _: object) -> str:
     """Liveness: the batch's session was checked live; the caller was heard from now."""
     node.inbound.caller(instance_id)
     return node.ident.instance_id
@@ -76,28 +76,23 @@ def _beat(res: Any, instance_id: str) -> None:
     res.heartbeat.instance_id, res.heartbeat.knows_caller = instance_id, True
 
 
+# Each item's message becomes its record once (worker commands: kvpushd_client.types; peer items:
+# runtime/peerops.py); the node checks it and hands it on whole.
 WORKER_OPS: Mapping[str, Op] = {
-    "expect": Op(lambda r: (r.transfer_id, r.block_ids, r.producer_address, r.producer_engine_id, r.producer_tp_size,
-                            convert.transfer_mode(r.transfer_mode), r.skip_tokens, r.traceparent[:128]), Node.expect),
-    "publish": Op(lambda r: (r.transfer_id, r.block_ids, r.traceparent[:128], r.consumer_node_id,
-                                r.consumer_tls_name, r.step, r.layers, r.ready_blocks), Node.publish),
-    "abort": Op(lambda r: (r.transfer_id,), Node.abort, _found),
-    "decline": Op(lambda r: (r.transfer_id, r.producer_address, r.producer_engine_id, r.reason), Node.decline),
+    "expect": Op(convert.expect, Node.expect),
+    "publish": Op(convert.publish, Node.publish),
+    "abort": Op(convert.abort, Node.abort, _found),
+    "decline": Op(convert.decline, Node.decline),
 }
 
 PEER_OPS: Mapping[str, Op] = {
-    "register": Op(lambda r: (r.transfer_id, r.registration_id, r.producer_engine_id, r.producer_tp_size,
-                              r.consumer_engine_id, r.consumer_tp_rank, r.consumer_tp_size,
-                              convert.remote_agent(r.consumer_agent), r.block_ids,
-                              convert.transfer_mode(r.transfer_mode), r.skip_tokens, r.traceparent),
-                   Node.register, _need_metadata),
+    "register": Op(convert.register, Node.register, _need_metadata),
     "withdraw": Op(convert.notice, Node.withdraw),
     "fail": Op(convert.notice, Node.peer_failed),
-    "offer": Op(lambda r: (r.transfer_id, r.registration_id, r.producer_rank, convert.remote_agent(r.producer_agent),
-                           r.block_ids), Node.offer, _need_metadata),
-    "read_failed": Op(lambda r: (r.registration_id, r.producer_rank, r.reason), Node.read_failed),
-    "heartbeat": Op(lambda r: (), _heartbeat, _beat),
-    "decline": Op(lambda r: (r.transfer_id, r.producer_engine_id, r.consumer_engine_id, r.reason), Node.declined),
+    "offer": Op(convert.offer, Node.offer, _need_metadata),
+    "read_failed": Op(convert.read_failed, Node.read_failed),
+    "heartbeat": Op(lambda r: None, _heartbeat, _beat),
+    "decline": Op(convert.declined, Node.declined),
 }
 
 
@@ -167,7 +162,7 @@ class Pump(Generic[R]):
             if op is None:
                 raise InvalidArgument(f"item {it.seq}: {kind or 'no operation'}; expected one of "
                                       f"{', '.join(self.wire.ops)}")
-            got = op.call(self.node, self.caller, *op.args(getattr(it, kind or "")))
+            got = op.call(self.node, self.caller, op.record(getattr(it, kind or "")))
             if op.later:
                 task = asyncio.get_running_loop().create_task(self._later(got, out, res, op))
                 self.waiting.add(task)

@@ -25,17 +25,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @unary
     async def Attach(self, request: worker_pb2.AttachRequest, context: Ctx) -> worker_pb2.AttachResponse:
         try:
-            if request.extends_worker_id:  # growth of a live worker's VMM memory (runtime/workers.py extend)
-                w = await self.node.workers.extend(request.extends_worker_id[:256], request.extends_worker_token,
-                                                   request.engine_id, [convert.memory(m) for m in request.memory],
-                                                   [convert.region(r) for r in request.regions])
-                return worker_pb2.AttachResponse(worker_id=w.worker_id, node_id=self.node.ident.node_id,
-                                                 peer_address=self.node.ident.peer_address, worker_token=w.token)
-            w = await self.node.attach(request.engine_id, convert.role(request.role), request.tp_rank,
-                                       request.tp_size, request.pp_rank,
-                                       [convert.memory(m) for m in request.memory],
-                                       [convert.region(r) for r in request.regions], request.description,
-                                       request.doorbell[:256], convert.token(request.doorbell_token))
+            a = convert.attach(request)
+            # extends_worker_id: growth of a live worker's VMM memory (runtime/workers.py extend)
+            w = await (self.node.workers.extend(a) if a.extends_worker_id else self.node.attach(a))
         except BaseException:
             # whatever refused it (a malformed handle after good ones, a rank taken, a draining daemon),
             # the descriptors handed over for this Attach are closed now, not at the inbox's expiry: a

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import structlog
+from kvpushd_client.types import Abort, Decline, Expect, Publish
 
 from ..config import Config
 from ..core.errors import (
@@ -23,23 +24,22 @@ from ..core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ..core.rendezvous import Binding, Registration
-from ..core.types import Completion, FailureCode, Role, TransferMode
+from ..core.rendezvous import Registration
+from ..core.types import Completion, TransferMode
 from ..events import EventHub
-from ..memory import MemorySpec
 from ..tracing import Tracing
-from ..transfer.descs import RemoteAgent
 from .executor import Executor
 from .figures import FigureBook
 from .identity import Identity
 from .inbound import Hello, Origin
 from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Started, WorkerGone
 from .peerbook import PeerBook
+from .peerops import Declined, Notice, Offer, ReadFailed, Register
 from .rendezvous import Rendezvous
 from .sinks import Tally
 from .view import View
 from .workers import (
-    RegionArg,
+    Attach,
     Worker,
     Workers,
     check_block_ids,
@@ -131,81 +131,71 @@ class Node:
 
     # -- worker API -----------------------------------------------------------------------------
 
-    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                     doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
+    async def attach(self, a: Attach) -> Worker:
         self._not_draining()
-        return await self.workers.attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
-                                         doorbell, doorbell_token)
+        return await self.workers.attach(a)
 
     def worker(self, worker_id: str) -> Worker:
         return self.workers.get(worker_id)
 
-    def expect(self, worker_id: str, transfer_id: str, block_ids: Sequence[int],
-               producer_address: str, producer_engine_id: str, producer_tp_size: int,
-               transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0, traceparent: str = "") -> None:
+    def expect(self, worker_id: str, cmd: Expect) -> None:
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_receive:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot expect")
-        check_blocks(w, block_ids, self.cfg)
-        check_skip(w, skip_tokens)
-        check_transfer_id(transfer_id)
-        if not producer_engine_id:
+        check_blocks(w, cmd.block_ids, self.cfg)
+        check_skip(w, cmd.skip_tokens)
+        check_transfer_id(cmd.transfer_id)
+        if not cmd.producer_engine_id:
             raise InvalidArgument("producer_engine_id must not be empty")
         self.rv.bounded()
-        actions = self.rv.recv.expect(time.monotonic(), w.worker_id, w.tp_rank, w.tp_size, transfer_id, block_ids,
-                                      producer_address, producer_engine_id, producer_tp_size,
-                                      TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=w.regions)
-        self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "recv", len(block_ids),
-                              len(block_ids) * w.block_bytes, producer_address, traceparent))
+        actions = self.rv.recv.expect(time.monotonic(), w, cmd)
+        n = len(cmd.block_ids)
+        self.obs.emit(Started(w.worker_id, cmd.transfer_id, w.engine_id, "recv", n, n * w.block_bytes,
+                              cmd.producer_address, cmd.traceparent))
         self.run(actions)
 
-    def publish(self, worker_id: str, transfer_id: str, block_ids: Sequence[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
-                ready_blocks: int = 0) -> None:
-        """``consumer_*``: the only decode daemon whose registration is accepted (both "": the first).
+    def publish(self, worker_id: str, cmd: Publish) -> None:
+        """``cmd.consumer_*``: the only decode daemon whose registration is accepted (both "": the first).
         ``step``, ``layers``: progressive push (declared before that engine step computes the blocks);
         ``ready_blocks``: how many of the first blocks are complete already (written at once)."""
         self._not_draining()
         w = self.workers.get(worker_id)
         if not w.role.can_send:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
-        check_blocks(w, block_ids, self.cfg)
-        check_transfer_id(transfer_id)
-        if max(len(consumer_node_id), len(consumer_tls_name)) > 256:
+        check_blocks(w, cmd.block_ids, self.cfg)
+        check_transfer_id(cmd.transfer_id)
+        if max(len(cmd.consumer_node_id), len(cmd.consumer_tls_name)) > 256:
             raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
-        check_progressive(w, step, layers)
+        check_progressive(w, cmd.step, cmd.layers)
         self.rv.bounded()
-        actions = self.rv.send.publish(time.monotonic(), w.worker_id, w.engine_id, w.tp_rank, w.tp_size,
-                                       transfer_id, block_ids, layouts=w.regions,
-                                       consumer=Binding(consumer_node_id, consumer_tls_name), at_step=step,
-                                       layers=layers, ready_blocks=ready_blocks)
-        if layers:
-            self.ex.watch_step(w.worker_id, step)
-        self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, "send", len(block_ids), traceparent=traceparent))
+        actions = self.rv.send.publish(time.monotonic(), w, cmd)
+        if cmd.layers:
+            self.ex.watch_step(w.worker_id, cmd.step)
+        self.obs.emit(Started(w.worker_id, cmd.transfer_id, w.engine_id, "send", len(cmd.block_ids),
+                              traceparent=cmd.traceparent))
         self.run(actions)
 
-    def abort(self, worker_id: str, transfer_id: str) -> bool:
+    def abort(self, worker_id: str, cmd: Abort) -> bool:
         w = self.workers.get(worker_id)
-        found, actions = self.rv.abort(w.worker_id, w.engine_id, transfer_id)
+        found, actions = self.rv.abort(w.worker_id, w.engine_id, cmd.transfer_id)
         self.run(actions)
         return found
 
-    def decline(self, worker_id: str, transfer_id: str, producer_address: str, producer_engine_id: str,
-                reason: str) -> None:
+    def decline(self, worker_id: str, cmd: Decline) -> None:
         """Decode side: the worker will never Expect this transfer (its Expect failed before it got
         here); the prefill daemon hears so and frees the transfer's source blocks at once."""
         w = self.workers.get(worker_id)
         if not w.role.can_receive:
             raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot decline")
-        check_transfer_id(transfer_id)
-        if not producer_engine_id or not producer_address:
+        tid, address, engine = cmd.transfer_id, cmd.producer_address, cmd.producer_engine_id
+        check_transfer_id(tid)
+        if not engine or not address:
             raise InvalidArgument("producer_address and producer_engine_id must not be empty")
-        if self.rv.recv.pending(w.worker_id, transfer_id):
-            raise FailedPrecondition(f"transfer {transfer_id[:256]!r} is pending on this worker: abort it instead")
-        log.info("transfer declined", transfer_id=transfer_id[:256], worker_id=w.worker_id, peer=producer_address)
-        self.ex.decline(producer_address[:256], transfer_id, producer_engine_id[:256], w.engine_id, reason[:2000])
+        if self.rv.recv.pending(w.worker_id, tid):
+            raise FailedPrecondition(f"transfer {tid[:256]!r} is pending on this worker: abort it instead")
+        log.info("transfer declined", transfer_id=tid[:256], worker_id=w.worker_id, peer=address)
+        self.ex.decline(address[:256], tid, engine[:256], w.engine_id, cmd.reason[:2000])
 
     def called(self, worker_id: str, commands: int) -> None:
         """Count a worker's Stream batch of ``commands`` commands, for status."""
@@ -255,30 +245,28 @@ class Node:
             if streams < 0 and o.streams == 0:  # its last stream ended: housekeeping gives it a short grace
                 o.stream_ended = time.monotonic()
 
-    def register(self, origin_id: str, transfer_id: str, registration_id: int, producer_engine_id: str,
-                 producer_tp_size: int, consumer_engine_id: str, consumer_rank: int,
-                 consumer_tp_size: int, agent: RemoteAgent, block_ids: Sequence[int],
-                 transfer_mode: TransferMode = TransferMode.PUSH, skip_tokens: int = 0, traceparent: str = "") -> bool:
+    def register(self, origin_id: str, item: Register) -> bool:
         """A decode daemon's registration. Returns False when we need the agent's metadata."""
         self._not_draining()
         origin = self.inbound.caller(origin_id)
-        check_transfer_id(transfer_id)
-        self._peer_limits(origin, len(block_ids))
+        tid, engine = item.transfer_id, item.producer_engine_id
+        check_transfer_id(tid)
+        self._peer_limits(origin, len(item.block_ids))
         self.obs.emit(PeerHeard(origin.address, inbound=True))
-        self.events.remember(transfer_id, producer_engine_id)
-        if self.workers.producer(producer_engine_id) is None:
-            raise NotFound(f"no prefill engine {producer_engine_id!r} is attached to node {self.ident.node_id}")
-        known = self.inbound.consumers.admit(origin, agent, lambda: self.rv.send.agents_in_use(origin_id))
+        self.events.remember(tid, engine)
+        if self.workers.producer(engine) is None:
+            raise NotFound(f"no prefill engine {engine!r} is attached to node {self.ident.node_id}")
+        known = self.inbound.consumers.admit(origin, item.agent, lambda: self.rv.send.agents_in_use(origin_id))
         if known is None:
             return False
-        check_block_ids(block_ids, min(r.num_blocks for r in known.regions),
-                        self.cfg.worker_api.max_blocks_per_request, f"transfer {transfer_id[:256]!r}: consumer regions")
-        if not 0 <= skip_tokens < 1 << 31:
-            raise InvalidArgument(f"transfer {transfer_id!r}: skip_tokens {skip_tokens} out of range")
+        check_block_ids(item.block_ids, min(r.num_blocks for r in known.regions),
+                        self.cfg.worker_api.max_blocks_per_request, f"transfer {tid[:256]!r}: consumer regions")
+        if not 0 <= item.skip_tokens < 1 << 31:
+            raise InvalidArgument(f"transfer {tid!r}: skip_tokens {item.skip_tokens} out of range")
         self.rv.bounded()
-        reg = Registration(registration_id, origin_id, transfer_id, producer_engine_id, producer_tp_size,
-                           agent.name, consumer_rank, consumer_tp_size, tuple(block_ids),
-                           TransferMode.parse(transfer_mode), skip_tokens=skip_tokens, layouts=known.regions,
+        reg = Registration(item.registration_id, origin_id, tid, engine, item.producer_tp_size, item.agent.name,
+                           item.consumer_rank, item.consumer_tp_size, item.block_ids,
+                           TransferMode.parse(item.mode), skip_tokens=item.skip_tokens, layouts=known.regions,
                            node_id=origin.node_id, tls_names=origin.tls_names)
         try:
             actions = self.rv.send.register(time.monotonic(), reg)
@@ -286,10 +274,10 @@ class Node:
             origin.refused += 1
             self.obs.emit(Counted("peer_calls_refused"))
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
-                        transfer_id=transfer_id[:256], consumer_rank=consumer_rank, reason=str(e))
+                        transfer_id=tid[:256], consumer_rank=item.consumer_rank, reason=str(e))
             raise
-        if traceparent:
-            self.obs.emit(RegistrationTraced(transfer_id, traceparent[:128]))
+        if item.traceparent:
+            self.obs.emit(RegistrationTraced(tid, item.traceparent[:128]))
         self.run(actions)
         return True
 
@@ -317,54 +305,52 @@ class Node:
             log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
             raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: {why}", peer=origin.address)
 
-    async def withdraw(self, origin_id: str, transfer_id: str, registration_id: int, code: FailureCode,
-                       reason: str) -> None:
+    async def withdraw(self, origin_id: str, n: Notice) -> None:
         """A decode daemon withdraws a registration; returns once no WRITE into it is in flight
         (bounded), so the decode side may then let its engine free the blocks."""
-        key = self.rv.send.transfer_of(origin_id, registration_id)
-        self.run(self.rv.send.withdraw(origin_id, transfer_id, registration_id, code, reason))
+        key = self.rv.send.transfer_of(origin_id, n.registration_id)
+        self.run(self.rv.send.withdraw(origin_id, n.transfer_id, n.registration_id, n.code, n.reason))
         if key is not None:
-            await self.ex.wait_unwritten(key, registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
+            await self.ex.wait_unwritten(key, n.registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
 
-    def declined(self, origin_id: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
-                 reason: str) -> None:
+    def declined(self, origin_id: str, item: Declined) -> None:
         """A decode daemon will never register this transfer: fail its publishes now and later."""
         origin = self.inbound.caller(origin_id)
-        check_transfer_id(transfer_id)
+        tid, engine = item.transfer_id, item.producer_engine_id
+        check_transfer_id(tid)
         self._peer_limits(origin, None)  # the Register budget covers declines too
-        if self.workers.producer(producer_engine_id) is None:
-            raise NotFound(f"no prefill engine {producer_engine_id[:256]!r} is attached to node {self.ident.node_id}")
-        why = f"decode engine {consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {reason[:1000]}"
-        actions = self.rv.send.decline(time.monotonic(), origin_id, producer_engine_id, transfer_id, why)
+        if self.workers.producer(engine) is None:
+            raise NotFound(f"no prefill engine {engine[:256]!r} is attached to node {self.ident.node_id}")
+        why = f"decode engine {item.consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {item.reason[:1000]}"
+        actions = self.rv.send.decline(time.monotonic(), origin_id, engine, tid, why)
         self.obs.emit(Counted("declines_received"))
-        log.info("transfer declined by the decode side", transfer_id=transfer_id[:256], peer_node=origin.node_id,
-                 reason=reason[:200])
+        log.info("transfer declined by the decode side", transfer_id=tid[:256], peer_node=origin.node_id,
+                 reason=item.reason[:200])
         self.run(actions)
 
-    def peer_failed(self, caller_instance_id: str, transfer_id: str, registration_id: int, code: FailureCode,
-                    reason: str) -> None:
+    def peer_failed(self, caller_instance_id: str, n: Notice) -> None:
         """The prefill daemon says a registration of ours will not be written.
 
         Only the daemon the registration was sent to may fail it, and only under its transfer id."""
-        sent = self.rv.recv.sent_to(registration_id)
+        sent = self.rv.recv.sent_to(n.registration_id)
         if sent is None:
             return  # already ended (finished, failed or withdrawn): nothing to do
         tid, address = sent
-        if tid != transfer_id or not self.outbound.is_instance(address, caller_instance_id):
-            raise PermissionDenied(f"failure notice for registration {registration_id} (transfer "
-                                   f"{transfer_id[:256]!r}) from a daemon it was not sent to")
-        self.run(self.rv.recv.failed(registration_id, code, reason))
+        if tid != n.transfer_id or not self.outbound.is_instance(address, caller_instance_id):
+            raise PermissionDenied(f"failure notice for registration {n.registration_id} (transfer "
+                                   f"{n.transfer_id[:256]!r}) from a daemon it was not sent to")
+        self.run(self.rv.recv.failed(n.registration_id, n.code, n.reason))
 
     # -- pull mode ------------------------------------------------------------------------------
 
-    def offer(self, caller_instance_id: str, transfer_id: str, registration_id: int, producer_rank: int,
-              agent: RemoteAgent, block_ids: Sequence[int]) -> bool:
+    def offer(self, caller_instance_id: str, item: Offer) -> bool:
         """Pull mode, decode side: the prefill daemon offers a producer rank's source blocks.
 
         We READ only into the blocks our own worker registered for this very registration, and only
         when the caller is the prefill daemon the registration was sent to. Returns False when we
         need the producer agent's metadata.
         """
+        transfer_id, registration_id, block_ids = item.transfer_id, item.registration_id, item.block_ids
         address = self.rv.recv.producer_address_of(registration_id)
         if address is None:
             raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
@@ -376,20 +362,21 @@ class Node:
         if len(block_ids) > self.cfg.worker_api.max_blocks_per_request:
             raise InvalidArgument(f"offer of {len(block_ids)} blocks; at most "
                                   f"{self.cfg.worker_api.max_blocks_per_request}")
-        known = self.inbound.producers.admit(origin, agent, set)
+        known = self.inbound.producers.admit(origin, item.agent, set)
         if known is None:
             return False
         if block_ids and max(block_ids) >= min(r.num_blocks for r in known.regions):
             raise InvalidArgument(f"transfer {transfer_id[:256]!r}: source block id {max(block_ids)} out of range "
                                   f"(producer regions have {min(r.num_blocks for r in known.regions)} blocks)")
-        self.run(self.rv.recv.offer(registration_id, transfer_id, producer_rank, block_ids, producer_agent=known.name))
+        self.run(self.rv.recv.offer(registration_id, transfer_id, item.producer_rank, block_ids,
+                                    producer_agent=known.name))
         return True
 
-    def read_failed(self, caller_instance_id: str, registration_id: int, producer_rank: int, reason: str) -> None:
+    def read_failed(self, caller_instance_id: str, item: ReadFailed) -> None:
         """Pull mode, prefill side: the decode daemon says the READ of our offer failed."""
         origin = self.inbound.caller(caller_instance_id)
-        self.run(self.rv.send.read_done(caller_instance_id, registration_id, producer_rank, False,
-                                        f"decode daemon {origin.node_id}: {reason[:2000]}"))
+        self.run(self.rv.send.read_done(caller_instance_id, item.registration_id, item.producer_rank, False,
+                                        f"decode daemon {origin.node_id}: {item.reason[:2000]}"))
 
     # -- checks ---------------------------------------------------------------------------------
 

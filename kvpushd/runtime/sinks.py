@@ -161,8 +161,7 @@ def tracing_sink(obs: Observations, t: Tracing) -> None:
             t.publish(r.worker_id, r.transfer_id, r.traceparent, r.engine_id)
 
     def nixl(worker_id: str, read: bool, r: WriteDone | ReadDone) -> None:
-        x = r.result
-        t.nixl_done(worker_id, r.transfer_id, read, x.ok, x.reason, x.nbytes, x.descs_posted, x.post_s, x.xfer_s)
+        t.nixl_done(worker_id, r.transfer_id, read, r.result)
 
     obs.on(Started, started)
     obs.on(RegistrationTraced, lambda r: t.registration(r.transfer_id, r.traceparent))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import os
 import secrets
 import time
 import uuid
@@ -31,11 +30,11 @@ from ..core.errors import (
 from ..core.notif import MAX_LAYERS
 from ..core.types import Completion, CompletionKind, RegionLayout, Role
 from ..events import EventHub, EventKind
-from ..memory import Mapping, MemfdSpec, MemorySpec, open_all
+from ..memory import Mapping, MemorySpec, open_all, take_fds
 from ..memory.doorbell import Doorbell, fd_label
-from ..memory.fdpass import MAX_MEMORY_HANDLES, VMM, FdInbox, fd_socket_path
+from ..memory.fdpass import MAX_MEMORY_HANDLES, FdInbox, fd_socket_path
 from ..memory.shm import ShmMapping
-from ..memory.vmm import VmmMapping, VmmSpec, check_described, check_growth, check_regions_mapped, registrations
+from ..memory.vmm import VmmMapping, check_described, check_growth, check_regions_mapped, registrations
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
 from .identity import Identity, agent_prefix
@@ -50,6 +49,24 @@ class RegionArg:
     memory_index: int
     offset: int
     layout: RegionLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """One Attach, as rpc/convert.py makes it from the request: checked and carried out whole."""
+
+    engine_id: str
+    role: Role
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    memory: tuple[MemorySpec, ...]
+    regions: tuple[RegionArg, ...]
+    description: str = ""
+    doorbell: str = ""           # the doorbell page's label, if one is handed over
+    doorbell_token: bytes = b""  # the token it was handed over under (fdpass)
+    extends_worker_id: str = ""  # a growth: the live worker whose VMM memory gains chunks (``extend``)
+    extends_worker_token: bytes = b""
 
 
 @dataclass(slots=True)
@@ -108,27 +125,23 @@ class Workers:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    async def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                     memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                     doorbell: str = "", doorbell_token: bytes = b"") -> Worker:
+    async def attach(self, a: Attach) -> Worker:
         """An Attach whose caller goes (its deadline passed, its call cancelled) runs to its end anyway,
         holding its claims: cut short, it left what a thread had mapped for it mapped for good, or
         unmapped memory the NIXL thread was registering. Finished, its worker is detached like any that
         never opens its session (``worker_api.session_grace_s``)."""
-        task = asyncio.ensure_future(self._claim_and_attach(engine_id, role, tp_rank, tp_size, pp_rank, memory,
-                                                            regions, description, doorbell, doorbell_token))
+        task = asyncio.ensure_future(self._claim_and_attach(a))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(_abandoned)
             raise
 
-    async def _claim_and_attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                                memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                                doorbell: str, doorbell_token: bytes) -> Worker:
-        check_attach(engine_id, role, tp_rank, tp_size, memory, regions, self.cfg, description)
-        check_geometry([r.layout for r in regions])
-        check_described(memory, [(r.memory_index, r.offset, r.layout.span()) for r in regions])  # VMM handles
+    async def _claim_and_attach(self, a: Attach) -> Worker:
+        check_attach(a, self.cfg)
+        check_geometry([r.layout for r in a.regions])
+        check_described(a.memory, [(r.memory_index, r.offset, r.layout.span()) for r in a.regions])  # VMM handles
+        engine_id, tp_rank, pp_rank = a.engine_id, a.tp_rank, a.pp_rank
         rank = ("rank", engine_id, tp_rank, pp_rank)
         for w in self.by_id.values():
             # A worker that is gone (its detach waits for WRITEs from its memory to settle) does
@@ -146,19 +159,18 @@ class Workers:
         claims: set[tuple[object, ...]] = {rank}
         self._claims.add(rank)
         try:
-            return await self._attach(engine_id, role, tp_rank, tp_size, pp_rank, memory, regions, description,
-                                      doorbell, doorbell_token, claims)
+            return await self._attach(a, claims)
         finally:
             self._claims -= claims
 
-    async def _attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, pp_rank: int,
-                      memory: Sequence[MemorySpec], regions: Sequence[RegionArg], description: str,
-                      doorbell: str, doorbell_token: bytes, claims: set[tuple[object, ...]]) -> Worker:
+    async def _attach(self, a: Attach, claims: set[tuple[object, ...]]) -> Worker:
+        engine_id, role, tp_rank, tp_size, pp_rank = a.engine_id, a.role, a.tp_rank, a.tp_size, a.pp_rank
+        memory, regions = a.memory, a.regions
         loop = asyncio.get_running_loop()
-        mappings = await loop.run_in_executor(None, open_all, memory, self._take_fds(memory))
+        mappings = await loop.run_in_executor(None, open_all, memory, take_fds(self.fds, memory))
         bell: Doorbell | None = None
         try:
-            bell = self._open_bell(doorbell, doorbell_token, role.can_receive)
+            bell = self._open_bell(a.doorbell, a.doorbell_token, role.can_receive)
             if bell is not None:
                 self._claim_bell(bell, claims)
             kinds = {m.mem_type for m in mappings}
@@ -181,7 +193,7 @@ class Workers:
             prefix = agent_prefix(self.ident.node_id, self.ident.instance_id)
             agent = f"{prefix}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
             w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
-                       tuple(specs), description, time.monotonic(),
+                       tuple(specs), a.description, time.monotonic(),
                        min(r.layout.num_blocks for r in regions), bell=bell)
             assert self.xfer is not None
             w.metadata = await self.xfer.attach(wid, agent, mem_type,
@@ -204,14 +216,13 @@ class Workers:
                          detail=f"{role.name} tp {tp_rank}/{tp_size} pp {pp_rank}")
         return w
 
-    async def extend(self, worker_id: str, token: bytes, engine_id: str, memory: Sequence[MemorySpec],
-                     regions: Sequence[RegionArg]) -> Worker:
-        """Growth of a live worker's VMM memory (AttachRequest.extends_worker_id): checked whole, then
-        refused for now (memory/vmm.py check_growth: the NIXL side of growth is not built)."""
-        w = self.owned(worker_id, token)
-        check_growth(w.worker_id, w.engine_id, engine_id, w.mappings, w.regions, memory,
+    async def extend(self, a: Attach) -> Worker:
+        """Growth of a live worker's VMM memory (``a.extends_worker_id``): checked whole, then refused
+        for now (memory/vmm.py check_growth: the NIXL side of growth is not built)."""
+        w = self.owned(a.extends_worker_id, a.extends_worker_token)
+        check_growth(w.worker_id, w.engine_id, a.engine_id, w.mappings, w.regions, a.memory,
                      [(r.memory_index, r.offset, r.layout.block_len, r.layout.block_stride, r.layout.num_blocks,
-                       r.layout.span()) for r in regions])
+                       r.layout.span()) for r in a.regions])
         return w
 
     def _open_bell(self, name: str, token: bytes, ring: bool) -> Doorbell | None:
@@ -238,25 +249,6 @@ class Workers:
                 f"a page of its own")
         claims.add(key)
         self._claims.add(key)
-
-    def _take_fds(self, memory: Sequence[MemorySpec]) -> dict[bytes, int]:
-        """The descriptors of the sealed memfds among ``memory``, from the fd socket (all or none)."""
-        kinds = {m.token: "" for m in memory if isinstance(m, MemfdSpec)}  # "": fdpass.MEMFD, the default
-        chunks = [t for m in memory if isinstance(m, VmmSpec) for t in m.tokens]
-        kinds.update((t, VMM) for t in chunks)
-        if not kinds:
-            return {}
-        if len(kinds) != len(chunks) + sum(isinstance(m, MemfdSpec) for m in memory):
-            raise InvalidArgument("two memfd handles or VMM chunks name the same token")
-        fds: dict[bytes, int] = {}
-        try:
-            for t, kind in kinds.items():
-                fds[t] = self.fds.take(t, kind) if kind else self.fds.take(t)
-        except BaseException:
-            for fd in fds.values():
-                os.close(fd)
-            raise
-        return fds
 
     def _populate(self, loop: asyncio.AbstractEventLoop, wid: str, m: ShmMapping) -> None:
         """Map the worker's host KV into the daemon's page tables in the background (ShmMapping.populate)."""
@@ -429,11 +421,12 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, 
         raise InvalidArgument("block_ids contain duplicates")
 
 
-def check_attach(engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[MemorySpec],
-                 regions: Sequence[RegionArg], cfg: Config, description: str = "") -> None:
+def check_attach(a: Attach, cfg: Config) -> None:
+    engine_id, tp_rank, tp_size, memory, regions, description = (a.engine_id, a.tp_rank, a.tp_size, a.memory,
+                                                                  a.regions, a.description)
     if not engine_id or len(engine_id) > 128 or not engine_id.isprintable() or "." in engine_id:
         raise InvalidArgument(f"engine_id {engine_id!r}: 1-128 printable characters, no '.'")
-    if role is Role.UNSPECIFIED:
+    if a.role is Role.UNSPECIFIED:
         raise InvalidArgument("role must be PRODUCER, CONSUMER or BOTH")
     if tp_size < 1 or tp_rank >= tp_size:
         raise InvalidArgument(f"tp_rank {tp_rank} must be below tp_size {tp_size} (>= 1)")

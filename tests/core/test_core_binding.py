@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvpushd.core.errors import InvalidArgument, PermissionDenied
-from kvpushd.core.rendezvous import Action, Binding, Deliver, Registration, SendFailNotice, SendSide, StartWrite
-from kvpushd.core.types import CompletionKind, FailureCode
+from kvpushd.core.rendezvous import Action, Deliver, Registration, SendFailNotice, SendSide, StartWrite
+from kvpushd.core.types import CompletionKind, FailureCode, Publish, WorkerRef
 
 T0 = 1000.0
 ENGINE, TID = "prefill-engine", "req-1"
@@ -26,7 +26,8 @@ def writes(actions: list[Action]) -> list[StartWrite]:
 
 
 def publish(s: SendSide, consumer: str = GOOD, rank: int = 0, tp: int = 1, tls: str = "") -> list[Action]:
-    return s.publish(T0, f"pw{rank}", ENGINE, rank, tp, TID, SRC, consumer=Binding(consumer, tls))
+    return s.publish(T0, WorkerRef(f"pw{rank}", ENGINE, rank, tp),
+                     Publish(TID, SRC, consumer_node_id=consumer, consumer_tls_name=tls))
 
 
 def test_after_the_publish_another_node_is_refused_and_the_named_one_written() -> None:

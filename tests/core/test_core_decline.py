@@ -8,7 +8,7 @@ import pytest
 from kvpushd.core import send
 from kvpushd.core.errors import PermissionDenied
 from kvpushd.core.rendezvous import Deliver, Registration, SendFailNotice, SendSide, StartWrite
-from kvpushd.core.types import CompletionKind, FailureCode
+from kvpushd.core.types import CompletionKind, FailureCode, Publish, WorkerRef
 
 T0 = 1000.0
 
@@ -25,25 +25,25 @@ def failed(acts: list) -> list[Deliver]:  # type: ignore[type-arg]
 
 def test_a_waiting_publish_fails_at_once_and_a_later_one_too() -> None:
     s = SendSide(publish_timeout_s=120.0, registration_timeout_s=100.0)
-    assert s.publish(T0, "pw", "e", 0, 1, "t", (5, 6)) == []
+    assert s.publish(T0, WorkerRef("pw", "e", 0, 1), Publish("t", (5, 6))) == []
     (d,) = failed(s.decline(T0 + 1, "decode", "e", "t", "the decode daemon was down"))
     assert d.worker_id == "pw" and d.completion.code is FailureCode.ABORTED
     assert d.completion.block_ids == (5, 6) and "the decode daemon was down" in d.completion.reason
     assert len(s) == 0 and s.next_deadline() is None
-    (d,) = failed(s.publish(T0 + 2, "pw", "e", 0, 1, "t", (7,)))  # remembered: fails at once
+    (d,) = failed(s.publish(T0 + 2, WorkerRef("pw", "e", 0, 1), Publish("t", (7,))))  # remembered: fails at once
     assert d.completion.block_ids == (7,) and len(s) == 0
     # another engine's transfer of the same id is not touched
-    assert s.publish(T0 + 2, "pw2", "other", 0, 1, "t", (8,)) == []
+    assert s.publish(T0 + 2, WorkerRef("pw2", "other", 0, 1), Publish("t", (8,))) == []
     assert len(s) == 1
     # forgotten after publish_timeout_s: the id may be used again
-    assert s.publish(T0 + 130, "pw", "e", 0, 1, "t", (9,)) == []
+    assert s.publish(T0 + 130, WorkerRef("pw", "e", 0, 1), Publish("t", (9,))) == []
     assert len(s) == 2
 
 
 def test_decline_before_the_publish_and_the_cap() -> None:
     s = SendSide(publish_timeout_s=120.0, registration_timeout_s=100.0)
     assert s.decline(T0, "decode", "e", "t", "why") == []
-    assert failed(s.publish(T0 + 1, "pw", "e", 0, 1, "t", (5,)))
+    assert failed(s.publish(T0 + 1, WorkerRef("pw", "e", 0, 1), Publish("t", (5,))))
     for i in range(send.MAX_DECLINED + 10):  # bounded whatever a peer sends
         s.decline(T0 + 2, "decode", "e", f"x{i}", "why")
     assert len(s._declined) == send.MAX_DECLINED
@@ -62,7 +62,7 @@ def test_only_the_registering_daemon_may_decline_and_its_registration_is_dropped
 
 def test_a_write_in_flight_settles_before_the_publish_fails() -> None:
     s = SendSide(publish_timeout_s=120.0, registration_timeout_s=100.0)
-    s.publish(T0, "pw", "e", 0, 1, "t", (5, 6))
+    s.publish(T0, WorkerRef("pw", "e", 0, 1), Publish("t", (5, 6)))
     (w,) = [a for a in s.register(T0, reg(7, tp=1)) if isinstance(a, StartWrite)]
     acts = s.decline(T0 + 1, "decode", "e", "t", "why")
     assert not failed(acts) and not [a for a in acts if isinstance(a, SendFailNotice)]  # bytes may land

@@ -5,7 +5,7 @@ waiting for other producer ranks) and expires after publish_timeout_s otherwise.
 from __future__ import annotations
 
 from kvpushd.core.rendezvous import Deliver, Registration, SendFailNotice, SendSide, StartWrite
-from kvpushd.core.types import CompletionKind, FailureCode
+from kvpushd.core.types import CompletionKind, FailureCode, Publish, WorkerRef
 
 T0 = 1000.0
 
@@ -19,7 +19,7 @@ def reg(rid: int, rank: int, tp: int, blocks: tuple[int, ...] = (1, 2)) -> Regis
 def test_write_in_flight_is_not_expired_even_with_a_target_missing() -> None:
     """Producer TP 1 -> consumer TP 2: rank 0 registered (its WRITE in flight), rank 1 never."""
     s = SendSide(publish_timeout_s=1.0, registration_timeout_s=100.0)
-    s.publish(T0, "pw", "e", 0, 1, "t", (5, 6))
+    s.publish(T0, WorkerRef("pw", "e", 0, 1), Publish("t", (5, 6)))
     writes = [a for a in s.register(T0 + 0.1, reg(7, 0, 2)) if isinstance(a, StartWrite)]
     assert len(writes) == 1
     for k in range(1, 6):  # well past publish_timeout_s: the WRITE holds the lease
@@ -36,7 +36,7 @@ def test_write_in_flight_is_not_expired_even_with_a_target_missing() -> None:
 
 def test_unmatched_publish_expires_and_tells_the_registered_side() -> None:
     s = SendSide(publish_timeout_s=1.0, registration_timeout_s=100.0)
-    s.publish(T0, "pw", "e", 0, 1, "t", (5, 6))
+    s.publish(T0, WorkerRef("pw", "e", 0, 1), Publish("t", (5, 6)))
     assert s.tick(T0 + 0.5) == []
     acts = s.tick(T0 + 1.5)
     assert [a.completion.code for a in acts if isinstance(a, Deliver)] == [FailureCode.TIMEOUT]

@@ -10,6 +10,7 @@ from kvpushd.core import notif
 from kvpushd.core.errors import InvalidArgument
 from kvpushd.core.rendezvous import RecvSide, Registration, SendSide
 from kvpushd.core.topology import block_parts, check_tp_pair, consumer_targets, producer_sources
+from kvpushd.core.types import Expect, Publish, WorkerRef
 
 # --------------------------------------------------------------------------------------------
 # topology
@@ -194,7 +195,7 @@ def test_compat_hash_is_stable_hex() -> None:
 
 def test_send_views_describe_what_is_missing() -> None:
     s = SendSide(30.0, 30.0)
-    s.publish(10.0, "pw0", "E", 0, 1, "a", [1, 2])
+    s.publish(10.0, WorkerRef("pw0", "E", 0, 1), Publish("a", [1, 2]))
     reg = Registration(5, "dec", "b", "E", 1, "agent", 0, 1, (3,))
     s.register(11.0, reg)
     views = {v.transfer_id: v for v in s.views(15.0)}
@@ -205,7 +206,7 @@ def test_send_views_describe_what_is_missing() -> None:
     assert views["a"].workers == ("pw0",)
     assert views["b"].waiting_for == "prefill publish"
     assert views["b"].registered_ranks == (0,)
-    (w,) = s.publish(12.0, "pw0", "E", 0, 1, "b", [7])
+    (w,) = s.publish(12.0, WorkerRef("pw0", "E", 0, 1), Publish("b", [7]))
     vb = next(v for v in s.views(15.0) if v.transfer_id == "b")
     assert vb.legs_posted == 1 and "in flight" in vb.waiting_for
     s.write_done(w.leg, True)  # type: ignore[union-attr]
@@ -214,7 +215,7 @@ def test_send_views_describe_what_is_missing() -> None:
 
 def test_recv_views_describe_what_is_missing() -> None:
     r = RecvSide(30.0)
-    (sr,) = r.expect(1.0, "dw0", 0, 1, "a", [4, 5], "prefill:1", "E", 2)
+    (sr,) = r.expect(1.0, WorkerRef("dw0", "", 0, 1), Expect("a", [4, 5], "prefill:1", "E", 2))
     (v,) = r.views(3.0)
     assert v.state == "registering" and "prefill:1" in v.waiting_for and v.num_blocks == 2
     r.registered(sr.registration_id)  # type: ignore[union-attr]

@@ -20,13 +20,13 @@ from test_core_rendezvous import (
 )
 
 from kvpushd.core.rendezvous import Deliver, SendFailNotice, SendOffer, StartWrite, StopWrite
-from kvpushd.core.types import CompletionKind, FailureCode, TransferMode
+from kvpushd.core.types import CompletionKind, FailureCode, Publish, TransferMode, WorkerRef
 
 LAYERS = 4
 
 
 def declare(s, step: int = 5, worker: str | None = None):  # type: ignore[no-untyped-def]
-    return s.publish(T0, worker or pw(0), ENGINE, 0, 1, TID, SRC, at_step=step, layers=LAYERS)
+    return s.publish(T0, WorkerRef(worker or pw(0), ENGINE, 0, 1), Publish(TID, SRC, step=step, layers=LAYERS))
 
 
 def test_a_declared_publish_starts_a_staged_push_leg_at_once() -> None:

@@ -21,7 +21,7 @@ from test_core_rendezvous import ENGINE, SRC, T0, TID, expect, new_recv, new_sen
 from kvpushd.core import notif
 from kvpushd.core.errors import AlreadyExists, InvalidArgument
 from kvpushd.core.rendezvous import Deliver, LegKey, StartWrite
-from kvpushd.core.types import CompletionKind
+from kvpushd.core.types import CompletionKind, Publish, WorkerRef
 from kvpushd.transfer.agents import Prepped
 from kvpushd.transfer.descs import Units, ready_first, units
 from kvpushd.transfer.records import Inflight, Local, WriteResult
@@ -33,7 +33,8 @@ LAYERS, REGIONS, NUM_BLOCKS = 4, 8, 100
 # -- the core: the count, checked and carried into the leg ---------------------------------------
 
 def declare(s, ready: int, blocks=SRC, layers: int = LAYERS):  # type: ignore[no-untyped-def]
-    return s.publish(T0, pw(0), ENGINE, 0, 1, TID, blocks, at_step=5, layers=layers, ready_blocks=ready)
+    return s.publish(T0, WorkerRef(pw(0), ENGINE, 0, 1),
+                     Publish(TID, blocks, step=5, layers=layers, ready_blocks=ready))
 
 
 def test_more_ready_blocks_than_blocks_is_refused() -> None:
@@ -63,7 +64,7 @@ def test_ready_blocks_go_with_the_step_only() -> None:
     w = one(declare(s, 2) + s.register(T0, reg(7)), StartWrite)
     assert (w.step, w.layers, w.ready_blocks) == (5, LAYERS, 2)
     s = new_send()
-    s.publish(T0, pw(0), ENGINE, 0, 1, TID, SRC, ready_blocks=2)  # no step: every block is complete
+    s.publish(T0, WorkerRef(pw(0), ENGINE, 0, 1), Publish(TID, SRC, ready_blocks=2))  # no step: every block is complete
     w = one(s.register(T0, reg(7)), StartWrite)
     assert (w.layers, w.ready_blocks) == (0, 0)
     s = new_send()
@@ -280,6 +281,6 @@ def test_the_client_sends_ready_blocks_under_that_name() -> None:
 
     for fn in (stream.StreamWorker.publish_nowait, stream.StreamWorker.publish):
         assert inspect.signature(fn).parameters["ready_blocks"].default == 0
-    cmd = stream._command(1, ("publish", "t", (1, 2, 3), "", "", "", 5, LAYERS, 2))
+    cmd = stream._command(1, Publish("t", (1, 2, 3), step=5, layers=LAYERS, ready_blocks=2))
     assert (cmd.publish.step, cmd.publish.layers, cmd.publish.ready_blocks) == (5, LAYERS, 2)
-    assert stream._command(1, ("publish", "t", (1,), "", "", "")).publish.ready_blocks == 0
+    assert stream._command(1, Publish("t", (1,))).publish.ready_blocks == 0

@@ -27,7 +27,7 @@ from kvpushd.core.rendezvous import (
     StartWrite,
 )
 from kvpushd.core.topology import consumer_targets, producer_sources
-from kvpushd.core.types import Completion, CompletionKind, FailureCode
+from kvpushd.core.types import Completion, CompletionKind, Expect, FailureCode, Publish, WorkerRef
 
 T0 = 1000.0
 PUB_TO = 30.0
@@ -78,12 +78,12 @@ def reg(rid: int, crank: int = 0, ctp: int = 1, ptp: int = 1, blocks: Sequence[i
 
 def publish(s: SendSide, now: float = T0, rank: int = 0, tp: int = 1, blocks: Sequence[int] = SRC,
             tid: str = TID, worker: str | None = None) -> list[Action]:
-    return s.publish(now, worker or pw(rank), ENGINE, rank, tp, tid, blocks)
+    return s.publish(now, WorkerRef(worker or pw(rank), ENGINE, rank, tp), Publish(tid, blocks))
 
 
 def expect(r: RecvSide, now: float = T0, rank: int = 0, tp: int = 1, ptp: int = 1, blocks: Sequence[int] = DST,
            tid: str = TID, worker: str | None = None, addr: str = ADDR) -> list[Action]:
-    return r.expect(now, worker or dw(rank), rank, tp, tid, blocks, addr, ENGINE, ptp)
+    return r.expect(now, WorkerRef(worker or dw(rank), "", rank, tp), Expect(tid, blocks, addr, ENGINE, ptp))
 
 
 def to_registration(a: SendRegister, origin: str = ORIGIN) -> Registration:
@@ -583,7 +583,7 @@ def test_reexpect_supersedes_the_old_registration(change: str) -> None:
     elif change == "address":
         actions = expect(r, T0 + 1, addr="other-prefill:7070")
     else:
-        actions = r.expect(T0 + 1, dw(0), 0, 1, TID, DST, ADDR, "other-engine", 1)
+        actions = r.expect(T0 + 1, WorkerRef(dw(0), "", 0, 1), Expect(TID, DST, ADDR, "other-engine", 1))
     assert len(actions) == 2
     wd, new = actions
     assert wd == SendWithdraw(ADDR, TID, old.registration_id, FailureCode.SUPERSEDED, wd.reason)
@@ -970,7 +970,7 @@ def test_register_rejects_invalid(blocks: tuple[int, ...], ptp: int, ctp: int) -
 def test_expect_rejects_invalid(tid: str, blocks: tuple[int, ...], addr: str, ptp: int, ctp: int) -> None:
     r = new_recv()
     with pytest.raises(InvalidArgument):
-        r.expect(T0, dw(0), 0, ctp, tid, blocks, addr, ENGINE, ptp)
+        r.expect(T0, WorkerRef(dw(0), "", 0, ctp), Expect(tid, blocks, addr, ENGINE, ptp))
     assert_empty(r)
 
 
@@ -1193,7 +1193,8 @@ def _pull_recv(ptp: int = 1) -> tuple[RecvSide, int]:
     from kvpushd.core.types import TransferMode
 
     r = new_recv(first_id=50)
-    sr = one(r.expect(T0, dw(0), 0, 1, TID, DST, ADDR, ENGINE, ptp, TransferMode.PULL), SendRegister)
+    sr = one(r.expect(T0, WorkerRef(dw(0), "", 0, 1),
+                      Expect(TID, DST, ADDR, ENGINE, ptp, transfer_mode=TransferMode.PULL)), SendRegister)
     assert sr.mode is TransferMode.PULL
     return r, sr.registration_id
 

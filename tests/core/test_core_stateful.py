@@ -62,7 +62,7 @@ from kvpushd.core.rendezvous import (
     StartRead,
     StartWrite,
 )
-from kvpushd.core.types import CompletionKind, FailureCode, TransferMode
+from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode, WorkerRef
 
 PUB_TO = 30.0
 REG_TO = 25.0
@@ -368,9 +368,11 @@ class PushPair(RuleBasedStateMachine):
         old = self.open_op(w, tid)
         if old is not None and old.registration_id in self.riding():
             with pytest.raises(AlreadyExists):  # still ending: the engine waits for its FAILED
-                self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed, mode)
+                self.recv.expect(self.now, WorkerRef(w, "", rank, self.dtp),
+                                 Expect(tid, blocks, ADDR, ENGINE, claimed, transfer_mode=mode))
             return
-        actions = self.recv.expect(self.now, w, rank, self.dtp, tid, blocks, ADDR, ENGINE, claimed, mode)
+        actions = self.recv.expect(self.now, WorkerRef(w, "", rank, self.dtp),
+                                   Expect(tid, blocks, ADDR, ENGINE, claimed, transfer_mode=mode))
         if not actions:  # a retried Expect
             assert old is not None and old.blocks == blocks and old.mode is mode
             return
@@ -400,7 +402,7 @@ class PushPair(RuleBasedStateMachine):
         existed = self.send.has_publish(ENGINE, tid, rank)
         old = self.open_op(w, tid)
         try:
-            actions = self.send.publish(self.now, w, ENGINE, rank, self.ptp, tid, blocks)
+            actions = self.send.publish(self.now, WorkerRef(w, ENGINE, rank, self.ptp), Publish(tid, blocks))
         except AlreadyExists:
             assert existed
             assert old is None or old.blocks != blocks
@@ -422,7 +424,8 @@ class PushPair(RuleBasedStateMachine):
         self.disruptions["duplicate_publish"] += 1
         op = self.pick([op for op in self.ops if op.side == "send" and op.status == "open"], i)
         assert self.send.has_publish(ENGINE, op.tid, op.rank)
-        assert self.send.publish(self.now, op.worker, ENGINE, op.rank, self.ptp, op.tid, op.blocks) == []
+        assert self.send.publish(self.now, WorkerRef(op.worker, ENGINE, op.rank, self.ptp),
+                                 Publish(op.tid, op.blocks)) == []
 
     @precondition(lambda self: self.net or self.posted or self.reads)
     @rule()

@@ -26,7 +26,6 @@ from kvpushd.core.rendezvous import (
     RECV_TABLE,
     REG_TABLE,
     Action,
-    Binding,
     Deliver,
     Dropped,
     LegKey,
@@ -44,7 +43,7 @@ from kvpushd.core.rendezvous import (
     StartRead,
     StartWrite,
 )
-from kvpushd.core.types import CompletionKind, FailureCode, TransferMode
+from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode, WorkerRef
 
 T0 = 1000.0
 PUB_TO, REG_TO, EXP_TO = 30.0, 20.0, 40.0
@@ -92,7 +91,7 @@ class Send:
         return actions
 
     def publish(self, tp: int = 1) -> None:
-        self.run(self.s.publish(T0, "pw", ENGINE, 0, tp, TID, SRC))
+        self.run(self.s.publish(T0, WorkerRef("pw", ENGINE, 0, tp), Publish(TID, SRC)))
 
     def register(self, r: Registration) -> None:
         self.run(self.s.register(T0, r))
@@ -173,7 +172,7 @@ def pub_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
         def run(seen: list[Any]) -> None:
             x = waiting_with_a_leg() if start is PubState.WAITING else failing()
             seen.clear()
-            assert x.s.publish(T0, "pw", ENGINE, 0, 1, TID, SRC) == []
+            assert x.s.publish(T0, WorkerRef("pw", ENGINE, 0, 1), Publish(TID, SRC)) == []
             assert seen == [("pub", start, "publish")] and x.pub is start
         return run
 
@@ -243,7 +242,8 @@ def reg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
         "origin_lost": lambda x: x.run(x.s.origin_lost(ORIGIN, "restarted")),
         "shutdown": lambda x: x.run(x.s.shutdown("stopping")),
         # the publish binds the transfer to another decode node than the one that registered
-        "unbound": lambda x: x.run(x.s.publish(T0, "pw", ENGINE, 0, 1, TID, SRC, consumer=Binding("decode-b"))),
+        "unbound": lambda x: x.run(x.s.publish(T0, WorkerRef("pw", ENGINE, 0, 1),
+                                               Publish(TID, SRC, consumer_node_id="decode-b"))),
     }
 
     def ends(event: str) -> Callable[[list[Any]], None]:
@@ -313,7 +313,8 @@ class Recv:
     out: list[Action] = field(default_factory=list)
 
     def expect(self, blocks: tuple[int, ...] = DST) -> list[Action]:
-        return self.r.expect(T0, "dw", 0, 1, TID, blocks, ADDR, ENGINE, self.ptp, self.mode)
+        return self.r.expect(T0, WorkerRef("dw", "", 0, 1),
+                             Expect(TID, blocks, ADDR, ENGINE, self.ptp, transfer_mode=self.mode))
 
     @property
     def state(self) -> RecvState | None:

@@ -8,7 +8,7 @@ import asyncio
 from kvpushd import config
 from kvpushd.app import observe
 from kvpushd.core.rendezvous import Registration
-from kvpushd.core.types import CompletionKind, TransferMode
+from kvpushd.core.types import CompletionKind, Publish, TransferMode, WorkerRef
 from kvpushd.runtime import observe as o
 from kvpushd.runtime.node import Node
 
@@ -45,7 +45,7 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     rv, ex = n.rv, n.ex
 
     async def rendezvous() -> None:  # the failure notice to the (unknown) decode daemon is a task
-        ex.run(rv.send.publish(100.0, "w1", "prefill", 0, 1, "tid", [1, 2]))
+        ex.run(rv.send.publish(100.0, WorkerRef("w1", "prefill", 0, 1), Publish("tid", [1, 2])))
         reg = Registration(7, "origin", "tid", "prefill", 1, "agent", 0, 1, (3, 4), TransferMode.PUSH)
         ex.run(rv.send.register(100.5, reg))
         await asyncio.gather(*ex.tasks)

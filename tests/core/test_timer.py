@@ -16,7 +16,7 @@ import pytest
 import kvpushd.runtime.executor as executor_mod
 from kvpushd import config
 from kvpushd.app import observe
-from kvpushd.core.types import FailureCode
+from kvpushd.core.types import FailureCode, Publish, WorkerRef
 from kvpushd.events import Event, EventKind
 from kvpushd.runtime import node as node_mod
 from kvpushd.runtime.node import Node
@@ -75,13 +75,13 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
     failures: list[Event] = []
     n.events.add_listener(lambda ev: failures.append(ev) if ev.kind is EventKind.TRANSFER_FAILED else None)
 
-    ex.run(rv.send.publish(clock.t, "w1", "prefill", 0, 1, "req-1", [3, 4]))
+    ex.run(rv.send.publish(clock.t, WorkerRef("w1", "prefill", 0, 1), Publish("req-1", [3, 4])))
     (delay, _, _), = loop.live()
     assert delay == pytest.approx(30.0, abs=0.01)  # one timer, at the lease's end: no polling tick
 
     # A second transfer with a later deadline arms nothing new; an earlier one re-arms.
     clock.t += 5
-    ex.run(rv.send.publish(clock.t, "w1", "prefill", 0, 1, "req-2", [5]))
+    ex.run(rv.send.publish(clock.t, WorkerRef("w1", "prefill", 0, 1), Publish("req-2", [5])))
     assert len(loop.live()) == 1
 
     clock.t = 1000.0 + 30.0 + 0.002
@@ -101,7 +101,7 @@ def test_early_fire_only_rearms(clock: FakeClock) -> None:
     ex, rv = n.ex, n.rv
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]
-    ex.run(rv.send.publish(clock.t, "w1", "prefill", 0, 1, "req-1", [1]))
+    ex.run(rv.send.publish(clock.t, WorkerRef("w1", "prefill", 0, 1), Publish("req-1", [1])))
     assert len(loop.live()) == 1
     clock.t += 1.0
     loop.fire()

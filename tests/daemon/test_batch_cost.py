@@ -10,7 +10,7 @@ import uuid
 
 import grpc
 import pytest
-from kvpushd_client import Role, _convert
+from kvpushd_client import Attach, Role, _convert
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, worker_pb2
 from kvpushd_client.shm import hand_over
 from support import make_kv, rss
@@ -35,8 +35,8 @@ def test_a_batch_of_millions_of_empty_items_costs_little(daemon_pair, kv_pair, s
     if stream == "worker":
         kv = make_kv("kvp-cost", regions=2, num_blocks=8)
         tokens = hand_over(p.sock, [kv.buf.memory], 10)
-        ans = p.client.stub.Attach(_convert.attach_request("junk", Role.PRODUCER, 0, 1, [kv.buf.memory],
-                                                           kv.region_list, 0, "", tokens), timeout=10)
+        ans = p.client.stub.Attach(_convert.attach_request(
+            Attach("junk", Role.PRODUCER, 0, 1, [kv.buf.memory], kv.region_list), tokens), timeout=10)
         head = worker_pb2.CommandBatch(worker_id=ans.worker_id, worker_token=ans.worker_token).SerializeToString()
         junk = head + b"\x12\x00" * EMPTY_ITEMS  # field 2 (commands), empty
 

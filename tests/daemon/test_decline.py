@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from kvpushd_client import CompletionKind, KVPushError, Role
+from kvpushd_client import CompletionKind, Expect, KVPushError, Role
 from kvpushd_client.reconnect import ReconnectingStreamWorker
 from support import wait_for
 
@@ -120,7 +120,7 @@ def test_decode_daemon_down_when_the_request_came(daemon_factory, kv_pair) -> No
         pw.publish("t4", [1, 2])  # prefill done first: its blocks wait for a registration
         d.stop(signal.SIGKILL)
         assert wait_for(lambda: not link.connected, 30)
-        call = link.expect_nowait("t4", [3, 4], p.peer_address, "prefill", 1)
+        call = link.send_nowait(Expect("t4", (3, 4), p.peer_address, "prefill", 1))
         ev = []
         assert wait_for(lambda: ev.extend(link.poll()) or any(e.kind == "refused" and e.call is call for e in ev), 30)
         link.decline_nowait("t4", p.peer_address, "prefill", "its Expect did not reach the decode daemon")

@@ -87,7 +87,7 @@ from google.protobuf import message_factory, text_format
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvpushd_client import Completion, CompletionKind, Role, _convert
+from kvpushd_client import Attach, Completion, CompletionKind, Role, _convert
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over
 from support import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
@@ -1406,8 +1406,8 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
         def raw(x: DaemonProc, engine: str, role: Role, kv: KV) -> RawWorker:
             chan = grpc.insecure_channel(f"unix:{x.sock}", options=OPTS)
             mem = [kv.buf.memory]
-            return RawWorker(chan, _convert.attach_request(engine, role, 0, 1, mem, kv.region_list, 0,
-                                                           "fuzz worker", hand_over(x.sock, mem)))
+            attach = Attach(engine, role, 0, 1, mem, kv.region_list, 0, "fuzz worker")
+            return RawWorker(chan, _convert.attach_request(attach, hand_over(x.sock, mem)))
 
         fuzzp, fuzzd, fuzzc = (raw(p, "fuzzp", Role.PRODUCER, fsrc), raw(d, "fuzzd", Role.CONSUMER, fdst),
                                raw(d, "fuzzc", Role.CONSUMER, fcap))

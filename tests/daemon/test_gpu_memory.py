@@ -8,7 +8,7 @@ refused before anything is mapped (no GPU needed), and the daemon goes on.
 from __future__ import annotations
 
 import pytest
-from kvpushd_client import CudaMemory, KVPushError, Region, Role, _convert
+from kvpushd_client import Attach, CudaMemory, KVPushError, Region, Role, _convert
 from kvpushd_client.cuda import (
     CUDA_IPC_HANDLE_SIZE,
     CudaMemoryError,
@@ -113,13 +113,13 @@ def test_each_attach_request_arms_a_fresh_sentinel() -> None:
         return bytes([len(calls)]) * 16, 0, b"\x00" * 16
 
     m = CudaMemory("GPU-0", MALLOC, 1 << 20, arm_sentinel=arm)
-    reqs = [_convert.attach_request("e", Role.PRODUCER, 0, 1, [m], [Region(0, 0, 4, 4096)], 0, "")
+    reqs = [_convert.attach_request(Attach("e", Role.PRODUCER, 0, 1, [m], [Region(0, 0, 4, 4096)]))
             for _ in range(2)]
     got = [r.memory[0].cuda_ipc for r in reqs]
     assert [g.sentinel for g in got] == [b"\x01" * 16, b"\x02" * 16]
     assert all(g.sentinel_restore == b"\x00" * 16 and g.ipc_handle == MALLOC for g in got)
     plain = CudaMemory("GPU-0", MALLOC, 4096, sentinel=b"x" * 16, sentinel_offset=8, sentinel_restore=b"y" * 16)
-    c = _convert.attach_request("e", Role.PRODUCER, 0, 1, [plain], [Region(0, 0, 1, 4096)], 0, "").memory[0].cuda_ipc
+    c = _convert.attach_request(Attach("e", Role.PRODUCER, 0, 1, [plain], [Region(0, 0, 1, 4096)])).memory[0].cuda_ipc
     assert (c.sentinel, c.sentinel_offset, c.sentinel_restore) == (b"x" * 16, 8, b"y" * 16)
 
 

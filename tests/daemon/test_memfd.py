@@ -19,7 +19,17 @@ import time
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, KVPushClient, KVPushError, MemfdMemory, Region, Role, ShmMemory, _convert
+from kvpushd_client import (
+    Attach,
+    CompletionKind,
+    KVPushClient,
+    KVPushError,
+    MemfdMemory,
+    Region,
+    Role,
+    ShmMemory,
+    _convert,
+)
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
 from support import POISON, attach_pair, make_kv, scrape, value, wait_for
@@ -97,7 +107,7 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
         stub = worker_pb2_grpc.WorkerServiceStub(c.channel)
         for token, code, words in [(b"\0" * 16, grpc.StatusCode.NOT_FOUND, "no descriptor arrived"),
                                    (b"short", grpc.StatusCode.INVALID_ARGUMENT, "16 bytes")]:
-            req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], regs, 0, "")
+            req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], regs))
             req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
             with pytest.raises(grpc.RpcError) as r:
                 stub.Attach(req, timeout=10)
@@ -151,7 +161,7 @@ def test_junk_and_floods_on_the_fd_socket_hold_no_descriptors_and_push_out_only_
 
         assert wait_for(lambda: sum(fd_socket()) == 1 + 4 + flood, timeout=10)  # every datagram read
         # the worker that handed its memfd over before the flood attaches with it
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)]))
         req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
         stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
         resp = stub.Attach(req, timeout=30)
@@ -196,7 +206,7 @@ def test_floods_from_many_processes_never_push_out_a_parked_memfd(daemon_factory
         assert wait_for(lambda: sum(fd_socket()) == sent, timeout=20), fd_socket()
         assert fd_socket()[0] == fdpass.MAX_PARKED
         stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)]))
         req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=token, size=size)))
         resp = stub.Attach(req, timeout=30)  # the victim's memfd was kept
         stub.Detach(worker_pb2.DetachRequest(worker_id=resp.worker_id, worker_token=resp.worker_token), timeout=30)
@@ -336,7 +346,7 @@ def test_an_attach_with_a_malformed_handle_after_good_ones_holds_none_of_them(da
     try:
         tokens = hand_over(c.socket_path, [MemfdMemory(fd, 16 * 4096) for fd in fds])
         assert wait_for(lambda: _open_fds(d.proc.pid) >= base + 3, timeout=10)  # parked in the daemon
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], regs, 0, "")
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], regs))
         for i in range(3):
             req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[i], size=16 * 4096)))
         req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=b"short", size=4096)))
@@ -408,7 +418,7 @@ def test_an_attach_a_draining_daemon_refuses_hands_its_descriptors_back(tmp_path
         inbox.start(asyncio.get_running_loop())
         try:
             tokens = hand_over(sock, [MemfdMemory(fds[0], 4096)])
-            req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 1, 4096)], 0, "")
+            req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 1, 4096)]))
             req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[0], size=4096)))
             req.doorbell_token = hand_over(sock, [MemfdMemory(fds[1], 4096)])[0]
             await asyncio.sleep(0.02)
@@ -537,7 +547,7 @@ def test_a_lingering_socket_sent_as_a_doorbell_does_not_hold_the_daemon(daemon_f
         tokens = hand_over(d.sock, [MemfdMemory(fd, 16 * 4096)])
         _send(f"{d.sock}.fd", b"l" * 16, s.fileno())
         s.close()  # the daemon holds the last reference now
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)], 0, "")
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], [Region(0, 0, 16, 4096)]))
         req.memory.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[0], size=16 * 4096)))
         req.doorbell_token = b"l" * 16
         t0 = time.monotonic()
@@ -612,13 +622,13 @@ def test_an_attach_whose_caller_leaves_runs_to_its_end_and_holds_its_rank(tmp_pa
         ws.fds.start(asyncio.get_running_loop())
         try:
             spec = [memory.MemfdSpec(hand_over(sock, [MemfdMemory(fd, 4 * 4096)])[0], 4 * 4096)]
-            first = asyncio.ensure_future(ws.attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region, ""))
+            first = asyncio.ensure_future(ws.attach(room.Attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region)))
             await asyncio.sleep(0.1)  # the thread is mapping
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
             with pytest.raises(AlreadyExists):  # the rank is still the first Attach's
-                await ws.attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region, "")
+                await ws.attach(room.Attach("e", CoreRole.CONSUMER, 0, 1, 0, spec, region))
             for _ in range(50):
                 if ws.by_id:
                     break

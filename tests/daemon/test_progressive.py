@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, KVPushError, Role, _convert
+from kvpushd_client import Attach, CompletionKind, KVPushError, Role, _convert
 from kvpushd_client.shm import hand_over
 from support import POISON, attach_pair, both_backends, layered_kv, wait_for
 
@@ -207,7 +207,7 @@ def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type:
             ("", b"\0" * 16, grpc.StatusCode.NOT_FOUND, "no descriptor arrived"),  # never handed over
             ("kvpushd-kv-bell-x", b"\1" * 16, grpc.StatusCode.INVALID_ARGUMENT, "not both")):
         mem = [src.buf.memory]  # its descriptor, handed over again for each Attach
-        req = _convert.attach_request("prefill", Role.PRODUCER, 0, 1, mem, src.region_list, 0, "",
+        req = _convert.attach_request(Attach("prefill", Role.PRODUCER, 0, 1, mem, src.region_list),
                                       hand_over(p.sock, mem))
         req.doorbell, req.doorbell_token = name, token
         with pytest.raises(grpc.RpcError) as e:

@@ -5,7 +5,7 @@ at once, and a restarted daemon is re-attached to and serves new requests."""
 
 from __future__ import annotations
 
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Role
 from support import start_daemon, wait_for
 
 
@@ -33,8 +33,8 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         assert rs.connected and rs.epoch == 1
         assert counts(d, "decode") == (0, 0)
         # One step: three Expects and a bad one, one message.
-        calls = [rs.expect_nowait(f"s-{i}", [2 * i, 2 * i + 1], p.peer_address, "prefill", 1) for i in range(3)]
-        bad = rs.expect_nowait("bad", [1, 10**6], p.peer_address, "prefill", 1, tag="mine")
+        calls = [rs.send_nowait(Expect(f"s-{i}", (2 * i, 2 * i + 1), p.peer_address, "prefill", 1)) for i in range(3)]
+        bad = rs.send_nowait(Expect("bad", (1, 10**6), p.peer_address, "prefill", 1), tag="mine")
         assert rs.step() == 4 and rs.flush(20)
         assert [c.epoch for c in (*calls, bad)] == [1] * 4
         assert counts(d, "decode") == (1, 4)
@@ -56,7 +56,7 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         d.proc.wait()
         assert until(lambda: any(e.kind == "lost" for e in events))
         assert [e.epoch for e in events if e.kind == "lost"] == [1]
-        late = rs.expect_nowait("late", [9], p.peer_address, "prefill", 1, tag="t")  # not attached
+        late = rs.send_nowait(Expect("late", (9,), p.peer_address, "prefill", 1), tag="t")  # not attached
         assert until(lambda: any(e.kind == "refused" for e in events))
         (ref,) = [e for e in events if e.kind == "refused"]
         assert ref.call is late and ref.epoch is None and late.epoch is None
@@ -69,7 +69,7 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         assert [e.kind for e in events if e.kind == "lost"] == ["lost"]  # lost once, whatever came after
 
         events.clear()
-        rs.expect_nowait("s-new", [4, 5], p.peer_address, "prefill", 1)
+        rs.send_nowait(Expect("s-new", (4, 5), p.peer_address, "prefill", 1))
         assert rs.step() == 1
         assert wait_for(lambda: "s-new" in {t.transfer_id for t in d.client.status().transfers})
         pw.publish("s-new", [40, 41])
@@ -156,7 +156,7 @@ def test_the_link_hands_over_its_own_descriptors_whatever_the_caller_closed(daem
         d2 = start_daemon(workdir, "dnode", "[transfer]\npublish_timeout_s = 20.0\nexpect_timeout_s = 20.0\n")
         d.proc, d.client = d2.proc, d2.client  # the fixture stops this one
         assert wait_for(lambda: rs.connected and rs.epoch == 2, 30)
-        rs.expect_nowait("after", [4, 5], p.peer_address, "prefill", 1)
+        rs.send_nowait(Expect("after", (4, 5), p.peer_address, "prefill", 1))
         assert rs.step() == 1
         assert wait_for(lambda: "after" in {t.transfer_id for t in d.client.status().transfers})
         pw.publish("after", [40, 41])

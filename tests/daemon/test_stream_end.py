@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvpushd_client import KVPushClient, Role, _convert
+from kvpushd_client import Attach, KVPushClient, Role, _convert
 from kvpushd_client.proto.v1 import worker_pb2
 from kvpushd_client.shm import hand_over
 from support import make_kv, wait_for
@@ -24,7 +24,7 @@ def _raw_attach(client, kv, engine: str, role: Role = Role.PRODUCER) -> tuple[st
     """An Attach with no stream opened for it (the test opens and ends the stream itself): the worker's
     id and token."""
     tokens = hand_over(client.socket_path, [kv.buf.memory], 10)
-    req = _convert.attach_request(engine, role, 0, 1, [kv.buf.memory], kv.region_list, 0, "", tokens)
+    req = _convert.attach_request(Attach(engine, role, 0, 1, [kv.buf.memory], kv.region_list), tokens)
     ans = client.stub.Attach(req, timeout=10)
     return ans.worker_id, ans.worker_token
 

@@ -15,7 +15,7 @@ import time
 
 import grpc
 import pytest
-from kvpushd_client import KVPushError, MemfdMemory, Region, Role, _convert
+from kvpushd_client import Attach, KVPushError, MemfdMemory, Region, Role, _convert
 from kvpushd_client.proto.v1 import worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
 from kvpushd_client.vmm import VmmChunk, VmmMemory, hand_over_chunks
@@ -61,7 +61,7 @@ def test_chunk_fds_arrive_are_accounted_and_closed_when_the_attach_fails_without
             time.sleep(0.05)
         assert _parked(d) == 3 and _open_fds(d.proc.pid) >= base + 3
         stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], regs, 0, "", {}, tokens)
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, (mem,), tuple(regs)), {}, tokens)
         with pytest.raises(grpc.RpcError) as e:
             stub.Attach(req, timeout=30)
         if _has_libcuda():  # a GPU machine: the driver loads, and no GPU has this UUID
@@ -117,7 +117,7 @@ def test_malformed_vmm_handles_are_refused_invalid_argument_and_leak_no_fd(
         stub = worker_pb2_grpc.WorkerServiceStub(d.client.channel)
         mem = VmmMemory(UUID, 8 * G, G, _chunks([(0, G)]))
         cases.append((mem, ok_regs, ""))
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], ok_regs, 0, "", {}, {0: [b"short"]})
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, (mem,), tuple(ok_regs)), {}, {0: [b"short"]})
         with pytest.raises(grpc.RpcError) as r:
             stub.Attach(req, timeout=10)
         assert r.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in (r.value.details() or "")
@@ -125,13 +125,13 @@ def test_malformed_vmm_handles_are_refused_invalid_argument_and_leak_no_fd(
         fd = sealed_memfd("vmm-memfd", G)
         try:
             as_memfd = hand_over(d.sock, [MemfdMemory(fd, G)])[0]
-            req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], ok_regs, 0, "", {}, {0: [as_memfd]})
+            req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, (mem,), tuple(ok_regs)), {}, {0: [as_memfd]})
             with pytest.raises(grpc.RpcError) as r:
                 stub.Attach(req, timeout=10)
             assert r.value.code() == grpc.StatusCode.INVALID_ARGUMENT, r.value
             assert "came as a memfd, and the Attach names it as a VMM chunk" in (r.value.details() or "")
             tagged = hand_over_chunks(d.sock, [VmmMemory(UUID, 8 * G, G, (VmmChunk(0, G, fd),))])
-            req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], ok_regs, 0, "", {}, tagged)
+            req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, (mem,), tuple(ok_regs)), {}, tagged)
             with pytest.raises(grpc.RpcError) as r:
                 stub.Attach(req, timeout=10)
             assert r.value.code() == grpc.StatusCode.PERMISSION_DENIED, r.value

@@ -358,7 +358,7 @@ def test_a_growth_is_checked_whole_then_refused() -> None:
 
 def test_segments_exported_and_named_in_the_attach_request() -> None:
     """vLLM's layout: one segment per layer with a committed prefix each; the Attach names every chunk."""
-    from kvpushd_client import Region, Role, _convert
+    from kvpushd_client import Attach, Region, Role, _convert
     from kvpushd_client.vmm import export_segments
 
     w = FakeWorkerDriver(0x1000_0000, [])
@@ -368,8 +368,8 @@ def test_segments_exported_and_named_in_the_attach_request() -> None:
         assert [(c.offset, c.size) for c in mem.chunks] == [(0, G), (G, G), (4 * G, G)] and mem.size == 3 * G
         regs = [Region(0, 0, 32, G // 16), Region(0, 4 * G, 16, G // 16)]
         with pytest.raises(ValueError, match="were not handed over"):
-            _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], regs, 0, "", {}, {0: [b"t" * 16]})
-        req = _convert.attach_request("e", Role.CONSUMER, 0, 1, [mem], regs, 0, "", {},
+            _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, (mem,), tuple(regs)), {}, {0: [b"t" * 16]})
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, (mem,), tuple(regs)), {},
                                       {0: [bytes([i]) * 16 for i in range(3)]})
         h = req.memory[0].vmm
         assert (h.gpu_uuid, h.reserved, h.granularity) == (mem.gpu_uuid, 8 * G, G)

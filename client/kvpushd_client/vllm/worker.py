@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..cuda import CudaMemoryError
 from ..doorbell import Doorbell
 from ..reconnect import Call, ReconnectingStreamWorker
-from ..types import Completion, CompletionKind, DaemonUnavailable, KVPushError, Role
+from ..types import Completion, CompletionKind, DaemonUnavailable, Expect, KVPushError, Publish, Role, TransferMode
 from .layout import describe_kv_caches_owned, layer_specs, owned_memfd_names, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .progress import Bell, LayerProgress, make_doorbell
@@ -276,9 +276,9 @@ class KVPushdConnectorWorker:
         by_req[req.req_id] = pend
         by_tid[req.transfer_id] = pend
         if isinstance(req, ExpectReq):
-            pend.op = self.link.expect_nowait(req.transfer_id, req.block_ids, req.producer_address,
-                                              req.producer_engine_id, req.producer_tp_size,
-                                              transfer_mode=req.transfer_mode, tag=pend, traceparent=req.traceparent)
+            pend.op = self.link.send_nowait(Expect(
+                req.transfer_id, req.block_ids, req.producer_address, req.producer_engine_id, req.producer_tp_size,
+                transfer_mode=TransferMode.parse(req.transfer_mode), traceparent=req.traceparent), tag=pend)
         elif req.declared and self._bell is None:
             if not self._after_forward and not self.declared:
                 logger.warning("kvpushd: a publish was declared but this worker has no doorbell; publishing "
@@ -288,15 +288,13 @@ class KVPushdConnectorWorker:
             self._publish(req, pend)
 
     def _publish(self, req: PublishReq, pend: _Pending) -> None:
-        kw: dict[str, int] = {}
+        step = layers = ready = 0
         if req.declared and self._bell is not None:
             assert self._progress is not None
-            kw = {"step": self._bell.seq, "layers": self._progress.layers}
-            kw["ready_blocks"] = req.ready_blocks
+            step, layers, ready = self._bell.seq, self._progress.layers, req.ready_blocks
             self.declared += 1
-        pend.op = self.link.publish_nowait(req.transfer_id, req.block_ids, tag=pend, traceparent=req.traceparent,
-                                           consumer_node_id=req.consumer_node_id,
-                                           consumer_tls_name=req.consumer_tls_name, **kw)
+        pend.op = self.link.send_nowait(Publish(req.transfer_id, req.block_ids, req.traceparent, req.consumer_node_id,
+                                                req.consumer_tls_name, step, layers, ready), tag=pend)
 
     # results -------------------------------------------------------------------------------------
     def _finish(self, pend: _Pending, ok: bool, why: str = "", tracked: bool = True,

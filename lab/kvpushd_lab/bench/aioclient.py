@@ -7,14 +7,26 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
 
 import grpc
 from kvpushd_client import _convert, errors
 from kvpushd_client.proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over
-from kvpushd_client.stream import _GONE, _command
-from kvpushd_client.types import Completion, DaemonUnavailable, KVPushError, Memory, Region, Role
+from kvpushd_client.stream import _GONE, _command, _mode
+from kvpushd_client.types import (
+    Abort,
+    Attach,
+    Command,
+    Completion,
+    DaemonUnavailable,
+    Decline,
+    Expect,
+    KVPushError,
+    Memory,
+    Publish,
+    Region,
+    Role,
+)
 
 
 class AsyncKVPushClient:
@@ -47,8 +59,8 @@ class AsyncKVPushClient:
                      regions: Sequence[Region], pp_rank: int = 0, description: str = "") -> AsyncWorker:
         # a local datagram per memfd (off the loop: a full queue makes a send wait)
         tokens = await asyncio.to_thread(hand_over, self.socket_path, memory, self.timeout_s)
-        req = _convert.attach_request(engine_id, role, tp_rank, tp_size, memory, regions, pp_rank, description,
-                                      tokens)
+        req = _convert.attach_request(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
+                                             pp_rank, description), tokens)
         try:
             resp = await self.stub.Attach(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
@@ -116,39 +128,37 @@ class AsyncWorker:
         self._waiting.clear()
         self._event.set()
 
-    async def _command(self, q: tuple[Any, ...]) -> worker_pb2.CommandResult:
+    async def _command(self, q: Command) -> worker_pb2.CommandResult:
         """One command in this loop turn's batch, and its answer; raises the daemon's refusal."""
         if self.session_error is not None:
             raise self.session_error
         self._seq += 1
         fut: asyncio.Future[worker_pb2.CommandResult] = asyncio.get_running_loop().create_future()
-        self._waiting[self._seq] = (q[1], fut)
+        self._waiting[self._seq] = (q.transfer_id, fut)
         if not self._batch:
             asyncio.get_running_loop().call_soon(self._send)
         self._batch.append(_command(self._seq, q))
         r = await asyncio.wait_for(fut, self.client.timeout_s)
         if r.code != "OK":
-            raise errors.error_of(r.code, r.message, r.kind, q[1])
+            raise errors.error_of(r.code, r.message, r.kind, q.transfer_id)
         return r
 
     async def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                      transfer_mode: str = "push", traceparent: str = "") -> None:
-        _convert.transfer_mode(transfer_mode)
-        await self._command(("expect", transfer_id, list(block_ids), producer_address, producer_engine_id,
-                             producer_tp_size, skip_tokens, transfer_mode, traceparent))
+        await self._command(Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id,
+                                   producer_tp_size, skip_tokens, _mode(transfer_mode), traceparent))
 
     async def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
                       consumer_node_id: str = "", consumer_tls_name: str = "") -> None:
-        await self._command(("publish", transfer_id, list(block_ids), traceparent, consumer_node_id,
-                             consumer_tls_name))
+        await self._command(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name))
 
     async def abort(self, transfer_id: str) -> bool:
-        return (await self._command(("abort", transfer_id, ()))).found
+        return (await self._command(Abort(transfer_id))).found
 
     async def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str,
                       reason: str = "") -> None:
-        await self._command(("decline", transfer_id, (), producer_address, producer_engine_id, reason))
+        await self._command(Decline(transfer_id, producer_address, producer_engine_id, reason))
 
     def completions(self) -> list[Completion]:
         out = list(self._queue)

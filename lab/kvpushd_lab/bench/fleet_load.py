@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import CompletionKind, Region, Role, SealedBuffer
+from kvpushd_client import CompletionKind, Expect, Publish, Region, Role, SealedBuffer
 from kvpushd_client.reconnect import Call, LinkEvent, ReconnectingStreamWorker
+from kvpushd_client.types import TransferMode
 
 from .common import POISON
 
@@ -237,10 +238,10 @@ class Fleet:
             s = Side(r, kind, w.rank)
             w.pending[r.tid] = s
             if kind == "prefill":
-                s.call = w.link.publish_nowait(r.tid, r.src, tag=s)
+                s.call = w.link.send_nowait(Publish(r.tid, tuple(r.src)), tag=s)
             else:
-                s.call = w.link.expect_nowait(r.tid, r.dst, p.address, p.engine_id, p.tp, transfer_mode=r.mode,
-                                              tag=s)
+                s.call = w.link.send_nowait(Expect(r.tid, tuple(r.dst), p.address, p.engine_id, p.tp,
+                                                   transfer_mode=TransferMode.parse(r.mode)), tag=s)
 
     # -- what the links report --------------------------------------------------------------------
 

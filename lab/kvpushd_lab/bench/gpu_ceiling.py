@@ -51,8 +51,7 @@ def _target_main(mem: Any, lay: Layout, conn: Connection) -> None:
 
     from .rawnixl import _agent
 
-    m = CudaIpcMapping(mem.gpu_uuid, mem.ipc_handle, mem.size, mem.storage_offset, mem.ref_counter_handle,
-                       mem.ref_counter_offset, mem.event_handle, mem.event_sync_required)
+    m = CudaIpcMapping(mem)  # made with sentinel=False: nothing to check
     agent = _agent(f"kvpushd-gpu-ceiling-target-{os.getpid()}")
     agent.register_memory([(m.addr, m.size, m.device_id, "")], "VRAM")
     conn.send((agent.get_agent_metadata(), m.addr, m.device_id))

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from kvpushd_client.types import Command, Expect, Publish, TransferMode
 
 from .. import launch
 from .options import POISON, Layout
@@ -53,18 +54,14 @@ def _worker_main(role: str, sock: str, layout: Layout, seed: int, conn: Connecti
     threading.Thread(target=pump, daemon=True).start()
     try:
         while True:
-            msg = conn.recv()
+            msg = conn.recv()  # an Expect or Publish record, or "stop"
+            if msg == "stop":
+                break
             try:
-                if msg[0] == "expect":
-                    w.expect(msg[1], msg[2], msg[3], "demo-prefill", 1,
-                             transfer_mode=msg[4] if len(msg) > 4 else "push")
-                elif msg[0] == "publish":
-                    w.publish(msg[1], msg[2])
-                elif msg[0] == "stop":
-                    break
+                w.send(msg)
             except Exception as e:  # report, the demo counts it as failed
                 with lock:
-                    conn.send(("done", msg[1], "FAILED", "RPC", str(e)))
+                    conn.send(("done", msg.transfer_id, "FAILED", "RPC", str(e)))
     finally:
         w.detach()
         client.close()
@@ -153,7 +150,7 @@ class _Demo:
         dst = np.frombuffer(dst_buf.mmap, dtype=np.uint8).reshape(lay.regions, lay.num_blocks, lay.block_len)
         send_lock = threading.Lock()
 
-        def send(role: str, msg: tuple[Any, ...]) -> None:
+        def send(role: str, msg: Command | str) -> None:
             with send_lock:
                 conns[role].send(msg)
 
@@ -209,15 +206,16 @@ class _Demo:
             with self.lock:
                 self.reqs[tid] = r
             pending.append(r)
-            first: tuple[str, tuple[Any, ...]] = ("decode", ("expect", tid, d_blocks, p_addr,
-                                                             getattr(a, "transfer_mode", "push")))
-            second: tuple[str, tuple[Any, ...]] = ("prefill", ("publish", tid, s_blocks))
+            mode = TransferMode.parse(getattr(a, "transfer_mode", "push"))
+            first: tuple[str, Command] = ("decode", Expect(tid, tuple(d_blocks), p_addr, "demo-prefill", 1,
+                                                           transfer_mode=mode))
+            second: tuple[str, Command] = ("prefill", Publish(tid, tuple(s_blocks)))
             if order == "publish_first":
                 first, second = second, first
             send(*first)
             delay = self.rng.uniform(0, 0.003)
 
-            def fire(r: _Req = r, second: tuple[str, tuple[Any, ...]] = second) -> None:
+            def fire(r: _Req = r, second: tuple[str, Command] = second) -> None:
                 r.t_second = time.perf_counter()
                 send(*second)
 
@@ -242,7 +240,7 @@ class _Demo:
 
         p_status = fetch(p_sock)
         for role in conns:
-            send(role, ("stop",))
+            send(role, "stop")
         for pr in procs:
             pr.join(30)
         src_buf.close()  # views into the maps die with this process
