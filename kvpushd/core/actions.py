@@ -6,10 +6,11 @@ slices, notification, planned or prepared descriptors), and never decides again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from .layout import Shape
+from .ledger import Ledger
 from .types import Completion, FailureCode, TransferMode
 
 Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
@@ -85,10 +86,11 @@ class StopWrite:
 
 @dataclass(frozen=True, slots=True)
 class Deliver:
-    """Hand a completion to a local worker."""
+    """Hand a completion to a local worker, with the transfer's ledger (its figures)."""
 
     worker_id: str
     completion: Completion
+    ledger: Ledger | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from . import notif
 from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegister, SendWithdraw, StartRead
 from .deadlines import Deadlines
+from .ledger import Ledger, Moved
 from .errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from .table import Move, State, step
 from .topology import block_parts, check_tp_pair, writer_sources
@@ -86,6 +87,7 @@ class _Recv:
     reading: set[int] = field(default_factory=set)  # pull: producer ranks whose READ is posted
     # progressive push: producer rank -> (its layer groups, bitmask of those notified so far)
     layers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    ledger: Ledger | None = None  # its books (set by RecvSide.expect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +200,18 @@ class RecvSide:
             raise InvalidArgument(f"transfer {transfer_id!r}: producer_address must not be empty")
         check_tp_pair(producer_tp_size, consumer_tp_size)
         actions: list[Action] = []
+        ledger = Ledger("recv", worker_id, w.engine_id, transfer_id, len(blocks), now, len(blocks) * w.block_bytes,
+                        producer_address)
         old = self._by_key.get((worker_id, transfer_id))
         if old is not None:
             recv_step(old.mode, old.state, "expect", transfer_id)  # STAY
             if (old.block_ids, old.producer_address, old.producer_engine_id, old.mode) == (
                 blocks, producer_address, producer_engine_id, mode):
                 return []  # a retried Expect: idempotent
-            # Re-submitted after preemption with new blocks: the new registration replaces the old.
+            # Re-submitted after preemption with new blocks: the new registration replaces the old
+            # (the same transfer: its books go on, from when it was first taken).
+            if old.ledger is not None:
+                ledger.taken = old.ledger.taken
             actions += self._end(old, "replaced", FailureCode.SUPERSEDED, "replaced by a newer Expect", "")
         rid = next(self._next_id)
         if self._random_ids:
@@ -216,7 +223,7 @@ class RecvSide:
         r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
                   frozenset(writer_sources(consumer_rank, producer_tp_size, consumer_tp_size, mla)),
                   now, state, mode=mode, producer_tp_size=producer_tp_size, consumer_rank=consumer_rank,
-                  consumer_tp_size=consumer_tp_size)
+                  consumer_tp_size=consumer_tp_size, ledger=ledger)
         self._by_key[(worker_id, transfer_id)] = r
         self._by_reg[rid] = r
         self._deadlines.arm(ExpectLease(rid), now + self.expect_timeout_s)
@@ -235,7 +242,7 @@ class RecvSide:
         return []
 
     def notified(self, registration_id: int, producer_rank: int, first: int = 0, count: int = 1,
-                 total: int = 1) -> list[Action]:
+                 total: int = 1, now: float = 0.0) -> list[Action]:
         """A WRITE's notification arrived: that producer rank's bytes have landed, or (progressive
         push) its layers ``first`` to ``first + count`` of ``total``; the rank has landed once every
         one of its layers has, so decode never takes a partial KV for a complete one."""
@@ -246,6 +253,8 @@ class RecvSide:
             return [Dropped("notified", r.transfer_id if r else "", f"no pending push registration "
                             f"{registration_id} expects producer rank {producer_rank}")]
         assert mine is not None
+        if mine.ledger is not None and now:
+            mine.ledger.written = now
         if total == 1 or producer_rank in mine.landed:
             return self._landed(mine, producer_rank)  # (again: counts once)
         want, got = mine.layers.get(producer_rank, (total, 0))
@@ -260,6 +269,16 @@ class RecvSide:
             return []
         mine.layers.pop(producer_rank, None)
         return self._landed(mine, producer_rank)
+
+    def ledgers_of(self, worker_id: str) -> list[Ledger]:
+        """The books of a worker's receives still pending."""
+        return [r.ledger for r in self._by_reg.values() if r.worker_id == worker_id and r.ledger is not None]
+
+    def held_blocks(self) -> int:
+        """Destination blocks of local workers that pending receives cover (ending ones too: their
+        worker holds them until told FAILED)."""
+        return (sum(len(r.block_ids) for r in self._by_reg.values())
+                + sum(len(d.completion.block_ids) for d in self._ending.values()))
 
     def producer_address_of(self, registration_id: int) -> str | None:
         """The prefill daemon a pending registration was sent to (offers must come from it)."""
@@ -299,7 +318,8 @@ class RecvSide:
                           r.block_ids, producer_agent, notif.encode_read(registration_id, producer_rank),
                           src_part, dst_part)]
 
-    def read_done(self, key: ReadKey, ok: bool, reason: str = "") -> list[Action]:
+    def read_done(self, key: ReadKey, ok: bool, reason: str = "", result: Moved | None = None,
+                  now: float = 0.0) -> list[Action]:
         """Pull mode: a READ completed (the rank has landed) or failed (the receive fails, prefill is told).
 
         A failed READ is reported to the prefill daemon even when the receive already ended (abort,
@@ -311,6 +331,8 @@ class RecvSide:
         nxt = recv_step(*self._key(mine), "read_done" if ok else "read_failed", tid)
         if nxt is Move.DROP:
             return [Dropped("read_done", key.transfer_id, "the receive ended while its READ was in flight")]
+        if mine is not None and mine.ledger is not None and result is not None:
+            mine.ledger.moved(result, now)
         if ok:
             assert mine is not None
             mine.reading.discard(key.producer_rank)
@@ -381,7 +403,7 @@ class RecvSide:
         if r.landed != r.expected:
             return []
         self._remove(r, "landed")
-        return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id))]
+        return [Deliver(r.worker_id, Completion(CompletionKind.FINISHED_RECEIVING, r.transfer_id), r.ledger)]
 
     def _end(self, r: _Recv, event: str, code: FailureCode, reason: str, fail: str) -> list[Action]:
         """End a receive and withdraw its registration. Its FAILED goes ``"now"``, or ``"deferred"``
@@ -402,4 +424,5 @@ class RecvSide:
 
     @staticmethod
     def _fail(r: _Recv, code: FailureCode, reason: str) -> Deliver:
-        return Deliver(r.worker_id, Completion(CompletionKind.FAILED, r.transfer_id, code, reason, r.block_ids))
+        return Deliver(r.worker_id, Completion(CompletionKind.FAILED, r.transfer_id, code, reason, r.block_ids),
+                       r.ledger)

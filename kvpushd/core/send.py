@@ -8,6 +8,7 @@ from __future__ import annotations
 from .actions import Action, Deliver, Dropped, LegKey, Registration, SendFailNotice, StartWrite, StopWrite
 from .deadlines import Deadlines
 from .errors import AlreadyExists, InvalidArgument, PermissionDenied
+from .ledger import Ledger, Moved
 from .legplan import by_tokens, leg_action, mismatch
 from .sendstate import (
     LEG_TABLE,
@@ -78,7 +79,8 @@ class SendSide:
             why = self._declined.why(now, key)
             if why:
                 return [Deliver(worker_id, Completion(CompletionKind.FAILED, transfer_id, FailureCode.ABORTED,
-                                                      why, blocks))]
+                                                      why, blocks),
+                                Ledger("send", worker_id, engine_id, transfer_id, len(blocks), now))]
             t = self._transfers[key] = SendTransfer(engine_id, transfer_id, now)
         t.check_binding(consumer)
         old = t.publishes.get(rank)
@@ -93,7 +95,8 @@ class SendSide:
         actions = [a for r in (t.bind(consumer) if consumer else ()) for a in self._drop_registration(
             t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
         t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts, step=at_step, layers=layers,
-                                    ready=layers == 0, ready_blocks=ready_blocks)
+                                    ready=layers == 0, ready_blocks=ready_blocks,
+                                    ledger=Ledger("send", worker_id, engine_id, transfer_id, len(blocks), now))
         self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
         return actions + self._match(t, now)
 
@@ -143,8 +146,10 @@ class SendSide:
         actions += self._match(t, now)
         return actions
 
-    def write_done(self, leg: LegKey, ok: bool, reason: str = "") -> list[Action]:
-        """The runtime reports that a WRITE (or, in pull mode, the decode side's READ) completed or failed."""
+    def write_done(self, leg: LegKey, ok: bool, reason: str = "", result: Moved | None = None,
+                   now: float = 0.0) -> list[Action]:
+        """The runtime reports that a WRITE (or, in pull mode, the decode side's READ) completed or failed
+        (``result``: the NIXL thread's figures of a WRITE, summed into the publish's ledger)."""
         pk = self._pull_of.pop(leg, None)
         if pk is not None:
             del self._pulls[pk]
@@ -157,6 +162,8 @@ class SendSide:
             return [Dropped("write_done", leg.transfer_id, f"leg {leg.producer_rank}->{leg.registration_id} "
                             f"is {state.value if state else 'gone'}")]
         assert t is not None and pub is not None
+        if result is not None and pub.ledger is not None:
+            pub.ledger.moved(result, now or self._now)
         pub.staged.discard(leg.registration_id)
         actions: list[Action] = []
         if nxt is LegState.DONE:
@@ -361,6 +368,8 @@ class SendSide:
                 pub.legs[reg.registration_id] = nxt
                 pub.leg_ranks[reg.registration_id] = reg.consumer_rank
                 action = leg_action(t, pub, reg, now, tokens)
+                if pub.ledger is not None:
+                    pub.ledger.meet(now, max(now - t.created, 0.0))
                 if isinstance(action, StartWrite) and action.layers:
                     pub.staged.add(reg.registration_id)
                 if reg.mode is TransferMode.PULL:
@@ -433,7 +442,7 @@ class SendSide:
             step(PUB_TABLE, pub.state, event, t.transfer_id)  # -> GONE
             del t.publishes[rank]
             self._deadlines.disarm(PublishLease(t.engine_id, t.transfer_id, rank))
-            actions.append(Deliver(pub.worker_id, comp))
+            actions.append(Deliver(pub.worker_id, comp, pub.ledger))
         # A registration is consumed once every producer rank that writes to it has written.
         for reg in list(t.registrations.values()):
             sources = writer_sources(reg.consumer_rank, reg.producer_tp_size, reg.consumer_tp_size, reg.mla)
@@ -501,6 +510,21 @@ class SendSide:
         """Consumer agents that registrations from ``origin`` pending here refer to."""
         return {r.consumer_agent for t in self._transfers.values() for r in t.registrations.values()
                 if r.origin == origin}
+
+    def ledger_of(self, leg: LegKey) -> Ledger | None:
+        """The books of the publish a leg belongs to (None once it ended)."""
+        t = self._transfers.get((leg.engine_id, leg.transfer_id))
+        pub = t.publishes.get(leg.producer_rank) if t is not None else None
+        return pub.ledger if pub is not None else None
+
+    def ledgers_of(self, worker_id: str) -> list[Ledger]:
+        """The books of a worker's publishes still pending."""
+        return [p.ledger for t in self._transfers.values() for p in t.publishes.values()
+                if p.worker_id == worker_id and p.ledger is not None]
+
+    def held_blocks(self) -> int:
+        """Source blocks of local workers that pending publishes cover."""
+        return sum(len(p.block_ids) for t in self._transfers.values() for p in t.publishes.values())
 
     def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
         return self.publish_state(engine_id, transfer_id, rank) is not None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from .actions import Registration, SendFailNotice
 from .errors import InvalidArgument
 from .layout import Shape
+from .ledger import Ledger
 from .table import Move, State
 from .topology import writer_targets
 from .types import FailureCode
@@ -156,6 +157,7 @@ class Publish:
     ready: bool = True
     ready_blocks: int = 0  # the first that many blocks are complete already (earlier chunks, prefix hits)
     staged: set[int] = field(default_factory=set)  # registration ids whose leg is written by layer groups
+    ledger: Ledger | None = None  # its books (set by SendSide.publish)
 
     def posted(self) -> bool:
         return any(s is LegState.POSTED for s in self.legs.values())
@@ -278,6 +280,7 @@ class SendView:
     waiting_for: str
     workers: tuple[str, ...]
     num_blocks: int
+    peer: str = ""  # the decode daemon it writes to, once known
 
 
 def view_of(t: SendTransfer, now: float) -> SendView:
@@ -294,4 +297,5 @@ def view_of(t: SendTransfer, now: float) -> SendView:
     return SendView(t.engine_id, t.transfer_id, now - t.created, tuple(sorted(t.publishes)),
                     tuple(sorted(t.registrations)), posted, sum(s is LegState.DONE for s in legs), waiting,
                     tuple(p.worker_id for p in t.publishes.values()),
-                    max((len(p.block_ids) for p in t.publishes.values()), default=0))
+                    max((len(p.block_ids) for p in t.publishes.values()), default=0),
+                    next((p.ledger.peer for p in t.publishes.values() if p.ledger and p.ledger.peer), ""))

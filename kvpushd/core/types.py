@@ -30,6 +30,8 @@ class WorkerInfo(Protocol):
     def tp_size(self) -> int: ...
     @property
     def regions(self) -> tuple[Shape, ...]: ...  # its KV regions, if known (block sizes, layout, replication)
+    @property
+    def block_bytes(self) -> int: ...  # bytes of one block over all its regions (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,7 @@ class WorkerRef:
     tp_rank: int = 0
     tp_size: int = 1
     regions: tuple[Shape, ...] = ()
+    block_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
