@@ -32,7 +32,7 @@ from .rpc.services import add_service
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
 from .runtime.node import Node
-from .runtime.sinks import events_sink, figures_sink, peerbook_sink, tracing_sink
+from .runtime.sinks import events_sink, peerbook_sink, tracing_sink
 from .systemd import SdNotifier
 from .telemetry import make_tracing
 from .tracing import Tracing
@@ -52,12 +52,11 @@ def freeze_startup_objects() -> None:
 
 def observe(node: Node, metrics: Metrics | None = None, tracing: Tracing | None = None) -> None:
     """The sinks of the node's observation stream, in the order each record reaches them: the
-    status counters, the event hub (Watch, and through it the peer book's and the metrics' transfer
-    outcomes), the figures completions carry, the peer book, the metrics, tracing (only when on)."""
+    status counters (and through them each peer's transfers), the event hub (Watch), the peer
+    book (peers heard from, failed, lost), the metrics, tracing (only when on)."""
     obs = node.obs
     node.tally.observe(obs)
     events_sink(obs, node.events)
-    figures_sink(obs, node.figures)
     peerbook_sink(obs, node.peerbook)
     if metrics is not None:
         metrics.observe(obs)

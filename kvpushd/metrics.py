@@ -3,8 +3,8 @@
 What the daemon keeps anyway (notifications, pending transfers, held blocks) is read at scrape time
 through the runtime's read-only view; what needs labels (outcome and code, direction and peer) or
 timing (histograms) is recorded as it happens: this object reads the runtime's observation stream
-(``observe``), and transfer outcomes come from the event hub. The registry belongs to this object, not to the
-process, so several daemons in one process never collide.
+(``observe``: a transfer ended, with its ledger; a failed WRITE; an event dropped). The registry
+belongs to this object, not to the process, so several daemons in one process never collide.
 
 The HTTP endpoint runs in prometheus-client's own thread: everything it reads is a plain int or
 a prometheus-client metric (both safe to read from another thread). A metrics port that cannot be
@@ -27,11 +27,10 @@ from prometheus_client.utils import floatToGoString
 
 from .config import MetricsConfig, split_host_port
 from .core.actions import DROPPED_EVENTS
-from .events import Event, EventKind
+from .core.types import CompletionKind
 from .memory import fdpass
-from .runtime.observe import Dropped, Met, Observations, WriteDone
+from .runtime.observe import Dropped, Ended, Observations, WriteDone
 from .runtime.view import View
-from .transfer.records import WriteResult
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -141,8 +140,10 @@ class Metrics:
             "kvpushd_rendezvous_wait_seconds", "Prefill side: first arrival (publish or decode registration) "
             "-> the second arrival that starts the WRITE")
         self.post_time = _Histograms(
-            "kvpushd_write_post_seconds", "WRITE request reaching the NIXL thread -> WRITE posted")
-        self.xfer_time = _Histograms("kvpushd_write_seconds", "WRITE posted -> its completion seen")
+            "kvpushd_write_post_seconds", "WRITE request reaching the NIXL thread -> WRITE posted, summed over "
+            "a transfer's WRITEs (one observation per transfer)")
+        self.xfer_time = _Histograms("kvpushd_write_seconds", "WRITE posted -> its completion seen, the longest of a "
+                                     "transfer's WRITEs (one observation per transfer)")
         self.late = _Counts("kvpushd_late_events", "Late or repeated events the rendezvous dropped on purpose, "
                             "by event", ["event"], *((e,) for e in DROPPED_EVENTS))
         r.register(_EventCollector((self.transfers, self.duration, self.bytes, self.writes, self.descriptors,
@@ -152,7 +153,6 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        view.events.add_listener(self._on_event)
 
     # -- the HTTP endpoint ----------------------------------------------------------------------
 
@@ -179,38 +179,31 @@ class Metrics:
     # -- what happens ---------------------------------------------------------------------------
 
     def observe(self, obs: Observations) -> None:
-        obs.on(Met, lambda r: self.rendezvous_waited(r.waited_s))
-        obs.on(WriteDone, lambda r: self.write_done(r.result, r.peer))
-        obs.on(Dropped, lambda r: self.dropped(r.event))
+        obs.on(Ended, self.ended)
+        obs.on(WriteDone, lambda r: None if r.result.ok else self.writes.inc(_ERROR))
+        obs.on(Dropped, lambda r: self.late.inc((r.event,)))
 
-    def rendezvous_waited(self, seconds: float) -> None:
-        self.rendezvous_wait.observe(seconds)
-
-    def write_done(self, r: WriteResult, peer: str) -> None:
-        self.post_time.observe(r.post_s)
-        if not r.ok:
-            self.writes.inc(_ERROR)
-            return
-        self.writes.inc(_OK)
-        self.xfer_time.observe(r.xfer_s)
-        self.descriptors.inc(_REQUESTED, r.descs_requested)
-        self.descriptors.inc(_POSTED, r.descs_posted)
-        self.bytes.inc(("sent", peer or "unknown"), r.nbytes)
-
-    def dropped(self, event: str) -> None:
-        self.late.inc((event,))
-
-    def _on_event(self, ev: Event) -> None:
-        if ev.kind is EventKind.TRANSFER_FINISHED:
-            side = ev.side or "unknown"
+    def ended(self, r: Ended) -> None:
+        """A transfer ended: its outcome, duration and, from its ledger, what its WRITEs did."""
+        led, c = r.ledger, r.completion
+        side = led.side
+        if c.kind is CompletionKind.FAILED:
+            self.transfers.inc((side, "failed", c.code.name))
+        else:
             self.transfers.inc((side, "finished", "NONE"))
-            self.duration.observe(ev.duration_s, (side,))
             if side == "recv":
-                self.bytes.inc(("received", ev.peer or "unknown"), ev.nbytes)
-        elif ev.kind is EventKind.TRANSFER_FAILED:
-            side = ev.side or "unknown"
-            self.transfers.inc((side, "failed", ev.code.name))
-            self.duration.observe(ev.duration_s, (side,))
+                self.bytes.inc(("received", led.peer or "unknown"), led.received_bytes)
+        self.duration.observe(led.duration_s, (side,))
+        if led.met:
+            self.rendezvous_wait.observe(led.waited_s)
+        if side != "send" or not led.nixl_transfers:
+            return
+        self.writes.inc(_OK, led.nixl_transfers)
+        self.post_time.observe(led.post_s)
+        self.xfer_time.observe(led.transfer_s)
+        self.descriptors.inc(_REQUESTED, led.descs_requested)
+        self.descriptors.inc(_POSTED, led.descs_posted)
+        self.bytes.inc(("sent", led.peer or "unknown"), led.nbytes)
 
 
 _OK, _ERROR, _REQUESTED, _POSTED = ("ok",), ("error",), ("requested",), ("posted",)
@@ -243,7 +236,7 @@ class _StateCollector(Collector):
         yield pending
         held = GaugeMetricFamily("kvpushd_held_blocks", "Blocks of local workers covered by their pending "
                                  "Publishes (send) and Expects (recv)", labels=["side"])
-        for side, n in list(v.events.held.items()):
+        for side, n in v.held_blocks().items():
             held.add_metric([side], n)
         yield held
         yield GaugeMetricFamily("kvpushd_workers", "Workers attached", value=sum(1 for _ in v.workers()))

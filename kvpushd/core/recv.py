@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from . import notif
 from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegister, SendWithdraw, StartRead
 from .deadlines import Deadlines
-from .ledger import Ledger, Moved
 from .errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from .ledger import Ledger, Moved
 from .table import Move, State, step
 from .topology import block_parts, check_tp_pair, writer_sources
 from .types import Completion, CompletionKind, Expect, FailureCode, TransferMode, WorkerInfo
@@ -270,6 +270,10 @@ class RecvSide:
         mine.layers.pop(producer_rank, None)
         return self._landed(mine, producer_rank)
 
+    def ledger(self, worker_id: str, transfer_id: str) -> Ledger | None:
+        r = self._by_key.get((worker_id, transfer_id))
+        return r.ledger if r is not None else None
+
     def ledgers_of(self, worker_id: str) -> list[Ledger]:
         """The books of a worker's receives still pending."""
         return [r.ledger for r in self._by_reg.values() if r.worker_id == worker_id and r.ledger is not None]
@@ -277,8 +281,9 @@ class RecvSide:
     def held_blocks(self) -> int:
         """Destination blocks of local workers that pending receives cover (ending ones too: their
         worker holds them until told FAILED)."""
-        return (sum(len(r.block_ids) for r in self._by_reg.values())
-                + sum(len(d.completion.block_ids) for d in self._ending.values()))
+        # copies first: the metrics endpoint asks from its own thread
+        return (sum(len(r.block_ids) for r in list(self._by_reg.values()))
+                + sum(len(d.completion.block_ids) for d in list(self._ending.values())))
 
     def producer_address_of(self, registration_id: int) -> str | None:
         """The prefill daemon a pending registration was sent to (offers must come from it)."""

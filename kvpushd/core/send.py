@@ -517,6 +517,11 @@ class SendSide:
         pub = t.publishes.get(leg.producer_rank) if t is not None else None
         return pub.ledger if pub is not None else None
 
+    def publish_ledger(self, engine_id: str, transfer_id: str, rank: int) -> Ledger | None:
+        t = self._transfers.get((engine_id, transfer_id))
+        pub = t.publishes.get(rank) if t is not None else None
+        return pub.ledger if pub is not None else None
+
     def ledgers_of(self, worker_id: str) -> list[Ledger]:
         """The books of a worker's publishes still pending."""
         return [p.ledger for t in self._transfers.values() for p in t.publishes.values()
@@ -524,7 +529,8 @@ class SendSide:
 
     def held_blocks(self) -> int:
         """Source blocks of local workers that pending publishes cover."""
-        return sum(len(p.block_ids) for t in self._transfers.values() for p in t.publishes.values())
+        # copies first: the metrics endpoint asks from its own thread
+        return sum(len(p.block_ids) for t in list(self._transfers.values()) for p in list(t.publishes.values()))
 
     def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
         return self.publish_state(engine_id, transfer_id, rank) is not None

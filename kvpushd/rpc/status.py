@@ -44,7 +44,8 @@ def node_status(v: View) -> status_pb2.NodeStatus:
             reads_posted=c.reads_posted, bytes_read=c.bytes_read),
     )
     now = time.monotonic()
-    pending = collections.Counter(worker_id for worker_id, _ in ev.open)
+    sends, recvs = v.send_transfers(), v.recv_transfers()
+    pending = collections.Counter([*(wid for s in sends for wid in s.workers), *(r.worker_id for r in recvs)])
     for w in v.workers():
         st.workers.append(status_pb2.WorkerStatus(
             worker_id=w.worker_id, engine_id=w.engine_id, role=common_pb2.Role.ValueType(int(w.role)),
@@ -63,13 +64,12 @@ def node_status(v: View) -> status_pb2.NodeStatus:
         identity=i.identity, sessions=i.sessions, registrations=i.registrations, blocks=i.blocks, refused=i.refused)
         for i in idents[:MAX_PEERS])
     st.peer_identities_omitted = max(0, len(idents) - MAX_PEERS)
-    for s in v.send_transfers():
-        peer = next((t.peer for wid in s.workers if (t := ev.open.get((wid, s.transfer_id))) and t.peer), "")
+    for s in sends:
         st.transfers.append(status_pb2.TransferStatus(
             transfer_id=s.transfer_id, side="send", state="pending" if not s.legs_posted else "writing",
             age_s=s.age_s, waiting_for=s.waiting_for, worker_id=",".join(s.workers), num_blocks=s.num_blocks,
-            engine_id=s.engine_id, peer=peer))
-    for r in v.recv_transfers():
+            engine_id=s.engine_id, peer=s.peer))
+    for r in recvs:
         rw = v.worker(r.worker_id)
         st.transfers.append(status_pb2.TransferStatus(
             transfer_id=r.transfer_id, side="recv", state=r.state, age_s=r.age_s, waiting_for=r.waiting_for,

@@ -20,6 +20,7 @@ import structlog
 
 from ..config import Config, backend_init_params
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
+from ..core.ledger import Ledger
 from ..core.notif import Notified
 from ..core.rendezvous import (
     Action,
@@ -34,12 +35,11 @@ from ..core.rendezvous import (
     StartWrite,
     StopWrite,
 )
-from ..core.types import FailureCode
+from ..core.types import Completion, CompletionKind, FailureCode, Figures
 from ..tracing import Tracing
 from ..transfer.records import ReadResult, WriteResult
 from ..transfer.thread import TransferThread
 from . import observe as o
-from .figures import FigureBook
 from .identity import Identity
 from .inbound import Inbound, Origin
 from .outbound import Outbound, PeerClient
@@ -52,12 +52,11 @@ log = structlog.get_logger(__name__)
 class Executor:
     """Carries out the rendezvous' actions: the NIXL thread, the peers, and the tasks that call them."""
 
-    def __init__(self, cfg: Config, ident: Identity, rv: Rendezvous, workers: Workers, figures: FigureBook,
-                 obs: o.Observations, tracing: Tracing) -> None:
+    def __init__(self, cfg: Config, ident: Identity, rv: Rendezvous, workers: Workers, obs: o.Observations,
+                 tracing: Tracing) -> None:
         self.cfg = cfg
         self.rv = rv
         self.workers = workers
-        self.figures = figures
         self.obs = obs
         self.tracing = tracing
         self.inbound = Inbound(self.forget_remote, cfg.transfer.peer_timeout_s, cfg.peer_api.max_sessions_per_peer)
@@ -151,11 +150,28 @@ class Executor:
             self._arm()
 
     def _deliver(self, a: Deliver) -> None:
-        worker_id, c = a.worker_id, a.completion
+        worker_id, c, led = a.worker_id, a.completion, a.ledger
         self.workers.ring(worker_id, c)  # the engine's own fast path first
-        c, side = self.figures.settle(worker_id, c)
-        self.obs.emit(o.Delivered(worker_id, side, c))
+        if led is None:  # refused before any record of it was made
+            led = Ledger("send" if c.kind is CompletionKind.FINISHED_SENDING else "recv", worker_id, "",
+                         c.transfer_id, len(c.block_ids), time.monotonic())
+        ended = led.done  # its worker went first: the end was told then
+        led.done = ended or time.monotonic()
+        c = Completion(c.kind, c.transfer_id, c.code, c.reason, c.block_ids,
+                       led.figures(c.kind is CompletionKind.FINISHED_RECEIVING))
+        if not ended:
+            self.obs.emit(o.Ended(c, led))
         self.workers.deliver(worker_id, c)
+
+    def worker_gone(self, worker_id: str, why: str) -> None:
+        """A worker detached: each of its transfers still pending ends now for the books (its own
+        completion, if one follows when its WRITEs in flight settle, goes nowhere)."""
+        now = time.monotonic()
+        for led in [*self.rv.send.ledgers_of(worker_id), *self.rv.recv.ledgers_of(worker_id)]:
+            led.done = now
+            self.obs.emit(o.Ended(Completion(CompletionKind.FAILED, led.transfer_id, FailureCode.WORKER_GONE,
+                                             f"worker detached: {why}", (), Figures()), led))
+        self.run(self.rv.worker_gone(worker_id))
 
     def _start_write(self, a: StartWrite) -> None:
         assert self.xfer is not None
@@ -163,7 +179,10 @@ class Executor:
         origin = self.inbound.origins.get(reg.origin)
         peer = origin.address if origin is not None else ""
         self._legs[a.leg] = (peer, a.producer_worker)
-        self.obs.emit(o.Met(a.producer_worker, a.leg.transfer_id, a.waited_s, peer))
+        if (led := self.rv.send.ledger_of(a.leg)) is not None:
+            led.peer = peer
+        if self.tracing.enabled:
+            self.obs.emit(o.Met(a.producer_worker, a.leg.transfer_id, a.waited_s, peer))
         agent = self.inbound.consumers.get(reg.consumer_agent)
         if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
             self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
@@ -191,10 +210,12 @@ class Executor:
 
     def _on_writes(self, results: list[WriteResult]) -> None:
         actions: list[Action] = []
+        now, tracing = time.monotonic(), self.tracing.enabled
         for r in results:
             peer, worker_id = self._legs.pop(r.leg, ("", ""))
-            actions += self.rv.send.write_done(r.leg, r.ok, r.reason)
-            self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
+            actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
+            if tracing or not r.ok:  # the ledger has the rest
+                self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
             log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
                       post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
                       xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
@@ -213,8 +234,9 @@ class Executor:
 
     def _on_notifs(self, notifs: list[Notified]) -> None:
         actions: list[Action] = []
+        now = time.monotonic()
         for n in notifs:
-            actions += self.rv.recv.notified(*n)
+            actions += self.rv.recv.notified(*n, now=now)
         self.obs.emit(o.Counted("notifications_received", len(notifs)))
         self.run(actions)
 
@@ -232,10 +254,12 @@ class Executor:
     def _on_reads(self, results: list[ReadResult]) -> None:
         """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
         actions: list[Action] = []
+        now, tracing = time.monotonic(), self.tracing.enabled
         for r in results:
             worker_id = self._reads.pop(r.key, "")
-            actions += self.rv.recv.read_done(r.key, r.ok, r.reason)
-            self.obs.emit(o.ReadDone(r, r.key.transfer_id, worker_id))
+            actions += self.rv.recv.read_done(r.key, r.ok, r.reason, r, now)
+            if tracing or not r.ok:
+                self.obs.emit(o.ReadDone(r, r.key.transfer_id, worker_id))
             log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
                       post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
         self.run(actions)

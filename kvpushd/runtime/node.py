@@ -26,10 +26,9 @@ from ..core.errors import (
 )
 from ..core.rendezvous import Registration
 from ..core.types import Completion, TransferMode
-from ..events import EventHub
+from ..events import EventHub, EventKind
 from ..tracing import Tracing
 from .executor import Executor
-from .figures import FigureBook
 from .identity import Identity
 from .inbound import Hello, Origin
 from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Started, WorkerGone
@@ -64,15 +63,15 @@ class Node:
         self.ident = Identity(cfg.node_id, f"{cfg.advertise_host}:{cfg.listen_host_port[1]}")
         self.obs = Observations()
         self.events = EventHub()
-        self.tally = Tally()
-        self.figures = FigureBook()
         self.draining = False
         self.rv = Rendezvous(cfg)
         self.workers = Workers(cfg, self.ident, self.events)
-        self.ex = Executor(cfg, self.ident, self.rv, self.workers, self.figures, self.obs, tracing or Tracing())
+        self.tracing = tracing or Tracing()
+        self.ex = Executor(cfg, self.ident, self.rv, self.workers, self.obs, self.tracing)
         self.run = self.ex.run
         self.inbound, self.outbound = self.ex.inbound, self.ex.outbound
         self.peerbook = PeerBook(self.events, self.ex.live_addresses)
+        self.tally = Tally(self.peerbook)
         self.view = View(cfg, self.ident, self.events, self.workers, self.rv, self.ex, self.tally, self.peerbook,
                          lambda: self.draining)
         self._housekeeping: asyncio.Task[None] | None = None
@@ -149,10 +148,10 @@ class Node:
         if not cmd.producer_engine_id:
             raise InvalidArgument("producer_engine_id must not be empty")
         self.rv.bounded()
+        again = self.rv.recv.pending(w.worker_id, cmd.transfer_id)
         actions = self.rv.recv.expect(time.monotonic(), w, cmd)
-        n = len(cmd.block_ids)
-        self.obs.emit(Started(w.worker_id, cmd.transfer_id, w.engine_id, "recv", n, n * w.block_bytes,
-                              cmd.producer_address, cmd.traceparent))
+        if not again:
+            self._started(w, cmd.transfer_id, "recv", cmd.traceparent, cmd.producer_address)
         self.run(actions)
 
     def publish(self, worker_id: str, cmd: Publish) -> None:
@@ -169,12 +168,21 @@ class Node:
             raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
         check_progressive(w, cmd.step, cmd.layers)
         self.rv.bounded()
+        again = self.rv.send.has_publish(w.engine_id, cmd.transfer_id, w.tp_rank)
         actions = self.rv.send.publish(time.monotonic(), w, cmd)
         if cmd.layers:
             self.ex.watch_step(w.worker_id, cmd.step)
-        self.obs.emit(Started(w.worker_id, cmd.transfer_id, w.engine_id, "send", len(cmd.block_ids),
-                              traceparent=cmd.traceparent))
+        if not again:
+            self._started(w, cmd.transfer_id, "send", cmd.traceparent)
         self.run(actions)
+
+    def _started(self, w: Worker, transfer_id: str, side: str, traceparent: str, peer: str = "") -> None:
+        """A new transfer was taken (not a retry): Watch hears of it from its ledger, tracing (if on) too."""
+        led = self.rv.ledger(w.worker_id, w.engine_id, w.tp_rank, transfer_id, side)
+        if led is not None:
+            self.events.transfer(EventKind.TRANSFER_STARTED, led)
+        if self.tracing.enabled:
+            self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, side, peer, traceparent))
 
     def abort(self, worker_id: str, cmd: Abort) -> bool:
         w = self.workers.get(worker_id)
@@ -219,7 +227,7 @@ class Node:
         if w is None:
             await self.workers.releasing(worker_id)
             return
-        self.run(self.rv.worker_gone(worker_id))
+        self.ex.worker_gone(worker_id, why)
         self.obs.emit(WorkerGone(worker_id))
         await self.workers.release(w, why)  # waits for this worker's in-flight WRITEs
 
@@ -253,7 +261,6 @@ class Node:
         check_transfer_id(tid)
         self._peer_limits(origin, len(item.block_ids))
         self.obs.emit(PeerHeard(origin.address, inbound=True))
-        self.events.remember(tid, engine)
         if self.workers.producer(engine) is None:
             raise NotFound(f"no prefill engine {engine!r} is attached to node {self.ident.node_id}")
         known = self.inbound.consumers.admit(origin, item.agent, lambda: self.rv.send.agents_in_use(origin_id))

@@ -1,12 +1,13 @@
 """One observation stream: typed records of what happened, emitted once where it happened.
 
-The runtime emits a record at the point something happens (a transfer started, the rendezvous met,
-a WRITE or READ done, a completion delivered, a peer heard from or lost, an event dropped); whoever
-keeps books of it (the status counters, the event hub for ``kvpushctl watch``, the figures
-completions carry, the Prometheus metrics, tracing, the peer book) registers for the records it
-wants in the composition root (app.py). A record nobody reads costs one dict lookup. Records
-are slotted dataclasses, not frozen ones (building a frozen one costs twice as much, once per WRITE):
-sinks read them and never change them.
+What a transfer is doing is its ledger's (core/ledger.py), not this stream's: the stream carries
+what is not a transfer's own book (a transfer ended, with its ledger; a peer heard from, failed or
+lost; an event dropped; a counter no record tells; a worker gone). Whoever keeps books of it (the
+status counters, the event hub for ``kvpushctl watch``, the peer book, the Prometheus metrics,
+tracing) registers for the records it wants in the composition root (app.py). A transfer's
+start, the rendezvous met and each WRITE or READ are emitted only for tracing (when it is on),
+and a failed WRITE or READ for the peer book and the metrics. Records are slotted dataclasses,
+not frozen ones: sinks read them and never change them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..core.ledger import Ledger
 from ..core.types import Completion
 from ..transfer.records import ReadResult, WriteResult
 
@@ -22,13 +24,11 @@ R = TypeVar("R")
 
 
 @dataclass(slots=True)
-class Started:  # a worker's Publish (side "send") or Expect ("recv") was taken
+class Started:  # tracing: a worker's Publish (side "send") or Expect ("recv") was taken
     worker_id: str
     transfer_id: str
     engine_id: str
     side: str
-    num_blocks: int
-    nbytes: int = 0  # recv: what the worker's blocks hold
     peer: str = ""
     traceparent: str = ""
 
@@ -57,10 +57,9 @@ class ReadDone:  # pull mode, decode side: a READ this daemon posted completed o
 
 
 @dataclass(slots=True)
-class Delivered:  # a transfer's completion, with its figures, goes to its worker
-    worker_id: str
-    side: str
+class Ended:  # a transfer's completion (with its figures) goes to its worker, or its worker is gone
     completion: Completion
+    ledger: Ledger
 
 
 @dataclass(slots=True)

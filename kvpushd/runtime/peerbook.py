@@ -1,8 +1,9 @@
 """What the daemon knows about each other daemon, by peer address, whichever way the calls go.
 
 Kept for the status API (peers: contact, bytes, transfers, errors) and fed by the observation
-stream (runtime/sinks.py) and the event hub. Entries are pruned with their peer and the table is
-capped, so a flood of handshakes from made-up addresses cannot grow the status answer without bound.
+stream (runtime/sinks.py: a transfer's ledger when it ends, peers heard from or lost). Entries are
+pruned with their peer and the table is capped, so a flood of handshakes from made-up addresses
+cannot grow the status answer without bound.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..events import Event, EventHub, EventKind
+from ..core.ledger import Ledger
+from ..events import EventHub, EventKind
 
 MAX_PEER_STATS = 1024  # entries kept; the ones with the oldest contact and no live peer go first
 PRUNE_TO = MAX_PEER_STATS * 3 // 4  # a full book drops to this at once (with 10,000 live peers, pruning one
@@ -38,7 +40,6 @@ class PeerBook:
         self.events = events
         self.peers: dict[str, PeerStats] = {}
         self._live = live  # addresses with a session or a channel: never pruned
-        events.add_listener(self._on_event)
 
     def contact(self, address: str, *, node_id: str = "", inbound: bool = False) -> None:
         """A call to (or, ``inbound``, from) a peer went through."""
@@ -73,9 +74,19 @@ class PeerBook:
             p.out_connected = False
         self.events.emit(EventKind.PEER_LOST, peer=address, detail=f"{'inbound' if inbound else 'outbound'}: {reason}")
 
-    def sent(self, address: str, nbytes: int) -> None:
-        if address:
-            self._peer(address).bytes_sent += nbytes
+    def ended(self, led: Ledger, failed: bool) -> None:
+        """A transfer with this peer ended: what it moved (either way), and how it ended."""
+        if not led.peer:
+            return
+        p = self._peer(led.peer)
+        if led.side == "send":
+            p.bytes_sent += led.nbytes
+        if failed:
+            p.transfers_failed += 1
+            return
+        p.transfers_finished += 1
+        if led.side == "recv":
+            p.bytes_received += led.received_bytes
 
     def forget_idle(self, wall: float, idle_s: float) -> None:
         """Peers with no session or channel, not heard from for ``idle_s``, are forgotten."""
@@ -99,14 +110,3 @@ class PeerBook:
         if len(self.peers) > PRUNE_TO:  # mostly live: drop the oldest contacts anyway
             for _, a in sorted((p.last_contact, a) for a, p in self.peers.items())[:len(self.peers) - PRUNE_TO]:
                 del self.peers[a]
-
-    def _on_event(self, ev: Event) -> None:
-        if ev.kind not in (EventKind.TRANSFER_FINISHED, EventKind.TRANSFER_FAILED) or not ev.peer:
-            return
-        p = self._peer(ev.peer)
-        if ev.kind is EventKind.TRANSFER_FINISHED:
-            p.transfers_finished += 1
-            if ev.side == "recv":
-                p.bytes_received += ev.nbytes
-        else:
-            p.transfers_failed += 1

@@ -1,7 +1,8 @@
 """The books kept of the observation stream (observe.py): each sink says which records it reads.
 
-app.py registers them; what each book sees is what the runtime used to hand it directly. The
-Prometheus metrics register themselves (``Metrics.observe``).
+A transfer's own figures are its ledger's (core/ledger.py); what ends here is the transfer
+(``Ended``, with its ledger), a peer heard from or lost, an event dropped, a counter no record
+tells. app.py registers the sinks; the Prometheus metrics register themselves (``Metrics.observe``).
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from ..core.types import CompletionKind
+from ..core.types import CompletionKind, FailureCode
 from ..events import EventHub, EventKind
 from ..tracing import Tracing
-from .figures import FigureBook
 from .observe import (
     Counted,
-    Delivered,
     Dropped,
+    Ended,
     Met,
     Observations,
     PeerFailed,
@@ -55,39 +55,35 @@ class Counters:
 
 
 class Tally:
-    """The status API's counters and its last failures."""
+    """The status API's counters and its last failures, and what each peer's transfers came to."""
 
-    def __init__(self) -> None:
+    def __init__(self, peers: PeerBook) -> None:
         self.counters = Counters()
         self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
+        self.peers = peers
 
     def observe(self, obs: Observations) -> None:
-        obs.on(WriteDone, self._moved)
-        obs.on(ReadDone, self._moved)
-        obs.on(Delivered, self._delivered)
+        obs.on(Ended, self._ended)
         obs.on(Dropped, self._dropped)
         obs.on(Counted, self._counted)
 
-    def _moved(self, rec: WriteDone | ReadDone) -> None:
-        r, c = rec.result, self.counters
-        if not r.ok:
-            return
-        if isinstance(rec, WriteDone):
-            c.writes_posted += 1
-            c.bytes_written += r.nbytes
+    def _ended(self, rec: Ended) -> None:
+        c, led, n = rec.completion, rec.ledger, self.counters
+        if led.side == "send":
+            n.writes_posted += led.nixl_transfers
+            n.bytes_written += led.nbytes
         else:
-            c.reads_posted += 1
-            c.bytes_read += r.nbytes
-        c.descriptors_requested += r.descs_requested
-        c.descriptors_posted += r.descs_posted
-
-    def _delivered(self, rec: Delivered) -> None:
-        c = rec.completion
-        if c.kind is CompletionKind.FAILED:
-            self.counters.transfers_failed += 1
+            n.reads_posted += led.nixl_transfers
+            n.bytes_read += led.nbytes
+        n.descriptors_requested += led.descs_requested
+        n.descriptors_posted += led.descs_posted
+        failed = c.kind is CompletionKind.FAILED
+        if failed:
+            n.transfers_failed += 1
             self.recent_failures.append((time.time(), c.transfer_id, f"{c.code.name}: {c.reason}"))
         else:
-            self.counters.transfers_finished += 1
+            n.transfers_finished += 1
+        self.peers.ended(led, failed)
 
     def _dropped(self, rec: Dropped) -> None:
         self.counters.late_events += 1
@@ -97,53 +93,25 @@ class Tally:
 
 
 def events_sink(obs: Observations, hub: EventHub) -> None:
-    """Transfers start, learn their peer and bytes, and end: for Watch streams and the hub's listeners."""
+    """A transfer's end, for Watch streams and the hub's listeners (its start goes to the hub from the node)."""
 
-    def started(r: Started) -> None:
-        hub.emit(EventKind.TRANSFER_STARTED, transfer_id=r.transfer_id, engine_id=r.engine_id,
-                 worker_id=r.worker_id, side=r.side, peer=r.peer, num_blocks=r.num_blocks, nbytes=r.nbytes)
-
-    def delivered(r: Delivered) -> None:
+    def ended(r: Ended) -> None:
         c = r.completion
-        failed = c.kind is CompletionKind.FAILED
-        ev = hub.emit(EventKind.TRANSFER_FAILED if failed else EventKind.TRANSFER_FINISHED, worker_id=r.worker_id,
-                      transfer_id=c.transfer_id, code=c.code, detail=c.reason)
-        if failed:
-            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=ev.engine_id, worker_id=r.worker_id,
-                        code=c.code.name, reason=c.reason)
+        if c.kind is not CompletionKind.FAILED:
+            hub.transfer(EventKind.TRANSFER_FINISHED, r.ledger)
+            return
+        hub.transfer(EventKind.TRANSFER_FAILED, r.ledger, c.code, c.reason)
+        if c.code is not FailureCode.WORKER_GONE:
+            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=r.ledger.engine_id,
+                        worker_id=r.ledger.worker_id, code=c.code.name, reason=c.reason)
 
-    def wrote(r: WriteDone) -> None:
-        if r.result.ok:
-            hub.annotate(r.worker_id, r.transfer_id, add_bytes=r.result.nbytes)
-
-    obs.on(Started, started)
-    obs.on(Met, lambda r: hub.annotate(r.worker_id, r.transfer_id, peer=r.peer))
-    obs.on(WriteDone, wrote)
-    obs.on(Delivered, delivered)
-
-
-def figures_sink(obs: Observations, book: FigureBook) -> None:
-    """What the completions carry (``FigureBook.settle`` reads it back at delivery)."""
-
-    def moved(worker_id: str, r: WriteDone | ReadDone) -> None:
-        x = r.result
-        if x.ok:
-            book.moved(worker_id, r.transfer_id, x.nbytes, x.descs_posted, x.post_s, x.xfer_s)
-
-    obs.on(Started, lambda r: book.started(r.worker_id, r.transfer_id, r.side, r.nbytes))
-    obs.on(Met, lambda r: book.waited(r.worker_id, r.transfer_id, r.waited_s))
-    obs.on(WriteDone, lambda r: moved(r.worker_id, r))
-    obs.on(ReadDone, lambda r: moved(r.worker_id, r))
-    obs.on(WorkerGone, lambda r: book.forget_worker(r.worker_id))
+    obs.on(Ended, ended)
 
 
 def peerbook_sink(obs: Observations, book: PeerBook) -> None:
     def wrote(r: WriteDone) -> None:
-        x = r.result
-        if x.ok:
-            book.sent(r.peer, x.nbytes)
-        else:
-            book.failed(r.peer, f"WRITE for transfer {r.transfer_id!r} failed: {x.reason}")
+        if not r.result.ok:
+            book.failed(r.peer, f"WRITE for transfer {r.transfer_id!r} failed: {r.result.reason}")
 
     obs.on(WriteDone, wrote)
     obs.on(PeerHeard, lambda r: book.contact(r.address, node_id=r.node_id, inbound=r.inbound))
@@ -152,7 +120,8 @@ def peerbook_sink(obs: Observations, book: PeerBook) -> None:
 
 
 def tracing_sink(obs: Observations, t: Tracing) -> None:
-    """Spans per transfer (registered only when tracing is on: off, no record reaches it)."""
+    """Spans per transfer (registered only when tracing is on: off, the runtime emits no Started, Met,
+    WriteDone or ReadDone that only tracing reads)."""
 
     def started(r: Started) -> None:
         if r.side == "recv":
@@ -169,5 +138,5 @@ def tracing_sink(obs: Observations, t: Tracing) -> None:
     obs.on(WriteDone, lambda r: nixl(r.worker_id, False, r))
     obs.on(ReadDone, lambda r: nixl(r.worker_id, True, r))
     obs.on(RegisterAnswered, lambda r: t.registered(r.worker_id, r.transfer_id, r.started_ns, r.error))
-    obs.on(Delivered, lambda r: t.delivered(r.worker_id, r.side, r.completion))
+    obs.on(Ended, lambda r: t.delivered(r.ledger.worker_id, r.ledger.side, r.completion))
     obs.on(WorkerGone, lambda r: t.forget_worker(r.worker_id))

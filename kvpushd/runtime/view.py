@@ -107,6 +107,10 @@ class View:
         xfer = self._ex.xfer
         return self._rv.recv.stray_notifications + (xfer.stray_notifications if xfer else 0)
 
+    def held_blocks(self) -> dict[str, int]:
+        """Blocks of local workers that pending transfers cover, by side ("send", "recv")."""
+        return self._rv.held_blocks()
+
     def pending(self) -> tuple[int, int]:
         """Transfers pending: (send side, recv side)."""
         rv = self._rv

@@ -39,7 +39,7 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     n = Node(config.from_dict({}))
     observe(n)
     records: list[object] = []
-    for kind in (o.Met, o.WriteDone, o.Delivered, o.Dropped):
+    for kind in (o.Met, o.WriteDone, o.Ended, o.Dropped):
         n.obs.on(kind, records.append)
     n.ex.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
     rv, ex = n.rv, n.ex
@@ -51,10 +51,11 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
         await asyncio.gather(*ex.tasks)
 
     asyncio.run(rendezvous())
-    met, done, delivered = records[:3]
-    assert isinstance(met, o.Met) and (met.worker_id, met.transfer_id, met.peer) == ("w1", "tid", "")
+    # The rendezvous met is the ledger's (Met is emitted for tracing only), the failed WRITE the stream's.
+    done, delivered = records[:2]
     assert isinstance(done, o.WriteDone) and not done.result.ok and done.worker_id == "w1"
-    assert isinstance(delivered, o.Delivered) and delivered.completion.kind is CompletionKind.FAILED
+    assert isinstance(delivered, o.Ended) and delivered.completion.kind is CompletionKind.FAILED
+    assert (delivered.ledger.worker_id, delivered.ledger.transfer_id, delivered.ledger.met) == ("w1", "tid", 100.5)
     assert delivered.completion.figures is not None and delivered.completion.figures.rendezvous_wait_s > 0
     c = n.tally.counters
     assert (c.transfers_failed, c.writes_posted) == (1, 0)

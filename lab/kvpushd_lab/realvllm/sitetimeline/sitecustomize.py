@@ -61,6 +61,13 @@ def _emit(ev: str, rid: str, once: bool = False, **kw: Any) -> None:
     _out.write(json.dumps({"t": time.time(), "ev": ev, "tid": _tids.get(rid, rid), "rid": rid, **kw}) + "\n")
 
 
+def _emit_at(t: float, ev: str, rid: str, **kw: Any) -> None:
+    global _out
+    if _out is None:
+        _out = open(os.path.join(_DIR, f"{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
+    _out.write(json.dumps({"t": t, "ev": ev, "tid": _tids.get(rid, rid), "rid": rid, **kw}) + "\n")
+
+
 def _tid_of(request: Any) -> None:
     p = getattr(request, "kv_transfer_params", None) or {}
     if p.get("transfer_id"):
@@ -185,14 +192,19 @@ def _patch_worker(mod: Any) -> None:
 
 
 def _patch_observe(mod: Any) -> None:
+    """A transfer's end brings its ledger: its stamps (monotonic) become daemon_started, daemon_met,
+    daemon_writedone and daemon_delivered, placed on the wall clock by their distance from now."""
     cls = mod.Observations
     orig = cls.emit
 
     def emit(self: Any, rec: Any) -> Any:
-        name = type(rec).__name__
-        if name in ("Started", "Met", "WriteDone", "Delivered"):
-            tid = getattr(rec, "transfer_id", "") or getattr(getattr(rec, "completion", None), "transfer_id", "")
-            _emit("daemon_" + name.lower(), tid, side=getattr(rec, "side", ""))
+        if type(rec).__name__ == "Ended":
+            led, tid = rec.ledger, rec.completion.transfer_id
+            wall, mono = time.time(), time.monotonic()
+            for name, at in (("started", led.taken), ("met", led.met), ("writedone", led.written),
+                             ("delivered", led.done)):
+                if at:
+                    _emit_at(wall - (mono - at), "daemon_" + name, tid, side=led.side)
         return orig(self, rec)
 
     cls.emit = emit
