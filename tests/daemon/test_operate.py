@@ -31,8 +31,8 @@ from support import DaemonFactory, DaemonProc, attach_pair, scrape, start_daemon
 
 from kvpushd import config
 from kvpushd.core.errors import InvalidArgument
-from kvpushd.core.types import FailureCode
 from kvpushd.core.ledger import Ledger
+from kvpushd.core.types import FailureCode
 from kvpushd.events import EventHub, EventKind
 from kvpushd.metrics import Metrics
 from kvpushd.runtime.node import Node
