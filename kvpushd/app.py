@@ -50,16 +50,14 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def observe(node: Node, metrics: Metrics | None = None, tracing: Tracing | None = None) -> None:
+def observe(node: Node, tracing: Tracing | None = None) -> None:
     """The sinks of the node's observation stream, in the order each record reaches them: the
-    status counters (and through them each peer's transfers), the event hub (Watch), the peer
-    book (peers heard from, failed, lost), the metrics, tracing (only when on)."""
+    tally (the status counters, the metrics' series, and through it each peer's transfers), the
+    event hub (Watch), the peer book (peers heard from, failed, lost), tracing (only when on)."""
     obs = node.obs
     node.tally.observe(obs)
     events_sink(obs, node.events)
     peerbook_sink(obs, node.peerbook)
-    if metrics is not None:
-        metrics.observe(obs)
     if tracing is not None and tracing.enabled:
         tracing_sink(obs, tracing)
 
@@ -89,7 +87,7 @@ class Daemon:
         self.tracing = make_tracing(cfg.tracing, cfg.node_id)  # a no-op (and no import) unless configured
         self.node = Node(cfg, self.tracing)
         self.metrics = Metrics(self.node.view)
-        observe(self.node, self.metrics, self.tracing)
+        observe(self.node, self.tracing)
         self.notifier = SdNotifier.from_env()
         self.local_server: grpc.aio.Server | None = None
         self.peer_server: grpc.aio.Server | None = None

@@ -14,99 +14,24 @@ bound is logged and left out; it does not stop the data path.
 from __future__ import annotations
 
 import gc
-from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import CollectorRegistry, GCCollector, Info, PlatformCollector, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from .config import MetricsConfig, split_host_port
-from .core.actions import DROPPED_EVENTS
-from .core.types import CompletionKind
 from .memory import fdpass
-from .runtime.observe import Dropped, Ended, Observations, WriteDone
+from .runtime.tally import Counts, Histograms
 from .runtime.view import View
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
 log = structlog.get_logger(__name__)
-
-# From tens of microseconds (posting a prepared WRITE) to the rendezvous timeouts (minutes).
-LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class _Counts:
-    """A labelled counter kept as plain Python numbers: one dict update per event on the loop (the
-    prometheus-client Counter takes a labels() lookup and a lock per increment), turned into a
-    metric family at scrape time."""
-
-    __slots__ = ("doc", "labels", "name", "values")
-
-    def __init__(self, name: str, doc: str, labels: Sequence[str], *initial: tuple[str, ...]) -> None:
-        self.name, self.doc, self.labels = name, doc, list(labels)
-        self.values: dict[tuple[str, ...], float] = dict.fromkeys(initial, 0)
-
-    def inc(self, key: tuple[str, ...], by: float = 1) -> None:
-        self.values[key] = self.values.get(key, 0) + by
-
-    def family(self) -> CounterMetricFamily:
-        f = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for key, v in list(self.values.items()):  # a copy: the loop may add a key meanwhile
-            f.add_metric(list(key), v)
-        return f
-
-
-class _Buckets:
-    """A histogram kept as a list of bucket counts and a sum (one bisect and two additions per
-    observation); cumulated into Prometheus buckets at scrape time."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.total = 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect_left(self.bounds, v)] += 1  # le is inclusive: v == bound counts in that bucket
-        self.total += v
-
-    def add_to(self, f: HistogramMetricFamily, labels: list[str]) -> None:
-        counts, total = list(self.counts), self.total
-        cumulative, buckets = 0, []
-        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), counts, strict=True):
-            cumulative += n
-            buckets.append((bound, cumulative))
-        f.add_metric(labels, buckets, total)
-
-
-class _Histograms:
-    __slots__ = ("bounds", "doc", "labels", "name", "series")
-
-    def __init__(self, name: str, doc: str, labels: Sequence[str] = (), bounds: Sequence[float] = LATENCY_BUCKETS
-                 ) -> None:
-        self.name, self.doc, self.labels, self.bounds = name, doc, list(labels), tuple(bounds)
-        self.series: dict[tuple[str, ...], _Buckets] = {} if labels else {(): _Buckets(self.bounds)}
-
-    def observe(self, v: float, key: tuple[str, ...] = ()) -> None:
-        b = self.series.get(key)
-        if b is None:
-            b = self.series[key] = _Buckets(self.bounds)
-        b.observe(v)
-
-    def family(self) -> HistogramMetricFamily:
-        f = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
-        for key, b in list(self.series.items()):
-            b.add_to(f, list(key))
-        return f
-
 
 class Metrics:
     """The daemon's Prometheus registry, a sink of the runtime's observation stream (runtime/observe.py).
@@ -124,30 +49,7 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         Info("kvpushd", "kvpushd build and identity", registry=r).info(
             {"version": view.version, "node_id": view.node_id, "instance_id": view.instance_id})
-        self.transfers = _Counts(
-            "kvpushd_transfers", "Publishes (send) and Expects (recv) ended on this node, by outcome and "
-            "failure code", ["side", "outcome", "code"])
-        self.duration = _Histograms(
-            "kvpushd_transfer_duration_seconds", "Publish or Expect taken -> completion delivered", ["side"])
-        self.bytes = _Counts(
-            "kvpushd_bytes", "KV bytes moved by NIXL WRITEs: sent (this node wrote them) or received (they "
-            "landed in this node's workers), by the other node's daemon", ["direction", "peer"])
-        self.writes = _Counts("kvpushd_writes", "WRITEs completed, by outcome", ["outcome"], ("ok",), ("error",))
-        self.descriptors = _Counts(
-            "kvpushd_descriptors", "Descriptors of completed WRITEs: requested (one per region and block) "
-            "and posted (after merging blocks adjacent on both sides)", ["stage"], ("requested",), ("posted",))
-        self.rendezvous_wait = _Histograms(
-            "kvpushd_rendezvous_wait_seconds", "Prefill side: first arrival (publish or decode registration) "
-            "-> the second arrival that starts the WRITE")
-        self.post_time = _Histograms(
-            "kvpushd_write_post_seconds", "WRITE request reaching the NIXL thread -> WRITE posted, summed over "
-            "a transfer's WRITEs (one observation per transfer)")
-        self.xfer_time = _Histograms("kvpushd_write_seconds", "WRITE posted -> its completion seen, the longest of a "
-                                     "transfer's WRITEs (one observation per transfer)")
-        self.late = _Counts("kvpushd_late_events", "Late or repeated events the rendezvous dropped on purpose, "
-                            "by event", ["event"], *((e,) for e in DROPPED_EVENTS))
-        r.register(_EventCollector((self.transfers, self.duration, self.bytes, self.writes, self.descriptors,
-                                    self.rendezvous_wait, self.post_time, self.xfer_time, self.late)))
+        r.register(_EventCollector(view.tally.series()))
         r.register(_StateCollector(view))
         # The usual process_* (CPU, memory, fds) and python_gc_* series of a Python exporter.
         ProcessCollector(registry=r)
@@ -176,43 +78,11 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
-    # -- what happens ---------------------------------------------------------------------------
-
-    def observe(self, obs: Observations) -> None:
-        obs.on(Ended, self.ended)
-        obs.on(WriteDone, lambda r: None if r.result.ok else self.writes.inc(_ERROR))
-        obs.on(Dropped, lambda r: self.late.inc((r.event,)))
-
-    def ended(self, r: Ended) -> None:
-        """A transfer ended: its outcome, duration and, from its ledger, what its WRITEs did."""
-        led, c = r.ledger, r.completion
-        side = led.side
-        if c.kind is CompletionKind.FAILED:
-            self.transfers.inc((side, "failed", c.code.name))
-        else:
-            self.transfers.inc((side, "finished", "NONE"))
-            if side == "recv":
-                self.bytes.inc(("received", led.peer or "unknown"), led.received_bytes)
-        self.duration.observe(led.duration_s, (side,))
-        if led.met:
-            self.rendezvous_wait.observe(led.waited_s)
-        if side != "send" or not led.nixl_transfers:
-            return
-        self.writes.inc(_OK, led.nixl_transfers)
-        self.post_time.observe(led.post_s)
-        self.xfer_time.observe(led.transfer_s)
-        self.descriptors.inc(_REQUESTED, led.descs_requested)
-        self.descriptors.inc(_POSTED, led.descs_posted)
-        self.bytes.inc(("sent", led.peer or "unknown"), led.nbytes)
-
-
-_OK, _ERROR, _REQUESTED, _POSTED = ("ok",), ("error",), ("requested",), ("posted",)
-
 
 class _EventCollector(Collector):
     """The counters and histograms of what happened, as metric families (at scrape time)."""
 
-    def __init__(self, metrics: Sequence[_Counts | _Histograms]) -> None:
+    def __init__(self, metrics: Sequence[Counts | Histograms]) -> None:
         self.metrics = tuple(metrics)
 
     def collect(self) -> Iterator[Metric]:

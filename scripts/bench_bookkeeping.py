@@ -43,9 +43,11 @@ def main(argv: list[str]) -> int:
     node = Node(config.from_dict({"metrics": {"enabled": False}}))
     metrics = Metrics(node.view)
     if hasattr(node, "obs"):
+        import inspect
+
         from kvpushd.app import observe
 
-        observe(node, metrics)
+        observe(node, *([metrics] if "metrics" in inspect.signature(observe).parameters else []))
         ex: Any = node.ex
     else:  # a tree from before the observation stream
         ex = node.executor  # type: ignore[attr-defined]

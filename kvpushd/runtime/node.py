@@ -35,7 +35,7 @@ from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Start
 from .peerbook import PeerBook
 from .peerops import Declined, Notice, Offer, ReadFailed, Register
 from .rendezvous import Rendezvous
-from .sinks import Tally
+from .tally import Tally
 from .view import View
 from .workers import (
     Attach,

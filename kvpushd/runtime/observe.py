@@ -70,7 +70,7 @@ class Dropped:  # the core dropped a late or repeated event on purpose
 
 
 @dataclass(slots=True)
-class Counted:  # ``n`` more of a status counter no other record tells (a field of runtime/sinks.Counters)
+class Counted:  # ``n`` more of a status counter no other record tells (a field of runtime/tally.Counters)
     name: str
     n: int = 1
 

@@ -7,18 +7,12 @@ tells. app.py registers the sinks; the Prometheus metrics register themselves (`
 
 from __future__ import annotations
 
-import collections
-import time
-from dataclasses import dataclass
-
 import structlog
 
 from ..core.types import CompletionKind, FailureCode
 from ..events import EventHub, EventKind
 from ..tracing import Tracing
 from .observe import (
-    Counted,
-    Dropped,
     Ended,
     Met,
     Observations,
@@ -35,61 +29,6 @@ from .observe import (
 from .peerbook import PeerBook
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class Counters:
-    transfers_finished: int = 0
-    transfers_failed: int = 0
-    bytes_written: int = 0
-    writes_posted: int = 0
-    notifications_received: int = 0
-    descriptors_requested: int = 0
-    descriptors_posted: int = 0
-    reads_posted: int = 0  # pull mode: READs this (decode) daemon posted that completed
-    bytes_read: int = 0
-    late_events: int = 0   # events the core dropped on purpose (late or repeated)
-    peer_calls_refused: int = 0  # peer calls refused by a limit or a registration held by another daemon
-    declines_sent: int = 0  # decode side: transfers declined to their prefill daemon (acknowledged)
-    declines_received: int = 0  # prefill side: transfers a decode daemon declined
-
-
-class Tally:
-    """The status API's counters and its last failures, and what each peer's transfers came to."""
-
-    def __init__(self, peers: PeerBook) -> None:
-        self.counters = Counters()
-        self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=100)
-        self.peers = peers
-
-    def observe(self, obs: Observations) -> None:
-        obs.on(Ended, self._ended)
-        obs.on(Dropped, self._dropped)
-        obs.on(Counted, self._counted)
-
-    def _ended(self, rec: Ended) -> None:
-        c, led, n = rec.completion, rec.ledger, self.counters
-        if led.side == "send":
-            n.writes_posted += led.nixl_transfers
-            n.bytes_written += led.nbytes
-        else:
-            n.reads_posted += led.nixl_transfers
-            n.bytes_read += led.nbytes
-        n.descriptors_requested += led.descs_requested
-        n.descriptors_posted += led.descs_posted
-        failed = c.kind is CompletionKind.FAILED
-        if failed:
-            n.transfers_failed += 1
-            self.recent_failures.append((time.time(), c.transfer_id, f"{c.code.name}: {c.reason}"))
-        else:
-            n.transfers_finished += 1
-        self.peers.ended(led, failed)
-
-    def _dropped(self, rec: Dropped) -> None:
-        self.counters.late_events += 1
-
-    def _counted(self, rec: Counted) -> None:
-        setattr(self.counters, rec.name, getattr(self.counters, rec.name) + rec.n)
 
 
 def events_sink(obs: Observations, hub: EventHub) -> None:

@@ -19,7 +19,7 @@ from .executor import Executor
 from .identity import Identity
 from .peerbook import PeerBook
 from .rendezvous import Rendezvous
-from .sinks import Counters, Tally
+from .tally import Counters, Tally
 from .workers import Worker, Workers
 
 
@@ -97,6 +97,10 @@ class View:
         return self._is_draining()
 
     # -- figures --------------------------------------------------------------------------------
+
+    @property
+    def tally(self) -> Tally:
+        return self._tally
 
     @property
     def counters(self) -> Counters:

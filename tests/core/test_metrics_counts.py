@@ -9,7 +9,9 @@ import random
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.registry import Collector
 
-from kvpushd.metrics import LATENCY_BUCKETS, _Counts, _Histograms
+from kvpushd.runtime.tally import LATENCY_BUCKETS
+from kvpushd.runtime.tally import Counts as _Counts
+from kvpushd.runtime.tally import Histograms as _Histograms
 
 
 class _One(Collector):
