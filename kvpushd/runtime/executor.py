@@ -114,17 +114,21 @@ class Executor:
         do = self._do
         for a in actions:
             do[type(a)](a)
-        if (x := self.xfer) is not None:  # the NIXL thread hears of a change only
-            if (n := self.rv.send.pulling()) != x.pulling:
-                x.set_pulling(n)
-            if (n := len(self.rv.recv) + self._withdrawing) != x.expecting:
-                x.set_expecting(n)
+        self._tell_thread()
         if self._settle_waiters:
             waiters, self._settle_waiters = self._settle_waiters, []
             for f in waiters:
                 if not f.done():
                     f.set_result(None)
         self._arm()
+
+    def _tell_thread(self) -> None:
+        """The NIXL thread polls while READs are offered or receives wait: it hears of a changed count only."""
+        if (x := self.xfer) is not None:
+            if (n := self.rv.send.pulling()) != x.pulling:
+                x.set_pulling(n)
+            if (n := len(self.rv.recv) + self._withdrawing) != x.expecting:
+                x.set_expecting(n)
 
     def _arm(self) -> None:
         """One timer at the core's next deadline; re-armed after every run."""
@@ -344,7 +348,7 @@ class Executor:
         # Until the prefill daemon answers, a WRITE into these blocks may still be landing, and over
         # shared memory or TCP it completes only while this side's agent makes progress: keep polling.
         self._withdrawing += 1
-        self.run([])
+        self._tell_thread()
         try:
             await self._call(a.producer_address, self.outbound.peer(a.producer_address).withdraw(
                 a.transfer_id, a.registration_id, a.code, a.reason), "could not withdraw registration", a.transfer_id)
