@@ -14,7 +14,9 @@ For each tree, each run from its own directory with PYTHONPATH=TREE:TREE/client:
    decode daemon took (``--expect-fn``): warm-up and drain are in both numerator and denominator.
 2. Bookkeeping calls per push: the calls, in the same profiles, to functions matching BOOKKEEPING
    (``module:function``, fnmatch; a module or function that no longer exists counts 0), per Publish
-   on the prefill daemon and per Expect on the decode daemon, with the per-function breakdown.
+   on the prefill daemon and per Expect on the decode daemon, with the per-function breakdown; and
+   the issue's own measure, emits and sink calls: calls of EMITS and calls made by SINK_CALLERS
+   (the observation stream's emit, the event hub's publishing) to whatever they call.
 3. ``bench rate --json``: rendezvous/s and daemon CPU us per rendezvous (prefill + decode), rounds
    alternating with the order rotated each round; per-round ratios to the base and their medians first.
 4. Product lines: lines of *.py under kvpushd/ and client/ (no *_pb2*) at the tree's HEAD commit.
@@ -41,9 +43,14 @@ from pathlib import Path
 from typing import Any
 
 BOOKKEEPING = (
-    "kvpushd.events:*", "kvpushd.runtime.observe:*", "kvpushd.runtime.sinks:*",
-    "kvpushd.runtime.figures:*", "kvpushd.runtime.ledger:*", "kvpushd.metrics:*",
+    "kvpushd.events:*", "kvpushd.runtime.observe:*", "kvpushd.runtime.sinks:*", "kvpushd.runtime.tally:*",
+    "kvpushd.runtime.figures:*", "kvpushd.runtime.ledger:*", "kvpushd.core.ledger:*", "kvpushd.metrics:*",
 )
+# The issue's own measure: emits (onto the observation stream or the event hub) and the sink calls
+# they make (functions called by Observations.emit or by the hub's publishing, its listeners).
+EMITS = ("kvpushd.runtime.observe:emit", "kvpushd.events:emit", "kvpushd.events:transfer",
+         "kvpushd.events:annotate", "kvpushd.events:remember")
+SINK_CALLERS = ("kvpushd.runtime.observe:emit", "kvpushd.events:_publish")
 PRODUCT_DIRS = ("kvpushd", "client")
 
 SITE = '''\
@@ -122,7 +129,16 @@ def read_profile(path: Path, tree: Path, count_fn: str, patterns: list[str]) -> 
     stats: dict[Any, Any] = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     total, count = 0, 0
     book: dict[str, int] = {}
+    emits: dict[str, int] = {}
     foreign: set[str] = set()
+    names = {k: f"{module_of(k[0], tree)}:{k[2]}" for k in stats}
+    for key, (_cc, nc, _tt, _ct, callers) in stats.items():
+        name = names[key]
+        if name in EMITS:
+            emits[name] = emits.get(name, 0) + nc
+        for caller, (_c, n, *_rest) in callers.items():
+            if names.get(caller) in SINK_CALLERS:
+                emits[f"sink {name}"] = emits.get(f"sink {name}", 0) + n
     for (fname, line, func), (_cc, nc, _tt, _ct, _callers) in stats.items():
         total += nc
         mod = module_of(fname, tree)
@@ -138,7 +154,8 @@ def read_profile(path: Path, tree: Path, count_fn: str, patterns: list[str]) -> 
             book[f"{name}:{line}"] = book.get(f"{name}:{line}", 0) + nc
     per = (lambda n: round(n / count, 3)) if count else (lambda n: None)
     return {"counted": count_fn, "count": count, "calls": total, "calls_per": per(total),
-            "bookkeeping_per": per(sum(book.values())),
+            "bookkeeping_per": per(sum(book.values())), "emits_and_sinks_per": per(sum(emits.values())),
+            "emits_and_sinks_by_function": {k: per(v) for k, v in sorted(emits.items(), key=lambda kv: -kv[1])},
             "bookkeeping_by_function": {k: per(v) for k, v in sorted(book.items(), key=lambda kv: -kv[1])},
             "foreign_files": sorted(foreign)}
 
@@ -224,7 +241,8 @@ def summary(res: dict[str, Any]) -> list[str]:
     names = list(res["trees"])
     rows: list[tuple[str, list[Any]]] = []
     for side, what in (("prefill", "per Publish"), ("decode", "per Expect")):
-        for key, label in (("calls_per", "Python calls"), ("bookkeeping_per", "bookkeeping calls")):
+        for key, label in (("calls_per", "Python calls"), ("bookkeeping_per", "bookkeeping calls"),
+                           ("emits_and_sinks_per", "emits and sink calls")):
             rows.append((f"{label} {what} ({side} daemon)",
                          [res["profile"][n][side].get(key) for n in names] if "profile" in res else []))
     if "rate" in res:
