@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+import msgspec
+
 from .layout import Shape
 from .ledger import Ledger
 from .types import Completion, FailureCode, TransferMode
@@ -152,8 +154,7 @@ class SendOffer:
     registration: Registration
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class ReadKey:
+class ReadKey(msgspec.Struct, frozen=True, order=True, gc=False):
     """Pull mode, decode side: one READ of a producer rank's blocks into one registration."""
 
     producer_address: str
@@ -207,8 +208,7 @@ Action = (StartWrite | StopWrite | Deliver | SendFailNotice | SendRegister | Sen
           | SendReadFailed | Dropped)
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class LegKey:
+class LegKey(msgspec.Struct, frozen=True, order=True, gc=False):
     """One WRITE: a producer rank's blocks into one registration."""
 
     engine_id: str

@@ -7,6 +7,8 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from . import notif
 from .actions import Action, Deliver, Dropped, ReadKey, SendReadFailed, SendRegister, SendWithdraw, StartRead
 from .deadlines import Deadlines
@@ -61,8 +63,7 @@ def recv_step(mode: TransferMode | None, state: RecvState | None, event: str, tr
     return step(RECV_TABLE, (mode, state), event, transfer_id)
 
 
-@dataclass(frozen=True, slots=True)
-class ExpectLease:
+class ExpectLease(msgspec.Struct, frozen=True, gc=False):
     """A receive's deadline (expect_timeout_s): the deadline key of the decode side."""
 
     registration_id: int

@@ -5,6 +5,8 @@ Its records, their tables and deadline keys are in sendstate.py; what a leg carr
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from .actions import Action, Deliver, Dropped, LegKey, Registration, SendFailNotice, StartWrite, StopWrite
 from .deadlines import Deadlines
 from .errors import AlreadyExists, InvalidArgument, PermissionDenied
@@ -34,6 +36,7 @@ from .types import Completion, CompletionKind, FailureCode, TransferMode, Worker
 from .types import Publish as PublishCommand
 
 MAX_DECLINED = 65536  # transfers remembered as declined (the oldest are forgotten first)
+MAX_ENDED = 65536  # registrations remembered as ended (the oldest are forgotten first)
 
 class SendSide:
     """Prefill-node rendezvous: publishes x registrations -> legs, and the questions asked of its tables."""
@@ -52,6 +55,10 @@ class SendSide:
         self._held: dict[str, int] = {}
         self._regs: dict[str, int] = {}
         self._declined = Declined(MAX_DECLINED)
+        # (origin, registration id) of registrations that ended here: a Register of one again (a
+        # duplicate delivered late) is dropped, never held anew, so no WRITE goes into blocks whose
+        # decode worker was already told how they ended
+        self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     # -- events -------------------------------------------------------------------------------
 
@@ -108,6 +115,9 @@ class SendSide:
         if step(REG_TABLE, self.registration_state(reg.origin, reg.registration_id), "register",
                 reg.transfer_id) is Move.STAY:
             return []  # a retried Register: idempotent
+        if (reg.origin, reg.registration_id) in self._ended:
+            return [Dropped("registered", reg.transfer_id, f"registration {reg.registration_id} already ended here: "
+                            "a registration id is held once")]
         key = (reg.producer_engine_id, reg.transfer_id)
         t = self._transfers.get(key)
         if t is not None and t.consumer and not t.consumer.admits(reg):
@@ -465,6 +475,9 @@ class SendSide:
                 table.pop(reg.origin, None)
         self._deadlines.disarm(RegistrationLease(t.engine_id, t.transfer_id, reg.consumer_rank))
         self._by_reg.pop((reg.origin, reg.registration_id), None)
+        self._ended[(reg.origin, reg.registration_id)] = None
+        if len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
 
 
     # -- queries ------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from .actions import Registration, SendFailNotice
 from .errors import InvalidArgument
 from .layout import Shape
@@ -90,8 +92,7 @@ REG_TABLE: dict[tuple[RegState | None, str], RegState | Move] = {
 # Deadline keys (core/deadlines.py): one live deadline per key.
 
 
-@dataclass(frozen=True, slots=True)
-class PublishLease:
+class PublishLease(msgspec.Struct, frozen=True, gc=False):
     """A publish's lease (publish_timeout_s, renewed while the decode side holds it)."""
 
     engine_id: str
@@ -99,8 +100,7 @@ class PublishLease:
     rank: int
 
 
-@dataclass(frozen=True, slots=True)
-class RegistrationLease:
+class RegistrationLease(msgspec.Struct, frozen=True, gc=False):
     """A registration's wait for its publish (registration_timeout_s)."""
 
     engine_id: str
@@ -108,8 +108,7 @@ class RegistrationLease:
     consumer_rank: int
 
 
-@dataclass(frozen=True, slots=True)
-class PullLease:
+class PullLease(msgspec.Struct, frozen=True, gc=False):
     """An offered READ's wait for its confirmation (publish_timeout_s)."""
 
     origin: str

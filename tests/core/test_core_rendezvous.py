@@ -1260,3 +1260,25 @@ def test_recv_pull_hetero_tp_waits_for_every_producer_rank() -> None:
     assert "READ" in r.views(T0)[0].waiting_for and r.views(T0)[0].mode == "pull"
     assert r.read_done(a0.key, True) == [Deliver(dw(0), finished_receiving())]
     assert_empty(r)
+
+
+def test_a_register_delivered_again_after_its_registration_ended_starts_no_write() -> None:
+    """A duplicate Register that arrives after its WRITE failed (the registration voided, the decode
+    worker told FAILED, the publish failed): the registration is not held anew, so a later publish of
+    the same transfer writes nothing into blocks the decode worker may have given to another request."""
+    from kvpushd.core.rendezvous import Deliver, Dropped, Registration, SendFailNotice, SendSide, StartWrite
+    from kvpushd.core.types import CompletionKind, Publish, TransferMode, WorkerRef
+
+    send = SendSide(30.0, 30.0)
+    w = WorkerRef("p0", "prefill", 0, 1)
+    reg = Registration(100, "origin", "b", "prefill", 1, "agent", 0, 1, (7, 8), TransferMode.PUSH)
+    send.publish(1.0, w, Publish("b", [1, 2]))
+    (start,) = send.register(1.0, reg)
+    assert isinstance(start, StartWrite)
+    ended = send.write_done(start.leg, False, "boom")
+    assert {type(a) for a in ended} == {SendFailNotice, Deliver}
+    assert next(a for a in ended if isinstance(a, Deliver)).completion.kind is CompletionKind.FAILED
+    (late,) = send.register(2.0, reg)  # the same Register, delivered again
+    assert isinstance(late, Dropped) and late.event == "registered"
+    assert send.publish(3.0, w, Publish("b", [1, 2])) == []  # waits for a registration of its own
+    assert send.registration_state("origin", 100) is None
