@@ -16,11 +16,15 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from .core.ledger import Ledger
-from .core.types import FailureCode
+from .core.types import CompletionKind, FailureCode
+
+if TYPE_CHECKING:
+    from .runtime.observe import Ended
 
 log = structlog.get_logger(__name__)
 
@@ -136,6 +140,17 @@ class EventHub:
             return
         self._publish(Event(next(self._seq), time.time(), kind, led.transfer_id, led.engine_id, led.worker_id, led.side,
                             led.peer, code, detail, led.num_blocks, led.received_bytes, led.duration_s))
+
+    def ended(self, r: Ended) -> None:
+        """A sink of the observation stream: a transfer finished or failed (a failure is logged too)."""
+        c = r.completion
+        if c.kind is not CompletionKind.FAILED:
+            self.transfer(EventKind.TRANSFER_FINISHED, r.ledger)
+            return
+        self.transfer(EventKind.TRANSFER_FAILED, r.ledger, c.code, c.reason)
+        if c.code is not FailureCode.WORKER_GONE:
+            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=r.ledger.engine_id,
+                        worker_id=r.ledger.worker_id, code=c.code.name, reason=c.reason)
 
     def emit(self, kind: EventKind, *, worker_id: str = "", engine_id: str = "", peer: str = "",
              detail: str = "") -> None:

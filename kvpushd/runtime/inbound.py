@@ -68,11 +68,20 @@ class Origin:
     streams: int = 0  # its Channel streams open to us now, and the PeerBatch messages it sent on them
     stream_batches: int = 0
     stream_ended: float = 0.0  # time.monotonic() when its last open Channel stream ended (0: never)
+    booked: float = 0.0  # time.monotonic() when its contact last went to the peer book
 
     def ended(self, now: float, quiet_s: float) -> bool:
         """No stream of it is open and it was heard from neither since its last stream ended nor
         within ``quiet_s``: the daemon behind it is gone (died, restarted, or lost its connection)."""
         return self.streams == 0 and (self.stream_ended >= self.last_seen or now - self.last_seen > quiet_s)
+
+    def book_contact(self) -> bool:
+        """Whether its contact goes to the peer book now: at most once a second (the status shows the
+        last contact to the second), not once per Register."""
+        if self.last_seen - self.booked < 1.0:
+            return False
+        self.booked = self.last_seen
+        return True
 
     def take(self, rate: float) -> bool:
         """One Register's token; a burst of one second's worth, refilled at ``rate`` per second."""

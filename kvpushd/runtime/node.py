@@ -260,7 +260,8 @@ class Node:
         tid, engine = item.transfer_id, item.producer_engine_id
         check_transfer_id(tid)
         self._peer_limits(origin, len(item.block_ids))
-        self.obs.emit(PeerHeard(origin.address, inbound=True))
+        if origin.book_contact():
+            self.obs.emit(PeerHeard(origin.address, inbound=True))
         if self.workers.producer(engine) is None:
             raise NotFound(f"no prefill engine {engine!r} is attached to node {self.ident.node_id}")
         known = self.inbound.consumers.admit(origin, item.agent, lambda: self.rv.send.agents_in_use(origin_id))

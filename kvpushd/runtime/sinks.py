@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import structlog
 
-from ..core.types import CompletionKind, FailureCode
-from ..events import EventHub, EventKind
+from ..events import EventHub
 from ..tracing import Tracing
 from .observe import (
     Ended,
@@ -33,18 +32,7 @@ log = structlog.get_logger(__name__)
 
 def events_sink(obs: Observations, hub: EventHub) -> None:
     """A transfer's end, for Watch streams and the hub's listeners (its start goes to the hub from the node)."""
-
-    def ended(r: Ended) -> None:
-        c = r.completion
-        if c.kind is not CompletionKind.FAILED:
-            hub.transfer(EventKind.TRANSFER_FINISHED, r.ledger)
-            return
-        hub.transfer(EventKind.TRANSFER_FAILED, r.ledger, c.code, c.reason)
-        if c.code is not FailureCode.WORKER_GONE:
-            log.warning("transfer failed", transfer_id=c.transfer_id, engine_id=r.ledger.engine_id,
-                        worker_id=r.ledger.worker_id, code=c.code.name, reason=c.reason)
-
-    obs.on(Ended, ended)
+    obs.on(Ended, hub.ended)
 
 
 def peerbook_sink(obs: Observations, book: PeerBook) -> None:
