@@ -73,8 +73,7 @@ class Node:
         self.run = self.ex.run
         self.inbound, self.outbound = self.ex.inbound, self.ex.outbound
         self.peerbook = PeerBook(self.events, self.ex.live_addresses)
-        self.view = View(cfg, self.ident, self.events, self.workers, self.rv, self.ex, self.tally, self.peerbook,
-                         lambda: self.draining)
+        self.view = View(self.workers, self.rv, self.ex, self.tally, self.peerbook, lambda: self.draining)
         self._housekeeping: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
