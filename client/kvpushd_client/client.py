@@ -54,17 +54,24 @@ class KVPushClient:
             raise errors.from_rpc_error(e) from None
 
     def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory | VmmMemory],
-               regions: Sequence[Region], pp_rank: int = 0, description: str = "",
-               doorbell: Doorbell | bool = False, doorbell_fd: int | None = None) -> StreamWorker:
+               regions: Sequence[Region], *, description: str = "", doorbell: Doorbell | bool = False) -> StreamWorker:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
         both ways (commands batched per engine step: ``*_nowait`` then ``step()``; results and
-        completions on the same stream). ``doorbell``: a page in shared memory, handed over by
+        completions on the same stream). The common form of ``attach_record``: an Attach of pipeline
+        stage 0 (a pipeline-parallel worker says its ``pp_rank`` in the record)."""
+        return self.attach_record(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
+                                         description=description), doorbell)
+
+    def attach_record(self, a: Attach, doorbell: Doorbell | bool = False,
+                      doorbell_fd: int | None = None) -> StreamWorker:
+        """``attach`` with the whole Attach record. ``doorbell``: a page in shared memory, handed over by
         descriptor as host KV is (True: a new one, closed at detach; or one the caller keeps across
         attachments, e.g. after a daemon restart). A sender
         rings it for progressive push (by the CUDA stream when the memory is GPU memory:
         gpu_doorbell.make_doorbell); a receiver reads its finished receives there first (the
         completion ring, emptied here for the new attachment). ``doorbell_fd``: a descriptor of that
         page to hand over instead of ``doorbell.fd`` (ReconnectingStreamWorker's own copy)."""
+        memory, role = a.memory, a.role
         gpu = any(isinstance(m, CudaMemory | VmmMemory) for m in memory)
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
         ring: RingReader | None = None
@@ -77,8 +84,7 @@ class KVPushClient:
                 pages.append(MemfdMemory(bell_fd, BELL_SIZE))
             tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)  # type: ignore[list-item]
             chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
-            req = _convert.attach_request(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),
-                                                 pp_rank, description), tokens, chunk_tokens)
+            req = _convert.attach_request(a, tokens, chunk_tokens)
             if bell is not None:
                 req.doorbell_token = tokens[len(memory)]
                 if role.can_receive:

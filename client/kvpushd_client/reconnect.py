@@ -29,9 +29,11 @@ from typing import Any
 
 from . import _convert
 from .client import KVPushClient, retry_unavailable
+from .doorbell import Doorbell
 from .stream import StreamWorker
 from .types import (
     Abort,
+    Attach,
     Completion,
     CompletionKind,
     DaemonUnavailable,
@@ -97,7 +99,7 @@ class ReconnectingStreamWorker:
         self.log = logger or logging.getLogger("kvpushd_client")
         self._lock = threading.Lock()
         self._own: list[int] = []
-        self._attach_args = self._own_descriptors(attach)
+        self._record, self._doorbell, self._doorbell_fd = self._own_descriptors(attach)
         self._events: collections.deque[LinkEvent] = collections.deque()
         self.client: KVPushClient | None = None
         self.worker: StreamWorker | None = None
@@ -112,28 +114,30 @@ class ReconnectingStreamWorker:
         # Declines not yet made: made from the background thread once attached; the oldest dropped past the cap
         self._declines: collections.deque[Decline] = collections.deque(maxlen=MAX_DECLINES)
 
-    def _own_descriptors(self, attach: dict[str, Any]) -> dict[str, Any]:
-        """The attach arguments with this link's own copies (dup) of the memfds and the doorbell page's
-        descriptor: the background thread hands those over at every re-attach, so a caller that closes
-        its own meanwhile cannot have another file sent under a reused number (the daemon would map
-        it as this worker's KV). Closed once the thread is done (``close``)."""
+    def _own_descriptors(self, attach: dict[str, Any]) -> tuple[Attach, Doorbell | bool, int | None]:
+        """The attach arguments (the Attach record's fields by name, and ``doorbell``) as the Attach
+        record, the doorbell and the descriptor its page goes by, with this link's own copies (dup) of
+        the memfds and of that descriptor: the background thread hands those over at every re-attach,
+        so a caller that closes its own meanwhile cannot have another file sent under a reused number
+        (the daemon would map it as this worker's KV). Closed once the thread is done (``close``)."""
         args = dict(attach)
+        bell: Doorbell | bool = args.pop("doorbell", None) or False
+        bell_fd: int | None = None
         try:
             mem = []
-            for m in args.get("memory", ()):
+            for m in args.pop("memory", ()):
                 if isinstance(m, MemfdMemory):
                     m = MemfdMemory(os.dup(m.fd), m.size)
                     self._own.append(m.fd)
                 mem.append(m)
-            args["memory"] = mem
-            bell = args.get("doorbell")
-            if bell is not None and not isinstance(bell, bool):
-                args["doorbell_fd"] = os.dup(bell.fd)  # the caller's page, handed over by this descriptor
-                self._own.append(args["doorbell_fd"])
+            if not isinstance(bell, bool):
+                bell_fd = os.dup(bell.fd)  # the caller's page, handed over by this descriptor
+                self._own.append(bell_fd)
+            record = Attach(memory=tuple(mem), regions=tuple(args.pop("regions", ())), **args)
         except BaseException:
             self._release()
             raise
-        return args
+        return record, bell, bell_fd
 
     def _release(self) -> None:
         with self._lock:
@@ -161,7 +165,7 @@ class ReconnectingStreamWorker:
     def _attach(self) -> None:
         client = KVPushClient(self.socket_path, timeout_s=self.rpc_timeout_s)
         try:
-            worker = client.attach(**self._attach_args)
+            worker = client.attach_record(self._record, self._doorbell, self._doorbell_fd)
         except BaseException:
             client.close()
             raise

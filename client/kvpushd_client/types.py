@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from .errors import DaemonUnavailable, KVPushError
 
 if TYPE_CHECKING:
@@ -82,11 +84,11 @@ class CompletionKind(enum.IntEnum):
 
 # -- the commands a worker sends on its stream: one record each, from the caller that makes it to the
 # daemon's core (the client builds it, its stream queues it as it is, the daemon's rpc/convert.py
-# makes the same record from the wire). Frozen dataclasses: this package stays on grpcio and protobuf.
+# makes the same record from the wire). Frozen msgspec Structs (one is built per command: a tenth of a
+# frozen dataclass's cost); gc=False: they hold strings, numbers, enums and tuples of them, no cycle.
 
 
-@dataclass(frozen=True, slots=True)
-class Expect:
+class Expect(msgspec.Struct, frozen=True, gc=False):
     """Decode side: destination blocks, as soon as they are allocated (StreamWorker.expect)."""
 
     transfer_id: str
@@ -99,8 +101,7 @@ class Expect:
     traceparent: str = ""  # the engine request's W3C trace context
 
 
-@dataclass(frozen=True, slots=True)
-class Publish:
+class Publish(msgspec.Struct, frozen=True, gc=False):
     """Prefill side: the source blocks are complete, or (``step``, ``layers``: progressive push) will
     be as the doorbell's step ``step`` goes; ``ready_blocks``: the first that many are complete now.
     ``consumer_*``: the only decode daemon whose registration is accepted (both "": the first)."""
@@ -115,15 +116,13 @@ class Publish:
     ready_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Abort:
+class Abort(msgspec.Struct, frozen=True, gc=False):
     """Withdraw a transfer of this worker; best effort (its answer says whether it was pending)."""
 
     transfer_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Decline:
+class Decline(msgspec.Struct, frozen=True, gc=False):
     """Decode side: this transfer will never be expected here; best effort, like Abort."""
 
     transfer_id: str
@@ -133,6 +132,11 @@ class Decline:
 
 
 Command = Expect | Publish | Abort | Decline
+
+
+# -- what a worker attaches with. Region and Attach are Structs like the commands; the memory records
+# stay dataclasses: CudaMemory's ``arm_sentinel`` is left out of equality (``compare=False``, which a
+# Struct field cannot say), and they are copied with dataclasses.replace like vmm.py's VmmMemory.
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +181,7 @@ class MemfdMemory:
 Memory = ShmMemory | CudaMemory | MemfdMemory
 
 
-@dataclass(frozen=True, slots=True)
-class Region:
+class Region(msgspec.Struct, frozen=True, gc=False):
     """One KV region (e.g. layer 3's K cache): block b at offset + b * block_stride."""
 
     memory_index: int
@@ -194,8 +197,7 @@ class Region:
     replicated: bool = False  # MLA: one latent per token, the same on every TP rank
 
 
-@dataclass(frozen=True, slots=True)
-class Attach:
+class Attach(msgspec.Struct, frozen=True):
     """What a worker hands its daemon once: KVPushClient.attach makes it, _convert.attach_request
     turns it into the AttachRequest. A growth Attach (KVPushClient.extend) names the live worker
     whose VMM memory it adds chunks to by ``extends_worker_id`` and its token; its ``memory`` holds
@@ -211,6 +213,10 @@ class Attach:
     description: str = ""
     extends_worker_id: str = ""
     extends_worker_token: bytes = b""
+
+
+# -- what the daemon answers: dataclasses, filled field by field through their slots on the client's
+# stream thread (_convert.py) and completed with dataclasses.replace in the daemon (runtime/figures.py).
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,15 +87,9 @@ class Executor:
     def start(self, loop: asyncio.AbstractEventLoop) -> TransferThread:
         t = self.cfg.transfer
         self._loop = loop
-        self.xfer = TransferThread(loop, t.backends, self._on_writes, self._on_notifs,
-                                   poll_interval_s=t.poll_interval_s, poll_max_interval_s=t.poll_max_interval_s,
-                                   poll_hot_s=t.poll_hot_s,
-                                   nixl_threads=t.nixl_threads,
-                                   params_for=lambda b, dev: backend_init_params(t, b, dev),
-                                   param_devices=tuple(t.device_params),
-                                   on_read_done=self._on_reads, on_read_notifications=self._on_read_notifs,
-                                   write_timeout_s=t.write_timeout_s, on_sealed=self._on_sealed,
-                                   min_write_bytes=t.progressive_min_write_bytes)
+        self.xfer = TransferThread(loop, t, TransferThread.Reports(self._on_writes, self._on_notifs, self._on_reads,
+                                                                   self._on_read_notifs, self._on_sealed),
+                                   params_for=lambda b, dev: backend_init_params(t, b, dev))
         self.xfer.start()
         return self.xfer
 

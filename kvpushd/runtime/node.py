@@ -72,8 +72,7 @@ class Node:
         self.inbound, self.outbound = self.ex.inbound, self.ex.outbound
         self.peerbook = PeerBook(self.events, self.ex.live_addresses)
         self.tally = Tally(self.peerbook)
-        self.view = View(cfg, self.ident, self.events, self.workers, self.rv, self.ex, self.tally, self.peerbook,
-                         lambda: self.draining)
+        self.view = View(self.workers, self.rv, self.ex, self.tally, self.peerbook, lambda: self.draining)
         self._housekeeping: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------

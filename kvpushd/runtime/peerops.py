@@ -1,17 +1,18 @@
 """What a peer daemon's Channel items ask of us, one record each: rpc/convert.py makes it from the
 protobuf once, the node checks it and hands on what the core needs (worker commands are the
-client's records, kvpushd_client.types)."""
+client's records, kvpushd_client.types). Frozen msgspec Structs like those: one is built per item.
+gc=False: they hold strings, numbers, enums, tuples and the peer's RemoteAgent, which refers to none
+of them (no cycle)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from ..core.types import FailureCode, TransferMode
 from ..transfer.descs import RemoteAgent
 
 
-@dataclass(frozen=True, slots=True)
-class Register:
+class Register(msgspec.Struct, frozen=True, gc=False):
     """A decode daemon's registration: one consumer rank's destination blocks for a transfer."""
 
     transfer_id: str
@@ -28,8 +29,7 @@ class Register:
     traceparent: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Notice:
+class Notice(msgspec.Struct, frozen=True, gc=False):
     """A Withdraw (decode daemon -> us) or a Fail (prefill daemon -> us) of one registration."""
 
     transfer_id: str
@@ -38,8 +38,7 @@ class Notice:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Offer:
+class Offer(msgspec.Struct, frozen=True, gc=False):
     """Pull mode, to the decode daemon: a producer rank's source blocks, to READ."""
 
     transfer_id: str
@@ -49,8 +48,7 @@ class Offer:
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class ReadFailed:
+class ReadFailed(msgspec.Struct, frozen=True, gc=False):
     """Pull mode, to the prefill daemon: the READ of its offer failed."""
 
     registration_id: int
@@ -58,8 +56,7 @@ class ReadFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Declined:
+class Declined(msgspec.Struct, frozen=True, gc=False):
     """A decode daemon will never register this transfer (its worker's Decline)."""
 
     transfer_id: str

@@ -61,10 +61,16 @@ class IdentityView:
 
 
 class View:
-    def __init__(self, cfg: Config, ident: Identity, events: EventHub, workers: Workers, rv: Rendezvous,
-                 executor: Executor, tally: Tally, peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
-        self.cfg, self._ident, self.events, self._workers, self._rv = cfg, ident, events, workers, rv
-        self._ex, self._tally, self._peerbook, self._is_draining = executor, tally, peerbook, is_draining
+    """Reads the rooms it is given; the configuration, identity and event hub are the workers' room's
+    (the same objects the node gave every room)."""
+
+    def __init__(self, workers: Workers, rv: Rendezvous, executor: Executor, tally: Tally, peerbook: PeerBook,
+                 is_draining: Callable[[], bool]) -> None:
+        self.cfg: Config = workers.cfg
+        self.events: EventHub = workers.events
+        self._ident: Identity = workers.ident
+        self._workers, self._rv, self._ex = workers, rv, executor
+        self._tally, self._peerbook, self._is_draining = tally, peerbook, is_draining
 
     # -- identity and settings ------------------------------------------------------------------
 

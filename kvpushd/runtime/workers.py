@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import structlog
 
@@ -51,9 +52,9 @@ class RegionArg:
     layout: RegionLayout
 
 
-@dataclass(frozen=True, slots=True)
-class Attach:
-    """One Attach, as rpc/convert.py makes it from the request: checked and carried out whole."""
+class Attach(msgspec.Struct, frozen=True):
+    """One Attach, as rpc/convert.py makes it from the request: checked and carried out whole (a frozen
+    msgspec Struct, like the client's Attach and the stream's commands)."""
 
     engine_id: str
     role: Role

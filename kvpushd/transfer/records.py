@@ -1,13 +1,49 @@
-"""What the NIXL thread keeps per agent and per transfer in flight, and what it reports back."""
+"""What the NIXL thread reads of the configuration, keeps per agent and per transfer in flight, and
+reports back (and to whom)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from ..core.notif import Notified
 from ..core.rendezvous import LegKey, ReadKey
 from .descs import IntArray, PairPlan, Part, RegionSpec
+
+
+class Settings(Protocol):
+    """What the NIXL thread reads of the daemon's ``[transfer]`` section (kvpushd.config.TransferConfig
+    is one; typed here so that this room imports nothing above it)."""
+
+    @property
+    def backends(self) -> Sequence[str]: ...
+    @property
+    def device_params(self) -> Mapping[str, Any]: ...  # its keys: the devices whose parameters are probed
+    @property
+    def nixl_threads(self) -> int: ...
+    @property
+    def poll_interval_s(self) -> float: ...
+    @property
+    def poll_max_interval_s(self) -> float: ...
+    @property
+    def poll_hot_s(self) -> float: ...
+    @property
+    def write_timeout_s(self) -> float: ...
+    @property
+    def progressive_min_write_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Reports:
+    """Where the NIXL thread's reports go; each is called on the event loop (call_soon_threadsafe)."""
+
+    write_done: Callable[[list[WriteResult]], None]
+    notifications: Callable[[list[Notified]], None]
+    read_done: Callable[[list[ReadResult]], None] | None = None  # pull mode: READs this node posted
+    # pull mode: (agent, registration id, producer rank) of READ notifications on our producer agents
+    read_notifications: Callable[[list[tuple[str, int, int]]], None] | None = None
+    sealed: Callable[[list[tuple[str, int]]], None] | None = None  # progressive push: (worker, step) complete
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,8 @@ from ..core.rendezvous import LegKey, StartRead, StartWrite
 from .agents import AgentBook
 from .backends import AgentBackend
 from .descs import RegionSpec, RemoteAgent
-from .records import Inflight, Local, ReadResult, WriteResult, Xfer, transfer_id_of
+from .records import Inflight, Local, ReadResult, Settings, WriteResult, Xfer, transfer_id_of
+from .records import Reports as ThreadReports
 from .staged import Stages
 
 log = structlog.get_logger(__name__)
@@ -42,42 +43,32 @@ T = TypeVar("T")
 class TransferThread:
     """Owns the NIXL agents. Public methods are called from the event loop."""
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        backends: Sequence[str],
-        on_write_done: Callable[[list[WriteResult]], None],
-        on_notifications: Callable[[list[Notified]], None],
-        poll_interval_s: float = 0.0002,
-        poll_max_interval_s: float = 0.001,
-        nixl_threads: int = 0,
-        params_for: Callable[[str, str], dict[str, str]] | None = None,
-        param_devices: Sequence[str] = (),
-        on_read_done: Callable[[list[ReadResult]], None] | None = None,
-        on_read_notifications: Callable[[list[tuple[str, int, int]]], None] | None = None,
-        write_timeout_s: float = 60.0,
-        poll_hot_s: float = 0.0,
-        on_sealed: Callable[[list[tuple[str, int]]], None] | None = None,
-        min_write_bytes: int = 0,
-    ) -> None:
+    Reports = ThreadReports  # where its reports go: TransferThread(loop, cfg, TransferThread.Reports(...))
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cfg: Settings, reports: ThreadReports,
+                 params_for: Callable[[str, str], dict[str, str]] | None = None) -> None:
+        """``cfg``: the ``[transfer]`` section; ``params_for(backend, device)``: the NIXL init parameters
+        of an agent whose KV is on ``device`` (none: NIXL's defaults), probed at start for every
+        device of ``cfg.device_params``."""
         self._loop = loop
-        self._book = AgentBook(backends, params_for, param_devices, nixl_threads)
-        self._on_write_done = on_write_done
-        self._on_notifications = on_notifications
+        self._book = AgentBook(cfg.backends, params_for, tuple(cfg.device_params), cfg.nixl_threads)
+        self._on_write_done = reports.write_done
+        self._on_notifications = reports.notifications
         # Pull mode: READs this node posted (decode side), and READ notifications on our producer
         # agents while offered legs wait for them (prefill side, set_pulling).
-        self._on_read_done = on_read_done
-        self._on_read_notifications = on_read_notifications
-        self._poll_s = poll_interval_s
-        self._write_timeout_s = write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
-        self._poll_max_s = max(poll_max_interval_s, poll_interval_s)
-        self._poll_hot_s = poll_hot_s  # a new receive keeps the short interval this long (set_expecting)
+        self._on_read_done = reports.read_done
+        self._on_read_notifications = reports.read_notifications
+        self._poll_s = cfg.poll_interval_s
+        self._write_timeout_s = cfg.write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
+        self._poll_max_s = max(cfg.poll_max_interval_s, cfg.poll_interval_s)
+        self._poll_hot_s = cfg.poll_hot_s  # a new receive keeps the short interval this long (set_expecting)
         self._hot_until = 0.0  # time.monotonic(): written by the loop, read by the thread (a float: atomic)
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._inflight: list[Inflight] = []
         # progressive push: legs written layer group by layer group, steps watched for completion
+        on_sealed = reports.sealed
         self._stages = Stages(on_sealed and (lambda steps: loop.call_soon_threadsafe(on_sealed, steps)),
-                              min_write_bytes, write_timeout_s,
+                              cfg.progressive_min_write_bytes, cfg.write_timeout_s,
                               on_error=lambda loc, why: self._hand_over(self._recover(loc, why)))
         self._forget_later: set[str] = set()
         self._drained: list[tuple[str, Future[None]]] = []

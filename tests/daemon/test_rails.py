@@ -22,6 +22,7 @@ import pytest
 from kvpushd_client import CompletionKind
 from support import DaemonFactory, DaemonProc, attach_pair
 
+from kvpushd.config import TransferConfig, backend_init_params
 from kvpushd.core.errors import FailedPrecondition
 from kvpushd.transfer.backends import agent_devices, memory_device
 from kvpushd.transfer.thread import TransferThread
@@ -129,9 +130,9 @@ def test_bad_backend_settings_stop_the_daemon_at_start(tmp_path: Path, extra: st
 def test_probe_checks_each_device_hint() -> None:
     """A bad value in one device_params entry fails at start too, naming the entry."""
     loop = asyncio.new_event_loop()
-    params = {"host": {}, "gpu3": {"num_workers": "x"}}
-    t = TransferThread(loop, ["UCX"], lambda r: None, lambda n: None,
-                       params_for=lambda b, dev: dict(params.get(dev, {})), param_devices=("gpu3",))
+    cfg = TransferConfig(backends=("UCX",), device_params={"gpu3": {"num_workers": "x"}})
+    t = TransferThread(loop, cfg, TransferThread.Reports(lambda r: None, lambda n: None),
+                       params_for=lambda b, dev: backend_init_params(cfg, b, dev))
     try:
         with pytest.raises(FailedPrecondition, match=r"transfer.device_params.gpu3"):
             t.start()
