@@ -212,11 +212,8 @@ class Executor:
         for r in results:
             peer, worker_id = self._legs.pop(r.leg, ("", ""))
             actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
-            if tracing or not r.ok:  # the ledger has the rest
+            if tracing or not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics)
                 self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
-            log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
-                      post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
-                      xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
         self.run(actions)
 
     def watch_step(self, worker_id: str, step: int) -> None:
@@ -258,8 +255,6 @@ class Executor:
             actions += self.rv.recv.read_done(r.key, r.ok, r.reason, r, now)
             if tracing or not r.ok:
                 self.obs.emit(o.ReadDone(r, r.key.transfer_id, worker_id))
-            log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
-                      post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
         self.run(actions)
 
     # -- peer calls the core asked for ------------------------------------------------------------
