@@ -152,7 +152,6 @@ class Executor:
 
     def _deliver(self, a: Deliver) -> None:
         worker_id, c = a.worker_id, a.completion
-        self.workers.ring(worker_id, c)  # the engine's own fast path first
         c, side = self.figures.settle(worker_id, c)
         self.obs.emit(o.Delivered(worker_id, side, c))
         self.workers.deliver(worker_id, c)
