@@ -22,7 +22,7 @@ import grpc
 
 from . import _convert, errors
 from .doorbell import SIZE as BELL_SIZE
-from .doorbell import Doorbell, RingReader, reset_ring
+from .doorbell import Doorbell
 from .gpu_doorbell import make_doorbell
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
 from .shm import hand_over
@@ -66,15 +66,13 @@ class KVPushClient:
                       doorbell_fd: int | None = None) -> StreamWorker:
         """``attach`` with the whole Attach record. ``doorbell``: a page in shared memory, handed over by
         descriptor as host KV is (True: a new one, closed at detach; or one the caller keeps across
-        attachments, e.g. after a daemon restart). A sender
-        rings it for progressive push (by the CUDA stream when the memory is GPU memory:
-        gpu_doorbell.make_doorbell); a receiver reads its finished receives there first (the
-        completion ring, emptied here for the new attachment). ``doorbell_fd``: a descriptor of that
-        page to hand over instead of ``doorbell.fd`` (ReconnectingStreamWorker's own copy)."""
+        attachments, e.g. after a daemon restart), which a sender rings for progressive push (by the
+        CUDA stream when the memory is GPU memory: gpu_doorbell.make_doorbell). ``doorbell_fd``: a
+        descriptor of that page to hand over instead of ``doorbell.fd`` (ReconnectingStreamWorker's own
+        copy)."""
         memory, role = a.memory, a.role
         gpu = any(isinstance(m, CudaMemory | VmmMemory) for m in memory)
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
-        ring: RingReader | None = None
         try:
             # the page goes by descriptor, after the memory: the last token is its
             pages: list[MemfdMemory] = []
@@ -87,19 +85,14 @@ class KVPushClient:
             req = _convert.attach_request(a, tokens, chunk_tokens)
             if bell is not None:
                 req.doorbell_token = tokens[len(memory)]
-                if role.can_receive:
-                    reset_ring(bell_fd)
-                    ring = RingReader(bell_fd)
             resp = self.stub.Attach(req, timeout=self.timeout_s)
         except BaseException as e:
-            if ring is not None:
-                ring.close()
             if doorbell is True and bell is not None:
                 bell.close()
             if isinstance(e, grpc.RpcError):
                 raise errors.from_rpc_error(e) from None
             raise
-        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True, ring,
+        return StreamWorker(self, resp.worker_id, resp.node_id, resp.peer_address, bell, doorbell is True,
                             resp.worker_token)
 
     def extend(self, worker: StreamWorker, engine_id: str, role: Role, tp_rank: int, tp_size: int,

@@ -198,11 +198,6 @@ class ReconnectingStreamWorker:
             self._events.clear()
         return out
 
-    def take_late(self) -> list[Completion]:
-        """The stream's copies of receives the completion ring reported first (StreamWorker.take_late)."""
-        w = self.worker
-        return w.take_late() if w is not None else []
-
     @property
     def running(self) -> bool:
         """Its thread is still at work (``close`` waits for it only so long)."""

@@ -11,12 +11,6 @@ hands the batch to the stream's sender (a queue put). A command the daemon refus
 FAILED completion with code ``REFUSED``, its status and message in ``reason`` and its block ids, so
 an engine frees the blocks on the same path as any other failed transfer. One gRPC message per step.
 
-A receiving worker attached with a doorbell page also gets its finished receives through the page's
-completion ring (kvpushd_client.doorbell.RingReader): ``completions()`` reads it with one load, so a
-finished receive reaches the engine in its own step, before the stream's copy. Each transfer is
-reported once: the stream's copy of a transfer the ring reported is held back, its figures kept for
-``take_late()``.
-
 Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` (or ``send``
 with a record) send the step and one command, and return its answer (raising the daemon's refusal);
 ``call`` does the same for one command from any thread, unordered with the engine thread's step.
@@ -35,7 +29,7 @@ from typing import Any, Protocol
 import grpc
 
 from . import _convert, errors
-from .doorbell import Doorbell, RingReader, ring_key
+from .doorbell import Doorbell
 from .proto.v1 import common_pb2, worker_pb2
 from .types import (
     Abort,
@@ -65,8 +59,6 @@ _GONE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 _Step = tuple[int, list[Command]]  # the seq of the step's first command, its commands
 MAX_BATCH = 4096  # commands in one CommandBatch: the daemon's limit (kvpushd.rpc.services)
 _CALLS = 1 << 62  # seqs of ``call``: their own range, so any thread can number one
-_RING_WAIT_S = 100e-6  # next_completion: how often it reads the ring while it waits
-_TERMINAL = (CompletionKind.FINISHED_RECEIVING, CompletionKind.FAILED)
 
 
 def _command(seq: int, c: Command) -> worker_pb2.Command:
@@ -102,8 +94,7 @@ class StreamWorker:
     """An attached worker whose session is a WorkerService.Stream."""
 
     def __init__(self, client: _Client, worker_id: str, node_id: str, peer_address: str,
-                 doorbell: Doorbell | None = None, owns_doorbell: bool = False,
-                 ring: RingReader | None = None, token: bytes = b"") -> None:
+                 doorbell: Doorbell | None = None, owns_doorbell: bool = False, token: bytes = b"") -> None:
         self.client = client
         self.token = token  # the Attach's worker_token: this session and its Detach are ours alone
         self.doorbell = doorbell  # progressive push: the engine thread rings it (kvpushd_client.doorbell)
@@ -128,15 +119,6 @@ class StreamWorker:
         self._answers: dict[int, bool] = {}  # seq -> True, or an Abort's found
         self._refusals: dict[int, KVPushError] = {}
         self._closed = False
-        # the completion ring (receivers with a doorbell page): expected transfers by key, those the
-        # ring reported (their stream copies held back), those copies (for their figures)
-        self._ring = ring
-        self._ring_lock = threading.Lock()
-        self._keys: dict[int, str] = {}  # "": a key two expected transfers share
-        self._key_of: dict[str, int] = {}
-        self._rung: set[str] = set()
-        self._late: collections.deque[Completion] = collections.deque(maxlen=4096)
-        self._early: collections.deque[Completion] = collections.deque()  # next_completion's
         # CPU time (time.thread_time_ns) the stream's own Python threads spent so far: the sender
         # building and sending batches, the reader taking answers and completions (what they cost the
         # engine's process, the GIL included, beside the engine thread's own appends and step())
@@ -154,94 +136,27 @@ class StreamWorker:
     def completions(self) -> list[Completion]:
         """Everything delivered so far, without waiting (no RPC). Nothing delivered: no lock taken (the
         reader thread holds it while it takes a batch; the engine thread need not wait for that)."""
-        out = self._from_ring() if self._keys else []
-        if self._early:  # taken from the ring or stream by next_completion, not returned yet
-            out[:0] = self._early
-            self._early.clear()
-        if self._queue:
-            with self._cond:
-                got = list(self._queue)
-                self._queue.clear()
-            out += self._settle(got) if self._ring is not None else got
-        return out
+        if not self._queue:
+            return []
+        with self._cond:
+            got = list(self._queue)
+            self._queue.clear()
+        return got
 
     def next_completion(self, timeout_s: float | None = None) -> Completion | None:
         """Wait for one completion (for tools and tests; engines use completions())."""
-        if self._ring is None:
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
-                    return None
-                if self._queue:
-                    return self._queue.popleft()
-                assert self.session_error is not None
-                raise self.session_error
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            if got := self.completions():
-                self._early.extend(got[1:])
-                return got[0]
-            if self.session_error is not None:
-                raise self.session_error
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._queue or self.session_error is not None, timeout_s):
                 return None
-            wait = _RING_WAIT_S if self._keys else left  # transfers expected: read the ring meanwhile
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self.session_error is not None,
-                                    wait if left is None or wait is None else min(wait, left))
-
-    def take_late(self) -> list[Completion]:
-        """The stream's copies of transfers the ring reported first (their figures), since the last call."""
-        out: list[Completion] = []
-        while self._late:
-            out.append(self._late.popleft())
-        return out
-
-    def _from_ring(self) -> list[Completion]:
-        out: list[Completion] = []
-        with self._ring_lock:
-            if self._ring is None or not self._ring.ready():  # one load when nothing is new
-                return out
-            for k in self._ring.take():
-                tid = self._keys.pop(k, None)
-                if tid:
-                    del self._key_of[tid]
-                    self._rung.add(tid)
-                    out.append(Completion(CompletionKind.FINISHED_RECEIVING, tid))
-        return out
-
-    def _settle(self, got: list[Completion]) -> list[Completion]:
-        """The stream's completions, less the copies of those the ring reported."""
-        out: list[Completion] = []
-        with self._ring_lock:
-            for c in got:
-                tid = c.transfer_id
-                if tid in self._rung:
-                    if c.kind in _TERMINAL:
-                        self._rung.discard(tid)
-                        self._late.append(c)
-                    continue
-                if c.kind in _TERMINAL and (k := self._key_of.pop(tid, None)) is not None:
-                    self._keys.pop(k, None)
-                out.append(c)
-        return out
-
-    def _watch(self, transfer_id: str) -> None:
-        """An expected transfer: its key, for the ring."""
-        if self._ring is not None:
-            k = ring_key(transfer_id)
-            with self._ring_lock:
-                other = self._keys.get(k, transfer_id)
-                # two expected transfers with one key (48 bits): neither is taken from the ring
-                self._keys[k] = transfer_id if other == transfer_id else ""
-                self._key_of[transfer_id] = k
+            if self._queue:
+                return self._queue.popleft()
+            assert self.session_error is not None
+            raise self.session_error
 
     # -- the engine thread ----------------------------------------------------------------------
 
     def send_nowait(self, cmd: Command) -> int:
         """Append one command record to this step's batch, as it is; returns its seq."""
-        if isinstance(cmd, Expect):
-            self._watch(cmd.transfer_id)
         b = self._batch
         b.append(cmd)
         return self._base + len(b)
@@ -338,8 +253,6 @@ class StreamWorker:
     def send(self, cmd: Command) -> bool:
         """Send the step, then the command record, and wait for its answer (``call``)."""
         self.step()
-        if isinstance(cmd, Expect):
-            self._watch(cmd.transfer_id)
         return self.call(cmd)
 
     def call(self, q: Command, timeout_s: float | None = None) -> bool:
@@ -380,9 +293,6 @@ class StreamWorker:
             self._out.put(_END)
             self._call.cancel()
             self._reader.join(timeout=5)
-            if self._ring is not None:
-                with self._ring_lock:
-                    self._ring.close()
             if self._owns_doorbell and self.doorbell is not None:
                 self.doorbell.close()
 

@@ -149,7 +149,6 @@ class Executor:
 
     def _deliver(self, a: Deliver) -> None:
         worker_id, c, led = a.worker_id, a.completion, a.ledger
-        self.workers.ring(worker_id, c)  # the engine's own fast path first
         if led is None:  # refused before any record of it was made
             led = Ledger("send" if c.kind is CompletionKind.FINISHED_SENDING else "recv", worker_id, "",
                          c.transfer_id, len(c.block_ids), time.monotonic())

@@ -29,7 +29,7 @@ from ..core.errors import (
     ResourceExhausted,
 )
 from ..core.notif import MAX_LAYERS
-from ..core.types import Completion, CompletionKind, RegionLayout, Role
+from ..core.types import Completion, RegionLayout, Role
 from ..events import EventHub, EventKind
 from ..memory import Mapping, MemorySpec, open_all, take_fds
 from ..memory.doorbell import Doorbell, fd_label
@@ -90,7 +90,7 @@ class Worker:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     session_open: bool = False
     gone: bool = False
-    bell: Doorbell | None = None  # its engine steps' progress (read-only); a receiver's completion ring
+    bell: Doorbell | None = None  # its engine steps' progress (read-only)
     token: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)  # AttachResponse.worker_token
     command_batches: int = 0  # Stream batches it sent, and the commands in them
     stream_commands: int = 0
@@ -171,7 +171,7 @@ class Workers:
         mappings = await loop.run_in_executor(None, open_all, memory, take_fds(self.fds, memory))
         bell: Doorbell | None = None
         try:
-            bell = self._open_bell(a.doorbell, a.doorbell_token, role.can_receive)
+            bell = self._open_bell(a.doorbell, a.doorbell_token)
             if bell is not None:
                 self._claim_bell(bell, claims)
             kinds = {m.mem_type for m in mappings}
@@ -226,13 +226,13 @@ class Workers:
                        r.layout.span()) for r in a.regions])
         return w
 
-    def _open_bell(self, name: str, token: bytes, ring: bool) -> Doorbell | None:
+    def _open_bell(self, name: str, token: bytes) -> Doorbell | None:
         """The worker's doorbell page, by descriptor from the fd socket; by /dev/shm name it is refused."""
         if token:
             if name:
                 raise InvalidArgument("a doorbell by name or by memfd token, not both")
             fd = self.fds.take(token)
-            return Doorbell(fd, fd_label(fd), ring)
+            return Doorbell(fd, fd_label(fd))
         if not name:
             return None
         raise PermissionDenied(f"doorbell {name[:256]!r}: a page by /dev/shm name is refused; hand it over as a "
@@ -240,7 +240,7 @@ class Workers:
 
     def _claim_bell(self, bell: Doorbell, claims: set[tuple[object, ...]]) -> None:
         """One page rings for one worker: two on one page would read each other's progress (a WRITE of
-        layers not computed yet) or finished receives (a worker told before its own KV landed)."""
+        layers not computed yet)."""
         key = ("bell", *bell.ident)
         owner = next((w.worker_id for w in self.by_id.values()
                       if not w.gone and w.bell is not None and w.bell.ident == bell.ident), None)
@@ -287,12 +287,6 @@ class Workers:
         """A prefill worker of that engine (any rank: they share a layout), or None."""
         return next((w for w in self.by_id.values() if w.engine_id == engine_id and w.role.can_send and not w.gone),
                     None)
-
-    def ring(self, worker_id: str, c: Completion) -> None:
-        """A finished receive, into the worker's completion ring at once (the stream follows)."""
-        w = self.by_id.get(worker_id)
-        if w is not None and w.bell is not None and not w.gone and c.kind is CompletionKind.FINISHED_RECEIVING:
-            w.bell.post(c.transfer_id)
 
     def deliver(self, worker_id: str, c: Completion) -> None:
         """Queue a completion for the worker's session (dropped if the worker is gone)."""

@@ -179,8 +179,8 @@ def test_layout_mismatch_between_workers(daemon_pair) -> None:
 
 def test_a_doorbell_page_rings_for_one_worker(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-def]
     """Two workers on one page would read each other's progress (a prefill daemon writing layers not
-    computed yet) or finished receives (a decode worker told before its own KV landed): an attach
-    naming a page another live worker rings is refused, and the page is free again once it detaches."""
+    computed yet): an attach naming a page another live worker rings is refused, and the page is free
+    again once it detaches."""
     p, d = daemon_pair
     src, dst = kv_pair
     for daemon, role, kv in ((p, Role.PRODUCER, src), (d, Role.CONSUMER, dst)):

@@ -209,8 +209,8 @@ def test_stats_of_a_real_transfer(setup: tuple[vs.Daemon, vs.Daemon, Engine, Eng
     assert f"Avg MB per transfer={round(moved / 2**20, 3)}" in lines[0]
 
     # decode: push mode, the WRITE was the prefill daemon's; it reports the completion and its time only.
-    # The completion ring told decode first; the figures come with the stream's copy, which a loaded
-    # machine can deliver after the steps run_request took: the engine records them at a later step.
+    # The figures come with the completion, in the step that reads it (a later one than run_request's
+    # last step when a loaded machine delivers it late).
     def figures_came() -> bool:
         de.step()
         return bool(de.stats)

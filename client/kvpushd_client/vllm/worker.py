@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..cuda import CudaMemoryError
-from ..doorbell import Doorbell
 from ..reconnect import Call, ReconnectingStreamWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, Expect, KVPushError, Publish, Role, TransferMode
 from .layout import describe_kv_caches_owned, layer_specs, owned_memfd_names, release_owned_shm
@@ -82,7 +81,6 @@ class KVPushdConnectorWorker:
         # progressive push (progress.py): this worker's doorbell, its layer groups, this step's state
         self._bell: Bell | None = None
         self._progress: LayerProgress | None = None
-        self._ring_page: Doorbell | None = None  # a receiver's page when it has no doorbell of its own
         self._ringing = False  # this step declared a publish: save_kv_layer rings
         self._step_rings = 0
         self._after_forward: list[PublishReq] = []  # declared, but no doorbell here: published whole
@@ -114,12 +112,10 @@ class KVPushdConnectorWorker:
                 logger.info("kvpushd: progressive push on: %d layer groups of %d region(s) each, doorbell %s%s",
                             self._progress.layers, self._progress.per_group, self._bell.name,
                             "" if self._progress.in_order else " (regions not in forward order: groups go later)")
-        if self.role.can_receive and self._bell is None:
-            self._ring_page = Doorbell()  # a page for the completion ring only (finished receives, first)
         self._connect(memory, regions)
 
     def _connect(self, memory: list[Any], regions: list[Any]) -> None:
-        page = self._bell or self._ring_page
+        page = self._bell
         link = ReconnectingStreamWorker(self.settings.socket, {
             "engine_id": self.engine_id, "role": self.role, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "memory": memory, "regions": regions, "description": f"vllm pid {os.getpid()}",
@@ -359,8 +355,6 @@ class KVPushdConnectorWorker:
     def _poll(self) -> None:
         if self._link is None:
             return
-        for c in self._link.take_late():  # receives the completion ring reported: their figures now
-            record(self._stats, c, sending=False)
         for ev in self._link.poll():
             if ev.kind == "completion":
                 assert ev.epoch is not None and ev.completion is not None
@@ -424,9 +418,8 @@ class KVPushdConnectorWorker:
     def shutdown(self) -> None:
         if self._link is not None:
             self._link.close()  # detached first (the link hands over its own copies of the descriptors)
-        for page in (self._bell, self._ring_page):
-            if page is not None:
-                page.close()
+        if self._bell is not None:
+            self._bell.close()
         release_owned_shm(self._shm_names)
 
 

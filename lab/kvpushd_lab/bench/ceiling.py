@@ -9,8 +9,7 @@ Per request size, three timings, interleaved rep by rep (so drifting machine loa
   prepared once, index arrays per request, NIXL merging adjacent ones), same start and end;
 * daemon: two real daemons and two workers; the decode worker's Expect has reached the prefill
   daemon, then the prefill worker's Publish; from just before Publish to FINISHED_RECEIVING read by
-  the decode worker (from its completion ring, read every 100 us while it waits, as an engine reads
-  it each step; ``--no-ring``: from its stream).
+  the decode worker from its stream.
 
 The target process reads notifications every ``--poll-us``, and the daemons run with
 ``transfer.poll_interval_s`` set to the same (default: the daemon's default, 200 us), so the
@@ -58,8 +57,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-us", type=float, default=200.0,
                    help="the daemons' transfer.poll_interval_s and how often the raw target reads notifications, "
                         "in us (default 200: the daemon's default)")
-    p.add_argument("--no-ring", action="store_true",
-                   help="the decode worker without a completion ring (finished receives by its stream only)")
     p.add_argument("--backend", choices=BACKENDS, default="UCX",
                    help="NIXL backend of the daemons and of the raw agents (default UCX); LIBFABRIC needs "
                         "scripts/libfabric.sh's build and runs libfabric's tcp provider here")
@@ -154,7 +151,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             pw = p.client.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
                                  description="kvpushd bench ceiling", doorbell=True)
             dw = d.client.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                                 description="kvpushd bench ceiling", doorbell=not args.no_ring)
+                                 description="kvpushd bench ceiling")
             # Warm-up: connections, the remote descriptor list the prefill daemon prepares on first use.
             one = np.array([0], dtype=np.int64)
             _daemon_once(p, pw, dw, f"warm-{os.urandom(4).hex()}", one, one)
@@ -266,7 +263,7 @@ def _result(args: argparse.Namespace, lay: Layout, rows: list[dict[str, Any]]) -
         "at_tokens": top["tokens"], "target_efficiency": TARGET_EFFICIENCY,
         "target_met": top["efficiency"] >= TARGET_EFFICIENCY,
         "backend": args.backend,
-        "fragmented": bool(args.fragmented), "repeat": args.repeat, "poll_us": args.poll_us, "ring": not args.no_ring,
+        "fragmented": bool(args.fragmented), "repeat": args.repeat, "poll_us": args.poll_us,
         "layout": lay.describe(), "rows": rows,
     }
     cols = [("tokens", "tokens", "d"), ("bytes", "bytes", ",d"), ("descriptors_requested", "descs", ",d"),

@@ -70,8 +70,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="wait this long between the registration reaching the prefill daemon and the Publish "
                         "(push mode's usual case: decode registers while prefill computes; default 0)")
-    p.add_argument("--no-ring", action="store_true",
-                   help="the decode worker without a completion ring (finished receives by its stream only)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -170,7 +168,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             pw = p.client.attach("bench-prefill", Role.PRODUCER, 0, 1, [src.buf.memory], lay.region_list(),
                                  description=how)
             dw = d.client.attach("bench-decode", Role.CONSUMER, 0, 1, [dst.buf.memory], lay.region_list(),
-                                 description=how, doorbell=not getattr(args, "no_ring", False))
+                                 description=how)
             # (not the bench process: reading /proc is its own CPU time, inside the window)
             pids = {"prefill daemon": p.proc.pid, "decode daemon": d.proc.pid}
             run_us = dict.fromkeys(pids, 0.0)
@@ -247,7 +245,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
         "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
         "gap_ms": getattr(args, "gap_ms", 0.0), "poll_max_interval_us": getattr(args, "poll_max_us", 0.0) or 1000.0,
-        "poll_hot_s": getattr(args, "poll_hot_s", -1.0), "ring": not getattr(args, "no_ring", False),
+        "poll_hot_s": getattr(args, "poll_hot_s", -1.0),
         "samples": len(a_us), "blocks_per_region": n, "regions": lay.regions,
         "bytes_per_request": n * lay.regions * lay.block_len, "layout": lay.describe(),
         "per_request_sched_us": sched, "watcher_realtime": realtime,
@@ -286,8 +284,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "bytes' wire time.",
         "(b) = FINISHED_RECEIVING returned to the decode worker (next_completion) - all last sentinels changed: "
         "notification delivery, the decode daemon's NIXL poll (every transfer.poll_interval_s = 200 us), its event "
-        "loop, then the worker's completion ring (read every 100 us while it waits) or, with --no-ring, the "
-        "session stream and the client's reader thread.",
+        "loop, then the session stream and the client's reader thread.",
         "daemon post_us: the prefill daemon's own debug log per WRITE (request reaching its NIXL thread -> "
         "transfer() returned, so it includes the copy on this transport).",
         f"the watcher looks every {args.watch_sleep_us:g} us (timer slack 1 ns) while armed, "

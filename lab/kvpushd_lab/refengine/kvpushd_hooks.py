@@ -77,8 +77,7 @@ class KVPushdHooks:
         """Attach every rank cache (each must live in shared memory: ``PagedKV.shared``) as a worker.
 
         ``client`` is one client for all ranks, or one per rank. ``progressive``: each rank gets a
-        doorbell, and prefills declare their publish before the forward. A receiving rank always has
-        a doorbell page: its finished receives come through the page's completion ring first."""
+        doorbell, and prefills declare their publish before the forward."""
         caches = as_caches(kv)
         # Extra regions (which the model never reads) are listed spread among the model's layers when they
         # divide evenly (layer group l: layer l's share of them, then its K and V; the engine's hooks write
@@ -95,7 +94,7 @@ class KVPushdHooks:
                 workers.append(cl.attach(engine_id, role, c.tp_rank, c.tp_size, [c.shm.memory],
                                          c.regions(spread=spread),
                                          description=description or f"refengine {engine_id} rank {c.tp_rank}",
-                                         doorbell=progressive or role.can_receive))
+                                         doorbell=progressive))
         except BaseException:
             for w in workers:
                 w.detach()

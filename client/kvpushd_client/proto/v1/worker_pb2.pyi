@@ -191,9 +191,8 @@ class AttachRequest(_message.Message):
     """Optional: the worker's doorbell page as a memfd handed over on the fd socket, named by its token
     (as in MemfdHandle). A sender's (progressive push): at least 8 bytes whose first aligned 64-bit
     word the engine thread stores ``step << 16 | layers`` into (layers 0xFFFF: the step is
-    complete); the daemon only reads it. A receiver's, of 4,096 bytes and open for writing: the
-    daemon also writes each FINISHED_RECEIVING into its completion ring (docs/protocol.md, "The
-    completion ring").
+    complete); the daemon only reads it. A worker that only receives needs none: its completions
+    come on its stream (a page it hands over is accepted and never read).
     """
     extends_worker_id: _builtins.str
     """Growth (vLLM 0.34 committing more KV blocks after start): set both, and this Attach adds to that
