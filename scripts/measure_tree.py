@@ -15,8 +15,9 @@ For each tree, each run from its own directory with PYTHONPATH=TREE:TREE/client:
 2. Bookkeeping calls per push: the calls, in the same profiles, to functions matching BOOKKEEPING
    (``module:function``, fnmatch; a module or function that no longer exists counts 0), per Publish
    on the prefill daemon and per Expect on the decode daemon, with the per-function breakdown; and
-   the issue's own measure, emits and sink calls: calls of EMITS and calls made by SINK_CALLERS
-   (the observation stream's emit, the event hub's publishing) to whatever they call.
+   the issue's own measure, emits and sink calls: calls of EMITS from outside their own module and
+   the calls SINK_CALLERS (the observation stream's emit, the event hub's publishing) make to
+   functions (not builtins).
 3. ``bench rate --json``: rendezvous/s and daemon CPU us per rendezvous (prefill + decode), rounds
    alternating with the order rotated each round; per-round ratios to the base and their medians first.
 4. Product lines: lines of *.py under kvpushd/ and client/ (no *_pb2*) at the tree's HEAD commit.
@@ -132,12 +133,14 @@ def read_profile(path: Path, tree: Path, count_fn: str, patterns: list[str]) -> 
     emits: dict[str, int] = {}
     foreign: set[str] = set()
     names = {k: f"{module_of(k[0], tree)}:{k[2]}" for k in stats}
-    for key, (_cc, nc, _tt, _ct, callers) in stats.items():
+    for key, (_cc, _nc, _tt, _ct, callers) in stats.items():
         name = names[key]
-        if name in EMITS:
-            emits[name] = emits.get(name, 0) + nc
+        own = name.split(":")[0]
         for caller, (_c, n, *_rest) in callers.items():
-            if names.get(caller) in SINK_CALLERS:
+            by = names.get(caller) or ""
+            if name in EMITS and not by.startswith(own + ":"):  # an emit from outside: not a sink's own work
+                emits[name] = emits.get(name, 0) + n
+            if by in SINK_CALLERS and not name.startswith("None:"):  # builtins: the emit's own work
                 emits[f"sink {name}"] = emits.get(f"sink {name}", 0) + n
     for (fname, line, func), (_cc, nc, _tt, _ct, _callers) in stats.items():
         total += nc
