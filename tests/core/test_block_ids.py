@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvpushd_client.proto.v1 import peer_pb2
 
 from kvpushd.core.errors import InvalidArgument
+from kvpushd.runtime import workers
 from kvpushd.runtime.workers import check_block_ids
 
 
@@ -32,16 +33,20 @@ def _verdict(ids: object, num_blocks: int, max_blocks: int) -> str:
 
 @settings(max_examples=400, deadline=None)
 @given(ids=st.lists(st.integers(-3, 1 << 20), max_size=200), num_blocks=st.integers(1, 1 << 21),
-       spread=st.booleans())
-def test_same_verdict_as_plain_python(ids: list[int], num_blocks: int, spread: bool) -> None:
+       spread=st.booleans(), small=st.sampled_from([0, workers.SMALL_BLOCK_LIST]))
+def test_same_verdict_as_plain_python(ids: list[int], num_blocks: int, spread: bool, small: int) -> None:
     if spread:  # far apart: the sorted path, not the bitmap of the span
         ids = [i * 100_003 for i in ids]
         num_blocks *= 100_003
     want = _reference(ids, num_blocks, 150)
-    assert _verdict(ids, num_blocks, 150) == want
-    if all(0 <= i < 1 << 32 for i in ids):  # a repeated uint32 field, as a Register carries them
-        field = peer_pb2.RegisterRequest(block_ids=ids).block_ids
-        assert _verdict(field, num_blocks, 150) == want
+    saved, workers.SMALL_BLOCK_LIST = workers.SMALL_BLOCK_LIST, small  # 0: numpy for every list
+    try:
+        assert _verdict(ids, num_blocks, 150) == want
+        if all(0 <= i < 1 << 32 for i in ids):  # a repeated uint32 field, as a Register carries them
+            field = peer_pb2.RegisterRequest(block_ids=ids).block_ids
+            assert _verdict(field, num_blocks, 150) == want
+    finally:
+        workers.SMALL_BLOCK_LIST = saved
 
 
 @pytest.mark.parametrize("ids,why", [([0, 1 << 31, 5], "out of range"), ([7, 3, 7], "duplicates"),
