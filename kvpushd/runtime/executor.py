@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -207,12 +208,16 @@ class Executor:
 
     def _on_writes(self, results: list[WriteResult]) -> None:
         actions: list[Action] = []
-        now, tracing = time.monotonic(), self.tracing.enabled
+        now, tracing, debug = time.monotonic(), self.tracing.enabled, log.is_enabled_for(logging.DEBUG)
         for r in results:
             peer, worker_id = self._legs.pop(r.leg, ("", ""))
             actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
             if tracing or not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics)
                 self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
+            if debug:  # its arguments are built only then (bench critical-path reads these lines)
+                log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
+                          post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
+                          xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
         self.run(actions)
 
     def watch_step(self, worker_id: str, step: int) -> None:
@@ -248,12 +253,15 @@ class Executor:
     def _on_reads(self, results: list[ReadResult]) -> None:
         """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
         actions: list[Action] = []
-        now, tracing = time.monotonic(), self.tracing.enabled
+        now, tracing, debug = time.monotonic(), self.tracing.enabled, log.is_enabled_for(logging.DEBUG)
         for r in results:
             worker_id = self._reads.pop(r.key, "")
             actions += self.rv.recv.read_done(r.key, r.ok, r.reason, r, now)
             if tracing or not r.ok:
                 self.obs.emit(o.ReadDone(r, r.key.transfer_id, worker_id))
+            if debug:
+                log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
+                          post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
         self.run(actions)
 
     # -- peer calls the core asked for ------------------------------------------------------------
