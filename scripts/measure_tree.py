@@ -1,4 +1,4 @@
-"""Side-by-side figures of source trees (issue #39): a base, a tree under test and a same-code control.
+"""Side-by-side figures of source trees: a base, a tree under test and a same-code control.
 
     python scripts/measure_tree.py --base /work/wt-base --control /work/wt-control --tree /work/main \
         --rounds 4 --json
