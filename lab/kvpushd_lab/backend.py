@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,3 +108,17 @@ def nixl_agent(name: str, backend: str = "UCX") -> Any:
     agent = nx.nixl_agent(name, nx.nixl_agent_config(enable_prog_thread=False, backends=[]))
     agent.create_backend(backend, {})
     return agent
+
+
+def with_backend(settings: Mapping[str, Mapping[str, Any]] | None, extra: str,
+                 backend: str) -> tuple[dict[str, dict[str, Any]], str]:
+    """``transfer.backends = [backend]`` where the config will have it: in the raw TOML's [transfer]
+    table when ``extra`` has one (TOML allows a table once), else in ``settings``."""
+    line = f"backends = {json.dumps([backend])}\n"
+    lines = extra.splitlines(keepends=True)
+    out = {k: dict(v) for k, v in (settings or {}).items()}
+    for i, text in enumerate(lines):
+        if text.strip() == "[transfer]":
+            return out, "".join([*lines[:i + 1], line, *lines[i + 1:]])
+    out.setdefault("transfer", {})["backends"] = [backend]
+    return out, extra

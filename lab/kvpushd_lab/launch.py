@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpushd_client import KVPushClient, KVPushError
 
-from .backend import backend_env
+from .backend import backend_env, with_backend
 from .faults import with_site
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
         settings = {**(settings or {}), "peer_api": peer_api}
     if backend != "UCX":
         run_env = backend_env(backend, run_env, iface=netns[0].veth if netns is not None else "")
-        settings, extra_config = _with_backend(settings, extra_config, backend)
+        settings, extra_config = with_backend(settings, extra_config, backend)
     host = advertise_host if advertise_host is not None else listen.rpartition(":")[0]
     cfg = workdir / f"{name}.toml"
     cfg.write_text(daemon_config(name, sock, listen, host, settings, extra_config))
@@ -229,19 +229,6 @@ def spawn(workdir: Path | str, name: str, *, listen: str = "127.0.0.1:0", advert
 
     proc = start_process("wb")
     return Daemon(name, sock, proc, log, config=cfg, _start=start_process)
-
-
-def _with_backend(settings: Settings | None, extra: str, backend: str) -> tuple[Settings, str]:
-    """``transfer.backends = [backend]`` where the config will have it: in the raw TOML's [transfer]
-    table when ``extra`` has one (TOML allows a table once), else in ``settings``."""
-    line = f"backends = {json.dumps([backend])}\n"
-    lines = extra.splitlines(keepends=True)
-    for i, text in enumerate(lines):
-        if text.strip() == "[transfer]":
-            return dict(settings or {}), "".join([*lines[:i + 1], line, *lines[i + 1:]])
-    out = {k: dict(v) for k, v in (settings or {}).items()}
-    out.setdefault("transfer", {})["backends"] = [backend]
-    return out, extra
 
 
 def wait_ready(d: Daemon, timeout_s: float = 90.0) -> Daemon:

@@ -254,8 +254,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             # 2. daemons and the P/D pair
             pd = Daemon("pnode", args.kvpushd_python, work, "127.0.0.1:0",
-                        f"[transfer]\npublish_timeout_s = {args.publish_timeout_s}\n")
-            dd = Daemon("dnode", args.kvpushd_python, work, "127.0.0.1:0")
+                        f"[transfer]\npublish_timeout_s = {args.publish_timeout_s}\n", backend=args.backend)
+            dd = Daemon("dnode", args.kvpushd_python, work, "127.0.0.1:0", backend=args.backend)
+            out["backend"] = args.backend
             for d in (pd, dd):
                 d.start()
                 daemons.append(d)
@@ -444,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=16,
                     help="the model's layers (default 16: 8 KiB of KV a token, each layer pushed as it is computed)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=("UCX", "LIBFABRIC"), default="UCX",
+                    help="the daemons' NIXL backend (LIBFABRIC: scripts/libfabric.sh's build, tcp provider)")
     ap.add_argument("--model-kind", choices=KINDS, default="llama",
                     help="hybrid: sliding-window and full-attention layers (two KV cache groups)")
     ap.add_argument("--publish-timeout-s", type=float, default=120.0)

@@ -8,6 +8,7 @@ tests/daemon/test_vmm_gpu.py, on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import socket
@@ -40,10 +41,8 @@ def _open_fds(pid: int) -> int:
     epolls the daemon opens meanwhile for its own work do not count."""
     n = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile
             n += os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/null"
-        except OSError:  # closed meanwhile
-            pass
     return n
 
 

