@@ -61,6 +61,26 @@ def test_ceiling_on_libfabric() -> None:
     positive(row, "ceiling_gbps", "raw_blocks_gbps", "daemon_gbps", "declared_ms")
 
 
+def test_rails_on_libfabric() -> None:
+    """Two veth pairs between two namespaces, one LIBFABRIC WRITE: the bytes land exact, NIXL says how many
+    rails it made, and the veths' counters say which links carried the bytes (docs/efa.md, Rails)."""
+    from kvpushd_lab.backend import available
+    from kvpushd_lab.netns import available as netns_available
+
+    if why := available("LIBFABRIC"):
+        pytest.skip(why)
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    out = bench("rails", "--rails", "2", "--mib", "4", "--rate", "10gbit")
+    (row,) = out["rows"]
+    assert row["state"] == "DONE" and row["notified"] is True and row["mismatched_bytes"] == 0
+    assert {"rail0", "rail1"} <= set(row["libfabric_tcp_domains"])  # libfabric sees both links
+    assert row["nixl_rails_created"] and row["nixl_discovered"]
+    assert sum(row["tx_bytes_per_veth"].values()) >= row["bytes"] == 4 << 20
+    assert 1 <= row["veths_carrying"] <= 2
+
+
 def test_critical_path() -> None:
     out = bench("critical-path", "--samples", "20")
     assert out["samples"] == 20

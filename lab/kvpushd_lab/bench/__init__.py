@@ -34,6 +34,8 @@ SUITES = {
               "SIGSTOP and a restart storm: every request ends, nothing held, recovery time"),
     "handover": ("handover", "progressive vs whole-request push, one request at a time: forward end -> decode "
                  "told, per prompt length"),
+    "rails": ("rails", "LIBFABRIC (tcp provider) over 1, 2 and 4 veth pairs: the rails NIXL makes and the bytes "
+              "each veth carries for one WRITE"),
     "rate": ("rate", "rendezvous per second with small requests"),
     "soak": ("soak", "many small requests with random faults: every request ends, nothing held, RSS growth"),
     "peers": ("peers", "one prefill daemon facing many synthetic decode peers: RSS per peer, GetStatus size and "
