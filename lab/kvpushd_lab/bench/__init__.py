@@ -5,7 +5,8 @@ posted, last byte landed -> decode worker told), ``engine-cost`` (time the engin
 spends on transfers per step, vs posting NIXL WRITEs in the engine), ``fleet`` (N x M daemons in
 network namespaces under kills, stops and a restart storm: every request ends, nothing is held,
 recovery), ``handover`` (progressive vs whole-request push), ``peers`` (one prefill daemon facing
-thousands of synthetic decode peers), ``rate`` (rendezvous per second) and ``soak`` (many small
+thousands of synthetic decode peers), ``rails`` (LIBFABRIC over several veth pairs: the rails NIXL
+makes, the bytes per link), ``rate`` (rendezvous per second) and ``soak`` (many small
 requests with random faults: every request ends, nothing is held, RSS growth), ``sweep`` (TTFT/TPOT
 with the reference engine) and ``vllm`` (REAL vLLM engines: kvpushd vs vLLM's own NIXL connectors). Each starts its own
 daemons as subprocesses in a temporary directory. Targets are printed next to the figures; nothing
