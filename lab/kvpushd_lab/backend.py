@@ -113,12 +113,16 @@ def nixl_agent(name: str, backend: str = "UCX") -> Any:
 def with_backend(settings: Mapping[str, Mapping[str, Any]] | None, extra: str,
                  backend: str) -> tuple[dict[str, dict[str, Any]], str]:
     """``transfer.backends = [backend]`` where the config will have it: in the raw TOML's [transfer]
-    table when ``extra`` has one (TOML allows a table once), else in ``settings``."""
+    table when ``extra`` has one (TOML allows a table once), else in ``settings``, or, with no
+    ``settings`` (None), in a [transfer] table added to ``extra``."""
     line = f"backends = {json.dumps([backend])}\n"
     lines = extra.splitlines(keepends=True)
     out = {k: dict(v) for k, v in (settings or {}).items()}
     for i, text in enumerate(lines):
         if text.strip() == "[transfer]":
             return out, "".join([*lines[:i + 1], line, *lines[i + 1:]])
+    if settings is None:
+        sep = "" if not extra or extra.endswith("\n") else "\n"
+        return out, f"{extra}{sep}[transfer]\n{line}"
     out.setdefault("transfer", {})["backends"] = [backend]
     return out, extra

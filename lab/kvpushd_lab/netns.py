@@ -16,7 +16,9 @@ Layout (nothing is created or configured in the root namespace, and the host's r
     kvp-P-K-i:   lo (up)  +  kvp0 (the other end of p<i>), address 10.199.<x>.<i+1>/24
 
 ``NetnsLab(2, link="pair")`` joins two hosts by one veth pair instead (``kvp0`` in each, no bridge
-namespace): the shortest "network" there is.
+namespace): the shortest "network" there is; ``NetnsLab(2, link="pair", veths=N)`` by N of them
+(``kvp0`` .. ``kvp<N-1>``, pair k on 10.<199-k>.<x>.0/24: N rails). ``lab.shape("10gbit")`` puts a
+``tc tbf`` on every veth end inside the hosts (each end shapes what it sends).
 
 Each veth pair is created inside the bridge namespace with its peer born in the host namespace
 (``ip -n BR link add p<i> type veth peer name kvp0 netns HOST``), so no link ever appears in the root
@@ -164,15 +166,18 @@ def _is_zombie(pid: int) -> bool:
 
 class NetnsLab:
     """``n`` host namespaces joined by a bridge in its own namespace (or, ``link="pair"``, two joined
-    by one veth pair), on 10.199.<x>.0/24."""
+    by ``veths`` veth pairs), on 10.199.<x>.0/24 (pair k of several on 10.<199-k>.<x>.0/24)."""
 
     MAX_HOSTS = 16
+    MAX_VETHS = 8
 
-    def __init__(self, n: int, subnet_octet: int | None = None, link: str = "bridge") -> None:
+    def __init__(self, n: int, subnet_octet: int | None = None, link: str = "bridge", veths: int = 1) -> None:
         if not 1 <= n <= self.MAX_HOSTS:
             raise ValueError(f"1..{self.MAX_HOSTS} namespaces, not {n}")
         if link not in ("bridge", "pair") or (link == "pair" and n != 2):
             raise ValueError(f"link is \"bridge\" (any n) or \"pair\" (n = 2), not {link!r} with n = {n}")
+        if not 1 <= veths <= (self.MAX_VETHS if link == "pair" else 1):
+            raise ValueError(f"veths: 1 with a bridge, 1..{self.MAX_VETHS} with a pair, not {veths}")
         self.link = link
         k = next(_counter)
         base = f"{PREFIX}-{os.getpid()}-{k}"
@@ -184,6 +189,8 @@ class NetnsLab:
         self.subnet = f"10.199.{x}.0/24"
         self.addrs = [f"10.199.{x}.{i + 1}" for i in range(n)]
         self.veth = VETH
+        self.veths = [VETH] + [f"{PREFIX}{k}" for k in range(1, veths)]
+        self.link_addrs = [[f"10.{199 - k}.{x}.{i + 1}" for i in range(n)] for k in range(veths)]  # per veth
         self._created: list[str] = []
         self._torn_down = False
         atexit.register(self.teardown)
@@ -213,18 +220,28 @@ class NetnsLab:
         return self
 
     def _setup_pair(self) -> NetnsLab:
-        """Two host namespaces, one veth pair between them (born in host 0, its peer moved to host 1)."""
+        """Two host namespaces, veth pairs between them (each born in host 0, its peer moved to host 1)."""
         try:
             for ns in self.names:
                 self._add_ns(ns)
-            _ip("-n", self.names[0], "link", "add", VETH, "type", "veth", "peer", "name", VETH, "netns", self.names[1])
-            for i, ns in enumerate(self.names):
                 _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/24", "dev", VETH)
-                _ip("-n", ns, "link", "set", VETH, "up")
+            for dev, addrs in zip(self.veths, self.link_addrs, strict=True):
+                _ip("-n", self.names[0], "link", "add", dev, "type", "veth", "peer", "name", dev, "netns",
+                    self.names[1])
+                for ns, addr in zip(self.names, addrs, strict=True):
+                    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                    _ip("-n", ns, "link", "set", dev, "up")
         except BaseException:
             self.teardown()
             raise
+        return self
+
+    def shape(self, rate: str, burst: str = "4mb", latency: str = "100ms") -> NetnsLab:
+        """``tc tbf`` at ``rate`` on every veth end inside the hosts: each end shapes what it sends."""
+        for i in range(self.n):
+            for dev in self.veths:
+                self.run(i, ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                             "latency", latency], timeout=10.0)
         return self
 
     def _add_ns(self, ns: str) -> None:
@@ -274,9 +291,9 @@ class NetnsLab:
             argv = ["setpriv", "--pdeathsig", "KILL", "--", *argv]
         return subprocess.Popen(self.argv(i, argv), **kw)
 
-    def link_stats(self, i: int) -> dict[str, int]:
-        """rx/tx byte and packet counters of namespace ``i``'s veth."""
-        p = _ip("-n", self.names[i], "-s", "-j", "link", "show", "dev", VETH)
+    def link_stats(self, i: int, dev: str = VETH) -> dict[str, int]:
+        """rx/tx byte and packet counters of namespace ``i``'s veth ``dev`` (the first: ``kvp0``)."""
+        p = _ip("-n", self.names[i], "-s", "-j", "link", "show", "dev", dev)
         s = json.loads(p.stdout)[0]["stats64"]
         return {"rx_bytes": s["rx"]["bytes"], "tx_bytes": s["tx"]["bytes"],
                 "rx_packets": s["rx"]["packets"], "tx_packets": s["tx"]["packets"]}

@@ -75,7 +75,7 @@ def test_rails_on_libfabric() -> None:
     out = bench("rails", "--rails", "2", "--mib", "4", "--rate", "10gbit")
     (row,) = out["rows"]
     assert row["state"] == "DONE" and row["notified"] is True and row["mismatched_bytes"] == 0
-    assert {"rail0", "rail1"} <= set(row["libfabric_tcp_domains"])  # libfabric sees both links
+    assert {"kvp0", "kvp1"} <= set(row["libfabric_tcp_domains"])  # libfabric sees both links
     assert row["nixl_rails_created"] and row["nixl_discovered"]
     assert sum(row["tx_bytes_per_veth"].values()) >= row["bytes"] == 4 << 20
     assert 1 <= row["veths_carrying"] <= 2

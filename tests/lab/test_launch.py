@@ -41,3 +41,18 @@ def test_start_stop_restart(tmp_path: Path) -> None:
         assert d.logs().count("kvpushd ready") == 2  # one log, appended to
     finally:
         assert launch.stop_all([d]) == {"again": 0}
+
+
+@pytest.mark.parametrize("extra", ["", "[node]\nnode_id = \"n\"", "[transfer]\nmax_pending = 7\n"])
+def test_with_backend_names_the_backend_once_wherever_the_config_has_it(extra: str) -> None:
+    """In the raw TOML's [transfer] table when it has one, else in the settings, else (no settings)
+    in a [transfer] table added to the raw TOML: the result always parses, with one backends key."""
+    from kvpushd_lab.backend import with_backend
+
+    for settings in (None, {"transfer": {"poll_interval_s": 0.001}}):
+        got, toml = with_backend(settings, extra, "LIBFABRIC")
+        parsed = tomllib.loads(toml)
+        in_toml = parsed.get("transfer", {}).get("backends")
+        in_settings = got.get("transfer", {}).get("backends")
+        assert [in_toml, in_settings].count(["LIBFABRIC"]) == 1, (settings, extra, toml, got)
+        assert in_toml == ["LIBFABRIC"] or settings is not None

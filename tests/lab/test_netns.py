@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -405,3 +406,21 @@ def test_kill9_one_prefill_daemon_mid_run(cluster: Cluster) -> None:
                 x.proc.wait(10)
         for kv in (*srcs.values(), dst):
             kv.close()
+
+
+def test_pair_of_several_veths_each_carries_its_own_subnet() -> None:
+    """``NetnsLab(2, link="pair", veths=3)``: three veth pairs, each its own /24, each shaped; datagrams
+    to host 1's address on pair k cross pair k's veth only (the rails bench counts bytes per veth so)."""
+    with NetnsLab(2, link="pair", veths=3) as lab:
+        lab.shape("100mbit")
+        assert lab.veths == [VETH, "kvp1", "kvp2"]
+        assert len({a.rsplit(".", 1)[0] for a, _ in lab.link_addrs}) == 3
+        for dev in lab.veths:
+            qdisc = lab.run(0, ["tc", "qdisc", "show", "dev", dev]).stdout
+            assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
+        for k, dev in enumerate(lab.veths):
+            before = {d: lab.link_stats(0, d)["tx_packets"] for d in lab.veths}
+            lab.run(0, [sys.executable, "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                        f"for _ in range(5): s.sendto(b'x' * 100, ('{lab.link_addrs[k][1]}', 9))"])
+            grew = {d for d in lab.veths if lab.link_stats(0, d)["tx_packets"] - before[d] >= 3}
+            assert grew == {dev}, (k, grew)

@@ -40,10 +40,7 @@ def _shaped(hosts: int, link: str) -> Iterator[NetnsLab]:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
     sweep_stale()
     with NetnsLab(hosts, link=link) as lab:
-        for i in range(hosts):
-            lab.run(i, ["tc", "qdisc", "replace", "dev", lab.veth, "root", "tbf", "rate", RATE, "burst", "256kb",
-                        "latency", "100ms"])
-        yield lab
+        yield lab.shape(RATE, burst="256kb")
 
 
 @pytest.fixture

@@ -53,9 +53,7 @@ class Nodes:
                 raise BenchError(f"--fabric {self.fabric} needs network namespaces (root, iproute2): {why}")
             sweep_stale()
             self.lab = NetnsLab(2, link="pair").setup()
-            for i in range(2):  # both directions: each end shapes what it sends
-                self.lab.run(i, ["tc", "qdisc", "replace", "dev", self.lab.veth, "root", "tbf", "rate", self.rate,
-                                 "burst", "4mb", "latency", "100ms"])
+            self.lab.shape(self.rate)  # both directions: each end shapes what it sends
             progress(f"  fabric: {self.lab.names[0]} ({self.lab.addrs[0]}) <-> {self.lab.names[1]} "
                      f"({self.lab.addrs[1]}), veth pair, tc tbf {self.rate}, "
                      f"{'FI_PROVIDER=tcp' if self.backend == 'LIBFABRIC' else 'UCX_TLS=tcp'}")

@@ -1,13 +1,14 @@
 """``kvpushd bench rails``: does NIXL's LIBFABRIC backend make a rail per network interface and stripe
 one WRITE across them, with libfabric's tcp provider?
 
-Two network namespaces joined by N veth pairs (``rail0`` .. ``railN-1``, each its own /24, each end
-shaped to ``--rate`` with ``tc tbf``). One raw NIXL agent on LIBFABRIC in each namespace, no
-``FI_TCP_IFACE`` (libfabric sees every interface), NIXL logging at INFO; the initiator WRITEs
-``--mib`` MiB into the target with a notification, the target checks every byte. Reported per N:
-the tcp domains libfabric lists in the namespace (``fi_info``), what NIXL says it discovered and how
-many rails it created, the bytes each veth carried, the WRITE's time and GB/s. With striping, 2 and 4
-rails would carry the bytes on every veth and move them 2 and 4 times as fast as one.
+Two network namespaces joined by N veth pairs (``netns.NetnsLab(2, link="pair", veths=N)``: ``kvp0``
+.. ``kvp<N-1>``, each its own /24, each end shaped to ``--rate`` with ``tc tbf``). One raw NIXL agent
+on LIBFABRIC in each namespace, no ``FI_TCP_IFACE`` (libfabric sees every interface), NIXL logging at
+INFO; the initiator WRITEs ``--mib`` MiB into the target with a notification, the target checks every
+byte. Reported per N: the tcp domains libfabric lists in the namespace (``fi_info``), what NIXL says
+it discovered and how many rails it created, the bytes each veth carried, the WRITE's time and GB/s.
+With striping, 2 and 4 rails would carry the bytes on every veth and move them 2 and 4 times as fast
+as one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backend import available, backend_env, libfabric_ld_path
+from ..netns import NetnsLab
 from .common import BenchError, Result, progress
 
 PATTERN_MOD = 251  # byte i of the source is i % 251: a shifted or short copy shows
@@ -106,50 +108,6 @@ def _child_initiator(d: Path, nbytes: int, timeout_s: float) -> None:
     os._exit(0)
 
 
-# -- the namespaces ---------------------------------------------------------------------------------------
-
-def _ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=True, timeout=10).stdout
-
-
-class _Pair:
-    """Two namespaces joined by ``n`` veth pairs rail0..rail<n-1>, rail k on 10.197.k.0/24."""
-
-    def __init__(self, n: int, rate: str) -> None:
-        from ..netns import PREFIX
-
-        self.names = [f"{PREFIX}-{os.getpid()}-{90 + n}-{i}" for i in range(2)]  # swept like the lab's
-        self.rails = [f"rail{k}" for k in range(n)]
-        try:
-            self._setup(rate)
-        except BaseException:
-            self.close()
-            raise
-
-    def _setup(self, rate: str) -> None:
-        for ns in self.names:
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        for k, dev in enumerate(self.rails):
-            _ip("-n", self.names[0], "link", "add", dev, "type", "veth", "peer", "name", dev, "netns", self.names[1])
-            for i, ns in enumerate(self.names):
-                _ip("-n", ns, "addr", "add", f"10.197.{k}.{i + 1}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                                "rate", rate, "burst", "4mb", "latency", "100ms"], check=True, timeout=10)
-
-    def tx_bytes(self, i: int) -> dict[str, int]:
-        out = {}
-        for dev in self.rails:
-            s = json.loads(_ip("-n", self.names[i], "-s", "-j", "link", "show", "dev", dev))[0]["stats64"]
-            out[dev] = s["tx"]["bytes"]
-        return out
-
-    def close(self) -> None:
-        for ns in self.names:  # the agents have exited (or were killed) by now
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-
-
 def _fi_info(ns: str, env: dict[str, str]) -> list[str]:
     """The tcp provider's domains (interfaces) libfabric lists inside ``ns``."""
     bins = [Path(d).parent / "bin" / "fi_info" for d in libfabric_ld_path().split(":") if d]
@@ -171,13 +129,14 @@ def _one(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     d = workdir / f"rails-{n}"
     d.mkdir(parents=True, exist_ok=True)
     nbytes = args.mib << 20
-    pair = _Pair(n, args.rate)
+    pair = NetnsLab(2, link="pair", veths=n).setup()
     try:
+        pair.shape(args.rate)
         env = backend_env("LIBFABRIC", {**os.environ, "NIXL_LOG_LEVEL": "INFO"}, iface=args.iface)
         if not args.iface:
             env.pop("FI_TCP_IFACE", None)
         domains = _fi_info(pair.names[0], env)
-        before = pair.tx_bytes(0)
+        before = {dev: pair.link_stats(0, dev)["tx_bytes"] for dev in pair.veths}
         procs = []
         for i, role in ((1, "target"), (0, "initiator")):
             log = open(d / f"{role}.log", "wb")  # noqa: SIM115 - closed with the process below
@@ -191,9 +150,9 @@ def _one(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 p.kill()
                 p.wait()
             log.close()
-        after = pair.tx_bytes(0)
+        after = {dev: pair.link_stats(0, dev)["tx_bytes"] for dev in pair.veths}
     finally:
-        pair.close()
+        pair.teardown()
     logs = "".join((d / f"{r}.log").read_text(errors="replace") for r in ("initiator", "target"))
     disc = _DISCOVERED.findall(logs)
     rails = _RAILS.findall(logs)

@@ -50,7 +50,7 @@ class Daemon:
         env, extra = _daemon_env(), self.extra
         if self.backend != "UCX":
             env = backend_env(self.backend, env)
-            extra = with_backend(None, extra if "[transfer]" in extra else extra + "[transfer]\n", self.backend)[1]
+            extra = with_backend(None, extra, self.backend)[1]
         cfg.write_text(
             f'[node]\nnode_id = "{self.name}"\nadvertise_host = "127.0.0.1"\n'
             f'[worker_api]\nsocket = "{self.sock}"\n'
