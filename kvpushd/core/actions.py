@@ -39,6 +39,7 @@ class Registration:
     layouts: tuple[Shape, ...] = ()  # the consumer's regions (block size, layout, replication), if known
     node_id: str = ""       # the registering decode daemon's node id (checked against a publish's binding)
     tls_names: tuple[str, ...] = ()  # the CN and SANs of the client certificate it called with (TLS)
+    traceparent: str = ""   # the decode daemon's span context, when it traces
 
     def __post_init__(self) -> None:
         # What the regions say decides; the flags may also be set directly (tests, older peers).

@@ -4,9 +4,9 @@ The core's record of the transfer holds it (``sendstate.Publish.ledger``, ``recv
 stamps it from the ``now`` the core is fed: taken (the Publish or Expect), met (prefill: the second
 of publish and registration), posted (the first WRITE or READ handed out), written (the last one's
 bytes landed, or its notification came). The runtime adds what only it sees: each NIXL WRITE or
-READ result (summed here), the other daemon's address, and done (the completion delivered). The
-completion's figures, the status, the metrics, Watch and the vLLM stats read this record; nothing
-else keeps a per-transfer book of its own.
+READ result (summed here), the other daemon's address, the Register's call (decode, when tracing)
+and done (the completion delivered). The completion's figures, the status, the metrics, Watch, the
+vLLM stats and the trace spans read this record; nothing else keeps a per-transfer book of its own.
 """
 
 from __future__ import annotations
@@ -57,11 +57,20 @@ class Ledger:
     post_s: float = 0.0  # summed over them
     transfer_s: float = 0.0  # the longest of them
     failed_writes: int = 0
+    # W3C trace contexts: the worker command's (the engine request), and decode: the one this
+    # transfer's span takes, chosen when its Register goes (which carries it); prefill: the one the
+    # first registration met came with (the span's parent)
+    traceparent: str = ""
+    span_context: str = ""
+    register_sent: float = 0.0  # decode, when tracing: the first Register went out
+    registered: float = 0.0     # ... and was answered
+    register_error: str = ""
 
-    def meet(self, now: float, waited_s: float) -> None:
+    def meet(self, now: float, waited_s: float, span_parent: str = "") -> None:
         """Prefill: a leg starts (the first one stamps met and posted)."""
         if not self.met:
             self.met = self.posted = now
+            self.span_context = span_parent
         self.waited_s = max(self.waited_s, waited_s)
 
     def moved(self, r: Moved, now: float) -> None:

@@ -202,7 +202,7 @@ class RecvSide:
         check_tp_pair(producer_tp_size, consumer_tp_size)
         actions: list[Action] = []
         ledger = Ledger("recv", worker_id, w.engine_id, transfer_id, len(blocks), now, len(blocks) * w.block_bytes,
-                        producer_address)
+                        producer_address, traceparent=cmd.traceparent)
         old = self._by_key.get((worker_id, transfer_id))
         if old is not None:
             recv_step(old.mode, old.state, "expect", transfer_id)  # STAY

@@ -103,7 +103,8 @@ class SendSide:
             t, r, "unbound", (FailureCode.PEER_REJECTED, t.refusal(r)))]
         t.publishes[rank] = Publish(worker_id, rank, tp_size, blocks, layouts, step=at_step, layers=layers,
                                     ready=layers == 0, ready_blocks=ready_blocks,
-                                    ledger=Ledger("send", worker_id, engine_id, transfer_id, len(blocks), now))
+                                    ledger=Ledger("send", worker_id, engine_id, transfer_id, len(blocks), now,
+                                                  traceparent=cmd.traceparent))
         self._deadlines.arm(PublishLease(engine_id, transfer_id, rank), now + self.publish_timeout_s)
         return actions + self._match(t, now)
 
@@ -379,7 +380,7 @@ class SendSide:
                 pub.leg_ranks[reg.registration_id] = reg.consumer_rank
                 action = leg_action(t, pub, reg, now, tokens)
                 if pub.ledger is not None:
-                    pub.ledger.meet(now, max(now - t.created, 0.0))
+                    pub.ledger.meet(now, max(now - t.created, 0.0), reg.traceparent)
                 if isinstance(action, StartWrite) and action.layers:
                     pub.staged.add(reg.registration_id)
                 if reg.mode is TransferMode.PULL:

@@ -65,7 +65,6 @@ class Executor:
         self.xfer: TransferThread | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self._legs: dict[object, tuple[str, str]] = {}  # WRITE in flight -> (peer address, producer worker)
-        self._reads: dict[object, str] = {}  # pull: READ in flight -> decode worker
         self._withdrawing = 0  # Withdraw RPCs not answered yet (the decode agent keeps progressing)
         self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,8 +178,6 @@ class Executor:
         self._legs[a.leg] = (peer, a.producer_worker)
         if (led := self.rv.send.ledger_of(a.leg)) is not None:
             led.peer = peer
-        if self.tracing.enabled:
-            self.obs.emit(o.Met(a.producer_worker, a.leg.transfer_id, a.waited_s, peer))
         agent = self.inbound.consumers.get(reg.consumer_agent)
         if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
             self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
@@ -201,18 +198,17 @@ class Executor:
         if agent is None:
             self._on_reads([ReadResult(a.key, False, "producer agent unknown", 0, 0, 0, 0, 0)])
             return
-        self._reads[a.key] = a.worker_id
         self.xfer.post(a, agent)
 
     # -- NIXL callbacks (on the loop): core event, then emit -------------------------------------
 
     def _on_writes(self, results: list[WriteResult]) -> None:
         actions: list[Action] = []
-        now, tracing, debug = time.monotonic(), self.tracing.enabled, log.is_enabled_for(logging.DEBUG)
+        now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
         for r in results:
             peer, worker_id = self._legs.pop(r.leg, ("", ""))
             actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
-            if tracing or not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics)
+            if not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics, the spans)
                 self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
             if debug:  # its arguments are built only then (bench critical-path reads these lines)
                 log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
@@ -253,12 +249,9 @@ class Executor:
     def _on_reads(self, results: list[ReadResult]) -> None:
         """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
         actions: list[Action] = []
-        now, tracing, debug = time.monotonic(), self.tracing.enabled, log.is_enabled_for(logging.DEBUG)
+        now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
         for r in results:
-            worker_id = self._reads.pop(r.key, "")
             actions += self.rv.recv.read_done(r.key, r.ok, r.reason, r, now)
-            if tracing or not r.ok:
-                self.obs.emit(o.ReadDone(r, r.key.transfer_id, worker_id))
             if debug:
                 log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
                           post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
@@ -290,26 +283,23 @@ class Executor:
         if not items:
             return
         peer = self.outbound.peer(address)
-        tracing = self.tracing.enabled
-        started_ns = time.time_ns() if tracing else 0
-        contexts = [self.tracing.register_context(a.worker_id, a.transfer_id) for a, _ in items] if tracing else None
+        # tracing: the Registers' ledgers stamp the call, and each carries its transfer's span context
+        leds = [self.rv.recv.ledger(a.worker_id, a.transfer_id) for a, _ in items] if self.tracing.enabled else []
+        contexts = [self._register_sent(led) for led in leds] if leds else None
         try:
             results = await peer.register_batch(items, contexts)
         except PeerRejected as e:
             self._failed(address, e)
             results = [e] * len(items)
         except PeerUnreachable as e:
-            for a, _ in items if tracing else ():
-                self.obs.emit(o.RegisterAnswered(a.worker_id, a.transfer_id, started_ns, str(e)))
+            self._registered(leds, [e] * len(leds))
             self._failed(address, e)
             self.run([x for a, _ in items
                       for x in self.rv.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e))])
             return
+        self._registered(leds, results)
         actions: list[Action] = []
         for (a, _), err in zip(items, results, strict=True):
-            if tracing:
-                self.obs.emit(o.RegisterAnswered(a.worker_id, a.transfer_id, started_ns,
-                                                 "" if err is None else str(err)))
             if err is None:
                 actions += self.rv.recv.registered(a.registration_id)
             else:
@@ -320,6 +310,19 @@ class Executor:
         if (first := next((err for err in results if err is not None), None)) is not None:
             self._failed(address, first)
         self.run(actions)
+
+    def _register_sent(self, led: Ledger | None) -> str:
+        if led is None:
+            return ""
+        led.register_sent = led.register_sent or time.monotonic()
+        return self.tracing.register_context(led)
+
+    @staticmethod
+    def _registered(leds: list[Ledger | None], results: Sequence[KvpushdError | None]) -> None:
+        now = time.monotonic()
+        for led, err in zip(leds, results, strict=False):
+            if led is not None and not led.registered:
+                led.registered, led.register_error = now, "" if err is None else str(err)
 
     async def _call(self, address: str, call: Coroutine[None, None, None], what: str, transfer_id: str,
                     warn: bool = False) -> bool:

@@ -31,7 +31,7 @@ from ..tracing import Tracing
 from .executor import Executor
 from .identity import Identity
 from .inbound import Hello, Origin
-from .observe import Counted, Observations, PeerHeard, RegistrationTraced, Started, WorkerGone
+from .observe import Counted, Observations, PeerHeard
 from .peerbook import PeerBook
 from .peerops import Declined, Notice, Offer, ReadFailed, Register
 from .rendezvous import Rendezvous
@@ -150,7 +150,7 @@ class Node:
         again = self.rv.recv.pending(w.worker_id, cmd.transfer_id)
         actions = self.rv.recv.expect(time.monotonic(), w, cmd)
         if not again:
-            self._started(w, cmd.transfer_id, "recv", cmd.traceparent, cmd.producer_address)
+            self._started(w, cmd.transfer_id, "recv")
         self.run(actions)
 
     def publish(self, worker_id: str, cmd: Publish) -> None:
@@ -172,16 +172,14 @@ class Node:
         if cmd.layers:
             self.ex.watch_step(w.worker_id, cmd.step)
         if not again:
-            self._started(w, cmd.transfer_id, "send", cmd.traceparent)
+            self._started(w, cmd.transfer_id, "send")
         self.run(actions)
 
-    def _started(self, w: Worker, transfer_id: str, side: str, traceparent: str, peer: str = "") -> None:
-        """A new transfer was taken (not a retry): Watch hears of it from its ledger, tracing (if on) too."""
+    def _started(self, w: Worker, transfer_id: str, side: str) -> None:
+        """A new transfer was taken (not a retry): Watch hears of it from its ledger."""
         led = self.rv.ledger(w.worker_id, w.engine_id, w.tp_rank, transfer_id, side)
         if led is not None:
             self.events.transfer(EventKind.TRANSFER_STARTED, led)
-        if self.tracing.enabled:
-            self.obs.emit(Started(w.worker_id, transfer_id, w.engine_id, side, peer, traceparent))
 
     def abort(self, worker_id: str, cmd: Abort) -> bool:
         w = self.workers.get(worker_id)
@@ -227,7 +225,6 @@ class Node:
             await self.workers.releasing(worker_id)
             return
         self.ex.worker_gone(worker_id, why)
-        self.obs.emit(WorkerGone(worker_id))
         await self.workers.release(w, why)  # waits for this worker's in-flight WRITEs
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
@@ -274,7 +271,7 @@ class Node:
         reg = Registration(item.registration_id, origin_id, tid, engine, item.producer_tp_size, item.agent.name,
                            item.consumer_rank, item.consumer_tp_size, item.block_ids,
                            TransferMode.parse(item.mode), skip_tokens=item.skip_tokens, layouts=known.regions,
-                           node_id=origin.node_id, tls_names=origin.tls_names)
+                           node_id=origin.node_id, tls_names=origin.tls_names, traceparent=item.traceparent[:128])
         try:
             actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
@@ -283,8 +280,6 @@ class Node:
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
                         transfer_id=tid[:256], consumer_rank=item.consumer_rank, reason=str(e))
             raise
-        if item.traceparent:
-            self.obs.emit(RegistrationTraced(tid, item.traceparent[:128]))
         self.run(actions)
         return True
 

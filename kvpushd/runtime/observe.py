@@ -1,12 +1,11 @@
 """One observation stream: typed records of what happened, emitted once where it happened.
 
 What a transfer is doing is its ledger's (core/ledger.py), not this stream's: the stream carries
-what is not a transfer's own book (a transfer ended, with its ledger; a peer heard from, failed or
-lost; an event dropped; a counter no record tells; a worker gone). Whoever keeps books of it (the
+what is not a transfer's own book (a transfer ended, with its ledger; a WRITE failed; a peer heard
+from, failed or lost; an event dropped; a counter no record tells). Whoever keeps books of it (the
 status counters, the event hub for ``kvpushctl watch``, the peer book, the Prometheus metrics,
-tracing) registers for the records it wants in the composition root (app.py). A transfer's
-start, the rendezvous met and each WRITE or READ are emitted only for tracing (when it is on),
-and a failed WRITE or READ for the peer book and the metrics. Records are slotted dataclasses,
+tracing) registers for the records it wants in the composition root (app.py); tracing reads only
+the end, and makes a transfer's spans from its ledger. Records are slotted dataclasses,
 not frozen ones: sinks read them and never change them.
 """
 
@@ -18,42 +17,17 @@ from typing import Any, TypeVar
 
 from ..core.ledger import Ledger
 from ..core.types import Completion
-from ..transfer.records import ReadResult, WriteResult
+from ..transfer.records import WriteResult
 
 R = TypeVar("R")
 
 
 @dataclass(slots=True)
-class Started:  # tracing: a worker's Publish (side "send") or Expect ("recv") was taken
-    worker_id: str
-    transfer_id: str
-    engine_id: str
-    side: str
-    peer: str = ""
-    traceparent: str = ""
-
-
-@dataclass(slots=True)
-class Met:  # prefill side: the second of publish and registration came ``waited_s`` after the first
-    worker_id: str
-    transfer_id: str
-    waited_s: float
-    peer: str
-
-
-@dataclass(slots=True)
-class WriteDone:  # a WRITE completed or failed (worker, peer: "" if unknown)
+class WriteDone:  # a WRITE failed (worker, peer: "" if unknown); a completed one is its ledger's
     result: WriteResult
     transfer_id: str
     worker_id: str
     peer: str
-
-
-@dataclass(slots=True)
-class ReadDone:  # pull mode, decode side: a READ this daemon posted completed or failed
-    result: ReadResult
-    transfer_id: str
-    worker_id: str
 
 
 @dataclass(slots=True)
@@ -94,25 +68,6 @@ class PeerLost:
     address: str
     reason: str
     inbound: bool = False
-
-
-@dataclass(slots=True)
-class RegisterAnswered:  # decode side: the Register sent at ``started_ns`` was answered ("") or failed
-    worker_id: str
-    transfer_id: str
-    started_ns: int
-    error: str = ""
-
-
-@dataclass(slots=True)
-class RegistrationTraced:  # prefill side: a decode daemon's Register came with its span's context
-    transfer_id: str
-    traceparent: str
-
-
-@dataclass(slots=True)
-class WorkerGone:
-    worker_id: str
 
 
 class Observations:

@@ -11,20 +11,7 @@ import structlog
 
 from ..events import EventHub
 from ..tracing import Tracing
-from .observe import (
-    Ended,
-    Met,
-    Observations,
-    PeerFailed,
-    PeerHeard,
-    PeerLost,
-    ReadDone,
-    RegisterAnswered,
-    RegistrationTraced,
-    Started,
-    WorkerGone,
-    WriteDone,
-)
+from .observe import Ended, Observations, PeerFailed, PeerHeard, PeerLost, WriteDone
 from .peerbook import PeerBook
 
 log = structlog.get_logger(__name__)
@@ -47,23 +34,5 @@ def peerbook_sink(obs: Observations, book: PeerBook) -> None:
 
 
 def tracing_sink(obs: Observations, t: Tracing) -> None:
-    """Spans per transfer (registered only when tracing is on: off, the runtime emits no Started, Met,
-    WriteDone or ReadDone that only tracing reads)."""
-
-    def started(r: Started) -> None:
-        if r.side == "recv":
-            t.expect(r.worker_id, r.transfer_id, r.traceparent, r.engine_id, r.peer)
-        else:
-            t.publish(r.worker_id, r.transfer_id, r.traceparent, r.engine_id)
-
-    def nixl(worker_id: str, read: bool, r: WriteDone | ReadDone) -> None:
-        t.nixl_done(worker_id, r.transfer_id, read, r.result)
-
-    obs.on(Started, started)
-    obs.on(RegistrationTraced, lambda r: t.registration(r.transfer_id, r.traceparent))
-    obs.on(Met, lambda r: t.rendezvous(r.worker_id, r.transfer_id, r.waited_s, r.peer))
-    obs.on(WriteDone, lambda r: nixl(r.worker_id, False, r))
-    obs.on(ReadDone, lambda r: nixl(r.worker_id, True, r))
-    obs.on(RegisterAnswered, lambda r: t.registered(r.worker_id, r.transfer_id, r.started_ns, r.error))
-    obs.on(Ended, lambda r: t.delivered(r.ledger.worker_id, r.ledger.side, r.completion))
-    obs.on(WorkerGone, lambda r: t.forget_worker(r.worker_id))
+    """Spans per transfer, made from its ledger when it ends (registered only when tracing is on)."""
+    obs.on(Ended, lambda r: t.ended(r.completion, r.ledger))

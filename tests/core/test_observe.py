@@ -21,7 +21,7 @@ def test_records_reach_their_sinks_in_order() -> None:
     obs.on(o.PeerLost, lambda r: seen.append(("lost", r)))
     heard = o.PeerHeard("10.0.0.1:50061")
     obs.emit(heard)
-    obs.emit(o.WorkerGone("w"))  # nobody reads it
+    obs.emit(o.Counted("declines_sent"))  # nobody reads it
     assert seen == [("a", heard), ("b", heard)]
 
 
@@ -39,7 +39,7 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     n = Node(config.from_dict({}))
     observe(n)
     records: list[object] = []
-    for kind in (o.Met, o.WriteDone, o.Ended, o.Dropped):
+    for kind in (o.WriteDone, o.Ended, o.Dropped):
         n.obs.on(kind, records.append)
     n.ex.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
     rv, ex = n.rv, n.ex
@@ -51,7 +51,7 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
         await asyncio.gather(*ex.tasks)
 
     asyncio.run(rendezvous())
-    # The rendezvous met is the ledger's (Met is emitted for tracing only), the failed WRITE the stream's.
+    # The rendezvous met is the ledger's, the failed WRITE the stream's.
     done, delivered = records[:2]
     assert isinstance(done, o.WriteDone) and not done.result.ok and done.worker_id == "w1"
     assert isinstance(delivered, o.Ended) and delivered.completion.kind is CompletionKind.FAILED
