@@ -525,6 +525,12 @@ class SendSide:
         return {r.consumer_agent for t in self._transfers.values() for r in t.registrations.values()
                 if r.origin == origin}
 
+    def origin_of(self, leg: LegKey) -> str:
+        """The decode daemon (its peer key) whose registration a leg writes into ("" once that is gone)."""
+        t = self._transfers.get((leg.engine_id, leg.transfer_id))
+        regs = t.registrations.values() if t is not None else ()
+        return next((r.origin for r in regs if r.registration_id == leg.registration_id), "")
+
     def ledger_of(self, leg: LegKey) -> Ledger | None:
         """The books of the publish a leg belongs to (None once it ended)."""
         t = self._transfers.get((leg.engine_id, leg.transfer_id))

@@ -64,7 +64,6 @@ class Executor:
         self.outbound = Outbound(ident, cfg.peer_api, self._peer_restarted)
         self.xfer: TransferThread | None = None
         self.tasks: set[asyncio.Task[None]] = set()
-        self._legs: dict[object, tuple[str, str]] = {}  # WRITE in flight -> (peer address, producer worker)
         self._withdrawing = 0  # Withdraw RPCs not answered yet (the decode agent keeps progressing)
         self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -175,7 +174,6 @@ class Executor:
         reg = a.registration
         origin = self.inbound.origins.get(reg.origin)
         peer = origin.address if origin is not None else ""
-        self._legs[a.leg] = (peer, a.producer_worker)
         if (led := self.rv.send.ledger_of(a.leg)) is not None:
             led.peer = peer
         agent = self.inbound.consumers.get(reg.consumer_agent)
@@ -206,10 +204,11 @@ class Executor:
         actions: list[Action] = []
         now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
         for r in results:
-            peer, worker_id = self._legs.pop(r.leg, ("", ""))
-            actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
             if not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics, the spans)
-                self.obs.emit(o.WriteDone(r, r.leg.transfer_id, worker_id, peer))
+                led, origin = self.rv.send.ledger_of(r.leg), self.inbound.origins.get(self.rv.send.origin_of(r.leg))
+                self.obs.emit(o.WriteDone(r, r.leg.transfer_id, led.worker_id if led else "",
+                                          origin.address if origin else ""))
+            actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
             if debug:  # its arguments are built only then (bench critical-path reads these lines)
                 log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
                           post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),

@@ -71,3 +71,28 @@ def test_every_kind_of_core_action_has_its_handler() -> None:
 
     n = Node(config.from_dict({}))
     assert set(typing.get_args(Action)) == set(n.ex._do)
+
+
+def test_a_failed_write_is_booked_against_the_decode_daemon_it_was_for() -> None:
+    """The peer book hears of a failed WRITE with the address of the daemon whose registration it
+    wrote into (found from the leg's registration, not from a book of WRITEs in flight)."""
+    from kvpushd.runtime.inbound import Origin
+
+    n = Node(config.from_dict({}))
+    observe(n)
+    n.ex.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
+    n.inbound.origins["origin"] = Origin("origin", "dnode", "10.0.0.9:50061")
+    failed: list[o.WriteDone] = []
+    n.obs.on(o.WriteDone, failed.append)
+    rv, ex = n.rv, n.ex
+
+    async def rendezvous() -> None:
+        ex.run(rv.send.publish(100.0, WorkerRef("w1", "prefill", 0, 1), Publish("tid", [1, 2])))
+        reg = Registration(7, "origin", "tid", "prefill", 1, "agent", 0, 1, (3, 4), TransferMode.PUSH)
+        ex.run(rv.send.register(100.5, reg))
+        await asyncio.gather(*ex.tasks, return_exceptions=True)
+
+    asyncio.run(rendezvous())
+    (w,) = failed
+    assert (w.peer, w.worker_id, w.result.reason) == ("10.0.0.9:50061", "w1", "consumer agent unknown")
+    assert n.peerbook.peers["10.0.0.9:50061"].errors >= 1  # (the failure notice to it, unreachable, too)
