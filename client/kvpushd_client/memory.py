@@ -1,4 +1,5 @@
-"""Describe engine KV tensors to the daemon: host tensors in shared memory, CUDA tensors by IPC handle."""
+"""Describe engine KV tensors to the daemon: host tensors in shared memory, CUDA tensors by IPC handle, or,
+CUDA virtual memory (vLLM 0.34's extensible KV cache under ``EXPORTS_FD``), its chunks by file descriptor."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ from typing import Any
 
 from .cuda import SENTINEL_BYTES, CudaMemoryError, alloc_conf_expandable, check_shareable, driver, handle_kind
 from .types import CudaMemory
+from .vmm import VmmError, VmmMemory, export_range
 
-__all__ = ["CudaMemoryError", "cuda_memory"]
+__all__ = ["CudaMemoryError", "cuda_memory", "gpu_memory", "vmm_memory"]
+
+VMM_EXPORT_MESSAGE = (
+    "this CUDA KV tensor lives in CUDA virtual memory (vLLM 0.34's extensible KV cache, or another cuMemCreate "
+    "allocator) and its chunks could not be exported as file descriptors")
 
 
 def _bytes_view(storage: Any, n: int) -> Any:
@@ -69,3 +75,34 @@ def cuda_memory(tensor: Any, sentinel: bool = True) -> CudaMemory:
                       ref_counter_handle=bytes(ref_h or b""), ref_counter_offset=int(ref_off or 0),
                       event_handle=bytes(ev_h or b""), event_sync_required=bool(ev_sync),
                       arm_sentinel=_sentinel_writer(storage) if sentinel else None)
+
+
+def vmm_memory(storage: Any, device: int, sentinel: bool = True, drv: Any = None) -> VmmMemory:
+    """The chunks of CUDA virtual memory under a CUDA storage, each exported as a file descriptor (kept open
+    until ``close()``: a restarted daemon gets them again); the caller has the storage's device current.
+    vLLM 0.34 gives each layer of its extensible KV cache a storage over its segment's committed blocks,
+    which start a chunk. ``drv``: a ``kvpushd_client.vmm.Driver`` (libcuda by default)."""
+    from .vmm import CudaDriver
+
+    try:
+        d = drv if drv is not None else CudaDriver()
+        exp = export_range(d, int(storage.data_ptr()), int(storage.nbytes()), device)
+    except (VmmError, OSError) as e:
+        raise CudaMemoryError(f"{VMM_EXPORT_MESSAGE}: {e}") from None
+    return VmmMemory(exp.device_uuid, exp.size, exp.granularity, exp.chunks,
+                     arm_sentinel=_sentinel_writer(storage) if sentinel else None)
+
+
+def gpu_memory(tensor: Any, exports_fd: bool) -> CudaMemory | VmmMemory:
+    """A CUDA tensor's storage for an Attach: by file descriptor where it is CUDA virtual memory and the
+    connector declared ``EXPORTS_FD`` (vLLM then made its chunks exportable), else by CUDA IPC handle
+    (which refuses virtual memory, naming the setting to change)."""
+    drv = driver() if exports_fd else None
+    if drv is not None:
+        import torch  # only for CUDA tensors, which means torch is there
+
+        storage = tensor.untyped_storage()
+        with torch.cuda.device(tensor.device):
+            if drv.pointer(int(storage.data_ptr())).legacy_ipc_capable is False:
+                return vmm_memory(storage, int(tensor.device.index))
+    return cuda_memory(tensor)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ from .types import (
     MemfdMemory,
     Publish,
 )
+from .vmm import VmmChunk, VmmMemory
 
 MAX_DECLINES = 4096  # declines kept while the daemon is away
 
@@ -117,9 +119,10 @@ class ReconnectingStreamWorker:
     def _own_descriptors(self, attach: dict[str, Any]) -> tuple[Attach, Doorbell | bool, int | None]:
         """The attach arguments (the Attach record's fields by name, and ``doorbell``) as the Attach
         record, the doorbell and the descriptor its page goes by, with this link's own copies (dup) of
-        the memfds and of that descriptor: the background thread hands those over at every re-attach,
-        so a caller that closes its own meanwhile cannot have another file sent under a reused number
-        (the daemon would map it as this worker's KV). Closed once the thread is done (``close``)."""
+        the memfds, of the VMM chunks' descriptors and of that descriptor: the background thread hands
+        those over at every re-attach, so a caller that closes its own meanwhile cannot have another
+        file sent under a reused number (the daemon would map it as this worker's KV). Closed once the
+        thread is done (``close``)."""
         args = dict(attach)
         bell: Doorbell | bool = args.pop("doorbell", None) or False
         bell_fd: int | None = None
@@ -129,6 +132,12 @@ class ReconnectingStreamWorker:
                 if isinstance(m, MemfdMemory):
                     m = MemfdMemory(os.dup(m.fd), m.size)
                     self._own.append(m.fd)
+                elif isinstance(m, VmmMemory):  # CUDA virtual memory: each chunk's descriptor
+                    chunks = []
+                    for c in m.chunks:
+                        chunks.append(VmmChunk(c.offset, c.size, os.dup(c.fd)))
+                        self._own.append(chunks[-1].fd)
+                    m = dataclasses.replace(m, chunks=tuple(chunks))
                 mem.append(m)
             if not isinstance(bell, bool):
                 bell_fd = os.dup(bell.fd)  # the caller's page, handed over by this descriptor

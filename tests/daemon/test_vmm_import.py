@@ -377,3 +377,73 @@ def test_segments_exported_and_named_in_the_attach_request() -> None:
         assert not h.sentinel
     finally:
         mem.close()
+
+
+class _Storage:
+    """What vmm_memory reads of a torch storage: vLLM 0.34 gives each layer of its extensible KV cache a
+    storage over its segment's committed blocks (uint8_tensor_from_ptr over the segment)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr, self.n = ptr, nbytes
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def nbytes(self) -> int:
+        return self.n
+
+
+def test_a_segment_storage_goes_as_its_chunks_by_fd() -> None:
+    """The connector's path for vLLM 0.34's extensible KV cache (``gpu_memory`` with EXPORTS_FD declared):
+    a segment's storage, committed in three chunks, is one VmmMemory of three exported chunks, offsets from
+    the storage's first byte; a storage that does not start a chunk is refused, naming the way out."""
+    from kvpushd_client.cuda import CudaMemoryError
+    from kvpushd_client.memory import vmm_memory
+
+    w = FakeWorkerDriver(0x2000_0000, [G, G, 2 * G])
+    m = vmm_memory(_Storage(0x2000_0000, 3 * G + 4096), 0, sentinel=False, drv=w)  # the last chunk partly used
+    try:
+        assert [(c.offset, c.size) for c in m.chunks] == [(0, G), (G, G), (2 * G, 2 * G)]
+        assert (m.reserved, m.granularity, m.gpu_uuid) == (4 * G, G, w.device_uuid(0))
+        assert [c.fd for c in m.chunks] == w.exported
+    finally:
+        m.close()
+    for fd in w.exported:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    with pytest.raises(CudaMemoryError, match=r"extensible KV cache.*could not be exported.*not whole chunks"):
+        vmm_memory(_Storage(0x2000_0000 + 4096, G), 0, sentinel=False, drv=w)
+
+
+def test_the_connector_setting_keeps_cuda_ipc_only_when_asked() -> None:
+    from kvpushd_client.vllm.utils import Settings
+
+    assert not Settings.from_extra_config({}).legacy_ipc  # auto: vLLM 0.34's extensible cache goes by fd
+    assert Settings.from_extra_config({"kvpushd_kv_cache_access": "legacy_ipc"}).legacy_ipc
+    with pytest.raises(ValueError, match="kvpushd_kv_cache_access must be one of auto, legacy_ipc"):
+        Settings.from_extra_config({"kvpushd_kv_cache_access": "fd"})
+
+
+def test_the_reconnecting_link_keeps_its_own_copies_of_the_chunk_descriptors(tmp_path: Any) -> None:
+    """The vLLM connector's link re-attaches after a daemon restart with the chunks' descriptors it dup'ed
+    at start: the caller closing its own (the worker does when vLLM releases the KV) cannot make the link
+    send another file under a reused number; the link closes its copies when it is closed."""
+    from kvpushd_client import Region, Role
+    from kvpushd_client.reconnect import ReconnectingStreamWorker
+    from kvpushd_client.vmm import export_segments
+
+    w = FakeWorkerDriver(0x3000_0000, [G, G])
+    mem = export_segments(w, 0x3000_0000, 2 * G, [(0, 2 * G)], device=0)
+    link = ReconnectingStreamWorker(str(tmp_path / "none.sock"), {
+        "engine_id": "e", "role": Role.CONSUMER, "tp_rank": 0, "tp_size": 1, "memory": [mem],
+        "regions": [Region(0, 0, 64, G // 32)]})
+    (own,) = link._record.memory
+    assert [(c.offset, c.size) for c in own.chunks] == [(0, G), (G, G)]
+    assert not {c.fd for c in own.chunks} & {c.fd for c in mem.chunks}
+    mem.close()
+    for c in own.chunks:  # the same chunks, still open
+        assert int.from_bytes(os.pread(c.fd, 8, 0), "little") == 0x3000_0000 + c.offset
+    link.close()
+    for c in own.chunks:
+        with pytest.raises(OSError):
+            os.fstat(c.fd)

@@ -1,6 +1,7 @@
 """A worker's KV cache as the daemon takes it: engine tensors -> memory handles + regions.
 
-Host KV goes as a sealed memfd, handed over by descriptor; CUDA KV goes by IPC handle.
+Host KV goes as a sealed memfd, handed over by descriptor; CUDA KV goes by IPC handle, or, vLLM 0.34's
+extensible KV cache (CUDA virtual memory), chunk by chunk by descriptor.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ..memory import cuda_memory
+from ..memory import gpu_memory
 from ..shm import sealed_memfd
 from ..types import KVLayout, MemfdMemory, Memory, Region
+from ..vmm import VmmMemory
 from .utils import logger
 
 MAX_REGIONS = 4096  # the daemon's limit per worker
@@ -111,7 +113,7 @@ def release_owned_shm(names: Iterable[str] | None = None) -> None:
         os.close(_owned.pop(name))
 
 
-def owned_memfd_names(memory: Iterable[Memory]) -> list[str]:
+def owned_memfd_names(memory: Iterable[Memory | VmmMemory]) -> list[str]:
     """The names of the connector's memfds among ``memory`` (what release_owned_shm takes)."""
     fds = {m.fd for m in memory if isinstance(m, MemfdMemory)}
     return [name for name, fd in _owned.items() if fd in fds]
@@ -231,7 +233,7 @@ def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
 
 
 def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_shm: bool = False,
-                       specs: dict[str, Any] | None = None) -> tuple[list[Memory], list[Region]]:
+                       specs: dict[str, Any] | None = None) -> tuple[list[Memory | VmmMemory], list[Region]]:
     """Memory handles (one per backing allocation) and regions (per layer, and once for layers that
     view the same bytes alike) of a worker's KV cache. ``specs`` (layer name -> KV cache spec) let
     the regions say their layout, heads and block size in tokens."""
@@ -240,11 +242,12 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_sh
 
 
 def describe_kv_caches_owned(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_shm: bool = False,
-                             specs: dict[str, Any] | None = None,
-                             ) -> tuple[list[Memory], list[Region], list[list[str]]]:
+                             specs: dict[str, Any] | None = None, exports_fd: bool = False,
+                             ) -> tuple[list[Memory | VmmMemory], list[Region], list[list[str]]]:
     """``describe_kv_caches`` plus, per region, the layers whose KV it holds (several where layers view
-    one allocation alike): a region is complete in a step once all of them wrote it (progress.py)."""
-    memory: list[Memory] = []
+    one allocation alike): a region is complete in a step once all of them wrote it (progress.py).
+    ``exports_fd``: CUDA virtual memory goes by file descriptor (vLLM 0.34 under ``EXPORTS_FD``)."""
+    memory: list[Memory | VmmMemory] = []
     index: dict[Any, int] = {}
     regions: list[Region] = []
     owners: list[list[str]] = []
@@ -260,7 +263,7 @@ def describe_kv_caches_owned(kv_caches: dict[str, Any], num_blocks: int, host_kv
             key: Any = ("cuda", t.device.index, storage.data_ptr())
             if key not in index:
                 index[key] = len(memory)
-                memory.append(cuda_memory(t))
+                memory.append(gpu_memory(t, exports_fd))
             base = 0  # the daemon opens the storage itself: offsets count from its first byte
         elif t.device.type == "cpu":
             mem, base = _host_memory(storage, what, host_kv_to_shm)

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .access import SETTING_KEY, parse_setting
+
 # Under "vllm." so vLLM's handlers and VLLM_LOGGING_LEVEL apply (connector.py adds vLLM's helpers
 # to this same logger with init_logger once vLLM loads the connector).
 logger = logging.getLogger("vllm.kvpushd_connector")
@@ -64,6 +66,7 @@ class Settings:
     host_kv_to_shm: bool = False      # move private host KV into a sealed memfd at start (one copy)
     peer_address: str | None = None   # what prefill advertises as remote_host:remote_port
     progressive: bool = True          # declare a prefill's publish in the step that computes it (progress.py)
+    legacy_ipc: bool = False          # kvpushd_kv_cache_access = "legacy_ipc": CUDA KV by IPC handle only
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> Settings:
@@ -84,6 +87,7 @@ class Settings:
             host_kv_to_shm=bool(extra.get("kvpushd_host_kv_to_shm", False)),
             peer_address=str(peer) if peer is not None else None,
             progressive=_flag(extra.get("kvpushd_progressive", True)),
+            legacy_ipc=parse_setting(extra.get(SETTING_KEY)) == "legacy_ipc",
         )
 
 

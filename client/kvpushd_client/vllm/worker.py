@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from ..cuda import CudaMemoryError
 from ..reconnect import Call, ReconnectingStreamWorker
 from ..types import Completion, CompletionKind, DaemonUnavailable, Expect, KVPushError, Publish, Role, TransferMode
+from ..vmm import VmmMemory
+from . import compat
 from .layout import describe_kv_caches_owned, layer_specs, owned_memfd_names, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .progress import Bell, LayerProgress, make_doorbell
@@ -89,16 +91,11 @@ class KVPushdConnectorWorker:
         self._first_step_logged = False
         self._kv_caches: dict[str, torch.Tensor] | None = None  # what restore_kv_caches describes again
         self.detaches = 0  # unregister_kv_caches detaches so far
+        self._vmm: list[VmmMemory] = []  # the KV's chunks by fd (vLLM 0.34's extensible KV cache)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
-        try:
-            memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks,
-                                                               self.settings.host_kv_to_shm, self._specs)
-        except CudaMemoryError as e:  # vLLM 0.34's extensible KV cache: CUDA virtual memory
-            raise CudaMemoryError(f"{e} With vLLM 0.34 (its extensible KV cache is on by default on CUDA), set "
-                                  'kv_connector_extra_config.kvpushd_kv_cache_access = "legacy_ipc": the '
-                                  "daemon does not import that memory by file descriptor yet") from None
+        memory, regions, owners = self._describe(kv_caches)
         self._shm_names = owned_memfd_names(memory)
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
@@ -113,6 +110,32 @@ class KVPushdConnectorWorker:
                             self._progress.layers, self._progress.per_group, self._bell.name,
                             "" if self._progress.in_order else " (regions not in forward order: groups go later)")
         self._connect(memory, regions)
+
+    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> tuple[list[Any], list[Any], list[list[str]]]:
+        """The KV as memory and regions. vLLM 0.34's extensible KV cache (CUDA virtual memory; on by default
+        on CUDA, ``EXPORTS_FD`` declared) goes chunk by chunk by file descriptor, kept open in
+        ``self._vmm`` (a restarted daemon gets them again) until the KV is released."""
+        exports_fd = compat.HAS_KV_CACHE_ACCESS and not self.settings.legacy_ipc
+        try:
+            memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
+                                                               self._specs, exports_fd)
+        except CudaMemoryError as e:
+            if not compat.HAS_KV_CACHE_ACCESS:  # vLLM 0.33: its cumem allocator, named in the message
+                raise
+            raise CudaMemoryError(f"{e} With vLLM 0.34 the extensible KV cache can be turned off for kvpushd: "
+                                  'kv_connector_extra_config.kvpushd_kv_cache_access = "legacy_ipc"') from None
+        self._vmm = [m for m in memory if isinstance(m, VmmMemory)]
+        if self._vmm:
+            logger.info("kvpushd: the KV is CUDA virtual memory (vLLM's extensible KV cache): %d chunk(s) in %d "
+                        "range(s) go to the daemon by file descriptor", sum(len(m.chunks) for m in self._vmm),
+                        len(self._vmm))
+        return memory, regions, owners
+
+    def _close_vmm(self) -> None:
+        """Our descriptors of the KV's chunks go: they would keep released pages alive (sleep frees nothing)."""
+        for m in self._vmm:
+            m.close()
+        self._vmm = []
 
     def _connect(self, memory: list[Any], regions: list[Any]) -> None:
         page = self._bell
@@ -169,6 +192,7 @@ class KVPushdConnectorWorker:
                          "settled")
         link.close()  # detached: the daemon deregisters and unmaps this worker's memory
         self._link = None
+        self._close_vmm()
         self.detaches += 1
         logger.info("kvpushd: detached from the daemon: the KV is released (%d transfer(s) were pending)",
                     len(pending))
@@ -177,8 +201,7 @@ class KVPushdConnectorWorker:
         """The pages are back (new chunks at the same addresses): describe them again and attach."""
         if self._link is not None or self._kv_caches is None:
             return
-        memory, regions, _ = describe_kv_caches_owned(self._kv_caches, self.num_blocks,
-                                                      self.settings.host_kv_to_shm, self._specs)
+        memory, regions, _ = self._describe(self._kv_caches)
         self._connect(memory, regions)
         logger.info("kvpushd: attached again after the KV was restored: %d region(s)", len(regions))
 
@@ -421,6 +444,7 @@ class KVPushdConnectorWorker:
         if self._bell is not None:
             self._bell.close()
         release_owned_shm(self._shm_names)
+        self._close_vmm()
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
