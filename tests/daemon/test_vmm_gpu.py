@@ -13,7 +13,10 @@ and register them (``kvpushd/memory/vmm.py``). Then, every byte checked:
    (``KVPushClient.extend``) is answered as the daemon answers it today (FAILED_PRECONDITION: the NIXL
    side of growth is not built), then detach and attach with both chunks, and a push into the new chunk;
 4. unregister/restore (sleep and wake as vLLM 0.34 does it): detach, unmap and release the decode
-   chunks, create and map new ones at the same addresses, attach again, push.
+   chunks, create and map new ones at the same addresses, attach again, push;
+5. the vLLM connector's path (with torch): the decode range as a torch tensor goes through
+   ``kvpushd_client.memory.gpu_memory`` with EXPORTS_FD declared: one VmmMemory of its two chunks, attached,
+   a push into it.
 
 The two workers live in one process (two ranges, two daemons): each daemon still imports the chunks
 from another process. Skipped without libcuda and a CUDA device.
@@ -177,6 +180,27 @@ D.grow(b"\xa5" * G)
 D.grow(b"\xa5" * G)
 dw = dc.attach("decode", Role.CONSUMER, 0, 1, [D.memory()], region(D))
 out["steps"].append(push("vmm-restored", [2, 30], [0, NB + 5]))
+# the vLLM connector's path: the range as a torch tensor (vLLM 0.34 gives each layer a storage over its
+# segment's committed blocks), kvpushd_client.memory.gpu_memory with EXPORTS_FD declared
+try:
+    import torch
+    from kvpushd_client.memory import gpu_memory
+    from kvpushd_client.vmm import VmmMemory
+except ImportError as e:
+    out["connector_path"] = f"skipped: {e}"
+else:
+    class Cai:
+        __cuda_array_interface__ = {"shape": (D.committed,), "typestr": "|u1", "data": (D.base, False),
+                                    "version": 3}
+
+    t = torch.as_tensor(Cai(), device="cuda:0")
+    m = gpu_memory(t, True)
+    out["connector_path"] = {"vmm": isinstance(m, VmmMemory),
+                             "chunks": [[c.offset, c.size] for c in getattr(m, "chunks", ())]}
+    dw.detach()
+    dw = dc.attach("decode", Role.CONSUMER, 0, 1, [m], region(D))
+    out["steps"].append(push("vmm-connector", [5, 6], [3, NB + 7]))
+    m.close()
 dw.detach()
 pw.detach()
 print(json.dumps(out), flush=True)
@@ -197,5 +221,8 @@ def test_vmm_chunks_by_fd_push_growth_and_restore(daemon_pair) -> None:  # type:
         assert step["bytes_ok"] and step["others_ok"] and step["source_ok"], step
     assert out["past"]["code"] == "INVALID_ARGUMENT" and "out of range" in out["past"]["message"], out["past"]
     assert out["extend"]["code"] in ("", "FAILED_PRECONDITION"), out["extend"]
+    if not str(out["connector_path"]).startswith("skipped"):
+        assert out["connector_path"] == {"vmm": True, "chunks": [[0, out["granularity"]],
+                                                                 [out["granularity"], out["granularity"]]]}
     st = d.client.status()
     assert not st.workers and not st.transfers
