@@ -291,12 +291,14 @@ class Executor:
             self._failed(address, e)
             results = [e] * len(items)
         except PeerUnreachable as e:
-            self._registered(leds, [e] * len(leds))
+            if leds:
+                self._registered(leds, [e] * len(leds))
             self._failed(address, e)
             self.run([x for a, _ in items
                       for x in self.rv.recv.failed(a.registration_id, FailureCode.PEER_UNREACHABLE, str(e))])
             return
-        self._registered(leds, results)
+        if leds:
+            self._registered(leds, results)
         actions: list[Action] = []
         for (a, _), err in zip(items, results, strict=True):
             if err is None:
