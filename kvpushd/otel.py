@@ -12,6 +12,7 @@ the span is made with it at the end.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -22,7 +23,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .config import TracingConfig
@@ -48,14 +49,6 @@ class _Ids(RandomIdGenerator):
         return super().generate_span_id()
 
 
-def _ids_of(traceparent: str) -> tuple[int, int] | None:
-    parts = traceparent.split("-")
-    try:
-        return (int(parts[1], 16), int(parts[2], 16)) if len(parts) == 4 else None
-    except ValueError:
-        return None
-
-
 class OtelTracing(Tracing):
     enabled = True
 
@@ -77,11 +70,17 @@ class OtelTracing(Tracing):
     def _extract(self, traceparent: str) -> Context | None:
         return self._prop.extract({"traceparent": traceparent}) if traceparent else None
 
+    def _context_of(self, traceparent: str) -> SpanContext | None:
+        """The span context a W3C traceparent names (None: none, or not a valid one)."""
+        parent = self._extract(traceparent)
+        ctx = trace.get_current_span(parent).get_span_context() if parent is not None else None
+        return ctx if ctx is not None and ctx.is_valid else None
+
     def register_context(self, led: Ledger) -> str:
         if not led.span_context:
             parent = self._extract(led.traceparent)
-            pctx = trace.get_current_span(parent).get_span_context() if parent is not None else None
-            trace_id = pctx.trace_id if pctx is not None and pctx.is_valid else self._ids.generate_trace_id()
+            pctx = self._context_of(led.traceparent)
+            trace_id = pctx.trace_id if pctx is not None else self._ids.generate_trace_id()
             span_id = self._ids.generate_span_id()
             decision = self._provider.sampler.should_sample(parent, trace_id, "kvpushd.recv").decision
             sampled = decision is Decision.RECORD_AND_SAMPLE
@@ -99,7 +98,8 @@ class OtelTracing(Tracing):
                                  "kvpushd.node_id": self._node_id, "kvpushd.side": led.side}
         tid = {"kvpushd.transfer_id": c.transfer_id}
         if led.side == "recv":
-            self._ids.preset = _ids_of(led.span_context)
+            own = self._context_of(led.span_context)  # chosen when its Register went (register_context)
+            self._ids.preset = (own.trace_id, own.span_id) if own is not None else None
             try:
                 span = self._tracer.start_span("kvpushd.recv", context=self._extract(led.traceparent),
                                                kind=SpanKind.CONSUMER, start_time=ns(led.taken),
@@ -119,11 +119,8 @@ class OtelTracing(Tracing):
         else:
             first = led.met - led.waited_s if led.met else led.taken
             parent_tp = led.span_context or led.traceparent  # the decode daemon's span, else the engine's
-            links = []
-            if led.traceparent and led.traceparent != parent_tp:
-                ctx = trace.get_current_span(self._extract(led.traceparent)).get_span_context()
-                if ctx.is_valid:
-                    links.append(Link(ctx, {"kvpushd.link": "prefill engine request"}))
+            engine = self._context_of(led.traceparent) if led.traceparent != parent_tp else None
+            links = [Link(engine, {"kvpushd.link": "prefill engine request"})] if engine is not None else []
             span = self._tracer.start_span("kvpushd.send", context=self._extract(parent_tp), kind=SpanKind.PRODUCER,
                                            links=links, start_time=ns(min(led.taken, first)), attributes=attrs)
             if led.met:
@@ -148,7 +145,7 @@ class OtelTracing(Tracing):
             s.set_status(Status(StatusCode.ERROR, error[:500]))
         s.end(end_time=max(end_ns, start_ns))
 
-    def _nixl(self, parent: Span, name: str, led: Ledger, ns: Any, end: int) -> None:
+    def _nixl(self, parent: Span, name: str, led: Ledger, ns: Callable[[float], int], end: int) -> None:
         """The transfer's NIXL WRITEs (or READs) as one span: the first posted -> the last one's bytes landed."""
         done = ns(led.written) if led.written else end
         start = ns(led.posted) if led.posted else done - int((led.post_s + led.transfer_s) * 1e9)

@@ -321,7 +321,7 @@ class Executor:
     @staticmethod
     def _registered(leds: list[Ledger | None], results: Sequence[KvpushdError | None]) -> None:
         now = time.monotonic()
-        for led, err in zip(leds, results, strict=False):
+        for led, err in zip(leds, results, strict=True):
             if led is not None and not led.registered:
                 led.registered, led.register_error = now, "" if err is None else str(err)
 
