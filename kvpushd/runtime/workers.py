@@ -36,6 +36,7 @@ from ..memory.doorbell import Doorbell, fd_label
 from ..memory.fdpass import MAX_MEMORY_HANDLES, FdInbox, fd_socket_path
 from ..memory.shm import ShmMapping
 from ..memory.vmm import VmmMapping, check_described, check_growth, check_regions_mapped, registrations
+from ..transfer.backends import vmm_transport_note
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
 from .identity import Identity, agent_prefix
@@ -209,6 +210,9 @@ class Workers:
         self.by_id[wid] = w
         log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
                  tp_rank=tp_rank, tp_size=tp_size, regions=len(specs), bytes=w.registered_bytes)
+        if any(isinstance(m, VmmMapping) for m in mappings):  # which path GPU virtual memory takes
+            level, note = vmm_transport_note(wid, self.xfer.agent_backends.get(wid, ()))
+            getattr(log, level)("transport for VMM memory", worker_id=wid, note=note)
         if self.cfg.worker_api.populate_host_kv:
             for m in mappings:
                 if isinstance(m, ShmMapping):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # NIXL init parameters that select network devices, per backend (UCX 1.5.1 reads device_list, HCA
@@ -44,3 +44,48 @@ def agent_devices(backend: str, params: dict[str, str]) -> tuple[str, str]:
         return os.environ["UCX_NET_DEVICES"], "env UCX_NET_DEVICES"
     return "", ""
 
+
+
+# UCX transports that reach a GPU's memory through a NIC (GPUDirect RDMA): the only fast way UCX has for
+# CUDA virtual memory, which its cuda_ipc transport cannot share (nixl#1754).
+_UCX_RDMA = ("rc", "dc", "ud", "ib", "all")
+
+
+def ucx_rdma_allowed(ucx_tls: str) -> bool:
+    """Whether ``UCX_TLS`` (unset: every transport) leaves UCX an RDMA transport to use."""
+    tls = [t.strip() for t in ucx_tls.split(",") if t.strip()]
+    if not tls:
+        return True
+    if tls[0].startswith("^"):  # an exclusion list: RDMA stays unless every kind of it is named
+        gone = {tls[0][1:], *tls[1:]}
+        return not ({"rc", "dc", "ud"} <= {t.split("_")[0] for t in gone} or "ib" in gone)
+    return any(t.split("_")[0] in _UCX_RDMA for t in tls)
+
+
+def vmm_transport_note(worker_id: str, backends: Sequence[AgentBackend],
+                       env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """What a worker whose KV is CUDA virtual memory (vLLM 0.34's extensible KV cache, imported by
+    fd) gets from its agent's backends: ("warning" | "info", the line the daemon logs at attach).
+
+    UCX moves GPU memory within a node by cuda_ipc, which shares only cudaMalloc memory: a VMM
+    range registers, but a WRITE between two GPUs of one node then falls to UCX's software emulation
+    over TCP (measured by nixl#1754 at about 0.3 GB/s against 200 GB/s) unless an RDMA NIC with
+    GPUDirect carries it; across nodes UCX needs GPUDirect RDMA either way. LIBFABRIC (EFA) reads
+    GPU memory through FI_HMEM, which takes VMM ranges as it takes any CUDA memory."""
+    env = os.environ if env is None else env  # the daemon's own: its agents read it
+    names = [b.name for b in backends]
+    fix = ('kv_connector_extra_config {"kvpushd_kv_cache_access": "legacy_ipc"} keeps the KV in cudaMalloc '
+           "memory shared by CUDA IPC (vLLM's extensible KV cache off)")
+    head = f"worker {worker_id}: KV cache in CUDA virtual memory (by fd), backends {names}"
+    if "UCX" not in names:
+        return "info", f"{head}: GPU memory through the backend's own registration (FI_HMEM for LIBFABRIC)"
+    tls = env.get("UCX_TLS", "")
+    if not ucx_rdma_allowed(tls):
+        return "warning", (f"{head}: UCX_TLS={tls!r} leaves UCX no RDMA transport, and UCX's cuda_ipc cannot "
+                           "share CUDA virtual memory (nixl#1754): every WRITE of this worker takes UCX's "
+                           f"emulated path over TCP (well under 1 GB/s). Allow rc/dc with GPUDirect RDMA, or {fix}")
+    return "warning", (f"{head}: UCX's cuda_ipc cannot share CUDA virtual memory (nixl#1754), so a WRITE to or "
+                       "from a GPU of this same node takes UCX's emulated path over TCP (well under 1 GB/s) "
+                       "unless an RDMA NIC with GPUDirect carries it; across nodes it needs GPUDirect RDMA "
+                       f"(nvidia-peermem or DMA-BUF). Where prefill and decode share a node, {fix}. "
+                       "UCX_PROTO_INFO=y shows the path each transfer took")

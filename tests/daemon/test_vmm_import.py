@@ -447,3 +447,30 @@ def test_the_reconnecting_link_keeps_its_own_copies_of_the_chunk_descriptors(tmp
     for c in own.chunks:
         with pytest.raises(OSError):
             os.fstat(c.fd)
+
+
+def _backend(name: str) -> Any:
+    from kvpushd.transfer.backends import AgentBackend
+    return AgentBackend(name, {}, "", "", "gpu0")
+
+
+@pytest.mark.parametrize(("tls", "rdma"), [
+    ("", True), ("rc,cuda_ipc,cuda_copy", True), ("rc_mlx5,sm", True), ("dc_mlx5", True), ("all", True),
+    ("tcp,cuda_copy,cuda_ipc", False), ("sm,self", False), ("^tcp", True), ("^rc,dc,ud", False), ("^ib", False),
+])
+def test_which_ucx_transports_leave_gpudirect_rdma(tls: str, rdma: bool) -> None:
+    from kvpushd.transfer.backends import ucx_rdma_allowed
+    assert ucx_rdma_allowed(tls) is rdma
+
+
+def test_the_attach_of_vmm_memory_says_which_path_it_gets_and_names_the_setting() -> None:
+    """nixl#1754: UCX's cuda_ipc cannot share cuMemCreate memory; the daemon says so at attach, naming the
+    connector setting that keeps CUDA IPC memory; over LIBFABRIC (FI_HMEM) it is only told."""
+    from kvpushd.transfer.backends import vmm_transport_note
+    level, note = vmm_transport_note("w1", [_backend("UCX")], {})
+    assert level == "warning" and "same node" in note and "nixl#1754" in note
+    assert '"kvpushd_kv_cache_access": "legacy_ipc"' in note
+    level, note = vmm_transport_note("w1", [_backend("UCX")], {"UCX_TLS": "tcp,cuda_ipc,cuda_copy"})
+    assert level == "warning" and "every WRITE of this worker" in note and "'tcp,cuda_ipc,cuda_copy'" in note
+    level, note = vmm_transport_note("w1", [_backend("LIBFABRIC")], {"UCX_TLS": "tcp"})
+    assert level == "info" and "FI_HMEM" in note
