@@ -147,3 +147,30 @@ def test_device_helpers() -> None:
     assert memory_device("VRAM", [(1, 2, 5)]) == "gpu5"
     assert agent_devices("UCX", {"device_list": "mlx5_0,mlx5_1"}) == ("mlx5_0,mlx5_1", "device_list")
     assert agent_devices("LIBFABRIC", {"num_threads": "4"}) == ("", "")
+
+
+def test_the_posts_of_one_loop_turn_reach_the_nixl_thread_as_one_command_in_order() -> None:
+    """One queue item (one wake-up of the NIXL thread) for all the WRITEs a turn of the loop posts, and a
+    command queued after them (a StopWrite of the same leg) still runs after them."""
+    ran: list[object] = []
+
+    async def turn() -> TransferThread:
+        t = TransferThread(asyncio.get_running_loop(), TransferConfig(backends=("UCX",)),
+                           TransferThread.Reports(lambda r: None, lambda n: None))
+        t._post = lambda plan, remote, t0: ran.append(plan)  # type: ignore[method-assign]
+        t._stages.stop = lambda why, **kw: ran.append(("stop", why))  # type: ignore[method-assign]
+        t.post("w1", "remote")  # type: ignore[arg-type]
+        t.post("w2", "remote")  # type: ignore[arg-type]
+        assert t._q.qsize() == 0  # nothing queued until the turn ends, or another command comes
+        t.stop_write("leg", "aborted")  # type: ignore[arg-type]
+        t.post("w3", "remote")  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # the turn's end sends what it posted since
+        return t
+
+    t = asyncio.run(turn())
+    assert t._q.qsize() == 3
+    while not t._q.empty():
+        cmd = t._q.get_nowait()
+        assert cmd is not None
+        cmd()
+    assert ran == ["w1", "w2", ("stop", "aborted"), "w3"]
