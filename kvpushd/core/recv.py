@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -116,6 +117,7 @@ class RecvSide:
         self.expect_timeout_s = expect_timeout_s
         self._next_id = itertools.count(first_registration_id)
         self._random_ids = random_ids
+        self._random = _random_ids()
         # FAILED completions deferred until the prefill daemon answers a withdrawal (no WRITE into
         # the blocks is in flight any more), by registration id; until then the (worker, transfer)
         # may not be Expected again.
@@ -216,9 +218,9 @@ class RecvSide:
             actions += self._end(old, "replaced", FailureCode.SUPERSEDED, "replaced by a newer Expect", "")
         rid = next(self._next_id)
         if self._random_ids:
-            rid = secrets.randbits(63) or 1
+            rid = next(self._random)
             while rid in self._by_reg:
-                rid = secrets.randbits(63) or 1
+                rid = next(self._random)
         state = recv_step(None, None, "expect", transfer_id)
         assert isinstance(state, RecvState)
         r = _Recv(worker_id, transfer_id, rid, blocks, producer_address, producer_engine_id,
@@ -432,3 +434,11 @@ class RecvSide:
     def _fail(r: _Recv, code: FailureCode, reason: str) -> Deliver:
         return Deliver(r.worker_id, Completion(CompletionKind.FAILED, r.transfer_id, code, reason, r.block_ids),
                        r.ledger)
+
+
+def _random_ids(batch: int = 512) -> Iterator[int]:
+    """Random 63-bit registration ids, never 0, from the OS's CSPRNG: ``batch`` of them per read (one
+    getrandom call per 512 Expects, not one each)."""
+    while True:
+        for v in struct.unpack(f"<{batch}Q", secrets.token_bytes(8 * batch)):
+            yield (v >> 1) or 1
