@@ -2,10 +2,11 @@
 
 The rendezvous (rendezvous.py) decides; ``run`` performs the actions that come out (deliver a
 completion, post a WRITE or READ, call a peer) and what comes back (WRITEs done, notifications,
-peer answers) goes into the rendezvous as a core event, then onto the observation stream. After
-every run the one timer is re-armed at the core's next deadline (aioquic's ``call_at`` pattern):
-no polling tick. The links to peers (inbound sessions, outbound clients) are built here, so what
-they report (a peer restarted, an agent to unload) comes straight back to this object.
+peer answers) goes into the rendezvous as a core event, then onto the observation stream. At the
+end of each loop turn that ran the core, the one timer is re-armed at the core's next deadline
+(aioquic's ``call_at`` pattern): no polling tick. The links to peers (inbound sessions, outbound
+clients) are built here, so what they report (a peer restarted, an agent to unload) comes straight
+back to this object.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Executor:
         self._registers: dict[str, list[SendRegister]] = {}  # per prefill daemon: this loop turn's Registers
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._after_turn = False  # _turn_ended is scheduled
         # what carries out each kind of action (the core's action classes are final)
         self._do: dict[type, Callable[[Any], None]] = {
             Deliver: self._deliver, StartWrite: self._start_write, StopWrite: self._stop_write,
@@ -107,6 +109,14 @@ class Executor:
         do = self._do
         for a in actions:
             do[type(a)](a)
+        if not self._after_turn and self._loop is not None:  # once per loop turn, however many runs it has
+            self._after_turn = True
+            self._loop.call_soon(self._turn_ended)
+
+    def _turn_ended(self) -> None:
+        """After the runs of one loop turn: the NIXL thread hears of changed counts, withdrawals waiting
+        on WRITEs look again, and the timer is armed at the core's next deadline."""
+        self._after_turn = False
         self._tell_thread()
         if self._settle_waiters:
             waiters, self._settle_waiters = self._settle_waiters, []
@@ -124,7 +134,7 @@ class Executor:
                 x.set_expecting(n)
 
     def _arm(self) -> None:
-        """One timer at the core's next deadline; re-armed after every run."""
+        """One timer at the core's next deadline; re-armed at the end of every loop turn that ran the core."""
         if self._loop is None:
             return
         nxt = self.rv.next_deadline()

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -170,7 +171,8 @@ class TransferThread:
             self._q.put(lambda: self._post_all(posts))
 
     def _submit(self, cmd: Callable[[], None]) -> None:
-        """A command from the loop, after the posts queued before it (a StopWrite follows its StartWrite)."""
+        """A command from the loop (only: the posts are the loop's), after the posts queued before it (a
+        StopWrite follows its StartWrite)."""
         self._send_posts()
         self._q.put(cmd)
 
@@ -227,14 +229,16 @@ class TransferThread:
             self._q.put(_wake)
 
     def forget_remote(self, name: str) -> None:
-        """A consumer agent went away: drop its prepared lists and metadata (once no WRITE to it is in flight)."""
-        def run() -> None:
-            if any(f.remote == name for f in self._inflight):
-                self._forget_later.add(name)  # retried once its WRITEs have settled
-                return
-            self._forget_later.discard(name)
-            self._book.forget_remote(name)
-        self._submit(run)
+        """From the loop: a consumer agent went away: drop its prepared lists and metadata (once no WRITE
+        to it is in flight)."""
+        self._submit(lambda: self._forget(name))
+
+    def _forget(self, name: str) -> None:
+        if any(f.remote == name for f in self._inflight):
+            self._forget_later.add(name)  # retried once its WRITEs have settled
+            return
+        self._forget_later.discard(name)
+        self._book.forget_remote(name)
 
     def cancel_inflight(self, why: str) -> None:
         """From the loop: end every transfer in flight now (each is reported failed)."""
@@ -466,7 +470,7 @@ class TransferThread:
         self._check_drained()
         busy = {f.remote for f in self._inflight}
         for name in [n for n in self._forget_later if n not in busy]:
-            self.forget_remote(name)
+            self._q.put(functools.partial(self._forget, name))  # this thread's own: after what is queued now
 
     def _deliver(self, results: Sequence[WriteResult | ReadResult]) -> None:
         writes = [r for r in results if isinstance(r, WriteResult)]

@@ -37,10 +37,15 @@ class FakeClock:
 
 
 class FakeLoop:
-    """Records call_later; nothing runs until the test fires it."""
+    """Records call_later; nothing runs until the test fires it. What call_soon schedules (the end of
+    the turn) runs before the timers are looked at, as a loop runs its ready callbacks first."""
 
     def __init__(self) -> None:
         self.scheduled: list[tuple[float, Callable[[], None], asyncio.TimerHandle]] = []
+        self.ready: list[Callable[[], None]] = []
+
+    def call_soon(self, cb: Callable[[], None]) -> None:
+        self.ready.append(cb)
 
     def call_later(self, delay: float, cb: Callable[[], None]) -> asyncio.TimerHandle:
         h = asyncio.TimerHandle(0.0, cb, (), asyncio.new_event_loop())
@@ -48,6 +53,8 @@ class FakeLoop:
         return h
 
     def live(self) -> list[tuple[float, Callable[[], None], asyncio.TimerHandle]]:
+        while self.ready:
+            self.ready.pop(0)()
         return [s for s in self.scheduled if not s[2].cancelled()]
 
     def fire(self) -> None:
