@@ -310,17 +310,22 @@ class TransferThread:
     # -- the one post path, for WRITE and READ -------------------------------------------------
 
     def _post_all(self, posts: list[tuple[StartWrite | StartRead, RemoteAgent, float]]) -> None:
+        """Post each; those NIXL completed at once (a copy inside ``transfer()``) are reported together
+        after the last, in one hand-over to the loop."""
+        done = False
         for plan, remote, t0 in posts:
             try:
-                self._post(plan, remote, t0)
+                done = self._post(plan, remote, t0) or done
             except Exception:  # a bug in one post must not lose the others
                 log.exception("transfer thread post failed")
+        if done:
+            self._poll_inflight()
 
-    def _post(self, plan: StartWrite | StartRead, remote: RemoteAgent, t0: float) -> None:
+    def _post(self, plan: StartWrite | StartRead, remote: RemoteAgent, t0: float) -> bool:
         """Post one WRITE (a StartWrite: the local worker holds the source) or READ (a StartRead:
-        the local worker holds the destination) and track it. The descriptors come from the
-        prepared lists, or, for a WRITE the core ``planned``, are planned per request (token
-        mapping), merged, and posted unprepared."""
+        the local worker holds the destination) and track it; True when NIXL says it is done already.
+        The descriptors come from the prepared lists, or, for a WRITE the core ``planned``, are planned
+        per request (token mapping), merged, and posted unprepared."""
         write = isinstance(plan, StartWrite)
         key = plan.leg if isinstance(plan, StartWrite) else plan.key
         what = "WRITE" if write else "READ"
@@ -333,8 +338,9 @@ class TransferThread:
                 return WriteResult(key, ok, reason, nbytes, post_s, 0.0, requested, posted, t_taken - t0)
             return ReadResult(key, ok, reason, nbytes, post_s, 0.0, requested, posted)
 
-        def fail(reason: str) -> None:
+        def fail(reason: str) -> bool:
             self._deliver([result(False, reason)])
+            return False
 
         loc = self._book.locals.get(plan.producer_worker if isinstance(plan, StartWrite) else plan.worker_id)
         if loc is None:
@@ -355,7 +361,7 @@ class TransferThread:
             assert isinstance(r, WriteResult)
             self._stages.add(plan, loc, remote.name, x.make, r, t0)
             self._advance()
-            return None
+            return False
         try:
             handle = x.make(plan.notif)
             state = loc.agent.transfer(handle)
@@ -369,9 +375,7 @@ class TransferThread:
             return fail(f"NIXL returned ERR when posting the {what}")
         loc.inflight += 1
         self._inflight.append(Inflight(handle, loc, result(True, "", x, t_post), t_post, remote.name))
-        if state == "DONE":
-            self._poll_inflight()
-        return None
+        return bool(state == "DONE")
 
     @staticmethod
     def _descs_failed(plan: StartWrite | StartRead, e: Exception) -> str:
