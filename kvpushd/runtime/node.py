@@ -28,6 +28,7 @@ from ..core.rendezvous import Registration
 from ..core.types import Completion, TransferMode
 from ..events import EventHub, EventKind
 from ..tracing import Tracing
+from .checks import check_block_ids, check_transfer_id
 from .executor import Executor
 from .identity import Identity
 from .inbound import Hello, Origin
@@ -37,16 +38,7 @@ from .peerops import Declined, Notice, Offer, ReadFailed, Register
 from .rendezvous import Rendezvous
 from .tally import Tally
 from .view import View
-from .workers import (
-    Attach,
-    Worker,
-    Workers,
-    check_block_ids,
-    check_blocks,
-    check_progressive,
-    check_skip,
-    check_transfer_id,
-)
+from .workers import Attach, Worker, Workers, check_blocks, check_progressive, check_skip
 
 log = structlog.get_logger(__name__)
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from kvpushd_client.proto.v1 import peer_pb2
 
 from kvpushd.core.errors import InvalidArgument
-from kvpushd.runtime import workers
-from kvpushd.runtime.workers import check_block_ids
+from kvpushd.runtime import checks as workers
+from kvpushd.runtime.checks import check_block_ids
 
 
 def _reference(ids: list[int], num_blocks: int, max_blocks: int) -> str:
