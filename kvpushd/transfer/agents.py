@@ -8,6 +8,7 @@ path (thread.py) builds only index arrays from these.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import structlog
 from ..core.errors import FailedPrecondition, InvalidArgument
 from ..core.layout import check_block_ids, plan_write
 from ..core.rendezvous import StartRead, StartWrite
-from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, memory_device
+from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, iface_not_running, memory_device
 from .descs import (
     WHOLE,
     IntArray,
@@ -91,9 +92,10 @@ class AgentBook:
                             f"NIXL lists a {b} plugin but cannot load it ({type(e).__name__}: {e}): a shared "
                             f"library it needs is missing (LIBFABRIC: libfabric.so.1 from the EFA installer, "
                             f"hwloc, libnuma; `ldd` the plugin's libplugin_{b}.so)") from None
+                    why = (iface_not_running(os.environ) if b == "LIBFABRIC" else "") or \
+                        "see the NIXL/UCX lines above in the log"
                     raise FailedPrecondition(f"NIXL backend {b} does not start with {params} ({where}): "
-                                             f"{type(e).__name__}: {e}; see the NIXL/UCX lines above in "
-                                             "the log") from None
+                                             f"{type(e).__name__}: {e}; {why}") from None
                 del trial
                 unknown = sorted(set(params) - known)
                 if unknown:  # NIXL ignores unknown keys silently: a typo would change nothing

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -89,3 +92,26 @@ def vmm_transport_note(worker_id: str, backends: Sequence[AgentBackend],
                        "unless an RDMA NIC with GPUDirect carries it; across nodes it needs GPUDirect RDMA "
                        f"(nvidia-peermem or DMA-BUF). Where prefill and decode share a node, {fix}. "
                        "UCX_PROTO_INFO=y shows the path each transfer took")
+
+
+_SIOCGIFFLAGS, _IFF_RUNNING = 0x8913, 0x40
+
+
+def iface_not_running(env: Mapping[str, str]) -> str:
+    """Why libfabric's tcp provider has no address to listen on, where that is the reason: ``FI_TCP_IFACE``
+    names an interface that does not exist in this network namespace or is not RUNNING (down, or up without
+    a carrier yet). The provider then enables its endpoint without a socket and NIXL reports only
+    "fi_enable failed: Bad file descriptor". '' where no such interface is named or it runs."""
+    name = env.get("FI_TCP_IFACE", "")
+    if not name:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = fcntl.ioctl(s, _SIOCGIFFLAGS, struct.pack("16sh", name.encode()[:15], 0))
+    except OSError as e:
+        return f"FI_TCP_IFACE={name}: no such interface here ({e.strerror})"
+    if struct.unpack("16sh", req)[1] & _IFF_RUNNING:
+        return ""
+    return (f"FI_TCP_IFACE={name}: the interface is not running (down, or no carrier yet), so libfabric's tcp "
+            "provider finds no address on it; start the daemon once the link is up (systemd: After= "
+            "network-online.target)")

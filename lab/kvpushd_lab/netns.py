@@ -56,6 +56,22 @@ def _ip(*args: str, check: bool = True, timeout: float = 10.0) -> subprocess.Com
     return p
 
 
+def wait_running(ns: str, dev: str, timeout_s: float = 10.0) -> None:
+    """Wait until ``dev`` in ``ns`` is RUNNING (operstate UP: the peer is up and the kernel's link watch
+    has said so), which can come a while after ``ip link set up`` returns. Until then getifaddrs() leaves
+    IFF_RUNNING out, and libfabric's tcp provider, told ``FI_TCP_IFACE=dev``, finds no address to listen
+    on (its endpoint fails to enable with EBADF)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        link = json.loads(_ip("-n", ns, "-j", "link", "show", "dev", dev).stdout)[0]
+        if link.get("operstate") == "UP" and "LOWER_UP" in link.get("flags", ()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{ns}: {dev} not running {timeout_s:.0f} s after it was set up: "
+                               f"operstate {link.get('operstate')}, flags {link.get('flags')}")
+        time.sleep(0.02)
+
+
 def _netns_names() -> set[str]:
     p = _ip("netns", "list", check=False)
     return {line.split()[0] for line in p.stdout.splitlines() if line.strip()}
@@ -214,6 +230,8 @@ class NetnsLab:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/24", "dev", VETH)
                 _ip("-n", ns, "link", "set", VETH, "up")
+            for ns in self.names:
+                wait_running(ns, VETH)
         except BaseException:
             self.teardown()
             raise
@@ -231,6 +249,9 @@ class NetnsLab:
                 for ns, addr in zip(self.names, addrs, strict=True):
                     _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
                     _ip("-n", ns, "link", "set", dev, "up")
+            for ns in self.names:
+                for dev in self.veths:
+                    wait_running(ns, dev)
         except BaseException:
             self.teardown()
             raise

@@ -24,7 +24,7 @@ from support import DaemonFactory, DaemonProc, attach_pair
 
 from kvpushd.config import TransferConfig, backend_init_params
 from kvpushd.core.errors import FailedPrecondition
-from kvpushd.transfer.backends import agent_devices, memory_device
+from kvpushd.transfer.backends import agent_devices, iface_not_running, memory_device
 from kvpushd.transfer.thread import TransferThread
 
 RAILS = """[transfer]
@@ -174,3 +174,11 @@ def test_the_posts_of_one_loop_turn_reach_the_nixl_thread_as_one_command_in_orde
         assert cmd is not None
         cmd()
     assert ran == ["w1", "w2", ("stop", "aborted"), "w3"]
+
+
+def test_iface_not_running_names_a_missing_or_idle_fi_tcp_iface_and_nothing_else() -> None:
+    """The hint a LIBFABRIC start failure carries: only where ``FI_TCP_IFACE`` names an interface that is
+    absent here or not RUNNING (loopback, up, runs)."""
+    assert iface_not_running({}) == ""
+    assert iface_not_running({"FI_TCP_IFACE": "lo"}) == ""
+    assert "no such interface" in iface_not_running({"FI_TCP_IFACE": "kvpnosuch9"})

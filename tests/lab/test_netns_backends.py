@@ -159,3 +159,27 @@ def test_a_decode_daemon_killed_mid_write_fails_only_its_own_write(lab3: NetnsLa
         for kv in (src, da, db):
             kv.close()
     assert rcs["pnode"] == 0 and rcs["bnode"] == 0, p.logs()[-3000:]
+
+
+def test_a_libfabric_daemon_on_a_link_without_carrier_says_so_and_the_lab_waits_for_the_link(lab: NetnsLab,
+                                                                                              workdir: Path) -> None:
+    """libfabric's tcp provider, told ``FI_TCP_IFACE`` of a link that is up but not RUNNING (its peer down,
+    or the kernel's link watch not yet run after both came up), finds no address and NIXL reports only
+    "fi_enable failed: Bad file descriptor". The daemon names the interface and why; the lab waits until
+    every veth runs before it hands the namespaces out, so its daemons never start in that window."""
+    from kvpushd_lab.backend import available as backend_available
+    from kvpushd_lab.netns import wait_running
+
+    if why := backend_available("LIBFABRIC"):
+        pytest.skip(why)
+    lab.run(0, ["ip", "link", "set", lab.veth, "down"])  # host 1's end: UP, NO-CARRIER
+    with pytest.raises(RuntimeError, match="not running"):
+        wait_running(lab.names[1], lab.veth, timeout_s=0.3)
+    with pytest.raises(launch.DaemonStartError, match=r"FI_TCP_IFACE=kvp0: the interface is not running"):
+        launch.start_all(workdir, ["dnode"], backend="LIBFABRIC", die_with_parent=True, timeout_s=60,
+                         settings=SETTINGS, per_daemon={"dnode": {"netns": (lab, 1)}})
+    lab.run(0, ["ip", "link", "set", lab.veth, "up"])
+    wait_running(lab.names[1], lab.veth)
+    (d,) = launch.start_all(workdir, ["dnode2"], backend="LIBFABRIC", die_with_parent=True, timeout_s=60,
+                            settings=SETTINGS, per_daemon={"dnode2": {"netns": (lab, 1)}})
+    assert d.stop() == 0
