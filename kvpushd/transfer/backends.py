@@ -95,6 +95,7 @@ def vmm_transport_note(worker_id: str, backends: Sequence[AgentBackend],
 
 
 _SIOCGIFFLAGS, _IFF_RUNNING = 0x8913, 0x40
+_IFREQ = struct.Struct("16sh22x")  # struct ifreq (40 bytes): the name, then ifr_flags at the union's start
 
 
 def iface_not_running(env: Mapping[str, str]) -> str:
@@ -107,10 +108,10 @@ def iface_not_running(env: Mapping[str, str]) -> str:
         return ""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            req = fcntl.ioctl(s, _SIOCGIFFLAGS, struct.pack("16sh", name.encode()[:15], 0))
+            req = fcntl.ioctl(s, _SIOCGIFFLAGS, _IFREQ.pack(name.encode()[:15], 0))
     except OSError as e:
         return f"FI_TCP_IFACE={name}: no such interface here ({e.strerror})"
-    if struct.unpack("16sh", req)[1] & _IFF_RUNNING:
+    if _IFREQ.unpack(req)[1] & _IFF_RUNNING:
         return ""
     return (f"FI_TCP_IFACE={name}: the interface is not running (down, or no carrier yet), so libfabric's tcp "
             "provider finds no address on it; start the daemon once the link is up (systemd: After= "
