@@ -1,5 +1,5 @@
-"""What the daemon's bookkeeping costs the event loop: ``Executor._on_writes`` per WRITE result (the
-core event, then the counters, event hub, figures, peer book, metrics) and ``Executor.run`` per
+"""What the daemon's bookkeeping costs the event loop: ``Node._on_writes`` per WRITE result (the
+core event, then the counters, event hub, figures, peer book, metrics) and ``Node.run`` per
 completion delivered (figures, counters, event hub and its listeners), each called N times in a row
 with no NIXL and no peer.
 
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         from kvpushd.app import observe
 
         observe(node, *([metrics] if "metrics" in inspect.signature(observe).parameters else []))
-        ex: Any = node.ex
+        ex: Any = getattr(node, "ex", node)  # a tree from before the node drove the core itself had an executor
     else:  # a tree from before the observation stream
         ex = node.executor  # type: ignore[attr-defined]
         ex.observer = metrics

@@ -39,24 +39,24 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         (one that ended since, because the daemon forgot an idle peer or a restart replaced it,
         has its items answered SessionUnknown); then each item goes through the pump."""
         instance, token = metadata_of(context, "kvpushd-instance"), session_of(context)
-        if not self.node.session_ok(instance, token):
+        if not self.node.inbound.session_ok(instance, token):
             raise SessionUnknown(f"unknown caller instance {instance[:256]!r} or session: handshake first")
 
         def live(batch: peer_pb2.PeerBatch) -> SessionUnknown | None:
-            self.node.channel_counts(instance, batches=1)
-            if self.node.session_ok(instance, token):
+            self.node.inbound.channel_counts(instance, batches=1)
+            if self.node.inbound.session_ok(instance, token):
                 return None
             return SessionUnknown(f"the session of caller instance {instance[:64]!r} ended: handshake again")
 
         wake = asyncio.Event()
         pump = Pump(self.node, PEER, instance, wake.set, live)
-        self.node.channel_counts(instance, streams=1)
+        self.node.inbound.channel_counts(instance, streams=1)
         try:
             async for results, _ in pump.serve(request_iterator.__aiter__(), woken(wake)):
                 for batch in packed(peer_pb2.PeerBatch, [("items", results)]):
                     yield batch
         finally:
-            self.node.channel_counts(instance, streams=-1)
+            self.node.inbound.channel_counts(instance, streams=-1)
 
 
 def tls_names_of(context: Ctx) -> tuple[str, ...]:

@@ -56,14 +56,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if isinstance(first, Oversized):
             raise ResourceExhausted(first.why())
         wid = first.worker_id
-        self.node.workers.owned(wid, first.worker_token)  # NOT_FOUND, or PERMISSION_DENIED, before anything else
+        workers = self.node.workers
+        workers.owned(wid, first.worker_token)  # NOT_FOUND, or PERMISSION_DENIED, before anything else
 
         def counted(batch: worker_pb2.CommandBatch) -> None:
             if batch.commands:  # the first batch may only name the worker
-                self.node.called(wid, len(batch.commands))
+                workers.called(wid, len(batch.commands))
 
-        pump = Pump(self.node, WORKER, wid, lambda: self.node.wake(wid), counted)
-        async for results, completions in pump.serve(requests, self.node.session_batches(wid), first):
+        pump = Pump(self.node, WORKER, wid, lambda: workers.wake(wid), counted)
+        async for results, completions in pump.serve(requests, workers.session_batches(wid, self.node.detach), first):
             for batch in event_batches(results, completions):
                 yield batch
 

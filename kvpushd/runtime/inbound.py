@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from .. import PROTOCOL_VERSION
+from ..config import PeerApiConfig
 from ..core import notif
 from ..core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, SessionUnknown
 from ..transfer.descs import RemoteAgent
@@ -277,6 +278,35 @@ class Inbound:
     def session_ok(self, instance_id: str, token: str) -> bool:
         origin = self.origins.get(instance_id)
         return origin is not None and bool(token) and secrets.compare_digest(token, origin.token)
+
+    def channel_counts(self, instance_id: str, streams: int = 0, batches: int = 0) -> None:
+        """A peer's Channel stream opened or closed (``streams`` +1 / -1), or brought ``batches`` (for status)."""
+        o = self.origins.get(instance_id)
+        if o is not None:
+            o.streams = max(0, o.streams + streams)
+            o.stream_batches += batches
+            if streams < 0 and o.streams == 0:  # its last stream ended: housekeeping gives it a short grace
+                o.stream_ended = time.monotonic()
+
+    def over_quota(self, origin: Origin, n_blocks: int | None, held_by: Callable[[str], tuple[int, int]],
+                   pa: PeerApiConfig) -> str:
+        """Why one decode daemon may not ask this of us now ("" when it may): Registers (and Declines)
+        per second, registrations and blocks held (``held_by``: a session's, from the core) summed over
+        every session of its identity; ``n_blocks`` None: a Decline, which holds nothing."""
+        regs = blocks = 0
+        for instance in self.of_identity(origin):  # the caller's sessions share its quotas
+            r, b = held_by(instance)
+            regs, blocks = regs + r, blocks + b
+        if not origin.take(pa.max_registers_per_s):
+            return (f"more than {pa.max_registers_per_s:g} Registers and Declines per second "
+                    "(peer_api.max_registers_per_s)")
+        if n_blocks is not None and regs + 1 > pa.max_registrations_per_peer:
+            return (f"{regs} registrations pending from {origin.identity[:128]}; at most "
+                    f"{pa.max_registrations_per_peer} (peer_api.max_registrations_per_peer)")
+        if n_blocks is not None and blocks + n_blocks > pa.max_blocks_per_peer:
+            return (f"{blocks} destination blocks held for {origin.identity[:128]}, {n_blocks} more asked; at most "
+                    f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
+        return ""
 
     def caller(self, instance_id: str) -> Origin:
         """The calling daemon's session (its token was checked by the servicer); it was heard from now."""

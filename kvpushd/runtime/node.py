@@ -1,50 +1,77 @@
-"""The servicers' facade: check -> rendezvous event -> run(actions).
+"""The one driver of the core: every event goes in here, and what the core decides is carried out here.
 
-Every method runs on the event loop and is a few lines: the checks live with the state they guard
-(workers, inbound sessions and agents), the decisions in the rendezvous' core, the carrying out in
-the executor, and what happened goes onto the observation stream once. The core never sees a
-protobuf message, and the event loop never calls NIXL.
+The servicers call the worker and peer methods with plain values; the NIXL thread reports WRITEs,
+READs, notifications and sealed steps; the peer calls (peercalls.py) bring back what peers answered;
+one timer brings the core's next deadline. Each is checked (the checks live with the state they
+guard: workers, inbound sessions, agents), fed to the rendezvous' core, and ``run`` carries out the
+actions that come out: deliver a completion, hand a WRITE or READ to the NIXL thread, call a peer.
+At the end of each loop turn that ran the core, the NIXL thread hears of changed counts and the one
+timer is re-armed at the core's next deadline (aioquic's ``call_at`` pattern): no polling tick. What
+happened goes onto the observation stream once. The core never sees a protobuf message, and the
+event loop never calls NIXL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 from kvpushd_client.types import Abort, Decline, Expect, Publish
 
-from ..config import Config
+from ..config import Config, backend_init_params
 from ..core.errors import (
     FailedPrecondition,
     InvalidArgument,
+    KvpushdError,
     NotFound,
+    PeerUnreachable,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
-from ..core.rendezvous import Registration
-from ..core.types import Completion, TransferMode
+from ..core.ledger import Ledger
+from ..core.notif import Notified
+from ..core.rendezvous import (
+    Action,
+    Deliver,
+    Dropped,
+    Registration,
+    SendFailNotice,
+    SendOffer,
+    SendReadFailed,
+    SendRegister,
+    SendWithdraw,
+    StartRead,
+    StartWrite,
+    StopWrite,
+)
+from ..core.types import Completion, CompletionKind, FailureCode, Figures, TransferMode
 from ..events import EventHub, EventKind
 from ..tracing import Tracing
+from ..transfer.records import ReadResult, WriteResult
+from ..transfer.thread import TransferThread
+from . import observe as o
 from .checks import check_block_ids, check_transfer_id
-from .executor import Executor
 from .identity import Identity
 from .inbound import Hello, Origin
-from .observe import Counted, Observations, PeerHeard
 from .peerbook import PeerBook
+from .peercalls import PeerCalls
 from .peerops import Declined, Notice, Offer, ReadFailed, Register
 from .rendezvous import Rendezvous
 from .tally import Tally
 from .view import View
-from .workers import Attach, Worker, Workers, check_blocks, check_progressive, check_skip
+from .workers import Attach, Worker, Workers, check_command
 
 log = structlog.get_logger(__name__)
 
 
 class Node:
-    """One daemon: the rooms, wired. Servicers call these methods with plain values.
+    """One daemon: the rooms, wired, and the one driver of its core.
 
     What happens is emitted on ``obs``; its sinks (the books below, metrics, tracing) are
     registered by the composition root (app.py). ``tracing`` is asked for the context a Register
@@ -53,36 +80,54 @@ class Node:
     def __init__(self, cfg: Config, tracing: Tracing | None = None) -> None:
         self.cfg = cfg
         self.ident = Identity(cfg.node_id, f"{cfg.advertise_host}:{cfg.listen_host_port[1]}")
-        self.obs = Observations()
+        self.obs = o.Observations()
         self.events = EventHub()
         self.draining = False
         self.rv = Rendezvous(cfg)
         self.workers = Workers(cfg, self.ident, self.events)
         self.tracing = tracing or Tracing()
-        self.ex = Executor(cfg, self.ident, self.rv, self.workers, self.obs, self.tracing)
-        self.run = self.ex.run
-        self.inbound, self.outbound = self.ex.inbound, self.ex.outbound
-        self.peerbook = PeerBook(self.events, self.ex.live_addresses)
+        self.peers = PeerCalls(cfg, self.ident, self.rv, self.workers, self.obs, self.tracing, self)
+        self.inbound, self.outbound = self.peers.inbound, self.peers.outbound
+        self.peerbook = PeerBook(self.events, self.peers.live_addresses)
         self.tally = Tally(self.peerbook)
-        self.view = View(self.workers, self.rv, self.ex, self.tally, self.peerbook, lambda: self.draining)
+        self.view = View(self.workers, self.rv, self.peers, self.tally, self.peerbook, lambda: self.draining)
+        self.xfer: TransferThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._settle_waiters: list[asyncio.Future[None]] = []  # withdrawals waiting on WRITEs in flight
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._after_turn = False  # _turn_ended is scheduled
+        # what carries out each kind of action (the core's action classes are final)
+        p = self.peers
+        self._do: dict[type, Callable[[Any], None]] = {
+            Deliver: self._deliver, StartWrite: self._start_write, StopWrite: self._stop_write,
+            StartRead: self._start_read, SendRegister: p.register, SendFailNotice: p.fail,
+            SendWithdraw: p.withdraw, SendOffer: p.offer, SendReadFailed: p.read_failed, Dropped: self._dropped,
+        }
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.workers.xfer = self.ex.start(loop)
+        t = self.cfg.transfer
+        self._loop = loop
+        self.xfer = TransferThread(loop, t, TransferThread.Reports(self._on_writes, self._on_notifs, self._on_reads,
+                                                                   self._on_read_notifs, self._on_sealed),
+                                   params_for=lambda b, dev: backend_init_params(t, b, dev))
+        self.xfer.start()
+        self.workers.xfer = self.xfer
         self._housekeeping = loop.create_task(self._housekeep_forever())
 
     async def _housekeep_forever(self) -> None:
         """Heartbeats, peer silence, idle peers and workers that never opened a session: every
-        heartbeat interval. Deadlines of transfers are not here: the executor's timer has them."""
+        heartbeat interval. Deadlines of transfers are not here: the one timer has them."""
         interval = max(0.05, min(self.cfg.transfer.heartbeat_interval_s, self.cfg.worker_api.session_grace_s) / 2)
         while True:
             await asyncio.sleep(interval)
             try:
                 now = time.monotonic()
-                self.ex.housekeeping(now)
-                self.peerbook.forget_idle(time.time(), self.ex.idle_s)
+                self.peers.housekeeping(now)
+                self.peerbook.forget_idle(time.time(), self.peers.idle_s)
                 for wid in self.workers.without_session(now):
                     log.warning("worker never opened its session; detaching", worker_id=wid)
                     await self.detach(wid, "no session opened")
@@ -93,31 +138,31 @@ class Node:
         """Stop taking new transfers; wait for what is in flight, bounded by ``timeout_s`` whatever
         the peers do; every Publish and Expect still gets its one completion; release all memory."""
         self.draining = True
-        ex, send = self.ex, self.rv.send
+        send, tasks = self.rv.send, self.peers.tasks
         why = f"daemon {self.ident.node_id} is shutting down"
         self.run(self.rv.shutdown(why))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         grace = min(1.0, timeout_s / 4)  # kept for cancelling what is still in flight at the end
         # What is left are WRITEs in flight (and notices to peers): let them finish, bounded.
-        while (len(send) or ex.tasks) and loop.time() < deadline - grace:
+        while (len(send) or tasks) and loop.time() < deadline - grace:
             await asyncio.sleep(0.02)
-        if len(send) and ex.xfer is not None:
+        if len(send) and self.xfer is not None:
             log.warning("drain bound reached: cancelling transfers in flight", pending=len(send))
-            ex.xfer.cancel_inflight(f"{why}: drain_timeout_s = {timeout_s:g}s passed")
+            self.xfer.cancel_inflight(f"{why}: drain_timeout_s = {timeout_s:g}s passed")
             while len(send) and loop.time() < deadline:
                 await asyncio.sleep(0.01)
         self.run(send.give_up(f"{why}: drain_timeout_s = {timeout_s:g}s passed"))  # legs nothing confirms
-        for task in list(ex.tasks):  # peer calls that hang on a stalled peer
+        for task in list(tasks):  # peer calls that hang on a stalled peer
             task.cancel()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
-        ex.stop_timer()
+        self.stop_timer()
         for wid in list(self.workers.by_id):
             await self.detach(wid, "daemon shutting down")
         await self.outbound.close()
-        if ex.xfer is not None:
-            await loop.run_in_executor(None, ex.xfer.stop)
+        if self.xfer is not None:
+            await loop.run_in_executor(None, self.xfer.stop)
 
     # -- worker API -----------------------------------------------------------------------------
 
@@ -125,19 +170,10 @@ class Node:
         self._not_draining()
         return await self.workers.attach(a)
 
-    def worker(self, worker_id: str) -> Worker:
-        return self.workers.get(worker_id)
-
     def expect(self, worker_id: str, cmd: Expect) -> None:
         self._not_draining()
         w = self.workers.get(worker_id)
-        if not w.role.can_receive:
-            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot expect")
-        check_blocks(w, cmd.block_ids, self.cfg)
-        check_skip(w, cmd.skip_tokens)
-        check_transfer_id(cmd.transfer_id)
-        if not cmd.producer_engine_id:
-            raise InvalidArgument("producer_engine_id must not be empty")
+        check_command(w, cmd, self.cfg)
         self.rv.bounded()
         again = self.rv.recv.pending(w.worker_id, cmd.transfer_id)
         actions = self.rv.recv.expect(time.monotonic(), w, cmd)
@@ -151,18 +187,12 @@ class Node:
         ``ready_blocks``: how many of the first blocks are complete already (written at once)."""
         self._not_draining()
         w = self.workers.get(worker_id)
-        if not w.role.can_send:
-            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot publish")
-        check_blocks(w, cmd.block_ids, self.cfg)
-        check_transfer_id(cmd.transfer_id)
-        if max(len(cmd.consumer_node_id), len(cmd.consumer_tls_name)) > 256:
-            raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
-        check_progressive(w, cmd.step, cmd.layers)
+        check_command(w, cmd, self.cfg)
         self.rv.bounded()
         again = self.rv.send.has_publish(w.engine_id, cmd.transfer_id, w.tp_rank)
         actions = self.rv.send.publish(time.monotonic(), w, cmd)
-        if cmd.layers:
-            self.ex.watch_step(w.worker_id, cmd.step)
+        if cmd.layers and self.xfer is not None:  # progressive push: the thread watches the worker's doorbell
+            self.xfer.watch_step(w.worker_id, cmd.step)
         if not again:
             self._started(w, cmd.transfer_id, "send")
         self.run(actions)
@@ -183,41 +213,30 @@ class Node:
         """Decode side: the worker will never Expect this transfer (its Expect failed before it got
         here); the prefill daemon hears so and frees the transfer's source blocks at once."""
         w = self.workers.get(worker_id)
-        if not w.role.can_receive:
-            raise FailedPrecondition(f"worker {worker_id} attached as {w.role.name}: it cannot decline")
+        check_command(w, cmd, self.cfg)
         tid, address, engine = cmd.transfer_id, cmd.producer_address, cmd.producer_engine_id
-        check_transfer_id(tid)
-        if not engine or not address:
-            raise InvalidArgument("producer_address and producer_engine_id must not be empty")
         if self.rv.recv.pending(w.worker_id, tid):
             raise FailedPrecondition(f"transfer {tid[:256]!r} is pending on this worker: abort it instead")
         log.info("transfer declined", transfer_id=tid[:256], worker_id=w.worker_id, peer=address)
-        self.ex.decline(address[:256], tid, engine[:256], w.engine_id, cmd.reason[:2000])
-
-    def called(self, worker_id: str, commands: int) -> None:
-        """Count a worker's Stream batch of ``commands`` commands, for status."""
-        w = self.workers.live(worker_id)
-        if w is not None:
-            w.command_batches += 1
-            w.stream_commands += commands
-
-    def session_batches(self, worker_id: str) -> AsyncIterator[list[Completion]]:
-        """The worker's completions in batches (the Stream RPC); the caller's end means detach."""
-        return self.workers.session_batches(worker_id, self.detach)
-
-    def wake(self, worker_id: str) -> None:
-        """Wake the worker's session (the Stream RPC has answers of its own to send)."""
-        w = self.workers.live(worker_id)
-        if w is not None:
-            w.wakeup.set()
+        self.peers.decline(address[:256], tid, engine[:256], w.engine_id, cmd.reason[:2000])
 
     async def detach(self, worker_id: str, why: str) -> None:
         w = self.workers.mark_gone(worker_id)
         if w is None:
             await self.workers.releasing(worker_id)
             return
-        self.ex.worker_gone(worker_id, why)
+        self.worker_gone(worker_id, why)
         await self.workers.release(w, why)  # waits for this worker's in-flight WRITEs
+
+    def worker_gone(self, worker_id: str, why: str) -> None:
+        """A worker detached: each of its transfers still pending ends now for the books (its own
+        completion, if one follows when its WRITEs in flight settle, goes nowhere)."""
+        now = time.monotonic()
+        for led in [*self.rv.send.ledgers_of(worker_id), *self.rv.recv.ledgers_of(worker_id)]:
+            led.done = now
+            self.obs.emit(o.Ended(Completion(CompletionKind.FAILED, led.transfer_id, FailureCode.WORKER_GONE,
+                                             f"worker detached: {why}", (), Figures()), led))
+        self.run(self.rv.worker_gone(worker_id))
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
 
@@ -225,21 +244,9 @@ class Node:
         """A peer daemon introduces itself; returns the secret token of its session."""
         token, replaced = self.inbound.handshake(hello, self.rv.send.holds)
         for old in replaced:
-            self.ex.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
-        self.obs.emit(PeerHeard(hello.peer_address, hello.node_id, inbound=True))
+            self.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
+        self.obs.emit(o.PeerHeard(hello.peer_address, hello.node_id, inbound=True))
         return token
-
-    def session_ok(self, instance_id: str, token: str) -> bool:
-        return self.inbound.session_ok(instance_id, token)
-
-    def channel_counts(self, instance_id: str, streams: int = 0, batches: int = 0) -> None:
-        """A peer's Channel stream opened or closed (``streams`` +1 / -1), or brought ``batches`` (for status)."""
-        o = self.inbound.origins.get(instance_id)
-        if o is not None:
-            o.streams = max(0, o.streams + streams)
-            o.stream_batches += batches
-            if streams < 0 and o.streams == 0:  # its last stream ended: housekeeping gives it a short grace
-                o.stream_ended = time.monotonic()
 
     def register(self, origin_id: str, item: Register) -> bool:
         """A decode daemon's registration. Returns False when we need the agent's metadata."""
@@ -249,7 +256,7 @@ class Node:
         check_transfer_id(tid)
         self._peer_limits(origin, len(item.block_ids))
         if origin.book_contact():
-            self.obs.emit(PeerHeard(origin.address, inbound=True))
+            self.obs.emit(o.PeerHeard(origin.address, inbound=True))
         if self.workers.producer(engine) is None:
             raise NotFound(f"no prefill engine {engine!r} is attached to node {self.ident.node_id}")
         known = self.inbound.consumers.admit(origin, item.agent, lambda: self.rv.send.agents_in_use(origin_id))
@@ -268,7 +275,7 @@ class Node:
             actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
             origin.refused += 1
-            self.obs.emit(Counted("peer_calls_refused"))
+            self.obs.emit(o.Counted("peer_calls_refused"))
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
                         transfer_id=tid[:256], consumer_rank=item.consumer_rank, reason=str(e))
             raise
@@ -276,26 +283,10 @@ class Node:
         return True
 
     def _peer_limits(self, origin: Origin, n_blocks: int | None) -> None:
-        """What one decode daemon may ask of us: Registers (and Declines) per second, registrations and
-        blocks held (``n_blocks`` None: a Decline, which holds nothing)."""
-        pa = self.cfg.peer_api
-        regs = blocks = 0
-        for instance in self.inbound.of_identity(origin):  # the caller's sessions share its quotas
-            r, b = self.rv.send.held_by(instance)
-            regs, blocks = regs + r, blocks + b
-        why = ""
-        if not origin.take(pa.max_registers_per_s):
-            why = (f"more than {pa.max_registers_per_s:g} Registers and Declines per second "
-                   "(peer_api.max_registers_per_s)")
-        elif n_blocks is not None and regs + 1 > pa.max_registrations_per_peer:
-            why = (f"{regs} registrations pending from {origin.identity[:128]}; at most "
-                   f"{pa.max_registrations_per_peer} (peer_api.max_registrations_per_peer)")
-        elif n_blocks is not None and blocks + n_blocks > pa.max_blocks_per_peer:
-            why = (f"{blocks} destination blocks held for {origin.identity[:128]}, {n_blocks} more asked; at most "
-                   f"{pa.max_blocks_per_peer} (peer_api.max_blocks_per_peer)")
+        why = self.inbound.over_quota(origin, n_blocks, self.rv.send.held_by, self.cfg.peer_api)
         if why:
             origin.refused += 1
-            self.obs.emit(Counted("peer_calls_refused"))
+            self.obs.emit(o.Counted("peer_calls_refused"))
             log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
             raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: {why}", peer=origin.address)
 
@@ -305,7 +296,7 @@ class Node:
         key = self.rv.send.transfer_of(origin_id, n.registration_id)
         self.run(self.rv.send.withdraw(origin_id, n.transfer_id, n.registration_id, n.code, n.reason))
         if key is not None:
-            await self.ex.wait_unwritten(key, n.registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
+            await self._wait_unwritten(key, n.registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
 
     def declined(self, origin_id: str, item: Declined) -> None:
         """A decode daemon will never register this transfer: fail its publishes now and later."""
@@ -317,7 +308,7 @@ class Node:
             raise NotFound(f"no prefill engine {engine[:256]!r} is attached to node {self.ident.node_id}")
         why = f"decode engine {item.consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {item.reason[:1000]}"
         actions = self.rv.send.decline(time.monotonic(), origin_id, engine, tid, why)
-        self.obs.emit(Counted("declines_received"))
+        self.obs.emit(o.Counted("declines_received"))
         log.info("transfer declined by the decode side", transfer_id=tid[:256], peer_node=origin.node_id,
                  reason=item.reason[:200])
         self.run(actions)
@@ -371,6 +362,212 @@ class Node:
         origin = self.inbound.caller(caller_instance_id)
         self.run(self.rv.send.read_done(caller_instance_id, item.registration_id, item.producer_rank, False,
                                         f"decode daemon {origin.node_id}: {item.reason[:2000]}"))
+
+    # -- NIXL callbacks (on the loop): core event, then emit -------------------------------------
+
+    def _on_writes(self, results: list[WriteResult]) -> None:
+        actions: list[Action] = []
+        now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
+        for r in results:
+            if not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics, the spans)
+                led, origin = self.rv.send.ledger_of(r.leg), self.inbound.origins.get(self.rv.send.origin_of(r.leg))
+                self.obs.emit(o.WriteDone(r, r.leg.transfer_id, led.worker_id if led else "",
+                                          origin.address if origin else ""))
+            actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
+            if debug:  # its arguments are built only then (bench critical-path reads these lines)
+                log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
+                          post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
+                          xfer_us=round(r.xfer_s * 1e6), descriptors=r.descs_posted, bytes=r.nbytes)
+        self.run(actions)
+
+    def _on_sealed(self, steps: list[tuple[str, int]]) -> None:
+        actions: list[Action] = []
+        for worker_id, step in steps:
+            actions += self.rv.send.sealed(worker_id, step)
+        self.run(actions)
+
+    def _on_notifs(self, notifs: list[Notified]) -> None:
+        actions: list[Action] = []
+        now = time.monotonic()
+        for n in notifs:
+            actions += self.rv.recv.notified(*n, now=now)
+        self.obs.emit(o.Counted("notifications_received", len(notifs)))
+        self.run(actions)
+
+    def _on_read_notifs(self, notifs: list[tuple[str, int, int]]) -> None:
+        """Pull mode, prefill side: READ notifications on our producer agents (the READ completed)."""
+        actions: list[Action] = []
+        for agent_name, rid, rank in notifs:
+            origin = self.inbound.origin_of_consumer_agent(agent_name)
+            if origin is None:
+                log.info("READ notification from an unknown agent", remote_agent=agent_name[:128])
+                continue
+            actions += self.rv.send.read_done(origin.instance_id, rid, rank, True)
+        self.run(actions)
+
+    def _on_reads(self, results: list[ReadResult]) -> None:
+        """Pull mode, decode side: READs this daemon posted have completed (or failed)."""
+        actions: list[Action] = []
+        now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
+        for r in results:
+            actions += self.rv.recv.read_done(r.key, r.ok, r.reason, r, now)
+            if debug:
+                log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
+                          post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
+        self.run(actions)
+
+    # -- what peers answered (from peercalls.py), and peers lost -------------------------------------
+
+    def registered(self, batch: Sequence[SendRegister], results: Sequence[KvpushdError | None]) -> None:
+        """A prefill daemon answered Registers: each None, or why it refused or could not be reached."""
+        actions: list[Action] = []
+        for a, err in zip(batch, results, strict=True):
+            if err is None:
+                actions += self.rv.recv.registered(a.registration_id)
+            else:
+                code = FailureCode.PEER_UNREACHABLE if isinstance(err, PeerUnreachable) else FailureCode.PEER_REJECTED
+                actions += self.rv.recv.failed(a.registration_id, code, str(err))
+        self.run(actions)
+
+    def withdraw_answered(self, registration_id: int) -> None:
+        """The prefill daemon answered a withdrawal (or is gone): no WRITE into its blocks is in flight."""
+        self.run(self.rv.recv.withdraw_answered(registration_id))
+
+    def offer_failed(self, a: SendOffer, why: str) -> None:
+        """Pull mode, prefill side: the decode daemon did not start the READ of an offer (or is gone)."""
+        reg = a.registration
+        self.run(self.rv.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
+
+    def producer_lost(self, address: str, reason: str, restarted: bool = False) -> None:
+        """A prefill daemon is unreachable (or restarted): its pending receives fail now."""
+        self.obs.emit(o.PeerLost(address, reason))
+        self.run(self.rv.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
+
+    def origin_lost(self, origin: Origin, reason: str) -> None:
+        """A daemon that called us is gone (silent, or restarted): what it had pending here fails."""
+        regs, _ = self.rv.send.held_by(origin.instance_id)
+        log.warning("decode daemon lost", peer_node=origin.node_id, peer_address=origin.address, reason=reason,
+                    registrations=regs)
+        self.obs.emit(o.PeerLost(origin.address, reason, inbound=True))
+        if self.xfer is not None:  # its WRITEs (and READs) in flight end now, releasing their blocks
+            self.xfer.cancel_to([*self.inbound.consumers.names_of(origin.instance_id),
+                                 *self.inbound.producers.names_of(origin.instance_id)], f"peer lost: {reason}")
+        self.inbound.drop(origin)
+        self.run(self.rv.send.origin_lost(origin.instance_id, reason))
+
+    def forget_remote(self, name: str) -> None:
+        if self.xfer is not None:
+            self.xfer.forget_remote(name)  # deferred by the thread while a transfer uses it
+
+    # -- carrying out core actions --------------------------------------------------------------
+
+    def run(self, actions: Sequence[Action]) -> None:
+        do = self._do
+        for a in actions:
+            do[type(a)](a)
+        if not self._after_turn and self._loop is not None:  # once per loop turn, however many runs it has
+            self._after_turn = True
+            self._loop.call_soon(self._turn_ended)
+
+    def _turn_ended(self) -> None:
+        """After the runs of one loop turn: the NIXL thread hears of changed counts, withdrawals waiting
+        on WRITEs look again, and the timer is armed at the core's next deadline."""
+        self._after_turn = False
+        self._tell_thread()
+        if self._settle_waiters:
+            waiters, self._settle_waiters = self._settle_waiters, []
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
+        self._arm()
+
+    def _tell_thread(self) -> None:
+        """The NIXL thread polls while READs are offered or receives wait: it hears of a changed count only."""
+        if (x := self.xfer) is not None:
+            if (n := self.rv.send.pulling()) != x.pulling:
+                x.set_pulling(n)
+            if (n := len(self.rv.recv) + self.peers.withdrawing) != x.expecting:
+                x.set_expecting(n)
+
+    def _arm(self) -> None:
+        """One timer at the core's next deadline; re-armed at the end of every loop turn that ran the core."""
+        if self._loop is None:
+            return
+        nxt = self.rv.next_deadline()
+        if nxt is None:
+            self.stop_timer()
+            return
+        if self._timer is not None and self._timer_at <= nxt:
+            return  # armed for as early or earlier: it re-arms when it fires
+        self.stop_timer()
+        self._timer_at = nxt
+        # a millisecond late rather than early: the loop's clock may round the delay down
+        self._timer = self._loop.call_later(max(nxt - time.monotonic(), 0.0) + 1e-3, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        try:
+            self.run(self.rv.tick(time.monotonic()))
+        except Exception:  # a bug here must not stop deadlines for good
+            log.exception("deadline handling failed")
+            self._arm()
+
+    def _deliver(self, a: Deliver) -> None:
+        worker_id, c, led = a.worker_id, a.completion, a.ledger
+        if led is None:  # refused before any record of it was made
+            led = Ledger("send" if c.kind is CompletionKind.FINISHED_SENDING else "recv", worker_id, "",
+                         c.transfer_id, len(c.block_ids), time.monotonic())
+        ended = led.done  # its worker went first: the end was told then
+        led.done = ended or time.monotonic()
+        c = Completion(c.kind, c.transfer_id, c.code, c.reason, c.block_ids,
+                       led.figures(c.kind is CompletionKind.FINISHED_RECEIVING))
+        if not ended:
+            self.obs.emit(o.Ended(c, led))
+        self.workers.deliver(worker_id, c)
+
+    def _start_write(self, a: StartWrite) -> None:
+        assert self.xfer is not None
+        reg = a.registration
+        origin = self.inbound.origins.get(reg.origin)
+        peer = origin.address if origin is not None else ""
+        if (led := self.rv.send.ledger_of(a.leg)) is not None:
+            led.peer = peer
+        agent = self.inbound.consumers.get(reg.consumer_agent)
+        if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
+            self._on_writes([WriteResult(a.leg, False, "consumer agent unknown", 0, 0, 0, 0, 0)])
+            return
+        self.xfer.post(a, agent)
+
+    def _stop_write(self, a: StopWrite) -> None:
+        if self.xfer is not None:
+            self.xfer.stop_write(a.leg, a.reason)
+
+    def _dropped(self, a: Dropped) -> None:
+        self.obs.emit(o.Dropped(a.event, a.transfer_id, a.why))
+        log.debug("late event dropped", late_event=a.event, transfer_id=a.transfer_id, why=a.why)
+
+    def _start_read(self, a: StartRead) -> None:
+        assert self.xfer is not None
+        agent = self.inbound.producers.get(a.producer_agent)
+        if agent is None:
+            self._on_reads([ReadResult(a.key, False, "producer agent unknown", 0, 0, 0, 0, 0)])
+            return
+        self.xfer.post(a, agent)
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def _wait_unwritten(self, key: tuple[str, str], registration_id: int, timeout_s: float) -> None:
+        """Return once no WRITE into that registration is in flight (bounded by ``timeout_s``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.rv.send.writing_into(key, registration_id) and loop.time() < deadline:
+            settled: asyncio.Future[None] = loop.create_future()  # woken by run after any core change
+            self._settle_waiters.append(settled)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(settled, deadline - loop.time())
 
     # -- checks ---------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ shared by every worker on this node; at most ``max_concurrent_handshakes`` hands
 (``HandshakeGate``: a fleet restarting together does not storm one daemon); an unreachable peer
 backs off exponentially with jitter (core/peerlink.backoff_s); the ``preconnect`` peers are
 handshaken at start, retried until they answer and never closed as idle; other peers are closed
-after ``idle_close_s`` with nothing pending (executor housekeeping).
+after ``idle_close_s`` with nothing pending (housekeeping in peercalls.py).
 """
 
 from __future__ import annotations

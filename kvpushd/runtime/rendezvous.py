@@ -1,8 +1,8 @@
 """The owner of the rendezvous: the core's two sides, one object.
 
-The servicers' facade (node.py) puts every worker and peer event in here and gets the actions out;
-the executor carries them out and puts what it learns back in (WRITEs done, notifications, peer
-answers). Nothing here does I/O or reads a clock but the one the caller hands in.
+The node (node.py), the one driver, puts every event in here (a worker's or a peer's command, WRITEs
+done, notifications, peer answers, the timer) and carries out the actions that come out. Nothing
+here does I/O or reads a clock but the one the caller hands in.
 """
 
 from __future__ import annotations

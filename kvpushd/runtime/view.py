@@ -15,9 +15,9 @@ from ..config import Config
 from ..core.rendezvous import RecvView, SendView
 from ..events import EventHub
 from ..transfer.backends import AgentBackend
-from .executor import Executor
 from .identity import Identity
 from .peerbook import PeerBook
+from .peercalls import PeerCalls
 from .rendezvous import Rendezvous
 from .tally import Counters, Tally
 from .workers import Worker, Workers
@@ -64,12 +64,12 @@ class View:
     """Reads the rooms it is given; the configuration, identity and event hub are the workers' room's
     (the same objects the node gave every room)."""
 
-    def __init__(self, workers: Workers, rv: Rendezvous, executor: Executor, tally: Tally, peerbook: PeerBook,
+    def __init__(self, workers: Workers, rv: Rendezvous, peers: PeerCalls, tally: Tally, peerbook: PeerBook,
                  is_draining: Callable[[], bool]) -> None:
         self.cfg: Config = workers.cfg
         self.events: EventHub = workers.events
         self._ident: Identity = workers.ident
-        self._workers, self._rv, self._ex = workers, rv, executor
+        self._workers, self._rv, self._peers = workers, rv, peers
         self._tally, self._peerbook, self._is_draining = tally, peerbook, is_draining
 
     # -- identity and settings ------------------------------------------------------------------
@@ -114,7 +114,7 @@ class View:
 
     @property
     def stray_notifications(self) -> int:
-        xfer = self._ex.xfer
+        xfer = self._workers.xfer
         return self._rv.recv.stray_notifications + (xfer.stray_notifications if xfer else 0)
 
     def held_blocks(self) -> dict[str, int]:
@@ -143,7 +143,7 @@ class View:
         return self._workers.by_id.get(worker_id)
 
     def agent_backends(self, worker_id: str) -> tuple[AgentBackend, ...]:
-        xfer = self._ex.xfer
+        xfer = self._workers.xfer
         return xfer.agent_backends.get(worker_id, ()) if xfer is not None else ()
 
     def send_transfers(self) -> list[SendView]:
@@ -156,16 +156,16 @@ class View:
 
     def peer_links(self) -> tuple[int, int, int, int]:
         """(handshakes in flight, handshakes waiting, outbound peers connected, inbound sessions)."""
-        out = self._ex.outbound
-        return out.gate.in_flight, out.gate.waiting, out.connected(), len(self._ex.inbound.origins)
+        out = self._peers.outbound
+        return out.gate.in_flight, out.gate.waiting, out.connected(), len(self._peers.inbound.origins)
 
     def peers(self) -> list[PeerView]:
         """Every other daemon we call (outbound) or that calls us (inbound), by its peer address."""
         wall = time.time()
         loop_now = asyncio.get_running_loop().time()
         mono_now = time.monotonic()
-        peers = self._ex.outbound.peers
-        inbound = {o.address: o for o in self._ex.inbound.origins.values()}
+        peers = self._peers.outbound.peers
+        inbound = {o.address: o for o in self._peers.inbound.origins.values()}
         out = []
         for addr in sorted(set(peers) | set(inbound) | set(self._peerbook.peers)):
             client = peers.get(addr)
@@ -202,7 +202,7 @@ class View:
 
     def peer_identities(self) -> list[IdentityView]:
         """Each identity with a session here and what its sessions hold, summed as the quotas sum them."""
-        inbound, send = self._ex.inbound, self._rv.send
+        inbound, send = self._peers.inbound, self._rv.send
         out = []
         for identity, instances in list(inbound.identities.items()):
             regs = blocks = refused = 0

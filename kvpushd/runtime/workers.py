@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
+from kvpushd_client.types import Decline, Expect, Publish
 
 from ..config import Config
 from ..core.errors import (
@@ -38,7 +39,7 @@ from ..memory.vmm import VmmMapping, check_described, check_growth, check_region
 from ..transfer.backends import vmm_transport_note
 from ..transfer.descs import RegionSpec
 from ..transfer.thread import TransferThread
-from .checks import check_block_ids, check_geometry
+from .checks import check_block_ids, check_geometry, check_transfer_id
 from .identity import Identity, agent_prefix
 
 log = structlog.get_logger(__name__)
@@ -287,6 +288,19 @@ class Workers:
         w = self.by_id.get(worker_id)
         return None if w is None or w.gone else w
 
+    def called(self, worker_id: str, commands: int) -> None:
+        """Count a worker's Stream batch of ``commands`` commands, for status."""
+        w = self.live(worker_id)
+        if w is not None:
+            w.command_batches += 1
+            w.stream_commands += commands
+
+    def wake(self, worker_id: str) -> None:
+        """Wake the worker's session (the Stream RPC has answers of its own to send)."""
+        w = self.live(worker_id)
+        if w is not None:
+            w.wakeup.set()
+
     def producer(self, engine_id: str) -> Worker | None:
         """A prefill worker of that engine (any rank: they share a layout), or None."""
         return next((w for w in self.by_id.values() if w.engine_id == engine_id and w.role.can_send and not w.gone),
@@ -382,6 +396,32 @@ def _abandoned(task: asyncio.Future[Worker]) -> None:
     else:
         log.info("an Attach whose caller left finished; its worker goes unless it opens a session",
                  worker_id=task.result().worker_id)
+
+
+def check_command(w: Worker, cmd: Expect | Publish | Decline, cfg: Config) -> None:
+    """What a worker's Expect, Publish or Decline must be before the core sees it."""
+    if isinstance(cmd, Publish):
+        if not w.role.can_send:
+            raise FailedPrecondition(f"worker {w.worker_id} attached as {w.role.name}: it cannot publish")
+        check_blocks(w, cmd.block_ids, cfg)
+        check_transfer_id(cmd.transfer_id)
+        if max(len(cmd.consumer_node_id), len(cmd.consumer_tls_name)) > 256:
+            raise InvalidArgument("consumer_node_id and consumer_tls_name are limited to 256 characters")
+        check_progressive(w, cmd.step, cmd.layers)
+        return
+    if not w.role.can_receive:
+        verb = "expect" if isinstance(cmd, Expect) else "decline"
+        raise FailedPrecondition(f"worker {w.worker_id} attached as {w.role.name}: it cannot {verb}")
+    if isinstance(cmd, Decline):
+        check_transfer_id(cmd.transfer_id)
+        if not cmd.producer_engine_id or not cmd.producer_address:
+            raise InvalidArgument("producer_address and producer_engine_id must not be empty")
+        return
+    check_blocks(w, cmd.block_ids, cfg)
+    check_skip(w, cmd.skip_tokens)
+    check_transfer_id(cmd.transfer_id)
+    if not cmd.producer_engine_id:
+        raise InvalidArgument("producer_engine_id must not be empty")
 
 
 def check_blocks(w: Worker, block_ids: Sequence[int], cfg: Config) -> None:

@@ -67,9 +67,9 @@ def test_a_worker_gone_ends_each_of_its_transfers_once_for_the_books() -> None:
 
     async def go() -> None:
         for tid in ("a", "b"):
-            n.ex.run(n.rv.recv.expect(1.0, w, Expect(tid, [1, 2, 3], "10.0.0.1:50061", "prefill")))
-        n.ex.worker_gone("d1", "stream ended")
-        await asyncio.gather(*n.ex.tasks)
+            n.run(n.rv.recv.expect(1.0, w, Expect(tid, [1, 2, 3], "10.0.0.1:50061", "prefill")))
+        n.worker_gone("d1", "stream ended")
+        await asyncio.gather(*n.peers.tasks)
 
     asyncio.run(go())
     assert sorted((e.ledger.transfer_id, e.completion.code) for e in ended) == [

@@ -1,5 +1,5 @@
 """The observation stream: a record reaches the sinks registered for its type, in their order, once;
-the executor's NIXL callback is the core event, then one record that every book reads."""
+the node's NIXL callback is the core event, then one record that every book reads."""
 
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     records: list[object] = []
     for kind in (o.WriteDone, o.Ended, o.Dropped):
         n.obs.on(kind, records.append)
-    n.ex.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
-    rv, ex = n.rv, n.ex
+    n.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
+    rv, ex = n.rv, n
 
     async def rendezvous() -> None:  # the failure notice to the (unknown) decode daemon is a task
         ex.run(rv.send.publish(100.0, WorkerRef("w1", "prefill", 0, 1), Publish("tid", [1, 2])))
         reg = Registration(7, "origin", "tid", "prefill", 1, "agent", 0, 1, (3, 4), TransferMode.PUSH)
         ex.run(rv.send.register(100.5, reg))
-        await asyncio.gather(*ex.tasks)
+        await asyncio.gather(*n.peers.tasks)
 
     asyncio.run(rendezvous())
     # The rendezvous met is the ledger's, the failed WRITE the stream's.
@@ -63,14 +63,14 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
 
 
 def test_every_kind_of_core_action_has_its_handler() -> None:
-    """The executor carries out an action by its type: a kind of action added to the core without a
+    """The node carries out an action by its type: a kind of action added to the core without a
     handler would fail at its first use, on the transfer path."""
     import typing
 
     from kvpushd.core.rendezvous import Action
 
     n = Node(config.from_dict({}))
-    assert set(typing.get_args(Action)) == set(n.ex._do)
+    assert set(typing.get_args(Action)) == set(n._do)
 
 
 def test_a_failed_write_is_booked_against_the_decode_daemon_it_was_for() -> None:
@@ -80,17 +80,17 @@ def test_a_failed_write_is_booked_against_the_decode_daemon_it_was_for() -> None
 
     n = Node(config.from_dict({}))
     observe(n)
-    n.ex.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
+    n.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
     n.inbound.origins["origin"] = Origin("origin", "dnode", "10.0.0.9:50061")
     failed: list[o.WriteDone] = []
     n.obs.on(o.WriteDone, failed.append)
-    rv, ex = n.rv, n.ex
+    rv, ex = n.rv, n
 
     async def rendezvous() -> None:
         ex.run(rv.send.publish(100.0, WorkerRef("w1", "prefill", 0, 1), Publish("tid", [1, 2])))
         reg = Registration(7, "origin", "tid", "prefill", 1, "agent", 0, 1, (3, 4), TransferMode.PUSH)
         ex.run(rv.send.register(100.5, reg))
-        await asyncio.gather(*ex.tasks, return_exceptions=True)
+        await asyncio.gather(*n.peers.tasks, return_exceptions=True)
 
     asyncio.run(rendezvous())
     (w,) = failed

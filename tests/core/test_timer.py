@@ -1,6 +1,6 @@
-"""Deadlines need no polling: the executor arms one timer at the core's next deadline.
+"""Deadlines need no polling: the node arms one timer at the core's next deadline.
 
-A fake loop records what the executor schedules and a fake clock stands in for time.monotonic, so
+A fake loop records what the node schedules and a fake clock stands in for time.monotonic, so
 the lease's expiry is shown without sleeping: the only callback ever scheduled is due exactly at
 the publish lease's end (not a tick every few milliseconds), and firing it fails the publish.
 """
@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import pytest
 
-import kvpushd.runtime.executor as executor_mod
 from kvpushd import config
 from kvpushd.app import observe
 from kvpushd.core.types import FailureCode, Publish, WorkerRef
@@ -67,7 +66,6 @@ class FakeLoop:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock(1000.0)
-    monkeypatch.setattr(executor_mod, "time", c)
     monkeypatch.setattr(node_mod, "time", c)
     return c
 
@@ -76,7 +74,7 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
     cfg = config.from_dict({"transfer": {"publish_timeout_s": 30.0}})
     n = Node(cfg)
     observe(n)
-    ex, rv = n.ex, n.rv
+    ex, rv = n, n.rv
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]  # what start() sets, without the NIXL thread
     failures: list[Event] = []
@@ -105,7 +103,7 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
 def test_early_fire_only_rearms(clock: FakeClock) -> None:
     """A timer that fires before the deadline (a coarse loop clock) changes nothing but re-arms."""
     n = Node(config.from_dict({"transfer": {"expect_timeout_s": 10.0}}))
-    ex, rv = n.ex, n.rv
+    ex, rv = n, n.rv
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]
     ex.run(rv.send.publish(clock.t, WorkerRef("w1", "prefill", 0, 1), Publish("req-1", [1])))
@@ -118,5 +116,5 @@ def test_early_fire_only_rearms(clock: FakeClock) -> None:
 def test_no_periodic_deadline_tick_in_the_runtime() -> None:
     import kvpushd.runtime as rt
 
-    src = "".join(inspect.getsource(m) for m in (node_mod, executor_mod)) + inspect.getsource(rt)
-    assert "tick_forever" not in src and ".tick(" in inspect.getsource(executor_mod.Executor._on_timer)
+    src = inspect.getsource(node_mod) + inspect.getsource(rt)
+    assert "tick_forever" not in src and ".tick(" in inspect.getsource(node_mod.Node._on_timer)

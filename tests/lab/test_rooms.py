@@ -13,6 +13,9 @@ LONG_FROM = 500
 # file -> why it may be long (one state machine or one table)
 LONG: dict[str, str] = {
     "kvpushd/core/send.py": "SendSide: the send side's state machine (legs, publishes, registrations) in one object",
+    "kvpushd/runtime/node.py": ("Node: the one driver of the core: every event (a worker's or a peer's command, "
+                                "the NIXL thread's reports, a peer's answer, the timer) goes in and every action "
+                                "comes out (the action table) in one object"),
     "kvpushd/transfer/thread.py": ("TransferThread: the one owner of every NIXL call, the state of the transfers in "
                                    "flight (posted, polled, cancelled, drained) in one object"),
 }
