@@ -223,7 +223,7 @@ class TransferConfig(Section, frozen=True):
     expect_timeout_s: Annotated[float, Positive, Meta(description=(
         "Seconds a decode registration waits for its blocks to arrive"))] = 120.0
     poll_interval_s: Annotated[float, Positive, Meta(description=(
-        "NIXL progress interval while transfers are active"))] = 0.0002
+        "NIXL progress interval while transfers are active"))] = 0.0001
     poll_max_interval_s: Annotated[float, Positive, Meta(description=(
         "The interval polling backs off to while nothing happens (idle: no polling)"))] = 0.001
     poll_hot_s: Annotated[float, Meta(ge=0, le=3600, description=(

@@ -3,7 +3,8 @@ its first ``transfer.poll_hot_s`` (the short period) and after it (backed off), 
 every 100 ms (a decode node in use: always hot), and with a progressive publish declared and met whose
 prefill step is still computing (the prefill daemon's NIXL thread watching the worker's doorbell).
 
-Run from the repository root: ``python scripts/bench_poll_cpu.py [POLL_HOT_S]``; prints one JSON object.
+Run from the repository root: ``python scripts/bench_poll_cpu.py [POLL_HOT_S [POLL_INTERVAL_S]]``; prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from kvpushd_client import Role
 from support import make_kv, start_daemon  # tests/support: the test helpers (daemons via kvpushd_lab.launch)
+
+from kvpushd.config import TransferConfig
 
 
 def cpu_s(pid: int) -> float:
@@ -44,8 +47,10 @@ def percent(pids: list[int], seconds: float, every_100ms: Callable[[], None] | N
 
 def main() -> None:
     hot = float(sys.argv[1]) if len(sys.argv) > 1 else 2.0
+    interval = float(sys.argv[2]) if len(sys.argv) > 2 else TransferConfig().poll_interval_s  # the default
     with tempfile.TemporaryDirectory() as d:
-        cfg = f"[transfer]\nexpect_timeout_s = 300.0\npublish_timeout_s = 300.0\npoll_hot_s = {hot}\n"
+        cfg = (f"[transfer]\nexpect_timeout_s = 300.0\npublish_timeout_s = 300.0\npoll_hot_s = {hot}\n"
+               f"poll_interval_s = {interval}\n")
         p = start_daemon(Path(d), "pnode", cfg)
         dn = start_daemon(Path(d), "dnode", cfg)
         src, dst = make_kv("poll-cpu-src"), make_kv("poll-cpu-dst", fill="poison")
@@ -70,7 +75,8 @@ def main() -> None:
             time.sleep(1)
             bell = percent([p.proc.pid, dn.proc.pid], 10)
             pw.doorbell.seal()
-            print(json.dumps({"poll_hot_s": hot, "idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
+            print(json.dumps({"poll_hot_s": hot, "poll_interval_s": interval,
+                              "idle_cpu_pct": {"prefill": idle[0], "decode": idle[1]},
                               "declared_watching_doorbell_cpu_pct": {"prefill": bell[0], "decode": bell[1]},
                               "one_expect_hot_window_cpu_pct": {"prefill": hot_window[0], "decode": hot_window[1]},
                               "one_expect_waiting_cpu_pct": {"prefill": waiting[0], "decode": waiting[1]},

@@ -12,7 +12,7 @@ Per request size, three timings, interleaved rep by rep (so drifting machine loa
   the decode worker from its stream.
 
 The target process reads notifications every ``--poll-us``, and the daemons run with
-``transfer.poll_interval_s`` set to the same (default: the daemon's default, 200 us), so the
+``transfer.poll_interval_s`` set to the same (default: the daemon's default, 100 us), so the
 baselines get the same progress policy as the decode daemon.
 """
 
@@ -30,6 +30,7 @@ from kvpushd_client import CompletionKind, Role, StreamWorker
 
 from ..backend import BACKENDS, available
 from .common import (
+    DEFAULT_POLL_US,
     POISON,
     BenchError,
     DaemonProc,
@@ -54,9 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="blocks in random order on both sides (nothing to merge) instead of contiguous runs")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions per size and kind (default 5)")
     p.add_argument("--layers", type=int, default=64, help="layers (default 64: Qwen3-32B)")
-    p.add_argument("--poll-us", type=float, default=200.0,
+    p.add_argument("--poll-us", type=float, default=DEFAULT_POLL_US,
                    help="the daemons' transfer.poll_interval_s and how often the raw target reads notifications, "
-                        "in us (default 200: the daemon's default)")
+                        f"in us (default {DEFAULT_POLL_US:g}: the daemon's default)")
     p.add_argument("--backend", choices=BACKENDS, default="UCX",
                    help="NIXL backend of the daemons and of the raw agents (default UCX); LIBFABRIC needs "
                         "scripts/libfabric.sh's build and runs libfabric's tcp provider here")

@@ -22,9 +22,12 @@ import numpy as np
 import numpy.typing as npt
 from kvpushd_client import Region, SealedBuffer
 
+from kvpushd.config import TransferConfig
+
 from .. import launch
 
 POISON = 0x5A
+DEFAULT_POLL_US = TransferConfig().poll_interval_s * 1e6  # the daemons' transfer.poll_interval_s by default
 
 
 class BenchError(Exception):

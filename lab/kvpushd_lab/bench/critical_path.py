@@ -38,6 +38,7 @@ from kvpushd_client import CompletionKind, Role
 
 from .ceiling import _completion
 from .common import (
+    DEFAULT_POLL_US,
     POISON,
     BenchError,
     KVMemory,
@@ -243,7 +244,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "target_p99_us": TARGET_P99_US,
         "target_met": {"prefill_done_to_posted": a["p99"] <= TARGET_P99_US,
                        "landed_to_told": b["p99"] <= TARGET_P99_US},
-        "poll_interval_us": getattr(args, "poll_us", 0.0) or 200.0,
+        "poll_interval_us": getattr(args, "poll_us", 0.0) or DEFAULT_POLL_US,
         "gap_ms": getattr(args, "gap_ms", 0.0), "poll_max_interval_us": getattr(args, "poll_max_us", 0.0) or 1000.0,
         "poll_hot_s": getattr(args, "poll_hot_s", -1.0),
         "samples": len(a_us), "blocks_per_region": n, "regions": lay.regions,
@@ -283,8 +284,9 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
         "event loop, its NIXL thread queue (daemon queue_us), index arrays and make_prepped_xfer, plus the first "
         "bytes' wire time.",
         "(b) = FINISHED_RECEIVING returned to the decode worker (next_completion) - all last sentinels changed: "
-        "notification delivery, the decode daemon's NIXL poll (every transfer.poll_interval_s = 200 us), its event "
-        "loop, then the session stream and the client's reader thread.",
+        "notification delivery, the decode daemon's NIXL poll (every transfer.poll_interval_s = "
+        f"{getattr(args, 'poll_us', 0.0) or DEFAULT_POLL_US:g} us), its event loop, then the session stream and the "
+        "client's reader thread.",
         "daemon post_us: the prefill daemon's own debug log per WRITE (request reaching its NIXL thread -> "
         "transfer() returned, so it includes the copy on this transport).",
         f"the watcher looks every {args.watch_sleep_us:g} us (timer slack 1 ns) while armed, "

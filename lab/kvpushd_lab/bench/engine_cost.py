@@ -16,7 +16,7 @@ In-engine baseline (what vLLM's NIXL connectors do): a NIXL agent in the engine 
 prepared descriptor lists; per request the engine builds the index arrays, calls
 ``make_prepped_xfer`` and ``transfer``, and per step polls every WRITE in flight with
 ``check_xfer_state``. The destination agent lives in a helper process that reads notifications
-every 200 us, like a decode daemon.
+every 200 us.
 
 Steps run at a fixed period (``--step-ms``), alternating rounds of kvpushd steps and baseline
 steps so that the machine's load hits both alike.
