@@ -76,6 +76,12 @@ class Origin:
         within ``quiet_s``: the daemon behind it is gone (died, restarted, or lost its connection)."""
         return self.streams == 0 and (self.stream_ended >= self.last_seen or now - self.last_seen > quiet_s)
 
+    def unanswered(self, now: float, answer_s: float) -> bool:
+        """It never opened a Channel stream and was unheard for ``answer_s`` (a caller's Handshake
+        deadline) since its handshake: its daemon never got the answer, or gave up waiting for it."""
+        never = self.streams == 0 and not self.stream_batches and not self.stream_ended
+        return never and now - self.last_seen > answer_s
+
     def book_contact(self) -> bool:
         """Whether its contact goes to the peer book now: at most once a second (the status shows the
         last contact to the second), not once per Register."""
@@ -204,8 +210,9 @@ class Inbound:
     """Sessions of the daemons that call us, and the agents they introduced."""
 
     def __init__(self, forget_remote: Callable[[str], None], quiet_s: float = 10.0,
-                 max_sessions: int = 16) -> None:
+                 max_sessions: int = 16, answer_s: float = 5.0) -> None:
         self.quiet_s = quiet_s  # transfer.peer_timeout_s: a session unheard this long, streamless, has ended
+        self.answer_s = answer_s  # peer_api.connect_timeout_s: a caller's Handshake deadline
         self.max_sessions = max_sessions  # peer_api.max_sessions_per_peer: sessions open of one identity
         self.origins: dict[str, Origin] = {}
         self.identities: dict[str, set[str]] = {}  # identity -> instance ids of its sessions
@@ -220,8 +227,10 @@ class Inbound:
         A session is taken over only by the daemon it belongs to, never on a claim: the same instance
         id again needs the session's token (``Hello.token``), unless that session has ended
         (``Origin.ended``) and holds nothing (``busy``: whether an instance id has transfers pending
-        here). A new instance at the address of others replaces them only where the restart is proven:
-        the same TLS identity (certificate names), or an old session that has ended; otherwise it
+        here), or the handshake is of the same identity and the session never opened its stream within
+        a Handshake deadline (``Origin.unanswered``: its daemon lost the answer, and has no token). A
+        new instance at the address of others replaces them only where the restart is proven: the
+        same TLS identity (certificate names), or an old session that has ended; otherwise it
         stands beside them and they end by liveness (``silent``), so a handshake that merely claims
         another daemon's address or instance id drops nothing of it."""
         h, instance_id, peer_address = hello, hello.instance_id, hello.peer_address
@@ -243,7 +252,8 @@ class Inbound:
             if busy(instance_id):
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a peer session with transfers "
                                        "pending here; a daemon that lost its session token must wait for them to end")
-            if not known.ended(now, self.quiet_s):
+            if not known.ended(now, self.quiet_s) and not (
+                    h.identity == known.identity and known.unanswered(now, self.answer_s)):
                 raise PermissionDenied(f"instance id {instance_id[:64]!r} belongs to a live peer session; "
                                        "present its session token")
             self.drop(known)  # an ended session holding nothing: its instance starts afresh

@@ -59,7 +59,7 @@ class PeerCalls:
         self.tracing = tracing
         self.answers = answers
         self.inbound = Inbound(answers.forget_remote, cfg.transfer.peer_timeout_s,
-                               cfg.peer_api.max_sessions_per_peer)
+                               cfg.peer_api.max_sessions_per_peer, cfg.peer_api.connect_timeout_s)
         self.outbound = Outbound(ident, cfg.peer_api,
                                  lambda address, why: answers.producer_lost(address, why, restarted=True))
         self.tasks: set[asyncio.Task[None]] = set()

@@ -135,6 +135,45 @@ def test_handshake_asks_only_whether_that_peer_is_busy() -> None:
     assert asked == ["held", "idle", "idle"]
 
 
+def test_a_daemon_that_lost_its_handshake_answer_takes_its_unused_session_back() -> None:
+    """A decode daemon whose Handshake was answered after its deadline has no token for the session the
+    prefill daemon made, and handshakes again as the same instance. It gets a session once that one has
+    gone a Handshake deadline (peer_api.connect_timeout_s) without its stream ever opening, if the
+    handshake is of the same identity; before that, from another identity, or for a session that
+    opened its stream, a tokenless claim is still refused (a live session's own is not lost)."""
+    from kvpushd import PROTOCOL_VERSION
+    from kvpushd.core import notif
+    from kvpushd.core.errors import PermissionDenied
+    from kvpushd.runtime.inbound import Hello, Inbound
+
+    inbound = Inbound(lambda name: None, quiet_s=3600.0, answer_s=5.0)
+
+    def hs(instance: str, host: str = "10.0.0.9") -> str:
+        token, _ = inbound.handshake(Hello(PROTOCOL_VERSION, notif.compat_hash(), "decode-1", "10.0.0.9:7700",
+                                           instance, host=host), lambda i: False)
+        return token
+
+    lost = hs("lost")
+    with pytest.raises(PermissionDenied):  # within the deadline its answer may still be on the way
+        hs("lost")
+    inbound.origins["lost"].last_seen -= 6.0  # a Handshake deadline passed, no stream opened
+    with pytest.raises(PermissionDenied):  # another identity claiming it: refused
+        hs("lost", host="10.0.0.66")
+    again = hs("lost")  # the same identity: the unused session is its own, taken back
+    assert again and again != lost and inbound.origins["lost"].token == again
+
+    hs("used")
+    inbound.channel_counts("used", streams=1)  # its daemon got the answer: its stream is open
+    inbound.origins["used"].last_seen -= 6.0
+    with pytest.raises(PermissionDenied):
+        hs("used")
+    inbound.channel_counts("used", batches=1)
+    inbound.channel_counts("used", streams=-1)  # its stream ended after use: ended() decides, as before
+    inbound.origins["used"].last_seen = inbound.origins["used"].stream_ended + 1.0  # heard from since
+    with pytest.raises(PermissionDenied):
+        hs("used")
+
+
 def test_sessions_and_agents_counted_as_they_come_and_go() -> None:
     """The indexes that spare a handshake or a Register a scan of every session or agent: a restarted
     daemon (same address, new instance) replaces its old session once that one ended (a live one it

@@ -117,12 +117,6 @@ class Generator:
             except (grpc.aio.AioRpcError, RuntimeError, TimeoutError) as e:
                 p.error = f"{stage}: " + (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
                                           else repr(e))[:300]
-                if "live peer session" in p.error:
-                    # The daemon holds a live session of this instance that it has no token for (an earlier
-                    # Handshake answered after its deadline passed under load, or a Channel it cancelled
-                    # not yet seen to end), and refuses a tokenless claim of it until it has been quiet
-                    # for transfer.peer_timeout_s (an hour here): it starts over as a new instance.
-                    p.instance_id = uuid.uuid4().hex
             self.failures[p.error[:120]] += 1
             if p.call is not None:
                 p.call.cancel()
