@@ -79,8 +79,7 @@ class Origin:
     def unanswered(self, now: float, answer_s: float) -> bool:
         """It never opened a Channel stream and was unheard for ``answer_s`` (a caller's Handshake
         deadline) since its handshake: its daemon never got the answer, or gave up waiting for it."""
-        never = self.streams == 0 and not self.stream_batches and not self.stream_ended
-        return never and now - self.last_seen > answer_s
+        return self.streams == 0 and not self.stream_ended and now - self.last_seen > answer_s
 
     def book_contact(self) -> bool:
         """Whether its contact goes to the peer book now: at most once a second (the status shows the
