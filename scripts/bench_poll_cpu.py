@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-from kvpushd_client import Role
+from kvpushd_client import Expect, Publish, Role
 from support import make_kv, start_daemon  # tests/support: the test helpers (daemons via kvpushd_lab.launch)
 
 from kvpushd.config import TransferConfig
@@ -59,19 +59,19 @@ def main() -> None:
             dw = dn.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
             time.sleep(2)
             idle = percent([p.proc.pid, dn.proc.pid], 10)
-            dw.expect("wait", [1], p.peer_address, "prefill", 1)  # the prefill never publishes it
+            dw.send(Expect("wait", (1,), p.peer_address, "prefill", 1))  # the prefill never publishes it
             hot_window = percent([p.proc.pid, dn.proc.pid], hot) if hot >= 0.5 else [0.0, 0.0]
             time.sleep(1)
             waiting = percent([p.proc.pid, dn.proc.pid], 10)
             n = itertools.count(1)
             # a decode node in use: a new Expect every 100 ms
-            busy = percent([p.proc.pid, dn.proc.pid], 10, lambda: dw.expect(
-                f"more-{(i := next(n))}", [2 + i % 60], p.peer_address, "prefill", 1))
+            busy = percent([p.proc.pid, dn.proc.pid], 10, lambda: dw.send(Expect(
+                f"more-{(i := next(n))}", (2 + i % 60,), p.peer_address, "prefill", 1)))
             # a long forward: the publish is declared and its registration there, no layer rung yet
             assert pw.doorbell is not None
-            dw.expect_nowait("bell", [62], p.peer_address, "prefill", 1)
+            dw.send_nowait(Expect("bell", (62,), p.peer_address, "prefill", 1))
             dw.step()
-            pw.publish("bell", [62], step=pw.doorbell.step(), layers=4)
+            pw.send(Publish("bell", (62,), step=pw.doorbell.step(), layers=4))
             time.sleep(1)
             bell = percent([p.proc.pid, dn.proc.pid], 10)
             pw.doorbell.seal()

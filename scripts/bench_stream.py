@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-from kvpushd_client import Role
+from kvpushd_client import Expect, Publish, Role
 from pyspy_summary import top_self  # scripts/: run as python scripts/bench_stream.py
 from support import make_kv, start_daemon  # tests/support: the test helpers (daemons via kvpushd_lab.launch)
 
@@ -64,12 +64,12 @@ def run(mode: str, batch: int, rounds: int, profile: Path | None = None) -> dict
         def one_round(r: int) -> None:
             t0 = time.perf_counter()
             for i in range(batch):
-                dw.expect_nowait(f"r{r}-{i}", [i], p.peer_address, "prefill", 1)
+                dw.send_nowait(Expect(f"r{r}-{i}", (i,), p.peer_address, "prefill", 1))
             step(dw)
             step_us.append((time.perf_counter() - t0) * 1e6)
             t0 = time.perf_counter()
             for i in range(batch):
-                pw.publish_nowait(f"r{r}-{i}", [i])
+                pw.send_nowait(Publish(f"r{r}-{i}", (i,)))
             step(pw)
             step_us.append((time.perf_counter() - t0) * 1e6)
             got = 0

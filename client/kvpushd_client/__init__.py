@@ -28,14 +28,15 @@ from .types import (
     Publish,
     Region,
     Role,
-    ShmMemory,
     TransferFigures,
+    TransferMode,
 )
 
 __all__ = [
     "Abort", "Attach", "Command", "Completion", "CompletionKind", "CudaMemory", "DaemonUnavailable", "Decline",
     "Expect", "KVLayout", "KVPushClient", "KVPushError", "MemfdMemory", "Publish", "ReconnectingStreamWorker",
-    "Region", "Role", "SealedBuffer", "ShmMemory", "StreamWorker", "TransferFigures",
+    "Region", "Role", "SealedBuffer", "StreamWorker", "TransferFigures",
+    "TransferMode",
 ]
 
 _LAZY = {"KVPushClient": "client", "ReconnectingStreamWorker": "reconnect", "SealedBuffer": "shm",

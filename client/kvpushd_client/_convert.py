@@ -12,7 +12,6 @@ from .types import (
     CudaMemory,
     FailureCode,
     MemfdMemory,
-    ShmMemory,
     TransferFigures,
     TransferMode,
 )
@@ -53,8 +52,6 @@ def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None,
             if tokens is None or i not in tokens:
                 raise ValueError(f"memory {i} is a memfd that was not handed over (shm.hand_over)")
             mem.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[i], size=m.size)))
-        elif isinstance(m, ShmMemory):
-            mem.append(common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=m.name, size=m.size)))
         elif isinstance(m, CudaMemory):
             sentinel, sentinel_offset, restore = (m.arm_sentinel() if m.arm_sentinel is not None
                                                   else (m.sentinel, m.sentinel_offset, m.sentinel_restore))
@@ -64,7 +61,7 @@ def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None,
                 event_handle=m.event_handle, event_sync_required=m.event_sync_required,
                 sentinel=sentinel, sentinel_offset=sentinel_offset, sentinel_restore=restore)))
         else:
-            raise TypeError(f"memory must be ShmMemory, MemfdMemory, CudaMemory or VmmMemory, got {type(m).__name__}")
+            raise TypeError(f"memory must be MemfdMemory, CudaMemory or VmmMemory, got {type(m).__name__}")
     regs = [common_pb2.Region(memory_index=r.memory_index, offset=r.offset, num_blocks=r.num_blocks,
                               block_len=r.block_len, block_stride=r.block_stride or r.block_len,
                               block_size_tokens=r.block_size_tokens,
@@ -89,7 +86,7 @@ def failure_code_name(v: int) -> str:
         return f"UNKNOWN_{int(v)}"
 
 
-# A queued call the daemon refused (client side only, see Worker.*_nowait).
+# A queued command the daemon refused (client side only, see StreamWorker.send_nowait).
 REFUSED = FailureCode.REFUSED.name
 
 

@@ -2,7 +2,7 @@
 
     client = KVPushClient("/run/kvpushd/worker.sock")
     w = client.attach("prefill-0", Role.PRODUCER, tp_rank=0, tp_size=1, memory=[...], regions=[...])
-    w.publish_nowait("req-1", [3, 4, 5])   # appends to this step's batch
+    w.send_nowait(Publish("req-1", (3, 4, 5)))   # appends to this step's batch
     w.step()                              # the step's commands as one message, never waits on a transfer
     for c in w.completions():             # non-blocking: what the stream has delivered
         ...
@@ -56,7 +56,7 @@ class KVPushClient:
     def attach(self, engine_id: str, role: Role, tp_rank: int, tp_size: int, memory: Sequence[Memory | VmmMemory],
                regions: Sequence[Region], *, description: str = "", doorbell: Doorbell | bool = False) -> StreamWorker:
         """Hand the daemon this worker's KV memory, once; returns the worker, its session on one stream
-        both ways (commands batched per engine step: ``*_nowait`` then ``step()``; results and
+        both ways (commands batched per engine step: ``send_nowait`` then ``step()``; results and
         completions on the same stream). The common form of ``attach_record``: an Attach of pipeline
         stage 0 (a pipeline-parallel worker says its ``pp_rank`` in the record)."""
         return self.attach_record(Attach(engine_id, role, tp_rank, tp_size, tuple(memory), tuple(regions),

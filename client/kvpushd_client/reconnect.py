@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from . import _convert
 from .client import KVPushClient, retry_unavailable
 from .doorbell import Doorbell
@@ -86,7 +88,7 @@ def _close_quietly(client: KVPushClient | None, worker: StreamWorker | None) -> 
 class ReconnectingStreamWorker:
     """The attachment to the local daemon on a worker stream, re-made after a daemon restart.
 
-    The engine thread's ``*_nowait`` append to the current attachment's batch (no lock: the
+    The engine thread's ``send_nowait`` appends to the current attachment's batch (no lock: the
     attachment is read as one reference) and ``step()`` hands the batch to the stream's sender; a
     command the daemon refuses comes back as a FAILED completion with code ``REFUSED`` on its epoch.
     A command goes out with its step: an Abort after it (in the same batch or a later one) is what
@@ -251,7 +253,7 @@ class ReconnectingStreamWorker:
 
     def send_nowait(self, cmd: Expect | Publish | Abort, tag: Any = None, only_epoch: int | None = None) -> Call:
         """Append the command record to the current attachment's step, as it is (a Publish with
-        ``step``/``layers`` is declared before that step's forward: ``StreamWorker.publish_nowait``).
+        ``step``/``layers`` is declared before that step's forward).
         An Abort goes after every earlier command; with ``only_epoch``, only on that attachment (the
         one the transfer's Expect ran on), dropped otherwise, as when not attached."""
         call = Call(type(cmd).__name__, cmd.transfer_id, () if isinstance(cmd, Abort) else cmd.block_ids, tag=tag)
@@ -260,10 +262,6 @@ class ReconnectingStreamWorker:
         if (w := self._current(call)) is not None:
             w.send_nowait(cmd)
         return call
-
-    def abort_nowait(self, transfer_id: str, only_epoch: int | None = None, tag: Any = None) -> Call:
-        """``send_nowait(Abort(transfer_id), tag, only_epoch)``."""
-        return self.send_nowait(Abort(transfer_id), tag, only_epoch)
 
     def step(self) -> int:
         """Send this step's commands as one message on the current attachment; returns how many."""
@@ -276,15 +274,16 @@ class ReconnectingStreamWorker:
         return live[0].flush(timeout_s) if live is not None else True
 
     # declines (any thread) -----------------------------------------------------------------------
-    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
-                       reason: str = "") -> None:
+    def decline_nowait(self, cmd: Decline) -> None:
         """This transfer will never be expected here (its Expect was refused while the daemon was
         unreachable, or died with an attachment): the daemon tells the prefill daemon, which then frees
         the transfer's source blocks instead of at its publish_timeout_s. Kept while not attached; made
         from the background thread (within ``reconnect_interval_s``) once attached, whether or not
         the engine steps."""
+        if len(cmd.reason) > 1000:
+            cmd = msgspec.structs.replace(cmd, reason=cmd.reason[:1000])
         with self._lock:
-            self._declines.append(Decline(transfer_id, producer_address, producer_engine_id, reason[:1000]))
+            self._declines.append(cmd)
 
     @property
     def declines_pending(self) -> int:

@@ -2,18 +2,19 @@
 commands, one per engine step.
 
     w = client.attach("decode-0", Role.CONSUMER, 0, 1, memory, regions)
-    w.expect_nowait(...); w.expect_nowait(...)   # the engine thread only appends (no lock a gRPC thread holds)
+    w.send_nowait(Expect(...)); w.send_nowait(Expect(...))   # the engine thread only appends (no lock)
     w.step()                                      # once per engine step: the batch goes out as one message
     for c in w.completions(): ...                 # results and completions come back on the same stream
 
-The engine thread never waits on the network: ``*_nowait`` append to the step's batch, ``step()``
+A command is its record (kvpushd_client.types: Expect, Publish, Abort, Decline), queued as it is.
+The engine thread never waits on the network: ``send_nowait`` appends to the step's batch, ``step()``
 hands the batch to the stream's sender (a queue put). A command the daemon refuses comes back as a
 FAILED completion with code ``REFUSED``, its status and message in ``reason`` and its block ids, so
 an engine frees the blocks on the same path as any other failed transfer. One gRPC message per step.
 
-Call and wait, for tools and tests: ``expect``, ``publish``, ``abort`` and ``decline`` (or ``send``
-with a record) send the step and one command, and return its answer (raising the daemon's refusal);
-``call`` does the same for one command from any thread, unordered with the engine thread's step.
+Call and wait, for tools and tests: ``send(record)`` sends the step and one command, and returns its
+answer (True, or an Abort's ``found``; raising the daemon's refusal); ``call`` does the same for one
+command from any thread, unordered with the engine thread's step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -41,7 +42,6 @@ from .types import (
     Expect,
     KVPushError,
     Publish,
-    TransferMode,
 )
 
 
@@ -78,16 +78,6 @@ def _command(seq: int, c: Command) -> worker_pb2.Command:
             transfer_id=c.transfer_id, producer_address=str(c.producer_address),
             producer_engine_id=str(c.producer_engine_id), reason=str(c.reason)))
     return worker_pb2.Command(seq=seq, abort=worker_pb2.AbortRequest(transfer_id=c.transfer_id))
-
-
-# vLLM's kv_transfer_params["transfer_mode"] as the engine thread gives it: looked up, not parsed
-_MODES = {"push": TransferMode.PUSH, "pull": TransferMode.PULL, TransferMode.PUSH: TransferMode.PUSH,
-          TransferMode.PULL: TransferMode.PULL}
-
-
-def _mode(mode: str | TransferMode) -> TransferMode:
-    """"push" | "pull" (or the enum) -> TransferMode; a bad one raises ValueError here, on the caller's thread."""
-    return _MODES.get(mode) or TransferMode.parse(mode)
 
 
 class StreamWorker:
@@ -161,37 +151,6 @@ class StreamWorker:
         b.append(cmd)
         return self._base + len(b)
 
-    def expect_nowait(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-                      transfer_mode: str | TransferMode = "push", traceparent: str = "") -> int:
-        return self.send_nowait(Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id,
-                                       producer_tp_size, skip_tokens, _mode(transfer_mode), traceparent))
-
-    def publish_nowait(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
-                       consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0,
-                       layers: int = 0, ready_blocks: int = 0) -> int:
-        """Prefill side: the source blocks are complete, or (``step``, ``layers``: progressive push)
-        will be, layer group by layer group, as the doorbell's step ``step`` goes (declare it in
-        that step, before its forward: the batch must go out first). ``ready_blocks``: the first
-        that many of ``block_ids`` are complete already (earlier prefill chunks, prefix-cache hits):
-        they are written at once, before any layer group."""
-        b = self._batch
-        b.append(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
-                         step, layers, ready_blocks))
-        return self._base + len(b)
-
-    def abort_nowait(self, transfer_id: str) -> int:
-        b = self._batch
-        b.append(Abort(transfer_id))
-        return self._base + len(b)
-
-    def decline_nowait(self, transfer_id: str, producer_address: str, producer_engine_id: str,
-                       reason: str = "") -> int:
-        """Decode side: this transfer will never be expected here; best effort, like abort."""
-        b = self._batch
-        b.append(Decline(transfer_id, producer_address, producer_engine_id, reason))
-        return self._base + len(b)
-
     def step(self) -> int:
         """Send this step's commands as one message (several past MAX_BATCH; nothing when there are
         none); returns how many. No lock: the batch goes to the sender thread as it is (a queue put)."""
@@ -215,40 +174,6 @@ class StreamWorker:
         with self._cond:
             return self._cond.wait_for(
                 lambda: (self._recorded >= last and not self._sent) or self.session_error is not None, timeout_s)
-
-    # call and wait (the engine thread's: after this step's commands), for tools and tests
-    def expect(self, transfer_id: str, block_ids: Iterable[int], producer_address: str,
-               producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
-               transfer_mode: str | TransferMode = "push", traceparent: str = "") -> None:
-        """Decode side: destination blocks, as soon as they are allocated.
-
-        ``skip_tokens``: the prompt's first tokens this worker already holds (a prefix-cache hit,
-        a whole number of its blocks); ``block_ids`` then hold the prompt from that token on.
-        ``transfer_mode``: "push" (the prefill node's daemon WRITEs) or "pull" (this node's daemon
-        READs once the prefill side has published), vLLM's kv_transfer_params["transfer_mode"].
-        ``traceparent``: the engine request's W3C trace context; a daemon with tracing on continues it."""
-        cmd = Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id, producer_tp_size,
-                     skip_tokens, _mode(transfer_mode), traceparent)  # a bad mode raises here
-        self.send(cmd)
-
-    def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
-                consumer_node_id: str = "", consumer_tls_name: str = "", step: int = 0, layers: int = 0,
-                ready_blocks: int = 0) -> None:
-        """Prefill side: the source blocks are complete. ``consumer_node_id`` / ``consumer_tls_name``:
-        the only decode daemon whose registration the prefill daemon accepts, by its node id and/or
-        its client certificate's name (the router names it; both "": the first registration wins).
-        ``step``, ``layers``, ``ready_blocks``: progressive push, as ``publish_nowait``."""
-        self.send(Publish(transfer_id, tuple(block_ids), traceparent, consumer_node_id, consumer_tls_name,
-                          step, layers, ready_blocks))
-
-    def decline(self, transfer_id: str, producer_address: str, producer_engine_id: str, reason: str = "") -> None:
-        """Decode side: this transfer will never be expected here (its Expect failed before it
-        reached the daemon); the prefill daemon frees the transfer's source blocks at once."""
-        self.send(Decline(transfer_id, producer_address, producer_engine_id, reason))
-
-    def abort(self, transfer_id: str) -> bool:
-        """Whether the transfer was pending; everything for it is released on both nodes."""
-        return self.send(Abort(transfer_id))
 
     def send(self, cmd: Command) -> bool:
         """Send the step, then the command record, and wait for its answer (``call``)."""

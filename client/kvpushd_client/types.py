@@ -89,14 +89,16 @@ class CompletionKind(enum.IntEnum):
 
 
 class Expect(msgspec.Struct, frozen=True, gc=False):
-    """Decode side: destination blocks, as soon as they are allocated (StreamWorker.expect)."""
+    """Decode side: destination blocks, as soon as they are allocated. ``transfer_mode``: PUSH (the
+    prefill node's daemon WRITEs) or PULL (this node's daemon READs once the prefill side published);
+    vLLM's kv_transfer_params["transfer_mode"] is a string: ``TransferMode.parse`` it."""
 
     transfer_id: str
     block_ids: tuple[int, ...]
     producer_address: str
     producer_engine_id: str
     producer_tp_size: int = 1
-    skip_tokens: int = 0  # the prompt's first tokens the worker holds already; block_ids start there
+    skip_tokens: int = 0  # the prompt's first tokens the worker holds already (whole blocks); block_ids start there
     transfer_mode: TransferMode = TransferMode.PUSH
     traceparent: str = ""  # the engine request's W3C trace context
 
@@ -123,7 +125,8 @@ class Abort(msgspec.Struct, frozen=True, gc=False):
 
 
 class Decline(msgspec.Struct, frozen=True, gc=False):
-    """Decode side: this transfer will never be expected here; best effort, like Abort."""
+    """Decode side: this transfer will never be expected here (its Expect failed before it reached the
+    daemon); the prefill daemon frees the transfer's source blocks at once. Best effort, like Abort."""
 
     transfer_id: str
     producer_address: str
@@ -137,14 +140,6 @@ Command = Expect | Publish | Abort | Decline
 # -- what a worker attaches with. Region and Attach are Structs like the commands; the memory records
 # stay dataclasses: CudaMemory's ``arm_sentinel`` is left out of equality (``compare=False``, which a
 # Struct field cannot say), and they are copied with dataclasses.replace like vmm.py's VmmMemory.
-
-
-@dataclass(frozen=True, slots=True)
-class ShmMemory:
-    """A POSIX shared memory object (/dev/shm/<name>) holding KV blocks."""
-
-    name: str
-    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +173,7 @@ class MemfdMemory:
     size: int
 
 
-Memory = ShmMemory | CudaMemory | MemfdMemory
+Memory = CudaMemory | MemfdMemory
 
 
 class Region(msgspec.Struct, frozen=True, gc=False):

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvpushd_client.types import CudaMemory, ShmMemory  # what the wire's handles say: one definition
+from kvpushd_client.types import CudaMemory  # what the wire's handle says: one definition
 
-from ..core.errors import InvalidArgument, PermissionDenied
+from ..core.errors import InvalidArgument
 from .vmm import VmmSpec
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class MemfdSpec:
     size: int
 
 
-MemorySpec = ShmMemory | CudaMemory | MemfdSpec | VmmSpec
+MemorySpec = CudaMemory | MemfdSpec | VmmSpec
 
 
 def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) -> list[Mapping]:
@@ -47,10 +47,6 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) 
     out: list[Mapping] = []
     try:
         for i, spec in enumerate(memory):
-            if isinstance(spec, ShmMemory):
-                raise PermissionDenied(
-                    f"memory {i}: host KV by /dev/shm name is refused: a worker could truncate it under a "
-                    "WRITE; hand a sealed memfd (kvpushd_client.SealedBuffer)")
             if isinstance(spec, MemfdSpec):
                 out.append(ShmMapping(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
             elif isinstance(spec, VmmSpec):  # CUDA virtual memory by its chunks' descriptors (memory/vmm.py)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, worker_pb2
-from kvpushd_client.types import Abort, CudaMemory, Decline, Expect, Publish, ShmMemory
+from kvpushd_client.types import Abort, CudaMemory, Decline, Expect, Publish
 
-from ..core.errors import InvalidArgument
+from ..core.errors import InvalidArgument, PermissionDenied
 from ..core.types import Completion, FailureCode, RegionLayout, Role, TransferMode
 from ..memory import MemfdSpec, MemorySpec
 from ..memory.fdpass import TOKEN_BYTES
@@ -88,7 +88,8 @@ def token(t: bytes, optional: bool = True) -> bytes:
 def memory(h: common_pb2.MemoryHandle) -> MemorySpec:
     kind = h.WhichOneof("kind")
     if kind == "shm":
-        return ShmMemory(h.shm.name, h.shm.size)
+        raise PermissionDenied("host KV by /dev/shm name is refused: a worker could truncate it under a WRITE; "
+                               "hand a sealed memfd (kvpushd_client.SealedBuffer)")
     if kind == "cuda_ipc":
         c = h.cuda_ipc
         return CudaMemory(c.gpu_uuid, c.ipc_handle, c.size, c.storage_offset, c.ref_counter_handle,

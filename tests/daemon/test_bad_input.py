@@ -7,7 +7,7 @@ import threading
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, KVPushError, MemfdMemory, Region, Role, ShmMemory
+from kvpushd_client import Abort, CompletionKind, Expect, KVPushError, MemfdMemory, Publish, Region, Role, errors
 from kvpushd_client.doorbell import Doorbell
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2
 from support import attach_pair, make_kv, wait_for
@@ -19,10 +19,20 @@ def code_of(fn) -> tuple[str, str]:  # type: ignore[no-untyped-def]
     return ei.value.code, ei.value.message
 
 
+def attach_raw(c, handle: common_pb2.MemoryHandle) -> None:  # type: ignore[no-untyped-def]
+    """An Attach of one memory handle as the wire has it (a kind this client library does not make)."""
+    req = worker_pb2.AttachRequest(engine_id="e", role=common_pb2.ROLE_PRODUCER, tp_size=1, memory=[handle],
+                                   regions=[common_pb2.Region(num_blocks=1, block_len=4096, block_stride=4096)])
+    try:
+        c.stub.Attach(req, timeout=10)
+    except grpc.RpcError as e:
+        raise errors.from_rpc_error(e) from None
+
+
 def assert_still_serves(p, d, src, dst) -> None:  # type: ignore[no-untyped-def]
     pw, dw = attach_pair(p, d, src, dst) if not hasattr(src, "_w") else (src._w, dst._w)
-    dw.expect("health-check", [1, 2], p.peer_address, "prefill", 1)
-    pw.publish("health-check", [3, 4])
+    dw.send(Expect("health-check", (1, 2), p.peer_address, "prefill", 1))
+    pw.send(Publish("health-check", (3, 4)))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
 
@@ -49,7 +59,8 @@ def test_attach_errors(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped
         (lambda: c.attach("e", Role.PRODUCER, 0, 1, [MemfdMemory(src.buf.fd, src.buf.size * 2)], regs),
          "INVALID_ARGUMENT", "holds"),
         # a /dev/shm name: refused (a worker could truncate it under a WRITE)
-        (lambda: c.attach("e", Role.PRODUCER, 0, 1, [ShmMemory("kvpushd-test-named", 4096)], regs[:1]),
+        (lambda: attach_raw(c, common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name="kvpushd-test-named",
+                                                                                  size=4096))),
          "PERMISSION_DENIED", "by /dev/shm name"),
     ]
     for fn, code, words in cases:
@@ -59,8 +70,8 @@ def test_attach_errors(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped
     assert list(c.status().workers) == []  # nothing half-attached is left behind
     # an unspecified role (raw protobuf, the client library cannot even express it)
     req = worker_pb2.AttachRequest(engine_id="e", role=common_pb2.ROLE_UNSPECIFIED, tp_size=1,
-                                   memory=[common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=src.buf.name,
-                                                                                             size=src.buf.size))],
+                                   memory=[common_pb2.MemoryHandle(cuda_ipc=common_pb2.CudaIpcHandle(gpu_uuid="g",
+                                                                                                  size=4096))],
                                    regions=[common_pb2.Region(num_blocks=1, block_len=64, block_stride=64)])
     with pytest.raises(grpc.RpcError) as ei:
         c.stub.Attach(req, timeout=10)
@@ -81,15 +92,15 @@ def test_request_errors(daemon_pair, kv_pair) -> None:
     pw, dw = attach_pair(p, d, src, dst)
     pa = p.peer_address
     cases = [
-        (lambda: dw.expect("t", [src.num_blocks], pa, "prefill", 1), "INVALID_ARGUMENT", "out of range"),
-        (lambda: pw.publish("t", [10_000]), "INVALID_ARGUMENT", "out of range"),
-        (lambda: pw.publish("t", []), "INVALID_ARGUMENT", "empty"),
-        (lambda: pw.publish("", [1]), "INVALID_ARGUMENT", "transfer_id"),
-        (lambda: pw.publish("t", [1, 1]), "INVALID_ARGUMENT", "duplicates"),
-        (lambda: dw.expect("t", [1], "", "prefill", 1), "INVALID_ARGUMENT", "producer_address"),
-        (lambda: dw.expect("t", [1], pa, "prefill", 0), "INVALID_ARGUMENT", "positive"),
-        (lambda: pw.expect("t", [1], pa, "prefill", 1), "FAILED_PRECONDITION", "cannot expect"),
-        (lambda: dw.publish("t", [1]), "FAILED_PRECONDITION", "cannot publish"),
+        (lambda: dw.send(Expect("t", (src.num_blocks,), pa, "prefill", 1)), "INVALID_ARGUMENT", "out of range"),
+        (lambda: pw.send(Publish("t", (10_000,))), "INVALID_ARGUMENT", "out of range"),
+        (lambda: pw.send(Publish("t", ())), "INVALID_ARGUMENT", "empty"),
+        (lambda: pw.send(Publish("", (1,))), "INVALID_ARGUMENT", "transfer_id"),
+        (lambda: pw.send(Publish("t", (1, 1))), "INVALID_ARGUMENT", "duplicates"),
+        (lambda: dw.send(Expect("t", (1,), "", "prefill", 1)), "INVALID_ARGUMENT", "producer_address"),
+        (lambda: dw.send(Expect("t", (1,), pa, "prefill", 0)), "INVALID_ARGUMENT", "positive"),
+        (lambda: pw.send(Expect("t", (1,), pa, "prefill", 1)), "FAILED_PRECONDITION", "cannot expect"),
+        (lambda: dw.send(Publish("t", (1,))), "FAILED_PRECONDITION", "cannot publish"),
     ]
     for fn, code, words in cases:
         got, msg = code_of(fn)
@@ -125,36 +136,36 @@ def test_request_errors(daemon_pair, kv_pair) -> None:
     assert got == "ALREADY_EXISTS" and "already attached" in msg
 
     # a transfer id published twice with other blocks
-    pw.publish("twice", [1, 2])
-    pw.publish("twice", [1, 2])  # the same call again is idempotent
-    got, msg = code_of(lambda: pw.publish("twice", [3, 4]))
+    pw.send(Publish("twice", (1, 2)))
+    pw.send(Publish("twice", (1, 2)))  # the same call again is idempotent
+    got, msg = code_of(lambda: pw.send(Publish("twice", (3, 4))))
     assert got == "ALREADY_EXISTS" and "already published" in msg
-    assert pw.abort("twice") is True
+    assert pw.send(Abort("twice")) is True
     c = pw.next_completion(10)
     assert c.kind is CompletionKind.FAILED and c.code == "ABORTED"
 
     # unknown producer engine: the decode request fails with the prefill daemon's reason
-    dw.expect("no-engine", [1], pa, "no-such-engine", 1)
+    dw.send(Expect("no-engine", (1,), pa, "no-such-engine", 1))
     c = dw.next_completion(20)
     assert c.kind is CompletionKind.FAILED and c.code == "PEER_REJECTED" and "no prefill engine" in c.reason
     assert c.block_ids == (1,)
 
     # unreachable producer daemon
-    dw.expect("nobody-home", [2], "127.0.0.1:9", "prefill", 1)
+    dw.send(Expect("nobody-home", (2,), "127.0.0.1:9", "prefill", 1))
     c = dw.next_completion(30)
     assert c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE"
 
     # block lists of unequal length: decode wants more blocks than prefill published
-    pw.publish("short", [1, 2])
-    dw.expect("short", [5, 6, 7], pa, "prefill", 1)
+    pw.send(Publish("short", (1, 2)))
+    dw.send(Expect("short", (5, 6, 7), pa, "prefill", 1))
     cd, cp = dw.next_completion(20), pw.next_completion(20)
     for comp in (cd, cp):
         assert comp.kind is CompletionKind.FAILED and comp.code == "LAYOUT_MISMATCH", comp
         assert "unequal length" in comp.reason
 
     # and everything else still works, with nothing left pending
-    dw.expect("ok", [8, 9], pa, "prefill", 1)
-    pw.publish("ok", [10, 11])
+    dw.send(Expect("ok", (8, 9), pa, "prefill", 1))
+    pw.send(Publish("ok", (10, 11)))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert wait_for(lambda: not p.client.status().transfers and not d.client.status().transfers)
@@ -166,8 +177,8 @@ def test_layout_mismatch_between_workers(daemon_pair) -> None:
     dst = make_kv("kvpushd-test-dst", regions=4, block_len=2048, fill="poison")
     try:
         pw, dw = attach_pair(p, d, src, dst)
-        dw.expect("lm", [1], p.peer_address, "prefill", 1)
-        pw.publish("lm", [2])
+        dw.send(Expect("lm", (1,), p.peer_address, "prefill", 1))
+        pw.send(Publish("lm", (2,)))
         cd, cp = dw.next_completion(20), pw.next_completion(20)
         assert cp.kind is CompletionKind.FAILED and "block_len" in cp.reason
         assert cd.kind is CompletionKind.FAILED and "block_len" in cd.reason

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind
+from kvpushd_client import Abort, CompletionKind, Expect, Publish
 from support import attach_pair, wait_for
 from support.peer import PeerSession
 from test_closed import _register, _rogue_agent
@@ -32,12 +32,12 @@ def test_bound_a_second_caller_registering_after_the_publish_is_refused(daemon_p
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    pw.publish("bound-after", [10, 11, 12], consumer_node_id="dnode")
+    pw.send(Publish("bound-after", (10, 11, 12), consumer_node_id="dnode"))
     rogue = session(p.peer_address, "rogue")
     e = _register(rogue, "bound-after", _rogue_agent(rogue.instance_id), [4, 5, 6])
     assert e.code == "PERMISSION_DENIED" and "bound to decode node 'dnode'" in e.message, e
     assert "'rogue'" in e.message, e
-    dw.expect("bound-after", [1, 2, 3], p.peer_address, "prefill", 1)
+    dw.send(Expect("bound-after", (1, 2, 3), p.peer_address, "prefill", 1))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, [1, 2, 3]] == src.arr[:, [10, 11, 12]]).all()
@@ -55,8 +55,8 @@ def test_bound_a_second_caller_registering_before_the_publish_is_failed_back(dae
     e = _register(rogue, "bound-before", _rogue_agent(rogue.instance_id), [4, 5, 6])
     assert e.code == "OK", e  # nothing names the decode node yet: held
     assert wait_for(lambda: any(t.transfer_id == "bound-before" for t in p.client.status().transfers))
-    pw.publish("bound-before", [20, 21, 22], consumer_node_id="dnode")
-    dw.expect("bound-before", [7, 8, 9], p.peer_address, "prefill", 1)
+    pw.send(Publish("bound-before", (20, 21, 22), consumer_node_id="dnode"))
+    dw.send(Expect("bound-before", (7, 8, 9), p.peer_address, "prefill", 1))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, [7, 8, 9]] == src.arr[:, [20, 21, 22]]).all()
@@ -72,10 +72,10 @@ def test_unbound_the_first_registration_still_wins(daemon_pair, kv_pair) -> None
     rogue = session(p.peer_address, "rogue")
     e = _register(rogue, "unbound", _rogue_agent(rogue.instance_id), [4, 5, 6])
     assert e.code == "OK", e
-    dw.expect("unbound", [1, 2, 3], p.peer_address, "prefill", 1)
+    dw.send(Expect("unbound", (1, 2, 3), p.peer_address, "prefill", 1))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FAILED and "another decode daemon" in c.reason, c
-    assert pw.abort("unbound") is False  # nothing published on this worker
+    assert pw.send(Abort("unbound")) is False  # nothing published on this worker
 
 
 def test_bound_by_tls_name_a_caller_claiming_the_node_id_is_refused(workdir, pki, kv_pair) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
@@ -92,10 +92,10 @@ def test_bound_by_tls_name_a_caller_claiming_the_node_id_is_refused(workdir, pki
                                              private_key=Path(base + ".key").read_bytes(),
                                              certificate_chain=Path(base + ".crt").read_bytes())
         rogue = PeerSession(p.peer_address, PROTOCOL_VERSION, notif.compat_hash(), "dnode", credentials=creds)
-        pw.publish("bound-tls", [30, 31, 32], consumer_tls_name="dnode")
+        pw.send(Publish("bound-tls", (30, 31, 32), consumer_tls_name="dnode"))
         e = _register(rogue, "bound-tls", _agent("dnode", rogue.instance_id), [4, 5, 6])
         assert e.code == "PERMISSION_DENIED" and "TLS name 'dnode'" in e.message and "'intruder'" in e.message, e
-        dw.expect("bound-tls", [11, 12, 13], p.peer_address, "prefill", 1)
+        dw.send(Expect("bound-tls", (11, 12, 13), p.peer_address, "prefill", 1))
         assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
         assert (dst.arr[:, [11, 12, 13]] == src.arr[:, [30, 31, 32]]).all()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, Region, Role, SealedBuffer
+from kvpushd_client import CompletionKind, Expect, Publish, Region, Role, SealedBuffer
 from support import POISON, both_backends, wait_for
 
 R, E, HEADS = 3, 8, 4  # regions, bytes per head and token, KV heads of the whole model
@@ -78,9 +78,9 @@ def run(p, d, p_tp: int, d_tp: int, p_bs: int, d_bs: int, prompt: int, skip: int
         src_blocks = [5, 2, 9, 10, 11, 0, 3][:n_src]
         dst_blocks = [[17, 4, 5, 6, 1, 12, 13][:n_dst], [20, 21, 3, 2, 8, 9, 7][:n_dst]][:d_tp]
         for w, blocks in zip(dws, dst_blocks, strict=True):
-            w.expect("bs", blocks, p.peer_address, "prefill", p_tp, skip_tokens=skip)
+            w.send(Expect("bs", tuple(blocks), p.peer_address, "prefill", p_tp, skip_tokens=skip))
         for w in pws:
-            w.publish("bs", src_blocks)
+            w.send(Publish("bs", tuple(src_blocks)))
         for w in dws:
             c = w.next_completion(30)
             assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
@@ -159,7 +159,7 @@ def test_skip_must_be_whole_decode_blocks(daemon_pair) -> None:
     try:
         w = d.client.attach("decode", Role.CONSUMER, 0, 1, [k.buf.memory], k.regions())
         with pytest.raises(KVPushError, match="whole number of blocks"):
-            w.expect("x", [1], p.peer_address, "prefill", 1, skip_tokens=8)
+            w.send(Expect("x", (1,), p.peer_address, "prefill", 1, skip_tokens=8))
     finally:
         k.close()
 
@@ -171,8 +171,8 @@ def test_block_sizes_differ_without_head_counts_fail_clearly(daemon_pair) -> Non
     try:
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [s.buf.memory], s.regions(send_heads=False))
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [k.buf.memory], k.regions(send_heads=False))
-        dw.expect("x", [1], p.peer_address, "prefill", 1)
-        pw.publish("x", [2, 3])
+        dw.send(Expect("x", (1,), p.peer_address, "prefill", 1))
+        pw.send(Publish("x", (2, 3)))
         c = dw.next_completion(20)
         assert c is not None and c.kind is CompletionKind.FAILED and "num_heads" in c.reason, c
         c = pw.next_completion(20)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from kvpushd_client.types import Expect
 from support import attach_pair
 
 
@@ -13,7 +14,7 @@ def test_kvpushctl_status(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     _pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("pending-one", [1, 2, 3], p.peer_address, "prefill", 1)
+    dw.send(Expect("pending-one", (1, 2, 3), p.peer_address, "prefill", 1))
     out = subprocess.run([sys.executable, "-m", "kvpushd.ctl", "--socket", d.sock, "status", "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from kvpushd_client import CompletionKind, Role
 from kvpushd_client.proto.v1 import peer_pb2, worker_pb2, worker_pb2_grpc
+from kvpushd_client.types import Expect, Publish
 from support import KV, attach_pair, make_kv, start_daemon, wait_for
 from support.peer import PeerSession
 from test_peer_trust import session
@@ -57,12 +58,12 @@ def test_a_rogue_peer_cannot_take_over_or_copy_a_registration(daemon_pair, kv_pa
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("secret", [1, 2, 3], p.peer_address, "prefill", 1)
+    dw.send(Expect("secret", (1, 2, 3), p.peer_address, "prefill", 1))
     assert wait_for(lambda: any(t.transfer_id == "secret" for t in p.client.status().transfers))
     rogue = session(p.peer_address, "rogue")
     e = _register(rogue, "secret", _rogue_agent(rogue.instance_id), [4, 5, 6])
     assert e.code == "PERMISSION_DENIED" and "another decode daemon" in e.message, e
-    pw.publish("secret", [10, 11, 12])
+    pw.send(Publish("secret", (10, 11, 12)))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, [1, 2, 3]] == src.arr[:, [10, 11, 12]]).all()
@@ -96,8 +97,8 @@ def test_a_register_flood_is_rate_limited(workdir, kv_pair) -> None:  # type: ig
         assert codes[0] != "RESOURCE_EXHAUSTED"
         assert refused >= 100, codes  # a burst of one second's worth (5), then 5 per second
         # the real decode daemon, a peer of its own, is not limited by the flood
-        dw.expect("after-flood", [5], p.peer_address, "prefill", 1)
-        pw.publish("after-flood", [6])
+        dw.send(Expect("after-flood", (5,), p.peer_address, "prefill", 1))
+        pw.send(Publish("after-flood", (6,)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     finally:
@@ -125,11 +126,11 @@ def test_a_stalled_peer_is_bounded(monkeypatch, workdir, end: str) -> None:  # t
     try:
         pw, dw = attach_pair(p, d, src, dst)
         blocks = list(range(64))
-        dw.expect("stall", blocks, p.peer_address, "prefill", 1)
+        dw.send(Expect("stall", tuple(blocks), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.transfer_id == "stall" for t in p.client.status().transfers))
         os.kill(d.proc.pid, signal.SIGSTOP)
         stopped = True
-        pw.publish("stall", blocks)
+        pw.send(Publish("stall", tuple(blocks)))
         if end == "sigterm":
             assert wait_for(lambda: any(t.state == "writing" for t in p.client.status().transfers))
             p.proc.send_signal(signal.SIGTERM)
@@ -153,14 +154,14 @@ def test_a_stalled_peer_is_bounded(monkeypatch, workdir, end: str) -> None:  # t
 
 _WORKER = """
 import json, sys, time
-from kvpushd_client import KVPushClient, MemfdMemory, Region, Role
+from kvpushd_client import KVPushClient, MemfdMemory, Publish, Region, Role
 a = json.loads(sys.argv[1])
 c = KVPushClient(a["sock"])
 w = c.attach("prefill", Role.PRODUCER, 0, 1, [MemfdMemory(a["fd"], a["size"])],
              [Region(0, i * a["nb"] * a["bl"], a["nb"], a["bl"]) for i in range(a["regions"])])
 print("attached", flush=True)
 sys.stdin.readline()
-w.publish(a["tid"], a["blocks"])
+w.send(Publish(a["tid"], tuple(a["blocks"])))
 print("published", flush=True)
 time.sleep(600)
 """
@@ -186,7 +187,7 @@ def test_sigkill_of_the_prefill_worker_mid_write(monkeypatch, workdir, kv_pair) 
                                   stdout=subprocess.PIPE, pass_fds=[src.buf.fd])
         assert worker.stdout is not None and worker.stdin is not None
         assert worker.stdout.readline().strip() == b"attached"
-        dw.expect("killed", [1, 2], p.peer_address, "prefill", 1)
+        dw.send(Expect("killed", (1, 2), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.transfer_id == "killed" for t in p.client.status().transfers))
         worker.stdin.write(b"go\n")
         worker.stdin.flush()

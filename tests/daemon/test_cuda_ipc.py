@@ -18,7 +18,7 @@ pytestmark = [
 
 WORKER = r"""
 import sys, time, torch
-from kvpushd_client import KVPushClient, Region, Role
+from kvpushd_client import Expect, KVPushClient, Publish, Region, Role
 from kvpushd_client.memory import cuda_memory
 sock, role, peer = sys.argv[1], sys.argv[2], sys.argv[3]
 R, NB, BL = 4, 64, 4096
@@ -34,9 +34,9 @@ w = c.attach(role, Role.PRODUCER if role == "prefill" else Role.CONSUMER, 0, 1, 
              [Region(0, i * NB * BL, NB, BL) for i in range(R)])
 print(w.peer_address, flush=True)
 if role == "prefill":
-    w.publish("gpu-1", [1, 2, 3])
+    w.send(Publish("gpu-1", (1, 2, 3)))
 else:
-    w.expect("gpu-1", [10, 11, 12], peer, "prefill", 1)
+    w.send(Expect("gpu-1", (10, 11, 12), peer, "prefill", 1))
 done = w.next_completion(60)
 print(done.kind.name, done.reason, flush=True)
 v = kv.view(R, NB, BL)

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from kvpushd_client import CompletionKind, Expect, KVPushError, Role
+from kvpushd_client import CompletionKind, Decline, Expect, KVPushError, Publish, Role
 from kvpushd_client.reconnect import ReconnectingStreamWorker
 from support import wait_for
 
@@ -30,21 +30,21 @@ def test_decline_fails_a_waiting_publish_at_once(daemon_factory, kv_pair) -> Non
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    pw.publish("t1", [1, 2, 3])
+    pw.send(Publish("t1", (1, 2, 3)))
     assert wait_for(lambda: any(t.transfer_id == "t1" for t in p.client.status().transfers))
-    dw.decline("t1", p.peer_address, "prefill", "its Expect was refused")
+    dw.send(Decline("t1", p.peer_address, "prefill", "its Expect was refused"))
     c = _failed_soon(pw, "t1")
     assert c is not None and c.kind is CompletionKind.FAILED and c.code == "ABORTED"
     assert "declined" in c.reason and "its Expect was refused" in c.reason
     assert tuple(c.block_ids) == (1, 2, 3)
     assert wait_for(lambda: not p.client.status().transfers)
     # the same transfer id published again within publish_timeout_s fails at once (remembered)
-    pw.publish("t1", [4])
+    pw.send(Publish("t1", (4,)))
     c = _failed_soon(pw, "t1")
     assert c is not None and c.kind is CompletionKind.FAILED and "declined" in c.reason
     # other transfers are untouched: a normal one still moves its bytes
-    dw.expect("t2", [5, 6], p.peer_address, "prefill", 1)
-    pw.publish("t2", [7, 8])
+    dw.send(Expect("t2", (5, 6), p.peer_address, "prefill", 1))
+    pw.send(Publish("t2", (7, 8)))
     c = dw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING
     assert (dst.arr[:, [5, 6]] == src.arr[:, [7, 8]]).all()
@@ -58,11 +58,11 @@ def test_decline_before_publish_and_over_the_stream(daemon_factory, kv_pair) -> 
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    dw.decline_nowait("early", p.peer_address, "prefill", "decode daemon was restarting")
+    dw.send_nowait(Decline("early", p.peer_address, "prefill", "decode daemon was restarting"))
     dw.step()
     assert dw.flush(20)
     assert wait_for(lambda: _declines(p) >= 1, 10)
-    pw.publish_nowait("early", [9, 10])
+    pw.send_nowait(Publish("early", (9, 10)))
     pw.step()
     c = _failed_soon(pw, "early")
     assert c is not None and c.kind is CompletionKind.FAILED and "decode daemon was restarting" in c.reason
@@ -87,20 +87,20 @@ def test_decline_is_refused_for_a_pending_expect_and_for_another_daemons_transfe
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     rw = rogue.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    dw.expect("t3", [1, 2], p.peer_address, "prefill", 1)
+    dw.send(Expect("t3", (1, 2), p.peer_address, "prefill", 1))
     with pytest.raises(KVPushError) as e:  # pending here: abort it instead
-        dw.decline("t3", p.peer_address, "prefill")
+        dw.send(Decline("t3", p.peer_address, "prefill"))
     assert e.value.code == "FAILED_PRECONDITION"
     assert wait_for(lambda: any(t.transfer_id == "t3" for t in p.client.status().transfers))
     # another decode daemon cannot end a transfer this one registered (the prefill side refuses it)
-    rw.decline("t3", p.peer_address, "prefill", "rogue")
+    rw.send(Decline("t3", p.peer_address, "prefill", "rogue"))
     assert wait_for(lambda: "could not decline transfer" in rogue.logs(), 10)
-    pw.publish("t3", [3, 4])
+    pw.send(Publish("t3", (3, 4)))
     c = dw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING
     assert (dst.arr[:, [1, 2]] == src.arr[:, [3, 4]]).all()
     with pytest.raises(KVPushError) as e:
-        pw.decline("t3", p.peer_address, "prefill")  # a producer cannot decline
+        pw.send(Decline("t3", p.peer_address, "prefill"))  # a producer cannot decline
     assert e.value.code == "FAILED_PRECONDITION"
     for w in (pw, dw, rw):
         w.detach()
@@ -117,13 +117,13 @@ def test_decode_daemon_down_when_the_request_came(daemon_factory, kv_pair) -> No
                               rpc_timeout_s=5, reconnect_interval_s=0.2)
     link.start(30)
     try:
-        pw.publish("t4", [1, 2])  # prefill done first: its blocks wait for a registration
+        pw.send(Publish("t4", (1, 2)))  # prefill done first: its blocks wait for a registration
         d.stop(signal.SIGKILL)
         assert wait_for(lambda: not link.connected, 30)
         call = link.send_nowait(Expect("t4", (3, 4), p.peer_address, "prefill", 1))
         ev = []
         assert wait_for(lambda: ev.extend(link.poll()) or any(e.kind == "refused" and e.call is call for e in ev), 30)
-        link.decline_nowait("t4", p.peer_address, "prefill", "its Expect did not reach the decode daemon")
+        link.decline_nowait(Decline("t4", p.peer_address, "prefill", "its Expect did not reach the decode daemon"))
         time.sleep(0.5)
         assert any(t.transfer_id == "t4" for t in p.client.status().transfers)  # still held: nobody told it
         d.restart()

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 from kvpushd_client import CompletionKind, Role
+from kvpushd_client.types import Expect, Publish
 from support import KV, POISON, attach_pair, both_backends, make_kv, wait_for
 
 
@@ -25,8 +26,8 @@ def test_register_first_then_publish(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("req-a", [10, 11, 12, 20], p.peer_address, "prefill", 1)
-    pw.publish("req-a", [1, 2, 3, 40])
+    dw.send(Expect("req-a", (10, 11, 12, 20), p.peer_address, "prefill", 1))
+    pw.send(Publish("req-a", (1, 2, 3, 40)))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING and c.transfer_id == "req-a"
     s = pw.next_completion(20)
@@ -41,9 +42,9 @@ def test_publish_first_then_register(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    pw.publish("req-b", [7, 8])
+    pw.send(Publish("req-b", (7, 8)))
     assert wait_for(lambda: any(t.transfer_id == "req-b" for t in p.client.status().transfers))
-    dw.expect("req-b", [30, 5], p.peer_address, "prefill", 1)
+    dw.send(Expect("req-b", (30, 5), p.peer_address, "prefill", 1))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     check_blocks(src, dst, [7, 8], [30, 5])
@@ -66,11 +67,11 @@ def test_many_concurrent_requests_both_orders(daemon_pair) -> None:
 
         def go(tid: str, s: list[int], t: list[int], expect_first: bool) -> None:
             if expect_first:
-                dw.expect(tid, t, p.peer_address, "prefill", 1)
-                pw.publish(tid, s)
+                dw.send(Expect(tid, tuple(t), p.peer_address, "prefill", 1))
+                pw.send(Publish(tid, tuple(s)))
             else:
-                pw.publish(tid, s)
-                dw.expect(tid, t, p.peer_address, "prefill", 1)
+                pw.send(Publish(tid, tuple(s)))
+                dw.send(Expect(tid, tuple(t), p.peer_address, "prefill", 1))
 
         threads = [threading.Thread(target=go, args=r) for r in reqs]
         for t in threads:
@@ -107,8 +108,8 @@ def test_adjacent_blocks_are_merged(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("run", list(range(8, 24)), p.peer_address, "prefill", 1)  # 16 blocks, one run
-    pw.publish("run", list(range(32, 48)))
+    dw.send(Expect("run", tuple(range(8, 24)), p.peer_address, "prefill", 1))  # 16 blocks, one run
+    pw.send(Publish("run", tuple(range(32, 48))))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     c = p.client.status().counters
@@ -121,8 +122,8 @@ def test_partial_prefix_hit_writes_only_the_tail(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    pw.publish("tail", [1, 2, 3, 4, 5])
-    dw.expect("tail", [50, 51], p.peer_address, "prefill", 1)  # decode had the first 3 cached
+    pw.send(Publish("tail", (1, 2, 3, 4, 5)))
+    dw.send(Expect("tail", (50, 51), p.peer_address, "prefill", 1))  # decode had the first 3 cached
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     check_blocks(src, dst, [4, 5], [50, 51])
@@ -136,10 +137,10 @@ def test_kv_both_role_and_publish_timeout(workdir, kv_pair) -> None:
     p = start_daemon(workdir, "short", "[transfer]\npublish_timeout_s = 0.3\nexpect_timeout_s = 0.3\n")
     try:
         w = p.client.attach("both", Role.BOTH, 0, 1, [src.buf.memory], src.region_list)
-        w.publish("never-registered", [1, 2])
+        w.send(Publish("never-registered", (1, 2)))
         c = w.next_completion(10)
         assert c.kind is CompletionKind.FAILED and c.code == "TIMEOUT" and c.block_ids == (1, 2)
-        w.expect("never-published", [3], p.peer_address, "both", 1)  # loops back to itself
+        w.send(Expect("never-published", (3,), p.peer_address, "both", 1))  # loops back to itself
         c = w.next_completion(10)
         assert c.kind is CompletionKind.FAILED and c.code == "TIMEOUT"
         assert wait_for(lambda: list(p.client.status().transfers) == [])
@@ -166,11 +167,11 @@ def test_sigterm_releases_everything(workdir, kv_pair) -> None:
 
 WORKER_SCRIPT = r"""
 import sys, time
-from kvpushd_client import KVPushClient, MemfdMemory, Region, Role
+from kvpushd_client import Expect, KVPushClient, MemfdMemory, Region, Role
 sock, fd, size, peer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 c = KVPushClient(sock)
 w = c.attach("decode", Role.CONSUMER, 0, 1, [MemfdMemory(fd, size)], [Region(0, 0, 64, 4096)])
-w.expect("orphan", [1, 2], peer, "prefill", 1)
+w.send(Expect("orphan", (1, 2), peer, "prefill", 1))
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -198,7 +199,7 @@ def test_killed_worker_is_detached_and_its_transfers_end(daemon_pair, kv_pair) -
         assert dst.buf.name not in maps, "the dead worker's memory is still mapped"
         # a publish for the withdrawn transfer now waits for a registration that will not come,
         # and the prefill side is not harmed
-        pw.publish("after", [1])
+        pw.send(Publish("after", (1,)))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -208,8 +209,8 @@ def test_sigterm_fails_pending_transfers_on_both_sides(daemon_pair, kv_pair) -> 
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("waits-for-prefill", [1, 2], p.peer_address, "prefill", 1)
-    pw.publish("waits-for-decode", [3])
+    dw.send(Expect("waits-for-prefill", (1, 2), p.peer_address, "prefill", 1))
+    pw.send(Publish("waits-for-decode", (3,)))
     assert wait_for(lambda: len(p.client.status().transfers) == 2)
     assert p.stop() == 0  # drains: nothing is in flight, so it does not wait for the timeout
     c = pw.next_completion(5)

@@ -8,7 +8,7 @@ import json
 
 import grpc
 import pytest
-from kvpushd_client import KVPushError
+from kvpushd_client import Expect, KVPushError
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
 from support import attach_pair
 
@@ -41,5 +41,5 @@ def test_a_refusal_carries_its_kind_and_transfer(daemon_pair, kv_pair) -> None: 
     assert reason == {"kind": "NotFound", "code": "NOT_FOUND", "transfer_id": "", "peer": ""}
     # a command on the stream: its result carries code and kind, the client adds its transfer id
     with pytest.raises(KVPushError) as ki:
-        dw.expect("bad-blocks", [10_000], p.peer_address, "prefill", 1)
+        dw.send(Expect("bad-blocks", (10_000,), p.peer_address, "prefill", 1))
     assert ki.value.kind == "InvalidArgument" and ki.value.transfer_id == "bad-blocks"

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import Abort, CompletionKind, Expect, Publish, Role
 from support import attach_pair, both_backends, start_daemon, wait_for
 
 FAST = ("[transfer]\nheartbeat_interval_s = 0.2\npeer_timeout_s = 2.0\nexpect_timeout_s = 60.0\n"
@@ -37,10 +37,10 @@ def test_prefill_daemon_dies_or_hangs(fast_pair, kv_pair, how: str) -> None:
     p, d = fast_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("ok-before", [1], p.peer_address, "prefill", 1)
-    pw.publish("ok-before", [2])
+    dw.send(Expect("ok-before", (1,), p.peer_address, "prefill", 1))
+    pw.send(Publish("ok-before", (2,)))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
-    dw.expect("stranded", [3, 4], p.peer_address, "prefill", 1)
+    dw.send(Expect("stranded", (3, 4), p.peer_address, "prefill", 1))
     assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
     p.proc.send_signal(getattr(signal, how))
     t0 = time.monotonic()
@@ -60,7 +60,7 @@ def test_decode_daemon_killed_releases_its_registrations(fast_pair, kv_pair) -> 
     p, d = fast_pair
     src, dst = kv_pair
     _, dw = attach_pair(p, d, src, dst)
-    dw.expect("held-at-prefill", [3, 4], p.peer_address, "prefill", 1)
+    dw.send(Expect("held-at-prefill", (3, 4), p.peer_address, "prefill", 1))
     assert wait_for(lambda: any(t.transfer_id == "held-at-prefill" for t in p.client.status().transfers))
     d.proc.kill()
     d.proc.wait(10)
@@ -80,10 +80,10 @@ def test_restarted_prefill_daemon_is_handshaken_afresh(workdir, kv_pair, nixl_ba
     src, dst = kv_pair
     try:
         pw, dw = attach_pair(p, d, src, dst)
-        dw.expect("one", [1], p.peer_address, "prefill", 1)
-        pw.publish("one", [2])
+        dw.send(Expect("one", (1,), p.peer_address, "prefill", 1))
+        pw.send(Publish("one", (2,)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
-        dw.expect("across-restart", [5], p.peer_address, "prefill", 1)
+        dw.send(Expect("across-restart", (5,), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
         p.proc.kill()
         p.proc.wait(10)
@@ -94,8 +94,8 @@ def test_restarted_prefill_daemon_is_handshaken_afresh(workdir, kv_pair, nixl_ba
         assert c is not None and c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE", c
         pw2 = p2.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory],
                                src.region_list)
-        dw.expect("after-restart", [6, 7], p2.peer_address, "prefill", 1)
-        pw2.publish("after-restart", [8, 9])
+        dw.send(Expect("after-restart", (6, 7), p2.peer_address, "prefill", 1))
+        pw2.send(Publish("after-restart", (8, 9)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw2.next_completion(20).kind is CompletionKind.FINISHED_SENDING
         import numpy as np
@@ -129,14 +129,14 @@ def test_killed_prefill_worker_fails_the_decode_side(fast_pair, kv_pair) -> None
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory],
                              dst.region_list)
-        dw.expect("orphaned-by-prefill", [1, 2], p.peer_address, "prefill", 1)
+        dw.send(Expect("orphaned-by-prefill", (1, 2), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
         proc.kill()
         proc.wait(10)
         assert wait_for(lambda: not p.client.status().workers)
         # the prefill engine is gone; its registration stays until the decode side gives up or
         # the engine comes back: withdraw it from the decode side with an abort
-        assert dw.abort("orphaned-by-prefill") is True
+        assert dw.send(Abort("orphaned-by-prefill")) is True
         c = dw.next_completion(10)
         assert c.kind is CompletionKind.FAILED and c.code == "ABORTED"
         assert wait_for(lambda: not p.client.status().transfers and not d.client.status().transfers)
@@ -175,8 +175,8 @@ def test_a_failed_write_fails_both_sides(monkeypatch, workdir, kv_pair, fault: s
     src, dst = kv_pair
     try:
         pw, dw = attach_pair(p, d, src, dst)
-        dw.expect("doomed", [3, 4], p.peer_address, "prefill", 1)
-        pw.publish("doomed", [5, 6])
+        dw.send(Expect("doomed", (3, 4), p.peer_address, "prefill", 1))
+        pw.send(Publish("doomed", (5, 6)))
         cp = pw.next_completion(30)
         assert cp is not None and cp.kind is CompletionKind.FAILED, cp
         assert cp.code == "TRANSFER_ERROR" and cp.block_ids == (5, 6), cp
@@ -204,9 +204,9 @@ def test_lease_does_not_expire_a_write_in_flight(monkeypatch, workdir, kv_pair) 
     src, dst = kv_pair
     try:
         pw, dw = attach_pair(p, d, src, dst)
-        dw.expect("slow", [1, 2], p.peer_address, "prefill", 1)
+        dw.send(Expect("slow", (1, 2), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.transfer_id == "slow" for t in p.client.status().transfers))
-        pw.publish("slow", [7, 8])
+        pw.send(Publish("slow", (7, 8)))
         assert wait_for(lambda: any(t.state == "writing" for t in p.client.status().transfers))
         cd = dw.next_completion(30)
         cp = pw.next_completion(30)
@@ -241,10 +241,10 @@ def test_lease_expiry_under_load(workdir, kv_pair) -> None:
             kind = kinds[i % 3]
             tid = f"load-{i}-{kind}"
             if kind != "publish-only":
-                dw.expect(tid, [i], p.peer_address, "prefill", 1)
+                dw.send(Expect(tid, (i,), p.peer_address, "prefill", 1))
                 want_d[tid] = "TIMEOUT" if kind == "expect-only" else "OK"
             if kind != "expect-only":
-                pw.publish(tid, [63 - (i % 32)] if kind == "publish-only" else [i])
+                pw.send(Publish(tid, tuple([63 - (i % 32)] if kind == "publish-only" else [i])))
                 want_p[tid] = "TIMEOUT" if kind == "publish-only" else "OK"
 
         def drain(w, want: dict[str, str]) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -277,11 +277,11 @@ def test_decode_abort_waits_for_the_write_in_flight(monkeypatch, workdir, kv_pai
     src, dst = kv_pair
     try:
         pw, dw = attach_pair(p, d, src, dst)
-        dw.expect("inflight", [1, 2], p.peer_address, "prefill", 1)
+        dw.send(Expect("inflight", (1, 2), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.transfer_id == "inflight" for t in p.client.status().transfers))
-        pw.publish("inflight", [7, 8])
+        pw.send(Publish("inflight", (7, 8)))
         assert wait_for(lambda: any(t.state == "writing" for t in p.client.status().transfers))
-        assert dw.abort("inflight")
+        assert dw.send(Abort("inflight"))
         cd = dw.next_completion(30)
         writing_when_told = [t.transfer_id for t in p.client.status().transfers if t.state == "writing"]
         assert cd is not None and cd.kind is CompletionKind.FAILED and cd.code == "ABORTED", cd
@@ -291,8 +291,8 @@ def test_decode_abort_waits_for_the_write_in_flight(monkeypatch, workdir, kv_pai
         assert cp is not None and cp.kind is CompletionKind.FAILED and cp.block_ids == (7, 8), cp
         assert wait_for(lambda: _held(p) == (0, 0) and _held(d) == (0, 0))
         # the transfer id can be used again once its FAILED came
-        dw.expect("inflight", [3, 4], p.peer_address, "prefill", 1)
-        dw.abort("inflight")
+        dw.send(Expect("inflight", (3, 4), p.peer_address, "prefill", 1))
+        dw.send(Abort("inflight"))
         assert dw.next_completion(30).kind is CompletionKind.FAILED
     finally:
         for x in (p, d):

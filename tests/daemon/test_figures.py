@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpushd_client import CompletionKind
+from kvpushd_client import Abort, CompletionKind, Expect, Publish, TransferMode
 from support import attach_pair
 
 
@@ -10,8 +10,8 @@ def test_push_figures(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("fig-push", [10, 11, 12, 20], p.peer_address, "prefill", 1)
-    pw.publish("fig-push", [1, 2, 3, 40])
+    dw.send(Expect("fig-push", (10, 11, 12, 20), p.peer_address, "prefill", 1))
+    pw.send(Publish("fig-push", (1, 2, 3, 40)))
     r = dw.next_completion(20)
     s = pw.next_completion(20)
     assert r is not None and r.kind is CompletionKind.FINISHED_RECEIVING
@@ -39,8 +39,8 @@ def test_pull_figures(daemon_pair, kv_pair) -> None:  # type: ignore[no-untyped-
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    pw.publish("fig-pull", [5, 9])
-    dw.expect("fig-pull", [30, 31], p.peer_address, "prefill", 1, transfer_mode="pull")
+    pw.send(Publish("fig-pull", (5, 9)))
+    dw.send(Expect("fig-pull", (30, 31), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
     r = dw.next_completion(20)
     s = pw.next_completion(20)
     assert r is not None and r.kind is CompletionKind.FINISHED_RECEIVING
@@ -60,8 +60,8 @@ def test_failed_completion_has_figures(daemon_pair, kv_pair) -> None:  # type: i
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("fig-abort", [1, 2], p.peer_address, "prefill", 1)
-    assert dw.abort("fig-abort")
+    dw.send(Expect("fig-abort", (1, 2), p.peer_address, "prefill", 1))
+    assert dw.send(Abort("fig-abort"))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FAILED and c.code == "ABORTED"
     assert c.figures is not None and c.figures.nbytes == 0 and c.figures.elapsed_s > 0

@@ -87,7 +87,7 @@ from google.protobuf import message_factory, text_format
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvpushd_client import Attach, Completion, CompletionKind, Role, _convert
+from kvpushd_client import Attach, Completion, CompletionKind, Expect, Publish, Role, _convert
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over
 from support import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
@@ -462,11 +462,11 @@ class Traffic(threading.Thread):
             t0 = time.monotonic()
             try:
                 if i % 2:
-                    self.dw.expect(tid, db, self.p.peer_address, "prefill", 1)
-                    self.pw.publish(tid, sb)
+                    self.dw.send(Expect(tid, tuple(db), self.p.peer_address, "prefill", 1))
+                    self.pw.send(Publish(tid, tuple(sb)))
                 else:
-                    self.pw.publish(tid, sb)
-                    self.dw.expect(tid, db, self.p.peer_address, "prefill", 1)
+                    self.pw.send(Publish(tid, tuple(sb)))
+                    self.dw.send(Expect(tid, tuple(db), self.p.peer_address, "prefill", 1))
                 cd, cp = self.dw.next_completion(60), self.pw.next_completion(60)
                 self.slowest = max(self.slowest, time.monotonic() - t0)
                 if cd is None or cp is None or (cd.kind, cd.transfer_id) != (CompletionKind.FINISHED_RECEIVING, tid) \
@@ -1492,8 +1492,8 @@ def run_fuzz(p: DaemonProc, d: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, f
             problems.append(f"{x.name}: {status.watchers} Watch subscription(s) left after their calls ended")
 
     def final_transfer() -> None:  # the real pair still works, and nothing else wrote into its memory
-        dw.expect("final", [1, 2], p.peer_address, "prefill", 1)
-        pw.publish("final", [3, 4])
+        dw.send(Expect("final", (1, 2), p.peer_address, "prefill", 1))
+        pw.send(Publish("final", (3, 4)))
         cd, cp = dw.next_completion(grace), pw.next_completion(grace)
         if cd is None or cd.kind is not CompletionKind.FINISHED_RECEIVING or cp is None \
                 or cp.kind is not CompletionKind.FINISHED_SENDING:

@@ -120,7 +120,7 @@ def test_the_word_moves_only_when_the_stream_gets_there(kind: str, record_proper
 WORKER = r"""
 import json, os, sys, time
 import numpy as np, torch
-from kvpushd_client import KVPushClient, Region, Role
+from kvpushd_client import Expect, KVPushClient, Publish, Region, Role
 from kvpushd_client.gpu_doorbell import make_doorbell
 from kvpushd_client.memory import cuda_memory
 a = json.loads(sys.argv[1])
@@ -148,7 +148,7 @@ if a["role"] == "prefill":
     b0 = a["blocks"][0]
     v[0:per, b0].copy_(v[0:per, b0]); torch.cuda.synchronize()  # the copy kernel loaded before the clock starts
     seq = bell.step()
-    w.publish(a["tid"], a["blocks"], step=seq, layers=L)  # declared before the forward
+    w.send(Publish(a["tid"], tuple(a["blocks"]), step=seq, layers=L))  # declared before the forward
     t0 = time.monotonic()
     for g in range(L):
         torch.cuda._sleep(int(cyc * a["layer_ms"]))  # the layer group's compute
@@ -163,7 +163,7 @@ if a["role"] == "prefill":
 else:
     bell = None
     w = c.attach("decode", Role.CONSUMER, 0, 1, [cuda_memory(kv)], regions)
-    w.expect(a["tid"], a["blocks"], a["peer"], "prefill", 1, transfer_mode="push")
+    w.send(Expect(a["tid"], tuple(a["blocks"]), a["peer"], "prefill", 1))
     done = w.next_completion(120)
 torch.cuda.synchronize()
 np.save(a["out"] + ".after.npy", kv.cpu().numpy())

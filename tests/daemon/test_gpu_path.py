@@ -33,7 +33,7 @@ R, NB, HALF = 4, 64, 2048
 WORKER = r"""
 import json, sys
 import numpy as np, torch
-from kvpushd_client import KVPushClient, Region, Role
+from kvpushd_client import Expect, KVPushClient, Publish, Region, Role, TransferMode
 from kvpushd_client.memory import cuda_memory
 a = json.loads(sys.argv[1])
 R, NB, BL = a["R"], a["NB"], a["BL"]
@@ -49,9 +49,10 @@ prod = a["role"] == "prefill"
 w = c.attach(a["role"], Role.PRODUCER if prod else Role.CONSUMER, a["rank"], a["tp"], [cuda_memory(kv)],
              [Region(0, i * NB * BL, NB, BL) for i in range(R)])
 if prod:
-    w.publish(a["tid"], a["blocks"])
+    w.send(Publish(a["tid"], tuple(a["blocks"])))
 else:
-    w.expect(a["tid"], a["blocks"], a["peer"], "prefill", a["producers"], transfer_mode=a["mode"])
+    w.send(Expect(a["tid"], tuple(a["blocks"]), a["peer"], "prefill", a["producers"],
+                  transfer_mode=TransferMode.parse(a["mode"])))
 done = w.next_completion(120)
 torch.cuda.synchronize()
 np.save(a["out"] + ".after.npy", kv.cpu().numpy())

@@ -8,7 +8,7 @@ prefill block. Every rank's destination blocks are checked bit for bit.
 from __future__ import annotations
 
 import numpy as np
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 from support import POISON, both_backends, make_kv, wait_for
 
 R, NB, HALF = 4, 32, 2048
@@ -24,9 +24,9 @@ def test_prefill_tp2_to_decode_tp1(daemon_pair) -> None:
                for r, s in enumerate(srcs)]
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         src_blocks, dst_blocks = [3, 4, 9], [20, 21, 5]
-        dw.expect("tp21", dst_blocks, p.peer_address, "prefill", 2)
+        dw.send(Expect("tp21", tuple(dst_blocks), p.peer_address, "prefill", 2))
         for w in pws:
-            w.publish("tp21", src_blocks)
+            w.send(Publish("tp21", tuple(src_blocks)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         for w in pws:
             assert w.next_completion(20).kind is CompletionKind.FINISHED_SENDING
@@ -53,9 +53,9 @@ def test_prefill_tp1_to_decode_tp2(daemon_pair) -> None:
                for r, k in enumerate(dsts)]
         src_blocks = [1, 2, 3, 4]
         dst_blocks = [[7, 8, 9, 10], [30, 0, 12, 13]]  # each decode rank allocates its own blocks
-        pw.publish("tp12", src_blocks)
+        pw.send(Publish("tp12", tuple(src_blocks)))
         for w, blocks in zip(dws, dst_blocks, strict=True):
-            w.expect("tp12", blocks, p.peer_address, "prefill", 1)
+            w.send(Expect("tp12", tuple(blocks), p.peer_address, "prefill", 1))
         for w in dws:
             assert w.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         # prefill is done only once both decode ranks have their half
@@ -78,9 +78,9 @@ def test_tp_layouts_that_do_not_fit_fail_clearly(daemon_pair) -> None:
         pws = [p.client.attach("prefill", Role.PRODUCER, r, 2, [s.buf.memory], s.region_list)
                for r, s in enumerate(srcs)]
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        dw.expect("bad", [1], p.peer_address, "prefill", 2)
+        dw.send(Expect("bad", (1,), p.peer_address, "prefill", 2))
         for w in pws:
-            w.publish("bad", [1])
+            w.send(Publish("bad", (1,)))
         c = dw.next_completion(20)
         assert c.kind is CompletionKind.FAILED and "layout mismatch" in c.reason
         for w in pws:

@@ -9,7 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from kvpushd_client import CompletionKind
+from kvpushd_client import CompletionKind, Expect, Publish
 from support import attach_pair, rss, wait_for
 
 # rounds of oversized junk: just under the peer port's former 64 MiB limit (then read whole: RSS rose by
@@ -50,8 +50,8 @@ def transfer(p, d, pw, dw, src, dst, i: int) -> None:  # type: ignore[no-untyped
     """One transfer of four blocks, checked byte for byte (fresh destination blocks each time)."""
     a = (4 * i) % 64
     dst.arr[:, a:a + 4] = 0xAB
-    dw.expect_nowait(f"legit-{i}", list(range(a, a + 4)), p.peer_address, "prefill", 1)
-    pw.publish_nowait(f"legit-{i}", list(range(a, a + 4)))
+    dw.send_nowait(Expect(f"legit-{i}", tuple(range(a, a + 4)), p.peer_address, "prefill", 1))
+    pw.send_nowait(Publish(f"legit-{i}", tuple(range(a, a + 4))))
     assert dw.flush(30) and pw.flush(30)
     got: list = []
     assert wait_for(lambda: got.extend(dw.completions()) or got, 30), f"transfer {i} never ended"

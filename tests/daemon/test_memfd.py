@@ -27,11 +27,11 @@ from kvpushd_client import (
     MemfdMemory,
     Region,
     Role,
-    ShmMemory,
     _convert,
 )
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over, sealed_memfd
+from kvpushd_client.types import Expect, Publish
 from support import POISON, attach_pair, make_kv, scrape, value, wait_for
 
 from kvpushd.memory import fdpass
@@ -46,8 +46,8 @@ def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _move(pw, dw, p, tid: str, src_blocks: list[int], dst_blocks: list[int]):  # type: ignore[no-untyped-def]
-    dw.expect(tid, dst_blocks, p.peer_address, "prefill", 1)
-    pw.publish(tid, src_blocks)
+    dw.send(Expect(tid, tuple(dst_blocks), p.peer_address, "prefill", 1))
+    pw.send(Publish(tid, tuple(src_blocks)))
     c = dw.next_completion(30)
     assert pw.next_completion(30) is not None
     return c
@@ -94,7 +94,6 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
     base = _open_fds(d.proc.pid)
     try:
         cases = [
-            ([ShmMemory(os.path.basename(shm_path), size)], "PERMISSION_DENIED", "by /dev/shm name"),
             ([MemfdMemory(bare, size)], "PERMISSION_DENIED", "not a memfd sealed against shrinking"),
             ([MemfdMemory(shm_fd, size)], "PERMISSION_DENIED", "not a memfd sealed against shrinking"),
             ([MemfdMemory(ro, size)], "PERMISSION_DENIED", "cannot be mapped for reading and writing"),
@@ -105,6 +104,11 @@ def test_what_the_daemon_refuses(daemon_factory) -> None:  # type: ignore[no-unt
                 c.attach("e", Role.CONSUMER, 0, 1, memory, regs)
             assert e.value.code == code and words in e.value.message, (memory, e.value)
         stub = worker_pb2_grpc.WorkerServiceStub(c.channel)
+        req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], regs))  # a /dev/shm object by name
+        req.memory.append(common_pb2.MemoryHandle(shm=common_pb2.ShmHandle(name=os.path.basename(shm_path), size=size)))
+        with pytest.raises(grpc.RpcError) as r:
+            stub.Attach(req, timeout=10)
+        assert r.value.code() is grpc.StatusCode.PERMISSION_DENIED and "by /dev/shm name" in (r.value.details() or "")
         for token, code, words in [(b"\0" * 16, grpc.StatusCode.NOT_FOUND, "no descriptor arrived"),
                                    (b"short", grpc.StatusCode.INVALID_ARGUMENT, "16 bytes")]:
             req = _convert.attach_request(Attach("e", Role.CONSUMER, 0, 1, [], regs))

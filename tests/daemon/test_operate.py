@@ -25,7 +25,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from kvpushd_client import CompletionKind
+from kvpushd_client import Abort, CompletionKind, Expect, Publish
 from prometheus_client.parser import text_string_to_metric_families
 from support import DaemonFactory, DaemonProc, attach_pair, scrape, start_daemon, value, wait_for
 
@@ -66,8 +66,8 @@ def ctl_json(sock: str, *args: str) -> Any:
 
 
 def transfer(pw: Any, dw: Any, p: DaemonProc, tid: str, src: list[int], dst: list[int]) -> None:
-    dw.expect(tid, dst, p.peer_address, "prefill", 1)
-    pw.publish(tid, src)
+    dw.send(Expect(tid, tuple(dst), p.peer_address, "prefill", 1))
+    pw.send(Publish(tid, tuple(src)))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING and c.transfer_id == tid
     s = pw.next_completion(20)
@@ -151,7 +151,7 @@ def test_kvpushctl_json_during_a_transfer(pair: tuple[DaemonProc, DaemonProc], k
     pw, dw = attach_pair(p, d, src, dst)
     try:
         transfer(pw, dw, p, "op-done", [1, 2], [3, 4])
-        dw.expect("op-pending", [5, 6, 7], p.peer_address, "prefill", 1)  # no publish: stays pending
+        dw.send(Expect("op-pending", (5, 6, 7), p.peer_address, "prefill", 1))  # no publish: stays pending
         assert wait_for(lambda: any(t.transfer_id == "op-pending" for t in p.client.status().transfers))
 
         st = ctl_json(d.sock, "status")
@@ -184,7 +184,7 @@ def test_kvpushctl_json_during_a_transfer(pair: tuple[DaemonProc, DaemonProc], k
         assert to_d["node_id"] == "dnode" and to_d["direction"] in ("inbound", "both")
         assert int(to_d["bytes_sent"]) >= 2 * BLOCK_BYTES and to_d["last_contact_unix"] > 0
 
-        assert dw.abort("op-pending")
+        assert dw.send(Abort("op-pending"))
         c = dw.next_completion(20)
         assert c is not None and c.kind is CompletionKind.FAILED and c.transfer_id == "op-pending"
         tr = ctl_json(d.sock, "transfers")
@@ -249,16 +249,16 @@ def test_metrics_over_http(pair: tuple[DaemonProc, DaemonProc], kv_pair: Any) ->
         n = 3
         for i in range(n):  # runs of 4 adjacent blocks: one descriptor per region after merging
             transfer(pw, dw, p, f"op-metrics-{i}", list(range(4 * i, 4 * i + 4)), list(range(32 + 4 * i, 36 + 4 * i)))
-        dw.expect("op-metrics-pending", [60, 61], p.peer_address, "prefill", 1)
+        dw.send(Expect("op-metrics-pending", (60, 61), p.peer_address, "prefill", 1))
         assert wait_for(lambda: value(scrape(p), "kvpushd_pending_transfers", side="send") == 1)
         m = scrape(d)
         assert value(m, "kvpushd_pending_transfers", side="recv") == 1
         assert value(m, "kvpushd_held_blocks", side="recv") == 2
-        pw.publish("op-metrics-pending", [50, 51])
+        pw.send(Publish("op-metrics-pending", (50, 51)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
-        dw.expect("op-metrics-aborted", [62], p.peer_address, "prefill", 1)
-        assert dw.abort("op-metrics-aborted")
+        dw.send(Expect("op-metrics-aborted", (62,), p.peer_address, "prefill", 1))
+        assert dw.send(Abort("op-metrics-aborted"))
         assert dw.next_completion(20).kind is CompletionKind.FAILED
 
         def settled(x: DaemonProc) -> bool:

@@ -8,7 +8,7 @@ import os
 import signal
 from typing import Any
 
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Role
 from kvpushd_client.proto.v1 import peer_pb2
 from support import make_kv, start_daemon
 
@@ -30,7 +30,7 @@ def test_a_batch_to_a_stalled_prefill_daemon_fails_each_registration_once(workdi
         os.kill(p.proc.pid, signal.SIGSTOP)  # it stops answering: the batch's call cannot complete
         stopped = True
         for i in range(8):
-            dw.expect_nowait(f"s{i}", [i], p.peer_address, "prefill", 1)
+            dw.send_nowait(Expect(f"s{i}", (i,), p.peer_address, "prefill", 1))
         dw.step()
         got = []
         while len(got) < 8:

@@ -8,7 +8,7 @@ import uuid
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind
+from kvpushd_client import CompletionKind, Expect, Publish
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import attach_pair, wait_for
 
@@ -28,13 +28,13 @@ def test_claims_of_an_address_or_instance_drop_nothing(daemon_pair, kv_pair) -> 
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
     d_instance = _hello(d.peer_address, "nosy", "127.0.0.1:1", uuid.uuid4().hex).instance_id  # public
-    dw.expect("pending", [1, 2], p.peer_address, "prefill", 1)
+    dw.send(Expect("pending", (1, 2), p.peer_address, "prefill", 1))
     assert wait_for(lambda: any(t.transfer_id == "pending" for t in p.client.status().transfers))
     # a new instance claiming the decode daemon's address: a session of its own, d's stays
     claim = _hello(p.peer_address, "dnode", d.peer_address, uuid.uuid4().hex)
     assert claim.session_token
     assert any(t.transfer_id == "pending" for t in p.client.status().transfers)
-    pw.publish("pending", [7, 8])
+    pw.send(Publish("pending", (7, 8)))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, [1, 2]] == src.arr[:, [7, 8]]).all()
@@ -44,8 +44,8 @@ def test_claims_of_an_address_or_instance_drop_nothing(daemon_pair, kv_pair) -> 
     assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED and "live peer session" in (ei.value.details() or "")
     # and d goes on with its own session, three transfers in a row
     for i in range(3):
-        dw.expect(f"after{i}", [10 + i], p.peer_address, "prefill", 1)
-        pw.publish(f"after{i}", [20 + i])
+        dw.send(Expect(f"after{i}", (10 + i,), p.peer_address, "prefill", 1))
+        pw.send(Publish(f"after{i}", (20 + i,)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
         assert (dst.arr[:, 10 + i] == src.arr[:, 20 + i]).all()

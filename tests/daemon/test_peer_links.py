@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import socket
 
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 from support import POISON, make_kv, start_daemon, wait_for
 
 LONG = ('[transfer]\nexpect_timeout_s = 60.0\npublish_timeout_s = 60.0\n[metrics]\nlisten = "127.0.0.1:0"\n')
@@ -30,8 +30,8 @@ def test_every_worker_on_a_node_shares_one_connection_to_a_peer(workdir) -> None
                for r in range(2)]
         for i in range(4):
             for r, dw in enumerate(dws):
-                dw.expect(f"s{i}-{r}", [i], p.peer_address, "prefill", 1)
-                pw.publish(f"s{i}-{r}", [10 + i])
+                dw.send(Expect(f"s{i}-{r}", (i,), p.peer_address, "prefill", 1))
+                pw.send(Publish(f"s{i}-{r}", (10 + i,)))
         for w, n in [(dws[0], 4), (dws[1], 4), (pw, 8)]:
             kinds = [w.next_completion(30) for _ in range(n)]
             assert all(c is not None and c.kind in (CompletionKind.FINISHED_RECEIVING,
@@ -67,8 +67,8 @@ def test_preconnect_and_idle_close(workdir) -> None:  # type: ignore[no-untyped-
         assert "peer pre-connected" in d.logs()
         qw = q.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        dw.expect("once", [1], q.peer_address, "prefill", 1)
-        qw.publish("once", [2])
+        dw.send(Expect("once", (1,), q.peer_address, "prefill", 1))
+        qw.send(Publish("once", (2,)))
         assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert qw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
 

@@ -8,7 +8,7 @@ import uuid
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import make_kv, wait_for
 from support.daemons import scrape, value
@@ -35,9 +35,9 @@ def test_sessions_of_one_host_share_its_block_quota(daemon_factory) -> None:  # 
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         w1 = d1.client.attach("decode", Role.CONSUMER, 0, 1, [dst1.buf.memory], dst1.region_list)
         w2 = d2.client.attach("decode", Role.CONSUMER, 0, 1, [dst2.buf.memory], dst2.region_list)
-        w1.expect("first", list(range(60)), p.peer_address, "prefill", 1)
+        w1.send(Expect("first", tuple(range(60)), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.transfer_id == "first" for t in p.client.status().transfers))
-        w2.expect("second", list(range(60)), p.peer_address, "prefill", 1)  # 120 > 100 for the host
+        w2.send(Expect("second", tuple(range(60)), p.peer_address, "prefill", 1))  # 120 > 100 for the host
         c = w2.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED, c
         assert "100 (peer_api.max_blocks_per_peer)" in c.reason and "host:127.0.0.1" in c.reason, c.reason
@@ -51,11 +51,12 @@ def test_sessions_of_one_host_share_its_block_quota(daemon_factory) -> None:  # 
         assert value(m, "kvpushd_peer_identities") == 1
         assert value(m, "kvpushd_peer_quota_use_ratio", quota="blocks") == 0.6
         assert value(m, "kvpushd_peer_quota_use_ratio", quota="sessions") == 2 / 16
-        pw.publish("first", list(range(60, 120)))  # the first goes through; its blocks come back to the quota
+        # the first goes through; its blocks come back to the quota
+        pw.send(Publish("first", tuple(range(60, 120))))
         assert w1.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert (dst1.arr[0, :60] == src.arr[0, 60:120]).all()
-        w2.expect("third", list(range(60)), p.peer_address, "prefill", 1)
-        pw.publish("third", list(range(60)))
+        w2.send(Expect("third", tuple(range(60)), p.peer_address, "prefill", 1))
+        pw.send(Publish("third", tuple(range(60))))
         assert w2.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert (dst2.arr[0, :60] == src.arr[0, :60]).all()
         assert wait_for(lambda: p.client.status().peer_identities[0].blocks == 0)  # released when done
@@ -73,12 +74,12 @@ def test_one_host_holds_a_bounded_number_of_sessions(daemon_factory, kv_pair) ->
     src, dst = kv_pair
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    dw.expect("before", [1], p.peer_address, "prefill", 1)  # d's session, its stream open
+    dw.send(Expect("before", (1,), p.peer_address, "prefill", 1))  # d's session, its stream open
     assert wait_for(lambda: any(t.transfer_id == "before" for t in p.client.status().transfers))
     for _ in range(50):
         assert _hello(p.peer_address).session_token
     assert len(p.client.status().peers) <= 3 + 1  # sessions by address, and the outbound view
-    pw.publish("before", [2])
+    pw.send(Publish("before", (2,)))
     assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
     assert (dst.arr[:, 1] == src.arr[:, 2]).all()
     pw.detach()

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import Abort, CompletionKind, Expect, Publish, Role
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from support import POISON, make_kv, start_daemon, wait_for
 
@@ -184,8 +184,8 @@ def test_malformed_batches_get_a_clear_status_and_the_daemon_goes_on(workdir) ->
                                                             (1, "OK")], got
         chan.close()
         # the daemon goes on: a real transfer lands
-        dw.expect("after", [3, 4], p.peer_address, "prefill", 1)
-        pw.publish("after", [7, 8])
+        dw.send(Expect("after", (3, 4), p.peer_address, "prefill", 1))
+        pw.send(Publish("after", (7, 8)))
         assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
         assert (dst.arr[:, [3, 4]] == src.arr[:, [7, 8]]).all()
@@ -203,16 +203,16 @@ def test_one_bad_registration_among_good_ones_fails_alone_and_the_rest_land(daem
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
     plan = {"g0": ([1, 2], [10, 11]), "g1": ([3], [12]), "g2": ([4, 5, 6], [13, 14, 15])}
-    dw.expect_nowait("g0", plan["g0"][0], p.peer_address, "prefill", 1)
-    dw.expect_nowait("bad", [7], p.peer_address, "nobody-here", 1)  # no such prefill engine on that node
-    dw.expect_nowait("g1", plan["g1"][0], p.peer_address, "prefill", 1)
-    dw.expect_nowait("g2", plan["g2"][0], p.peer_address, "prefill", 1)
+    dw.send_nowait(Expect("g0", tuple(plan["g0"][0]), p.peer_address, "prefill", 1))
+    dw.send_nowait(Expect("bad", (7,), p.peer_address, "nobody-here", 1))  # no such prefill engine on that node
+    dw.send_nowait(Expect("g1", tuple(plan["g1"][0]), p.peer_address, "prefill", 1))
+    dw.send_nowait(Expect("g2", tuple(plan["g2"][0]), p.peer_address, "prefill", 1))
     dw.step()  # one batch: one PeerBatch to the prefill daemon
     c = dw.next_completion(30)
     assert c is not None and (c.transfer_id, c.kind, c.code) == ("bad", CompletionKind.FAILED, "PEER_REJECTED"), c
     assert "NOT_FOUND" in c.reason and "nobody-here" in c.reason, c.reason
     for tid, (_, sb) in plan.items():
-        pw.publish(tid, sb)
+        pw.send(Publish(tid, tuple(sb)))
     got = {}
     while len(got) < 3:
         c = dw.next_completion(30)
@@ -283,7 +283,7 @@ def test_a_decode_daemon_writes_one_batch_per_turn_in_order_with_heartbeats_on_t
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         tids = [f"o{i}" for i in range(16)]
         for i, tid in enumerate(tids):
-            dw.expect_nowait(tid, [i], f"127.0.0.1:{port}", "prefill", 1)
+            dw.send_nowait(Expect(tid, (i,), f"127.0.0.1:{port}", "prefill", 1))
         dw.step()
         assert wait_for(lambda: len(fake.items("register")) == 16, 30), fake.batches
         regs = fake.items("register")
@@ -293,7 +293,7 @@ def test_a_decode_daemon_writes_one_batch_per_turn_in_order_with_heartbeats_on_t
         # registered and waiting: heartbeats ride on the stream, no unary call is made
         assert wait_for(lambda: len(fake.items("heartbeat")) >= 3, 30)
         for tid in tids:
-            dw.abort_nowait(tid)
+            dw.send_nowait(Abort(tid))
         dw.step()
         assert wait_for(lambda: len(fake.items("withdraw")) == 16, 30)
         got = []
@@ -340,13 +340,13 @@ def test_a_peer_killed_mid_batch_ends_every_request_on_the_stream_once(workdir) 
         p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         for i in range(6):  # registered, waiting for a publish that never comes
-            dw.expect_nowait(f"r{i}", [i], p.peer_address, "prefill", 1)
+            dw.send_nowait(Expect(f"r{i}", (i,), p.peer_address, "prefill", 1))
         dw.step()
         assert wait_for(lambda: len(p.client.status().transfers) == 6, 30)
         os.kill(p.proc.pid, signal.SIGSTOP)
         stopped = True
         for i in range(6, 12):  # written to the stream, never answered
-            dw.expect_nowait(f"u{i}", [i], p.peer_address, "prefill", 1)
+            dw.send_nowait(Expect(f"u{i}", (i,), p.peer_address, "prefill", 1))
         dw.step()
         time.sleep(0.3)
         os.kill(p.proc.pid, signal.SIGKILL)  # the stream breaks mid-batch
@@ -384,9 +384,9 @@ def test_back_pressure_from_a_stopped_peer_is_bounded_and_it_recovers(workdir) -
     try:
         pw2 = p.client.attach("prefill2", Role.PRODUCER, 0, 1, [dsrc.buf.memory], dsrc.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        dw.expect_nowait("warm", [0], p.peer_address, "prefill2", 1)  # the stream is open and in use
+        dw.send_nowait(Expect("warm", (0,), p.peer_address, "prefill2", 1))  # the stream is open and in use
         dw.step()
-        pw2.publish("warm", [1])
+        pw2.send(Publish("warm", (1,)))
         assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert pw2.next_completion(30).kind is CompletionKind.FINISHED_SENDING
         rss0 = rss_mib(d.proc.pid)
@@ -396,7 +396,7 @@ def test_back_pressure_from_a_stopped_peer_is_bounded_and_it_recovers(workdir) -
         for step in range(30):  # many steps of many items: far more than the stream's bound
             for i in range(100):
                 k = 1 + step * 100 + i
-                dw.expect_nowait(f"bp{k}", [k], p.peer_address, "prefill2", 1)
+                dw.send_nowait(Expect(f"bp{k}", (k,), p.peer_address, "prefill2", 1))
             dw.step()
         got = collect(dw, n, 120)
         rss1 = rss_mib(d.proc.pid)
@@ -413,9 +413,9 @@ def test_back_pressure_from_a_stopped_peer_is_bounded_and_it_recovers(workdir) -
         # new requests work again (the daemon handshakes anew and opens a new stream)
         def lands() -> bool:
             tid = f"after-{uuid.uuid4().hex[:6]}"
-            dw.expect_nowait(tid, [4000], p.peer_address, "prefill2", 1)
+            dw.send_nowait(Expect(tid, (4000,), p.peer_address, "prefill2", 1))
             dw.step()
-            pw2.publish(tid, [2])
+            pw2.send(Publish(tid, (2,)))
             c = dw.next_completion(20)
             while c is not None and c.transfer_id != tid:
                 c = dw.next_completion(20)
@@ -446,10 +446,10 @@ def test_a_decode_daemon_whose_stream_broke_is_dropped_after_a_short_grace(workd
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         for i in range(4):
-            dw.expect_nowait(f"g{i}", [i], p.peer_address, "prefill", 1)
+            dw.send_nowait(Expect(f"g{i}", (i,), p.peer_address, "prefill", 1))
         dw.step()
         assert wait_for(lambda: len(p.client.status().transfers) == 4, 30)
-        pw.publish_nowait("waiting", [9])  # a publish that waits for a registration: untouched
+        pw.send_nowait(Publish("waiting", (9,)))  # a publish that waits for a registration: untouched
         pw.step()
         assert pw.flush(10)
         (peer,) = [x for x in p.client.status().peers if x.inbound_streams]

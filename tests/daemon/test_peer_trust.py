@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from kvpushd_client import CompletionKind, KVPushError, Region, Role
+from kvpushd_client import CompletionKind, Expect, KVPushError, Publish, Region, Role
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import attach_pair, wait_for
 from support.peer import PeerSession
@@ -64,8 +64,8 @@ def test_forged_agents_refused(daemon_pair, kv_pair) -> None:
     e = register(agent_prefix("evil", evil.instance_id) + "a", bytes(other.get_agent_metadata()))
     assert e.code == "PERMISSION_DENIED" and "metadata names agent" in e.message, e.message
     # the real pair still moves exact bytes
-    dw.expect("after-forgery", [1, 2], p.peer_address, "prefill", 1)
-    pw.publish("after-forgery", [5, 6])
+    dw.send(Expect("after-forgery", (1, 2), p.peer_address, "prefill", 1))
+    pw.send(Publish("after-forgery", (5, 6)))
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, [1, 2]] == src.arr[:, [5, 6]]).all()
@@ -110,7 +110,7 @@ def test_failure_notice_only_from_the_producer(daemon_pair, kv_pair) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        dw.expect("t-notice", [3, 4], f"127.0.0.1:{port}", "fakep", 1)
+        dw.send(Expect("t-notice", (3, 4), f"127.0.0.1:{port}", "fakep", 1))
         assert fake.got.wait(20)
         rid = fake.registrations[0].registration_id
 
@@ -164,7 +164,7 @@ def test_instance_id_is_not_a_credential(daemon_pair, kv_pair) -> None:
     pw, dw = attach_pair(p, d, src, dst)
     # learn d's instance id the way anyone can: handshake with d
     d_instance = session(d.peer_address, "nosy").hello.instance_id
-    dw.expect("pending", [1, 2], p.peer_address, "prefill", 1)  # d now has a session at p, with a registration
+    dw.send(Expect("pending", (1, 2), p.peer_address, "prefill", 1))  # d now has a session at p, with a registration
     assert wait_for(lambda: any(t.transfer_id == "pending" for t in p.client.status().transfers))
     stub = peer_pb2_grpc.PeerServiceStub(grpc.insecure_channel(p.peer_address))
     forged = peer_pb2.PeerBatch(items=[peer_pb2.PeerItem(seq=1, withdraw=peer_pb2.FailNotice(
@@ -178,7 +178,7 @@ def test_instance_id_is_not_a_credential(daemon_pair, kv_pair) -> None:
                                                  node_id="dnode", peer_address="127.0.0.1:3", instance_id=d_instance),
                        timeout=10)
     assert ei.value.code() is grpc.StatusCode.PERMISSION_DENIED
-    pw.publish("pending", [7, 8])  # d's session is intact: the transfer lands exactly
+    pw.send(Publish("pending", (7, 8)))  # d's session is intact: the transfer lands exactly
     assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, [1, 2]] == src.arr[:, [7, 8]]).all()

@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from kvpushd_client import Attach, CompletionKind, KVPushError, Role, _convert
+from kvpushd_client import Abort, Attach, CompletionKind, Expect, KVPushError, Publish, Role, _convert
 from kvpushd_client.shm import hand_over
 from support import POISON, attach_pair, both_backends, layered_kv, wait_for
 
@@ -49,12 +49,12 @@ def test_layer_groups_go_as_the_doorbell_rings(group_pair, kv, registration: str
     notifs0, bytes0 = _counters(d).notifications_received, _counters(p).bytes_written
 
     def expect() -> None:
-        dw.expect("t1", dblocks, p.peer_address, "prefill", 1)
+        dw.send(Expect("t1", tuple(dblocks), p.peer_address, "prefill", 1))
 
     if registration == "before":
         expect()
     seq = bell.step()
-    pw.publish("t1", sblocks, step=seq, layers=LAYERS)  # declared before the forward
+    pw.send(Publish("t1", tuple(sblocks), step=seq, layers=LAYERS))  # declared before the forward
     for g in range(LAYERS):
         if registration == "between" and g == 2:
             expect()
@@ -100,8 +100,8 @@ def test_small_layer_groups_gather_into_writes_of_min_write_bytes(daemon_factory
     assert bell is not None
     sblocks, dblocks = [3, 4, 5, 9], [10, 11, 12, 30]
     notifs0 = _counters(d).notifications_received
-    dw.expect("g1", dblocks, p.peer_address, "prefill", 1)
-    pw.publish("g1", sblocks, step=bell.step(), layers=LAYERS)
+    dw.send(Expect("g1", tuple(dblocks), p.peer_address, "prefill", 1))
+    pw.send(Publish("g1", tuple(sblocks), step=bell.step(), layers=LAYERS))
     for g in range(LAYERS):
         _compute_layer(src, want, g, sblocks)
         bell.layer_done(g + 1)
@@ -123,11 +123,11 @@ def test_a_later_step_completes_an_earlier_one_and_a_stale_word_is_ignored(group
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
-    dw.expect("t2", [1, 2], p.peer_address, "prefill", 1)
+    dw.send(Expect("t2", (1, 2), p.peer_address, "prefill", 1))
     first = bell.step()
     bell.layer_done(LAYERS)  # an earlier step, complete: says nothing of the next one
     nxt = first + 1
-    pw.publish("t2", [7, 8], step=nxt, layers=LAYERS)
+    pw.send(Publish("t2", (7, 8), step=nxt, layers=LAYERS))
     time.sleep(0.3)
     assert dw.completions() == []
     for g in range(LAYERS):
@@ -147,13 +147,13 @@ def test_abort_mid_layers_fails_both_sides_after_the_writes_settle(group_pair, k
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
-    dw.expect("t3", [20, 21], p.peer_address, "prefill", 1)
+    dw.send(Expect("t3", (20, 21), p.peer_address, "prefill", 1))
     seq = bell.step()
-    pw.publish("t3", [40, 41], step=seq, layers=LAYERS)
+    pw.send(Publish("t3", (40, 41), step=seq, layers=LAYERS))
     _compute_layer(src, want, 0, [40, 41])
     bell.layer_done(1)
     assert wait_for(lambda: (dst.arr[:2, [20, 21]] == want[:2, [40, 41]]).all())  # group 0 landed
-    assert pw.abort("t3")
+    assert pw.send(Abort("t3"))
     c = pw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FAILED and c.code == "ABORTED", c
     c = dw.next_completion(30)
@@ -174,9 +174,9 @@ def test_worker_dying_between_layers_fails_the_transfer(group_pair, kv) -> None:
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
-    dw.expect("t4", [5, 6], p.peer_address, "prefill", 1)
+    dw.send(Expect("t4", (5, 6), p.peer_address, "prefill", 1))
     seq = bell.step()
-    pw.publish("t4", [5, 6], step=seq, layers=LAYERS)
+    pw.send(Publish("t4", (5, 6), step=seq, layers=LAYERS))
     _compute_layer(src, want, 0, [5, 6])
     bell.layer_done(1)
     pw._call.cancel()  # the prefill worker's session ends between layers (its process died)
@@ -192,14 +192,14 @@ def test_bad_progressive_publishes_are_refused(group_pair, kv) -> None:  # type:
     src, _, _ = kv
     plain = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     with pytest.raises(KVPushError, match="without a doorbell"):
-        plain.publish("b1", [1], step=1, layers=LAYERS)
+        plain.send(Publish("b1", (1,), step=1, layers=LAYERS))
     plain.detach()
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list, doorbell=True)
     for step, layers in ((1, 3), (0, 4), (1, 70000), (2, 0)):  # 3 does not divide 8 regions
         with pytest.raises(KVPushError, match="progressive publish"):
-            pw.publish("b2", [1], step=step, layers=layers)
-    pw.publish("b3", [1], step=1, layers=REGIONS)  # one region per group is fine
-    assert pw.abort("b3")
+            pw.send(Publish("b2", (1,), step=step, layers=layers))
+    pw.send(Publish("b3", (1,), step=1, layers=REGIONS))  # one region per group is fine
+    assert pw.send(Abort("b3"))
     pw.detach()
     for name, token, code, says in (
             ("kvpushd-kv-bell-nobody", b"", grpc.StatusCode.PERMISSION_DENIED, "by /dev/shm name"),  # refused
@@ -227,8 +227,8 @@ def test_a_worker_that_truncates_its_doorbell_fails_only_its_own_publish(daemon_
     pw, dw = attach_pair(p, d, src, dst, doorbell=True)
     bell = pw.doorbell
     assert bell is not None
-    dw.expect("cut", [1, 2], p.peer_address, "prefill", 1)
-    pw.publish("cut", [1, 2], step=bell.step(), layers=LAYERS)
+    dw.send(Expect("cut", (1, 2), p.peer_address, "prefill", 1))
+    pw.send(Publish("cut", (1, 2), step=bell.step(), layers=LAYERS))
     bell.layer_done(1)
     os.ftruncate(bell.fd, 0)
     c = pw.next_completion(30)
@@ -239,8 +239,8 @@ def test_a_worker_that_truncates_its_doorbell_fails_only_its_own_publish(daemon_
     _compute_layer(src, want, 0, [5])
     for g in range(1, LAYERS):
         _compute_layer(src, want, g, [5])
-    dw.expect("next", [9], p.peer_address, "prefill", 1)
-    pw.publish("next", [5])  # whole, no doorbell needed: the other work of the worker is unharmed
+    dw.send(Expect("next", (9,), p.peer_address, "prefill", 1))
+    pw.send(Publish("next", (5,)))  # whole, no doorbell needed: the other work of the worker is unharmed
     c = dw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
     assert (dst.arr[:, [9]] == want[:, [5]]).all()

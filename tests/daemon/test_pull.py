@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import Abort, CompletionKind, Expect, Publish, Role, TransferMode
 from support import POISON, attach_pair, both_backends, make_kv, wait_for
 
 R, NB, HALF = 4, 32, 2048
@@ -28,11 +28,11 @@ def test_pull_moves_bytes_exactly(daemon_pair, kv_pair, order: str) -> None:
     pw, dw = attach_pair(p, d, src, dst)
     src_blocks, dst_blocks = [3, 4, 5, 9, 10], [40, 41, 2, 17, 18]
     if order == "expect_first":
-        dw.expect("pull-1", dst_blocks, p.peer_address, "prefill", 1, transfer_mode="pull")
-        pw.publish("pull-1", src_blocks)
+        dw.send(Expect("pull-1", tuple(dst_blocks), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
+        pw.send(Publish("pull-1", tuple(src_blocks)))
     else:
-        pw.publish("pull-1", src_blocks)
-        dw.expect("pull-1", dst_blocks, p.peer_address, "prefill", 1, transfer_mode="pull")
+        pw.send(Publish("pull-1", tuple(src_blocks)))
+        dw.send(Expect("pull-1", tuple(dst_blocks), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
     c = pw.next_completion(20)
@@ -56,9 +56,9 @@ def test_pull_prefill_tp2_to_decode_tp1(daemon_pair) -> None:
                for r, s in enumerate(srcs)]
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         src_blocks, dst_blocks = [3, 4, 9], [20, 21, 5]
-        pws[0].publish("tp21", src_blocks)  # one rank before the registration, one after
-        dw.expect("tp21", dst_blocks, p.peer_address, "prefill", 2, transfer_mode="pull")
-        pws[1].publish("tp21", src_blocks)
+        pws[0].send(Publish("tp21", tuple(src_blocks)))  # one rank before the registration, one after
+        dw.send(Expect("tp21", tuple(dst_blocks), p.peer_address, "prefill", 2, transfer_mode=TransferMode.PULL))
+        pws[1].send(Publish("tp21", tuple(src_blocks)))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         for w in pws:
             assert w.next_completion(20).kind is CompletionKind.FINISHED_SENDING
@@ -84,9 +84,9 @@ def test_pull_prefill_tp1_to_decode_tp2(daemon_pair) -> None:
                for r, k in enumerate(dsts)]
         src_blocks = [1, 2, 3, 4]
         dst_blocks = [[7, 8, 9, 10], [30, 0, 12, 13]]
-        dws[0].expect("tp12", dst_blocks[0], p.peer_address, "prefill", 1, transfer_mode="pull")
-        pw.publish("tp12", src_blocks)
-        dws[1].expect("tp12", dst_blocks[1], p.peer_address, "prefill", 1, transfer_mode="pull")
+        dws[0].send(Expect("tp12", tuple(dst_blocks[0]), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
+        pw.send(Publish("tp12", tuple(src_blocks)))
+        dws[1].send(Expect("tp12", tuple(dst_blocks[1]), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
         for w in dws:
             assert w.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING  # once both ranks READ
@@ -110,19 +110,19 @@ def test_push_and_pull_mixed_concurrently(daemon_pair, kv_pair) -> None:
     n = 16
     src_sets = rng.permutation(src.num_blocks)[: n * 2].reshape(n, 2)
     dst_sets = rng.permutation(dst.num_blocks)[: n * 2].reshape(n, 2)
-    modes = ["pull" if i % 2 else "push" for i in range(n)]
+    modes = [TransferMode.PULL if i % 2 else TransferMode.PUSH for i in range(n)]
     for i in range(n):  # first half: expect first; second half: publish first
         tid = f"mix-{i}"
         if i < n // 2:
-            dw.expect(tid, dst_sets[i].tolist(), p.peer_address, "prefill", 1, transfer_mode=modes[i])
+            dw.send(Expect(tid, tuple(dst_sets[i].tolist()), p.peer_address, "prefill", 1, transfer_mode=modes[i]))
         else:
-            pw.publish(tid, src_sets[i].tolist())
+            pw.send(Publish(tid, tuple(src_sets[i].tolist())))
     for i in range(n):
         tid = f"mix-{i}"
         if i < n // 2:
-            pw.publish(tid, src_sets[i].tolist())
+            pw.send(Publish(tid, tuple(src_sets[i].tolist())))
         else:
-            dw.expect(tid, dst_sets[i].tolist(), p.peer_address, "prefill", 1, transfer_mode=modes[i])
+            dw.send(Expect(tid, tuple(dst_sets[i].tolist()), p.peer_address, "prefill", 1, transfer_mode=modes[i]))
     got_d = {c.transfer_id: c for c in (dw.next_completion(20) for _ in range(n))}
     got_p = {c.transfer_id: c for c in (pw.next_completion(20) for _ in range(n))}
     assert all(c.kind is CompletionKind.FINISHED_RECEIVING for c in got_d.values()) and len(got_d) == n, got_d
@@ -144,8 +144,8 @@ def test_read_that_cannot_be_posted_ends_both_sides(daemon_pair) -> None:
     try:
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        dw.expect("bad", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
-        pw.publish("bad", [5, 6])
+        dw.send(Expect("bad", (1, 2), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
+        pw.send(Publish("bad", (5, 6)))
         c = dw.next_completion(20)
         assert c is not None and c.kind is CompletionKind.FAILED, c
         assert c.code in ("TRANSFER_ERROR", "LAYOUT_MISMATCH") and c.block_ids == (1, 2), c
@@ -154,8 +154,8 @@ def test_read_that_cannot_be_posted_ends_both_sides(daemon_pair) -> None:
         assert np.all(dst.arr == POISON)
         assert wait_for(lambda: _settled(p, d))
         # the same layouts fail a push WRITE too (on the prefill side this time)
-        dw.expect("good", [3], p.peer_address, "prefill", 1, transfer_mode="push")
-        pw.publish("good", [7])
+        dw.send(Expect("good", (3,), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PUSH))
+        pw.send(Publish("good", (7,)))
         assert dw.next_completion(20).kind is CompletionKind.FAILED  # still the wrong layout for a WRITE
     finally:
         for kv in [src, dst]:
@@ -166,15 +166,15 @@ def test_decode_abort_before_publish_ends_both_sides(daemon_pair, kv_pair) -> No
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("ab", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
+    dw.send(Expect("ab", (1, 2), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
     assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
-    assert dw.abort("ab")
+    assert dw.send(Abort("ab"))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FAILED and c.code == "ABORTED", c
     assert wait_for(lambda: not p.client.status().transfers)  # the withdrawal reached the prefill daemon
-    pw.publish("ab", [3, 4])  # nothing to pull into any more: the publish waits for its deadline
+    pw.send(Publish("ab", (3, 4)))  # nothing to pull into any more: the publish waits for its deadline
     assert np.all(dst.arr == POISON)
-    assert pw.abort("ab")
+    assert pw.send(Abort("ab"))
     assert pw.next_completion(20).kind is CompletionKind.FAILED
 
 
@@ -187,7 +187,7 @@ def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> No
     p, d = daemon_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("sec", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
+    dw.send(Expect("sec", (1, 2), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
     assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
     rid = next(t.registration_id for t in d.client.status().transfers if t.transfer_id == "sec")
     assert next(t.mode for t in d.client.status().transfers if t.transfer_id == "sec") == "pull"
@@ -220,7 +220,7 @@ def test_offers_are_checked_against_the_registration(daemon_pair, kv_pair) -> No
     assert offer(p_instance, "pnode", "sec", [0, 10**6]) == "INVALID_ARGUMENT"  # out of range
     assert d.client.status().counters.reads_posted == 0 and np.all(dst.arr == POISON)
     # the real offer still lands
-    pw.publish("sec", [5, 6])
+    pw.send(Publish("sec", (5, 6)))
     c = dw.next_completion(20)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
     assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
@@ -245,11 +245,11 @@ def test_decode_daemon_stopped_before_the_offer_ends_the_publish(fast_pair, kv_p
     p, d = fast_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("stop", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
+    dw.send(Expect("stop", (1, 2), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
     assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
     d.proc.send_signal(signal.SIGSTOP)
     try:
-        pw.publish("stop", [3, 4])
+        pw.send(Publish("stop", (3, 4)))
         c = pw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED and c.block_ids == (3, 4), c
         assert c.code in ("PEER_UNREACHABLE", "TRANSFER_ERROR"), c
@@ -272,10 +272,10 @@ def test_prefill_daemon_killed_during_pull_ends_the_decode_side(fast_pair, kv_pa
     p, d = fast_pair
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
-    dw.expect("kill", [1, 2], p.peer_address, "prefill", 1, transfer_mode="pull")
+    dw.send(Expect("kill", (1, 2), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL))
     assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
     d.proc.send_signal(signal.SIGSTOP)  # hold the offer in the decode daemon's socket
-    pw.publish("kill", [3, 4])
+    pw.send(Publish("kill", (3, 4)))
     wait_for(lambda: False, timeout=0.5)
     p.proc.send_signal(signal.SIGKILL)
     p.proc.wait(10)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind
+from kvpushd_client import CompletionKind, Expect, Publish
 from support import DaemonFactory, DaemonProc, attach_pair
 
 from kvpushd.config import TransferConfig, backend_init_params
@@ -71,8 +71,8 @@ def test_transfer_over_configured_rails_and_status_shows_them(rail_pair: tuple[D
     src, dst = kv_pair
     pw, dw = attach_pair(p, d, src, dst)
     try:
-        dw.expect("rails-1", [3, 4, 9], p.peer_address, "prefill", 1)
-        pw.publish("rails-1", [1, 2, 7])
+        dw.send(Expect("rails-1", (3, 4, 9), p.peer_address, "prefill", 1))
+        pw.send(Publish("rails-1", (1, 2, 7)))
         c = dw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
         s = pw.next_completion(30)

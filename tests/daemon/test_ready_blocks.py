@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, KVPushError
+from kvpushd_client import Abort, CompletionKind, Expect, KVPushError, Publish
 from support import POISON, attach_pair, layered_kv, make_kv, wait_for
 
 REGIONS, LAYERS, BLOCKS = 8, 4, 64
@@ -65,12 +65,12 @@ def test_ready_blocks_land_before_any_layer_is_rung_then_the_rest_layer_by_layer
     n0 = _notifs(d)
 
     def expect() -> None:
-        dw.expect("r1", dblocks, p.peer_address, "prefill", 1)
+        dw.send(Expect("r1", tuple(dblocks), p.peer_address, "prefill", 1))
 
     if registration == "before":
         expect()
     seq = bell.step()
-    pw.publish("r1", sblocks, step=seq, layers=LAYERS, ready_blocks=ready)  # the last chunk's step
+    pw.send(Publish("r1", tuple(sblocks), step=seq, layers=LAYERS, ready_blocks=ready))  # the last chunk's step
     if registration == "before":
         assert wait_for(lambda: _landed(dst, want, dblocks[:ready], sblocks[:ready]))  # no layer rung yet
         assert wait_for(lambda: _notifs(d) == n0 + 1)  # its notification was counted: one unit of 5
@@ -119,15 +119,15 @@ def test_abort_after_the_ready_blocks_fails_both_sides_and_writes_nothing_more(g
     assert bell is not None
     sblocks, dblocks = [40, 41, 42], [20, 21, 22]
     src.arr[:, sblocks[:2]] = want[:, sblocks[:2]]
-    dw.expect("r2", dblocks, p.peer_address, "prefill", 1)
+    dw.send(Expect("r2", tuple(dblocks), p.peer_address, "prefill", 1))
     seq = bell.step()
-    pw.publish("r2", sblocks, step=seq, layers=LAYERS, ready_blocks=2)
+    pw.send(Publish("r2", tuple(sblocks), step=seq, layers=LAYERS, ready_blocks=2))
     assert wait_for(lambda: _landed(dst, want, dblocks[:2], sblocks[:2]))
     for r in _group(0):
         src.arr[r, sblocks[2:]] = want[r, sblocks[2:]]
     bell.layer_done(1)
     assert wait_for(lambda: _landed(dst, want, dblocks[2:], sblocks[2:], _group(0)))
-    assert pw.abort("r2")
+    assert pw.send(Abort("r2"))
     c = pw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FAILED and c.code == "ABORTED", c
     c = dw.next_completion(30)
@@ -153,16 +153,16 @@ def test_bad_ready_blocks_are_refused_and_the_daemon_goes_on(group_pair, kv) -> 
     seq = bell.step()
     for ready in (4, 1 << 31, (1 << 32) - 1):
         with pytest.raises(KVPushError, match="ready_blocks") as e:
-            pw.publish("bad", [1, 2, 3], step=seq, layers=LAYERS, ready_blocks=ready)
+            pw.send(Publish("bad", (1, 2, 3), step=seq, layers=LAYERS, ready_blocks=ready))
         assert e.value.code == "INVALID_ARGUMENT" and "3 block ids" in e.value.message
     with pytest.raises(KVPushError, match="ready_blocks"):
-        pw.publish("bad", [1, 2, 3], ready_blocks=4)  # not progressive: still not more than the blocks
+        pw.send(Publish("bad", (1, 2, 3), ready_blocks=4))  # not progressive: still not more than the blocks
     assert not p.client.status().transfers
     # the same worker, the same transfer id, well formed: goes through
     sblocks, dblocks = [1, 2, 3], [4, 5, 6]
     src.arr[:, sblocks] = want[:, sblocks]
-    dw.expect("bad", dblocks, p.peer_address, "prefill", 1)
-    pw.publish("bad", sblocks, step=seq, layers=LAYERS, ready_blocks=3)  # all complete: one WRITE at once
+    dw.send(Expect("bad", tuple(dblocks), p.peer_address, "prefill", 1))
+    pw.send(Publish("bad", tuple(sblocks), step=seq, layers=LAYERS, ready_blocks=3))  # all complete: one WRITE at once
     c = dw.next_completion(30)
     assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
     c = pw.next_completion(30)
@@ -192,10 +192,10 @@ def test_many_legs_and_groups_in_flight(group_pair) -> None:  # type: ignore[no-
         n0 = _notifs(d)
         for tid, (sb, db, ready) in legs.items():
             src.arr[:, sb[:ready]] = want[:, sb[:ready]]
-            dw.expect(tid, db, p.peer_address, "prefill", 1)
+            dw.send(Expect(tid, tuple(db), p.peer_address, "prefill", 1))
         seq = bell.step()
         for tid, (sb, _, ready) in legs.items():
-            pw.publish_nowait(tid, sb, step=seq, layers=MANY_LAYERS, ready_blocks=ready)
+            pw.send_nowait(Publish(tid, tuple(sb), step=seq, layers=MANY_LAYERS, ready_blocks=ready))
         pw.step()
         assert wait_for(lambda: all(_landed(dst, want, db[:r], sb[:r]) for sb, db, r in legs.values()))
         for _, db, r in legs.values():

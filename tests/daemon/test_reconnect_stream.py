@@ -5,7 +5,7 @@ at once, and a restarted daemon is re-attached to and serves new requests."""
 
 from __future__ import annotations
 
-from kvpushd_client import CompletionKind, Expect, Role
+from kvpushd_client import Abort, CompletionKind, Expect, Publish, Role
 from support import start_daemon, wait_for
 
 
@@ -44,8 +44,8 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         assert ev.completion.transfer_id == "bad" and ev.completion.block_ids == (1, 10**6)
         assert "INVALID_ARGUMENT" in ev.completion.reason and rs.connected  # a refusal is no loss
         # A second step with an Abort for one of them: one more batch.
-        rs.abort_nowait("s-2", only_epoch=1)
-        rs.abort_nowait("s-1", only_epoch=7)  # another attachment's: dropped, never sent
+        rs.send_nowait(Abort("s-2"), only_epoch=1)
+        rs.send_nowait(Abort("s-1"), only_epoch=7)  # another attachment's: dropped, never sent
         assert rs.step() == 1 and rs.flush(20)
         assert counts(d, "decode") == (2, 5)
         assert rs.step() == 0 and counts(d, "decode") == (2, 5)  # an empty step sends nothing
@@ -72,7 +72,7 @@ def test_stream_link_batches_per_step_and_reattaches(daemon_pair, kv_pair, workd
         rs.send_nowait(Expect("s-new", (4, 5), p.peer_address, "prefill", 1))
         assert rs.step() == 1
         assert wait_for(lambda: "s-new" in {t.transfer_id for t in d.client.status().transfers})
-        pw.publish("s-new", [40, 41])
+        pw.send(Publish("s-new", (40, 41)))
         assert until(lambda: any(e.kind == "completion" for e in events))
         (c,) = [e for e in events if e.kind == "completion"]
         assert c.epoch == 2 and c.completion.kind is CompletionKind.FINISHED_RECEIVING
@@ -91,8 +91,8 @@ def test_call_and_wait_rides_the_stream(daemon_pair, kv_pair) -> None:
     p, d = daemon_pair
     src, dst = kv_pair
     _, dw = attach_pair(p, d, src, dst)
-    dw.expect("u-1", [1], p.peer_address, "prefill", 1)
-    assert dw.abort("u-1") and not dw.abort("u-1")  # found, then not
+    dw.send(Expect("u-1", (1,), p.peer_address, "prefill", 1))
+    assert dw.send(Abort("u-1")) and not dw.send(Abort("u-1"))  # found, then not
     assert counts(d, "decode") == (3, 3)
 
 
@@ -102,14 +102,14 @@ def test_commands_stepped_after_the_stream_died_are_refused(daemon_pair, kv_pair
     p, d = daemon_pair
     _, dst = kv_pair
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    dw.expect_nowait("before", [1], p.peer_address, "prefill", 1)
+    dw.send_nowait(Expect("before", (1,), p.peer_address, "prefill", 1))
     assert dw.flush(20)
     d.proc.kill()
     d.proc.wait()
     assert wait_for(lambda: not dw.alive, 30)
-    dw.expect_nowait("after-1", [2, 3], p.peer_address, "prefill", 1)
-    dw.abort_nowait("after-1")  # an abort ends nothing of its own
-    dw.expect_nowait("after-2", [4], p.peer_address, "prefill", 1)
+    dw.send_nowait(Expect("after-1", (2, 3), p.peer_address, "prefill", 1))
+    dw.send_nowait(Abort("after-1"))  # an abort ends nothing of its own
+    dw.send_nowait(Expect("after-2", (4,), p.peer_address, "prefill", 1))
     assert dw.step() == 3 and dw.flush(5)
     got = dw.completions()
     assert [(c.transfer_id, c.kind, c.code, c.block_ids) for c in got] == [
@@ -160,7 +160,7 @@ def test_the_link_hands_over_its_own_descriptors_whatever_the_caller_closed(daem
         rs.send_nowait(Expect("after", (4, 5), p.peer_address, "prefill", 1))
         assert rs.step() == 1
         assert wait_for(lambda: "after" in {t.transfer_id for t in d.client.status().transfers})
-        pw.publish("after", [40, 41])
+        pw.send(Publish("after", (40, 41)))
         assert wait_for(lambda: events.extend(rs.poll()) or any(e.kind == "completion" for e in events), 30)
         (c,) = [e.completion for e in events if e.kind == "completion"]
         assert c.kind is CompletionKind.FINISHED_RECEIVING, c

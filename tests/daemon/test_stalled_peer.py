@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import time
 
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 from support import make_kv, wait_for
 from support.bystander import Bystander
 
@@ -27,13 +27,13 @@ def test_a_stalled_decode_daemon_releases_prefill_blocks_at_the_liveness_bound(d
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         ow = other.client.attach("decode", Role.CONSUMER, 0, 1, [dst2.buf.memory], dst2.region_list)
-        dw.expect("stalled", list(range(64)), p.peer_address, "prefill", 1)
+        dw.send(Expect("stalled", tuple(range(64)), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.side == "send" for t in p.client.status().transfers))
         with Bystander(p, pw, ow, src, dst2, target=p, blocks=(5, 60)) as b:
             d.proc.send_signal(signal.SIGSTOP)
             stopped = True
             t0 = time.monotonic()
-            pw.publish("stalled", list(range(64)))
+            pw.send(Publish("stalled", tuple(range(64))))
             c = pw.next_completion(60)
             took = time.monotonic() - t0
         print(b.line("a decode daemon stalled during a 256 MiB WRITE"))
@@ -48,8 +48,8 @@ def test_a_stalled_decode_daemon_releases_prefill_blocks_at_the_liveness_bound(d
         # the decode side learns it failed; then both sides move exact bytes again
         c = dw.next_completion(60)
         assert c is not None and c.transfer_id == "stalled" and c.kind is CompletionKind.FAILED, c
-        dw.expect("after", [1, 2], p.peer_address, "prefill", 1)
-        pw.publish("after", [3, 4])
+        dw.send(Expect("after", (1, 2), p.peer_address, "prefill", 1))
+        pw.send(Publish("after", (3, 4)))
         assert dw.next_completion(60).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(60).kind is CompletionKind.FINISHED_SENDING
         assert (dst.arr[:, [1, 2]] == src.arr[:, [3, 4]]).all()

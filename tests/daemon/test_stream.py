@@ -12,6 +12,7 @@ import grpc
 import pytest
 from kvpushd_client import CompletionKind, KVPushError, Role
 from kvpushd_client.proto.v1 import worker_pb2, worker_pb2_grpc
+from kvpushd_client.types import Abort, Expect, Publish
 from support import wait_for
 
 
@@ -27,12 +28,12 @@ def test_batched_steps_move_exact_bytes(daemon_pair, kv_pair) -> None:  # type: 
     src, dst = kv_pair
     pw, dw = _stream_pair(p, d, src, dst)
     for i in range(8):
-        dw.expect_nowait(f"r{i}", [2 * i, 2 * i + 1], p.peer_address, "prefill", 1)
+        dw.send_nowait(Expect(f"r{i}", (2 * i, 2 * i + 1), p.peer_address, "prefill", 1))
     assert dw.step() == 8
     assert dw.flush(20)
     assert wait_for(lambda: sum(t.side == "send" for t in p.client.status().transfers) == 8)
     for i in range(8):
-        pw.publish_nowait(f"r{i}", [40 + 2 * i, 41 + 2 * i])
+        pw.send_nowait(Publish(f"r{i}", (40 + 2 * i, 41 + 2 * i)))
     assert pw.step() == 8
     got_d: list = []
     got_p: list = []
@@ -59,10 +60,10 @@ def test_ordering_within_a_batch_and_one_bad_item_fails_alone(daemon_pair, kv_pa
     pw, dw = _stream_pair(p, d, src, dst)
     # in order: expect then abort of the same transfer in one batch (the abort finds it); a bad
     # expect (block out of range) between two good ones fails alone
-    dw.expect_nowait("a", [1], p.peer_address, "prefill", 1)
-    dw.abort_nowait("a")
-    dw.expect_nowait("bad", [10_000], p.peer_address, "prefill", 1)
-    dw.expect_nowait("good", [2], p.peer_address, "prefill", 1)
+    dw.send_nowait(Expect("a", (1,), p.peer_address, "prefill", 1))
+    dw.send_nowait(Abort("a"))
+    dw.send_nowait(Expect("bad", (10_000,), p.peer_address, "prefill", 1))
+    dw.send_nowait(Expect("good", (2,), p.peer_address, "prefill", 1))
     dw.step()
     assert dw.flush(20)
     seen = {}
@@ -74,16 +75,16 @@ def test_ordering_within_a_batch_and_one_bad_item_fails_alone(daemon_pair, kv_pa
     assert seen["bad"].kind is CompletionKind.FAILED and seen["bad"].code == "REFUSED", seen["bad"]
     assert "INVALID_ARGUMENT" in seen["bad"].reason and seen["bad"].block_ids == (10_000,)
     assert not seen["bad"].unanswered  # the daemon answered: it refused the command
-    pw.publish_nowait("good", [9])
+    pw.send_nowait(Publish("good", (9,)))
     pw.step()
     c = dw.next_completion(20)
     assert c is not None and (c.transfer_id, c.kind) == ("good", CompletionKind.FINISHED_RECEIVING), c
     assert (dst.arr[:, 2] == src.arr[:, 9]).all()
     # the blocking forms raise the typed error
     with pytest.raises(KVPushError) as ei:
-        dw.expect("bad2", [10_000], p.peer_address, "prefill", 1)
+        dw.send(Expect("bad2", (10_000,), p.peer_address, "prefill", 1))
     assert ei.value.kind == "InvalidArgument" and ei.value.code == "INVALID_ARGUMENT"
-    assert dw.abort("nothing-here") is False
+    assert dw.send(Abort("nothing-here")) is False
 
 
 def test_first_batch_must_name_an_attached_worker(daemon_pair) -> None:  # type: ignore[no-untyped-def]
@@ -98,13 +99,13 @@ def test_first_batch_must_name_an_attached_worker(daemon_pair) -> None:  # type:
 
 _DYING = """
 import json, os, signal, sys
-from kvpushd_client import KVPushClient, MemfdMemory, Region, Role
+from kvpushd_client import Expect, KVPushClient, MemfdMemory, Region, Role
 a = json.loads(sys.argv[1])
 c = KVPushClient(a["sock"])
 w = c.attach("decode", Role.CONSUMER, 0, 1, [MemfdMemory(a["fd"], a["size"])],
                     [Region(0, i * a["nb"] * a["bl"], a["nb"], a["bl"]) for i in range(a["regions"])])
 for i in range(16):
-    w.expect_nowait(f"d{i}", [i], a["peer"], "prefill", 1)
+    w.send_nowait(Expect(f"d{i}", (i,), a["peer"], "prefill", 1))
 w.step()
 w.flush(20)
 os.kill(os.getpid(), signal.SIGKILL)  # mid-batch for the daemon: registrations pending, no goodbye
@@ -165,13 +166,13 @@ def test_commands_a_dead_stream_never_answered_end_refused_and_unanswered(daemon
     _, dst = kv_pair
     d = daemon_factory("dnode")
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    dw.expect_nowait("sent", [1], "127.0.0.1:1", "prefill", 1)
+    dw.send_nowait(Expect("sent", (1,), "127.0.0.1:1", "prefill", 1))
     dw.step()
     assert dw.flush(20)  # answered (OK): it waits for its WRITE
     d.proc.kill()
     d.proc.wait(30)
     assert wait_for(lambda: dw.session_error is not None, 30)
-    dw.expect_nowait("after", [2], "127.0.0.1:1", "prefill", 1)
+    dw.send_nowait(Expect("after", (2,), "127.0.0.1:1", "prefill", 1))
     dw.step()
     got = {}
     while len(got) < 1:
@@ -197,7 +198,7 @@ def test_a_burst_of_completions_larger_than_a_message_reaches_the_worker(workdir
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         blocks = list(range(100_000, 101_024))  # 3-byte ids: ~3 KB per completion
         for i in range(1500):
-            dw.expect_nowait(f"b{i}", blocks, dead, "prefill", 1)
+            dw.send_nowait(Expect(f"b{i}", tuple(blocks), dead, "prefill", 1))
         assert dw.step() == 1500
         got = set()
         while len(got) < 1500:
@@ -207,7 +208,7 @@ def test_a_burst_of_completions_larger_than_a_message_reaches_the_worker(workdir
             assert c.transfer_id not in got
             got.add(c.transfer_id)
         assert dw.alive
-        dw.expect_nowait("after", [1], dead, "prefill", 1)  # the same stream still carries commands
+        dw.send_nowait(Expect("after", (1,), dead, "prefill", 1))  # the same stream still carries commands
         dw.step()
         c = dw.next_completion(30)
         assert c is not None and c.transfer_id == "after"
@@ -224,11 +225,11 @@ def test_a_step_of_more_commands_than_one_batch_holds_goes_as_several(daemon_pai
     src, dst = kv_pair
     pw, dw = _stream_pair(p, d, src, dst)
     for i in range(5000):
-        dw.abort_nowait(f"none-{i}")
+        dw.send_nowait(Abort(f"none-{i}"))
     assert dw.step() == 5000
     assert dw.flush(60) and dw.alive
-    dw.expect("after", [1], p.peer_address, "prefill", 1)
-    pw.publish("after", [2])
+    dw.send(Expect("after", (1,), p.peer_address, "prefill", 1))
+    pw.send(Publish("after", (2,)))
     assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
     pw.detach()
     dw.detach()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvpushd_client import Attach, KVPushClient, Role, _convert
+from kvpushd_client import Attach, Expect, KVPushClient, Publish, Role, _convert
 from kvpushd_client.proto.v1 import worker_pb2
 from kvpushd_client.shm import hand_over
 from support import make_kv, wait_for
@@ -51,7 +51,7 @@ def test_a_stream_ended_badly_mid_write_wedges_nothing(daemon_factory) -> None: 
     try:
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         wid, token = _raw_attach(p.client, src, "prefill")
-        dw.expect("held", list(range(8)), p.peer_address, "prefill", 1)
+        dw.send(Expect("held", tuple(range(8)), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.side == "send" for t in p.client.status().transfers))
         d.proc.send_signal(signal.SIGSTOP)
         try:
@@ -72,8 +72,8 @@ def test_a_stream_ended_badly_mid_write_wedges_nothing(daemon_factory) -> None: 
         other = make_kv("kvp-end-other", regions=4, num_blocks=16, block_len=1 << 20)
         try:
             pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [other.buf.memory], other.region_list)
-            dw.expect("beside", [1, 2], p.peer_address, "prefill", 1)
-            pw.publish("beside", [5, 6])
+            dw.send(Expect("beside", (1, 2), p.peer_address, "prefill", 1))
+            pw.send(Publish("beside", (5, 6)))
             assert dw.next_completion(30).kind.name == "FINISHED_RECEIVING"
             assert pw.next_completion(30).kind.name == "FINISHED_SENDING"
             assert (dst.arr[:, [1, 2]] == other.arr[:, [5, 6]]).all()
@@ -150,8 +150,8 @@ def test_a_worker_gone_mid_stream_is_released(daemon_factory, kv_pair, how: str)
     assert wait_for(lambda: not p.client.status().workers, timeout=20)
     pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
     dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-    dw.expect("after", [3], p.peer_address, "prefill", 1)
-    pw.publish("after", [7])
+    dw.send(Expect("after", (3,), p.peer_address, "prefill", 1))
+    pw.send(Publish("after", (7,)))
     assert dw.next_completion(20).kind.name == "FINISHED_RECEIVING"
     assert (dst.arr[:, 3] == src.arr[:, 7]).all()
     pw.detach()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 from support import attach_pair, start_daemon
 
 from kvpushd.config import PeerApiConfig, from_dict
@@ -107,8 +107,8 @@ def pki(workdir: Path) -> dict[str, object]:
 
 
 def roundtrip(pw, dw, p, tid: str, dst_blocks: list[int], src_blocks: list[int]):  # type: ignore[no-untyped-def]
-    dw.expect(tid, dst_blocks, p.peer_address, "prefill", 1)
-    pw.publish(tid, src_blocks)
+    dw.send(Expect(tid, tuple(dst_blocks), p.peer_address, "prefill", 1))
+    pw.send(Publish(tid, tuple(src_blocks)))
     return dw.next_completion(30), pw.next_completion(30)
 
 
@@ -138,7 +138,7 @@ def test_transfer_over_mutual_tls_and_refusals(workdir: Path, pki: dict[str, obj
         for rogue, codes in ((plain, {"PEER_UNREACHABLE"}), (foreign, {"PEER_UNREACHABLE", "PEER_REJECTED"}),
                              (intruder, {"PEER_REJECTED"})):
             rw = rogue.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-            rw.expect(f"from-{rogue.name}", [20, 21], p.peer_address, "prefill", 1)
+            rw.send(Expect(f"from-{rogue.name}", (20, 21), p.peer_address, "prefill", 1))
             c = rw.next_completion(30)
             assert c is not None and c.kind is CompletionKind.FAILED, (rogue.name, c)
             assert c.code in codes and c.block_ids == (20, 21), (rogue.name, c)
@@ -172,7 +172,7 @@ def test_allowlist_denies_callers_outside_the_cidrs(workdir: Path, kv_pair) -> N
     d = start(workdir, "dnode", "[peer_api]\n" + FAST + TIMEOUTS)
     try:
         _, dw = attach_pair(p, d, src, dst)
-        dw.expect("denied", [1, 2], p.peer_address, "prefill", 1)
+        dw.send(Expect("denied", (1, 2), p.peer_address, "prefill", 1))
         c = dw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED and c.code == "PEER_REJECTED", c
         assert "PERMISSION_DENIED" in c.reason and "127.0.0.1" in c.reason and "10.0.0.0/8" in c.reason, c.reason

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpushd_client import CompletionKind
+from kvpushd_client import CompletionKind, Expect, Publish, TransferMode
 from support import attach_pair, start_daemon, wait_for
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra: pip install kvpushd[tracing]")
@@ -70,12 +70,13 @@ def test_one_transfer_one_trace(workdir, kv_pair, receiver, monkeypatch, mode) -
         tp = _traceparent(root)
         tid = f"traced-{mode}"
         if mode == "push":
-            dw.expect(tid, [10, 11], p.peer_address, "prefill", 1, traceparent=tp)
+            dw.send(Expect(tid, (10, 11), p.peer_address, "prefill", 1, traceparent=tp))
             assert wait_for(lambda: any(t.transfer_id == tid for t in p.client.status().transfers))
-            pw.publish(tid, [1, 2], traceparent=tp)
+            pw.send(Publish(tid, (1, 2), traceparent=tp))
         else:
-            pw.publish(tid, [1, 2], traceparent=tp)
-            dw.expect(tid, [10, 11], p.peer_address, "prefill", 1, transfer_mode="pull", traceparent=tp)
+            pw.send(Publish(tid, (1, 2), traceparent=tp))
+            dw.send(Expect(tid, (10, 11), p.peer_address, "prefill", 1, transfer_mode=TransferMode.PULL,
+                           traceparent=tp))
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
         root.end()
@@ -136,9 +137,9 @@ def test_stream_commands_carry_the_context(workdir, kv_pair, receiver, monkeypat
         src, dst = kv_pair
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        dw.expect_nowait("st", [3, 4], p.peer_address, "prefill", 1, traceparent=tp)
+        dw.send_nowait(Expect("st", (3, 4), p.peer_address, "prefill", 1, traceparent=tp))
         dw.step()
-        pw.publish_nowait("st", [5, 6], traceparent=tp)
+        pw.send_nowait(Publish("st", (5, 6), traceparent=tp))
         pw.step()
         assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
         assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
@@ -167,8 +168,8 @@ def test_sampling_follows_the_context(workdir, kv_pair, receiver, monkeypatch) -
         pw, dw = attach_pair(p, d, src, dst)
         for i, tp in enumerate(["", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00",
                                 f"00-{traced}-{secrets.token_hex(8)}-01"]):
-            dw.expect(f"s{i}", [10 + i], p.peer_address, "prefill", 1, traceparent=tp)
-            pw.publish(f"s{i}", [1 + i], traceparent=tp)
+            dw.send(Expect(f"s{i}", (10 + i,), p.peer_address, "prefill", 1, traceparent=tp))
+            pw.send(Publish(f"s{i}", (1 + i,), traceparent=tp))
             assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
             assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
         pw.detach()

@@ -51,7 +51,7 @@ pytestmark = [
 WORKER = r"""
 import ctypes, dataclasses, json, sys
 import numpy as np
-from kvpushd_client import KVPushClient, KVPushError, Region, Role
+from kvpushd_client import Expect, KVPushClient, KVPushError, Publish, Region, Role
 from kvpushd_client.vmm import CudaDriver, export_segments, sentinel_arm
 
 a = json.loads(sys.argv[1])
@@ -144,8 +144,8 @@ dw = dc.attach("decode", Role.CONSUMER, 0, 1, [dm], region(D))
 
 def push(tid, src, dst):
     before = D.blocks().copy()
-    dw.expect(tid, dst, a["peer"], "prefill", 1)
-    pw.publish(tid, src)
+    dw.send(Expect(tid, tuple(dst), a["peer"], "prefill", 1))
+    pw.send(Publish(tid, tuple(src)))
     cd, cp = dw.next_completion(60), pw.next_completion(60)
     after = D.blocks()
     others = [b for b in range(after.shape[0]) if b not in dst]
@@ -158,7 +158,7 @@ def push(tid, src, dst):
 
 out["steps"].append(push("vmm-1", [3, 4, 7], [1, 2, 5]))
 try:  # a block past the prefill worker's one chunk
-    pw.publish("vmm-past", [NB])
+    pw.send(Publish("vmm-past", (NB,)))
     out["past"] = {"code": "", "message": "accepted"}
 except KVPushError as e:
     out["past"] = {"code": e.code, "message": e.message}

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kvpushd_client import CompletionKind
+from kvpushd_client import Abort, CompletionKind, Expect, Publish
 from prometheus_client.parser import text_string_to_metric_families
 from support import KV, attach_pair, wait_for
 
@@ -199,16 +199,16 @@ def test_every_panel_returns_data_from_real_daemons(prometheus_binary: str, daem
         for batch in range(2):
             for i in range(4):  # four transfers, each of a run of 3 blocks (one descriptor per region)
                 tid, base = f"graf-{batch}-{i}", 12 * batch + 3 * i
-                dw.expect(tid, [32 + base, 33 + base, 34 + base], p.peer_address, "prefill", 1)
-                pw.publish(tid, [base, base + 1, base + 2])
+                dw.send(Expect(tid, (32 + base, 33 + base, 34 + base), p.peer_address, "prefill", 1))
+                pw.send(Publish(tid, (base, base + 1, base + 2)))
                 assert dw.next_completion(20).kind is CompletionKind.FINISHED_RECEIVING
                 assert pw.next_completion(20).kind is CompletionKind.FINISHED_SENDING
-            dw.expect(f"graf-abort-{batch}", [60], p.peer_address, "prefill", 1)
-            assert dw.abort(f"graf-abort-{batch}")
+            dw.send(Expect(f"graf-abort-{batch}", (60,), p.peer_address, "prefill", 1))
+            assert dw.send(Abort(f"graf-abort-{batch}"))
             assert dw.next_completion(20).code == "ABORTED"
-            dw.expect(f"graf-dead-{batch}", [61], dead, "prefill", 1)
+            dw.send(Expect(f"graf-dead-{batch}", (61,), dead, "prefill", 1))
             assert dw.next_completion(30).code == "PEER_UNREACHABLE"
-            pw.publish(f"graf-late-{batch}", [40])  # nobody registers for it
+            pw.send(Publish(f"graf-late-{batch}", (40,)))  # nobody registers for it
             assert pw.next_completion(30).code == "TIMEOUT"
             want = transfers_total(p.metrics(), d.metrics())
             assert wait_for(lambda w=want: prom.scalar('sum(kvpushd_transfers_total{job="kvpushd"})') == w, timeout=60)

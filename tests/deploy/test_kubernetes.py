@@ -20,6 +20,7 @@ from typing import Any
 import kubernetes_validate  # the dev extra: a missing package fails here rather than skipping the check
 import pytest
 import yaml
+from kvpushd_client.types import Expect, Publish
 
 from kvpushd import config
 from kvpushd.peer_security import access_mode
@@ -329,14 +330,14 @@ def test_config_map_peer_settings_carry_a_transfer(workdir: Path, kv_pair) -> No
         plain = start_daemon(workdir, "plain", timeouts)
         daemons.append(plain)
         pw, dw = attach_pair(p, d, src, dst)
-        dw.expect("k8s-1", [1, 2], p.peer_address, "prefill", 1)
-        pw.publish("k8s-1", [9, 10])
+        dw.send(Expect("k8s-1", (1, 2), p.peer_address, "prefill", 1))
+        pw.send(Publish("k8s-1", (9, 10)))
         c_d, c_p = dw.next_completion(30), pw.next_completion(30)
         assert c_d is not None and c_d.kind is CompletionKind.FINISHED_RECEIVING, c_d
         assert c_p is not None and c_p.kind is CompletionKind.FINISHED_SENDING, c_p
         assert np.array_equal(dst.arr[:, [1, 2], :], src.arr[:, [9, 10], :])
         rw = plain.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        rw.expect("k8s-2", [3], p.peer_address, "prefill", 1)
+        rw.send(Expect("k8s-2", (3,), p.peer_address, "prefill", 1))
         c = rw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FAILED and c.code == "PEER_UNREACHABLE", c
     finally:

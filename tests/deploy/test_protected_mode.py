@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvpushd_client import CompletionKind
+from kvpushd_client import Abort, CompletionKind, Expect, Publish
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from support import POISON, attach_pair, start_daemon
 
@@ -84,8 +84,8 @@ def log_lines(p) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
 
 
 def transfer(pw, dw, address: str, tid: str, dst_blocks: list[int], src_blocks: list[int]):  # type: ignore[no-untyped-def]
-    dw.expect(tid, dst_blocks, address, "prefill", 1)
-    pw.publish(tid, src_blocks)
+    dw.send(Expect(tid, tuple(dst_blocks), address, "prefill", 1))
+    pw.send(Publish(tid, tuple(src_blocks)))
     c_d = dw.next_completion(40)
     c_p = pw.next_completion(40) if c_d is not None and c_d.kind is CompletionKind.FINISHED_RECEIVING else None
     return c_d, c_p
@@ -124,7 +124,7 @@ def test_default_refuses_non_loopback_callers_and_says_how_to_open(workdir: Path
         assert "PERMISSION_DENIED" in c_d.reason and "insecure = true" in c_d.reason, c_d.reason
         assert c_d.block_ids == (1, 2)
         assert np.all(dst.arr[:, [1, 2], :] == POISON)
-        pw.abort("from-network")
+        pw.send(Abort("from-network"))
         c = pw.next_completion(20)
         assert c is not None and c.kind is CompletionKind.FAILED, c
 

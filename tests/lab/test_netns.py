@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvpushd_client import Completion, CompletionKind, KVPushError, Role, StreamWorker
+from kvpushd_client import Completion, CompletionKind, Expect, KVPushError, Publish, Role, StreamWorker
 from kvpushd_lab import launch
 from kvpushd_lab.netns import VETH, NetnsLab, available, sweep_stale
 from support import KV, POISON, DaemonProc, make_kv, wait_for
@@ -154,11 +154,11 @@ def run_concurrently(reqs: Sequence[Req], dw: StreamWorker, pws: dict[str, Strea
     def go(r: Req) -> None:
         pw = pws[r.prefill]
         if r.expect_first:
-            dw.expect(r.tid, r.dst, addrs[r.prefill], engines[r.prefill], 1)
-            pw.publish(r.tid, r.src)
+            dw.send(Expect(r.tid, tuple(r.dst), addrs[r.prefill], engines[r.prefill], 1))
+            pw.send(Publish(r.tid, tuple(r.src)))
         else:
-            pw.publish(r.tid, r.src)
-            dw.expect(r.tid, r.dst, addrs[r.prefill], engines[r.prefill], 1)
+            pw.send(Publish(r.tid, tuple(r.src)))
+            dw.send(Expect(r.tid, tuple(r.dst), addrs[r.prefill], engines[r.prefill], 1))
 
     threads = [threading.Thread(target=go, args=(r,)) for r in reqs]
     for t in threads:
@@ -196,15 +196,15 @@ def test_1p1d_across_namespaces_both_orders(cluster: Cluster) -> None:
         link0 = lab.link_stats(2)
 
         # Decode registers first: the prefill daemon WRITEs when Publish arrives.
-        dw.expect("reg-first", [10, 11, 12, 200], p.peer_address, "prefill-a", 1)
+        dw.send(Expect("reg-first", (10, 11, 12, 200), p.peer_address, "prefill-a", 1))
         assert wait_for(lambda: any(t.transfer_id == "reg-first" for t in p.client.status().transfers))
-        pw.publish("reg-first", [1, 2, 3, 40])
+        pw.send(Publish("reg-first", (1, 2, 3, 40)))
         assert collect(dw, {"reg-first"})["reg-first"].kind is CompletionKind.FINISHED_RECEIVING
         assert collect(pw, {"reg-first"})["reg-first"].kind is CompletionKind.FINISHED_SENDING
         # Prefill publishes first: the WRITE fires when the registration crosses the network.
-        pw.publish("pub-first", [7, 8])
+        pw.send(Publish("pub-first", (7, 8)))
         assert wait_for(lambda: any(t.transfer_id == "pub-first" for t in p.client.status().transfers))
-        dw.expect("pub-first", [30, 5], p.peer_address, "prefill-a", 1)
+        dw.send(Expect("pub-first", (30, 5), p.peer_address, "prefill-a", 1))
         assert collect(dw, {"pub-first"})["pub-first"].kind is CompletionKind.FINISHED_RECEIVING
         assert collect(pw, {"pub-first"})["pub-first"].kind is CompletionKind.FINISHED_SENDING
         check_blocks(src, dst, [1, 2, 3, 40], [10, 11, 12, 200])
@@ -333,7 +333,7 @@ def test_kill9_one_prefill_daemon_mid_run(cluster: Cluster) -> None:
         # Registered on A, never published: A dies holding them.
         stranded = [Req(f"stranded-{i}", "a", [], [pool.pop() for _ in range(4)], True) for i in range(3)]
         for r in stranded:
-            dw.expect(r.tid, r.dst, addrs["a"], engines["a"], 1)
+            dw.send(Expect(r.tid, tuple(r.dst), addrs["a"], engines["a"], 1))
         assert wait_for(lambda: {t.transfer_id for t in pa.client.status().transfers}
                         >= {r.tid for r in stranded}), pa.client.status().transfers
         loader = threading.Thread(target=b_load)
@@ -349,9 +349,9 @@ def test_kill9_one_prefill_daemon_mid_run(cluster: Cluster) -> None:
             if r.prefill == "b":
                 run_concurrently([r], dw, pws, addrs, engines)
             else:  # A's worker cannot publish any more; decode still expects from A
-                dw.expect(r.tid, r.dst, addrs["a"], engines["a"], 1)
+                dw.send(Expect(r.tid, tuple(r.dst), addrs["a"], engines["a"], 1))
                 with pytest.raises(KVPushError):
-                    pws["a"].publish(r.tid, r.src)
+                    pws["a"].send(Publish(r.tid, tuple(r.src)))
         loader.join(60)
         assert not loader.is_alive() and not b_errors, b_errors
         ok += during + [r for r in after if r.prefill == "b"]

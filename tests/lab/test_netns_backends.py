@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 from kvpushd_lab import launch
 from kvpushd_lab.netns import NetnsLab, available, sweep_stale
 from support import KV, POISON, both_backends, make_kv, wait_for
@@ -68,8 +68,8 @@ def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab
         pw = p.client.attach("prefill", Role.PRODUCER, 0, 1, [src.buf.memory], src.region_list)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
         rx0 = lab.link_stats(1)["rx_bytes"]
-        dw.expect("across", [1, 2], p.peer_address, "prefill", 1)
-        pw.publish("across", [3, 4])
+        dw.send(Expect("across", (1, 2), p.peer_address, "prefill", 1))
+        pw.send(Publish("across", (3, 4)))
         c = dw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, c
         assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
@@ -78,10 +78,10 @@ def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab
 
         # A WRITE of 24 blocks (24 MiB) on the wire, and the decode daemon SIGKILLed under it.
         big = list(range(8, 32))
-        dw.expect("doomed", big, p.peer_address, "prefill", 1)
+        dw.send(Expect("doomed", tuple(big), p.peer_address, "prefill", 1))
         assert wait_for(lambda: any(t.state == "registered" for t in d.client.status().transfers))
         rx0 = lab.link_stats(1)["rx_bytes"]
-        pw.publish("doomed", big)
+        pw.send(Publish("doomed", tuple(big)))
         assert wait_for(lambda: lab.link_stats(1)["rx_bytes"] - rx0 > (2 << 20), timeout=20, interval=0.01)
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait(10)
@@ -98,8 +98,8 @@ def test_bytes_cross_the_veth_and_a_decode_daemon_killed_mid_write(lab: NetnsLab
         d.restart()
         launch.wait_ready(d, 120)
         dw = d.client.attach("decode", Role.CONSUMER, 0, 1, [dst.buf.memory], dst.region_list)
-        dw.expect("after", [5, 6, 7], p.peer_address, "prefill", 1)
-        pw.publish("after", [40, 41, 42])
+        dw.send(Expect("after", (5, 6, 7), p.peer_address, "prefill", 1))
+        pw.send(Publish("after", (40, 41, 42)))
         c = dw.next_completion(30)
         assert c is not None and c.kind is CompletionKind.FINISHED_RECEIVING, (c, p.logs()[-4000:])
         assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
@@ -132,13 +132,13 @@ def test_a_decode_daemon_killed_mid_write_fails_only_its_own_write(lab3: NetnsLa
         aw = a.client.attach("decode-a", Role.CONSUMER, 0, 1, [da.buf.memory], da.region_list)
         bw = b.client.attach("decode-b", Role.CONSUMER, 0, 1, [db.buf.memory], db.region_list)
         big = list(range(8, 32))
-        aw.expect("to-a", big, p.peer_address, "prefill", 1)
-        bw.expect("to-b", big, p.peer_address, "prefill", 1)
+        aw.send(Expect("to-a", tuple(big), p.peer_address, "prefill", 1))
+        bw.send(Expect("to-b", tuple(big), p.peer_address, "prefill", 1))
         for d in (a, b):
             assert wait_for(lambda d=d: any(t.state == "registered" for t in d.client.status().transfers))
         rx0 = lab3.link_stats(1)["rx_bytes"]
-        pw.publish("to-b", big)  # the live peer's WRITE first: its checks come first
-        pw.publish("to-a", big)
+        pw.send(Publish("to-b", tuple(big)))  # the live peer's WRITE first: its checks come first
+        pw.send(Publish("to-a", tuple(big)))
         assert wait_for(lambda: lab3.link_stats(1)["rx_bytes"] - rx0 > (2 << 20), timeout=20, interval=0.01)
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait(10)

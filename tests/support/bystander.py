@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvpushd_client import CompletionKind
+from kvpushd_client import CompletionKind, Expect, Publish
 from kvpushd_client.proto.v1 import status_pb2
 
 from . import rss
@@ -56,8 +56,8 @@ class StatusProbe:
 
 def transfer(p: DaemonProc, pw: Any, dw: Any, src: KV, dst: KV, tid: str, a: int, b: int) -> None:
     """Decode block ``a`` from prefill block ``b``, both legs at once: exact bytes."""
-    dw.expect(tid, [a], p.peer_address, "prefill", 1)
-    pw.publish(tid, [b])
+    dw.send(Expect(tid, (a,), p.peer_address, "prefill", 1))
+    pw.send(Publish(tid, (b,)))
     assert dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
     assert pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
     assert (dst.arr[:, a] == src.arr[:, b]).all()
@@ -77,7 +77,7 @@ class Bystander:
         self.took = 0.0
 
     def __enter__(self) -> Bystander:
-        self.dw.expect(self.tid, [self.a], self.p.peer_address, "prefill", 1)  # pending while the act runs
+        self.dw.send(Expect(self.tid, (self.a,), self.p.peer_address, "prefill", 1))  # pending while the act runs
         self.base = rss(self.target.pid)
         self.probe.__enter__()
         self._t0 = time.perf_counter()
@@ -88,7 +88,7 @@ class Bystander:
         self.probe.__exit__()
         if exc[0] is not None:
             return
-        self.pw.publish(self.tid, [self.b])
+        self.pw.send(Publish(self.tid, (self.b,)))
         assert self.dw.next_completion(30).kind is CompletionKind.FINISHED_RECEIVING
         assert self.pw.next_completion(30).kind is CompletionKind.FINISHED_SENDING
         self.after = rss(self.target.pid)

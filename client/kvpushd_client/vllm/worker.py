@@ -22,7 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 from ..cuda import CudaMemoryError
 from ..reconnect import Call, ReconnectingStreamWorker
-from ..types import Completion, CompletionKind, DaemonUnavailable, Expect, KVPushError, Publish, Role, TransferMode
+from ..types import (
+    Abort,
+    Completion,
+    CompletionKind,
+    DaemonUnavailable,
+    Decline,
+    Expect,
+    KVPushError,
+    Publish,
+    Role,
+    TransferMode,
+)
 from ..vmm import VmmMemory
 from . import compat
 from .layout import describe_kv_caches_owned, layer_specs, owned_memfd_names, release_owned_shm
@@ -325,8 +336,8 @@ class KVPushdConnectorWorker:
         if unreachable and isinstance(req, ExpectReq) and not pend.aborted:
             # The prefill daemon may wait for a registration that will never come: once re-attached,
             # the link tells it so (Decline) and it frees the request's source blocks then.
-            self.link.decline_nowait(req.transfer_id, req.producer_address, req.producer_engine_id,
-                                     reason=f"the decode worker's Expect did not reach its daemon: {why}"[:1000])
+            self.link.decline_nowait(Decline(req.transfer_id, req.producer_address, req.producer_engine_id,
+                                             f"the decode worker's Expect did not reach its daemon: {why}"[:1000]))
         if tracked:
             (self._recv if pend.recv else self._send).pop(req.req_id, None)
             (self._recv_by_tid if pend.recv else self._send_by_tid).pop(req.transfer_id, None)
@@ -399,7 +410,7 @@ class KVPushdConnectorWorker:
                                  unreachable=isinstance(ev.error, DaemonUnavailable))
 
     def _link_abort(self, pend: _Pending, epoch: int) -> None:
-        self.link.abort_nowait(pend.req.transfer_id, only_epoch=epoch, tag=pend)
+        self.link.send_nowait(Abort(pend.req.transfer_id), pend, only_epoch=epoch)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call, for vLLM's

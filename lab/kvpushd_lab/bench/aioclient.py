@@ -12,7 +12,7 @@ import grpc
 from kvpushd_client import _convert, errors
 from kvpushd_client.proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvpushd_client.shm import hand_over
-from kvpushd_client.stream import _GONE, _command, _mode
+from kvpushd_client.stream import _GONE, _command
 from kvpushd_client.types import (
     Abort,
     Attach,
@@ -26,6 +26,7 @@ from kvpushd_client.types import (
     Publish,
     Region,
     Role,
+    TransferMode,
 )
 
 
@@ -147,7 +148,7 @@ class AsyncWorker:
                      producer_engine_id: str, producer_tp_size: int, skip_tokens: int = 0,
                      transfer_mode: str = "push", traceparent: str = "") -> None:
         await self._command(Expect(transfer_id, tuple(block_ids), producer_address, producer_engine_id,
-                                   producer_tp_size, skip_tokens, _mode(transfer_mode), traceparent))
+                                   producer_tp_size, skip_tokens, TransferMode.parse(transfer_mode), traceparent))
 
     async def publish(self, transfer_id: str, block_ids: Iterable[int], traceparent: str = "",
                       consumer_node_id: str = "", consumer_tls_name: str = "") -> None:

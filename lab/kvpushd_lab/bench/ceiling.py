@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import CompletionKind, Role, StreamWorker
+from kvpushd_client import CompletionKind, Expect, Publish, Role, StreamWorker
 
 from ..backend import BACKENDS, available
 from .common import (
@@ -88,12 +88,12 @@ def _completion(w: StreamWorker, tid: str, kind: CompletionKind, timeout_s: floa
 def _daemon_once(p: DaemonProc, pw: StreamWorker, dw: StreamWorker, tid: str, src: IntArray,
                  dst: IntArray) -> tuple[int, int, int]:
     """One request through the daemons: (ns from Publish to FINISHED_RECEIVING, descs requested, posted)."""
-    dw.expect(tid, dst.tolist(), p.peer_address, "bench-prefill", 1)
+    dw.send(Expect(tid, tuple(dst.tolist()), p.peer_address, "bench-prefill", 1))
     wait_registered(p, tid)
     c0 = p.client.status().counters
     src_l = src.tolist()
     t0 = time.monotonic_ns()
-    pw.publish(tid, src_l)
+    pw.send(Publish(tid, tuple(src_l)))
     _completion(dw, tid, CompletionKind.FINISHED_RECEIVING)
     t1 = time.monotonic_ns()
     _completion(pw, tid, CompletionKind.FINISHED_SENDING)
@@ -109,9 +109,9 @@ def _declared_once(p: DaemonProc, pw: StreamWorker, dw: StreamWorker, tid: str, 
     layer written: one store) to FINISHED_RECEIVING read by the decode worker."""
     bell = pw.doorbell
     assert bell is not None
-    dw.expect(tid, dst.tolist(), p.peer_address, "bench-prefill", 1)
+    dw.send(Expect(tid, tuple(dst.tolist()), p.peer_address, "bench-prefill", 1))
     wait_registered(p, tid)
-    pw.publish(tid, src.tolist(), step=bell.step(), layers=layers)
+    pw.send(Publish(tid, tuple(src.tolist()), step=bell.step(), layers=layers))
     time.sleep(0.002)  # the forward's first layers: the daemon has staged the leg and watches the bell
     t0 = time.monotonic_ns()
     bell.seal()

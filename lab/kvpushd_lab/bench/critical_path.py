@@ -14,7 +14,7 @@ which the source never holds as the poison value. So:
 * (b) = ``FINISHED_RECEIVING`` returned to the decode worker - every region's last byte changed.
 
 Both workers are on a WorkerService.Stream, as the vLLM connector and the reference engine run; the
-Publish is ``publish_nowait`` + ``step()``.
+Publish is ``send_nowait(Publish(...))`` + ``step()``.
 
 Requests go one at a time, Expect first (in push mode decode registers long before prefill ends),
 so nothing queues. The prefill daemon runs at log level debug, and its per-WRITE ``post_us`` (WRITE
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvpushd_client import CompletionKind, Role
+from kvpushd_client import CompletionKind, Expect, Publish, Role
 
 from .ceiling import _completion
 from .common import (
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
             tids: list[str] = []
             for i in range(warm + args.samples):
                 tid = f"cp-{i}-{os.urandom(3).hex()}"
-                dw.expect(tid, blocks, p.peer_address, "bench-prefill", 1)
+                dw.send(Expect(tid, tuple(blocks), p.peer_address, "bench-prefill", 1))
                 wait_registered(p, tid)
                 if getattr(args, "gap_ms", 0.0) > 0:
                     time.sleep(args.gap_ms / 1e3)
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Result:
                     raise BenchError("sentinel watcher failed")
                 s0 = {k: sched_ns(pid) for k, pid in pids.items()}
                 t_pub = time.monotonic_ns()
-                pw.publish_nowait(tid, blocks)  # an engine step: append, then one flush (no wait)
+                pw.send_nowait(Publish(tid, tuple(blocks)))  # an engine step: append, then one flush (no wait)
                 pw.step()
                 t_rpc = time.monotonic_ns()
                 _completion(dw, tid, CompletionKind.FINISHED_RECEIVING, 30)
@@ -258,7 +258,7 @@ def _result(args: argparse.Namespace, lay: Layout, n: int, a_us: list[float], b_
          f"{met(a['p99'], TARGET_P99_US, False)}"},
         {"figure": "(b) last byte landed -> decode told", **b, "target": f"p99 <= {TARGET_P99_US:.0f}: "
          f"{met(b['p99'], TARGET_P99_US, False)}"},
-        {"figure": "Publish (engine's view: publish_nowait + step)", **dist(rpc_us), "target": ""},
+        {"figure": "Publish (engine's view: send_nowait(Publish) + step)", **dist(rpc_us), "target": ""},
         {"figure": "daemon post_us (queued -> posted)", **dist(post_us), "target": ""},
         {"figure": "  of which queue_us (queued -> NIXL thread took it)", **dist(queue_us), "target": ""},
         {"figure": "first -> last byte landed", **dist(wire_us), "target": ""},

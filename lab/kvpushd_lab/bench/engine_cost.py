@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvpushd_client import Completion, CompletionKind, Role, StreamWorker
+from kvpushd_client import Completion, CompletionKind, Expect, Publish, Role, StreamWorker
 
 from .common import POISON, BenchError, DaemonProc, KVMemory, Layout, Result, daemon_pair, dist, met, progress
 
@@ -202,9 +202,9 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Strea
             if sample:
                 t = time.perf_counter_ns()
             if queued:
-                dw.expect_nowait(tid, blocks, p.peer_address, prod, 1)
+                dw.send_nowait(Expect(tid, tuple(blocks), p.peer_address, prod, 1))
             else:
-                dw.expect(tid, blocks, p.peer_address, prod, 1)
+                dw.send(Expect(tid, tuple(blocks), p.peer_address, prod, 1))
             if sample:
                 s[k + "expect_us"].append((time.perf_counter_ns() - t) / 1e3)
         if queued:
@@ -217,9 +217,9 @@ def _kvpushd_steps(args: argparse.Namespace, mode: str, p: DaemonProc, pw: Strea
             if sample:
                 t = time.perf_counter_ns()
             if queued:
-                pw.publish_nowait(tid, blocks)
+                pw.send_nowait(Publish(tid, tuple(blocks)))
             else:
-                pw.publish(tid, blocks)
+                pw.send(Publish(tid, tuple(blocks)))
             if sample:
                 s[k + "publish_us"].append((time.perf_counter_ns() - t) / 1e3)
         if queued:

@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvpushd_client import CompletionKind, Expect, Publish, Region, Role, SealedBuffer
+from kvpushd_client import CompletionKind, Decline, Expect, Publish, Region, Role, SealedBuffer, TransferMode
 from kvpushd_client.reconnect import Call, LinkEvent, ReconnectingStreamWorker
-from kvpushd_client.types import TransferMode
 
 from .common import POISON
 
@@ -274,7 +273,7 @@ class Fleet:
         self.outcomes[f"{s.kind}:{code or 'OK'}"] += 1
         p = self.prefill[r.p]
         if not ok and unreachable and s.kind == "decode":  # as the connector: tell the prefill daemon
-            w.link.decline_nowait(r.tid, p.address, p.engine_id, reason=f"fleet bench: expect ended {code}")
+            w.link.decline_nowait(Decline(r.tid, p.address, p.engine_id, f"fleet bench: expect ended {code}"))
         if not ok and r.ok:
             r.ok, r.code = False, code
         if r.tid not in self.inflight:  # ended after its deadline: counted as never ended already

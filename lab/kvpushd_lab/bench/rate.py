@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpushd_client import CompletionKind, KVPushClient, Region, Role
+from kvpushd_client import CompletionKind, Expect, KVPushClient, Publish, Region, Role
 
 from ..launch import cpu_seconds
 from .common import POISON, BenchError, KVMemory, Layout, Result, daemon_pair, dist, met, progress
@@ -76,8 +76,8 @@ def _drive_stream(args: argparse.Namespace, psock: str, dsock: str, paddr: str, 
             tid = f"rate-{tag}-{i}"
             i += 1
             slots[tid] = (k, now, 0)
-            dw.expect_nowait(tid, [k], paddr, "bench-prefill", 1)
-            pw.publish_nowait(tid, [k])
+            dw.send_nowait(Expect(tid, (k,), paddr, "bench-prefill", 1))
+            pw.send_nowait(Publish(tid, (k,)))
         dw.step()
         pw.step()
         got = dw.completions() + pw.completions()

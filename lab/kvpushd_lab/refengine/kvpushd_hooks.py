@@ -6,15 +6,15 @@ is one ``WorkerService.Stream`` (``KVPushClient.attach`` -> ``StreamWorker``): t
 thread only appends commands to the step's batch, and ``end_step()``, which the engine calls once
 per step, sends each rank's batch as one ``CommandBatch``. Per request:
 
-* prefill: ``on_prefill_done`` -> ``publish_nowait(req_id, blocks)`` on every rank; the returned
+* prefill: ``on_prefill_done`` -> ``send_nowait(Publish(req_id, blocks))`` on every rank; the returned
   kv_params name this daemon's peer address as ``remote_host``/``remote_port`` (vLLM's names);
 * prefill, progressive push (``progressive``; attached with a doorbell per rank): the publish is
   declared in ``on_prefill_start``, before the forward, as the doorbell's next step with one layer
   group per model layer (layer l's K and V are regions 2l and 2l+1, so the model must own every
   region), and that step goes out at once; ``on_layer_done(n)`` rings each rank's doorbell as the
   forward writes its layers, and ``on_prefill_done`` seals the step instead of publishing;
-* decode: ``on_blocks_allocated`` -> ``expect_nowait(transfer_id, blocks, remote address,
-  remote_engine_id, tp_size)`` on every rank;
+* decode: ``on_blocks_allocated`` -> ``send_nowait(Expect(transfer_id, blocks, remote address,
+  remote_engine_id, tp_size))`` on every rank;
 * ``poll`` reads each worker's completions (no RPC: the stream's reader thread delivered them). A
   request is finished once every rank has its completion: finished sending / receiving if all
   succeeded, failed (with the reasons) otherwise. Blocks are only reported when no rank still has
@@ -31,7 +31,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpushd_client import CompletionKind, KVPushClient, KVPushError, Role, StreamWorker
+from kvpushd_client import (
+    Abort,
+    CompletionKind,
+    Expect,
+    KVPushClient,
+    KVPushError,
+    Publish,
+    Role,
+    StreamWorker,
+    TransferMode,
+)
 
 from .engine import KVEvents
 from .kv import PagedKV, as_caches
@@ -114,7 +124,7 @@ class KVPushdHooks:
 
         def declare(w: StreamWorker) -> None:
             assert w.doorbell is not None
-            w.publish_nowait(req_id, block_ids, step=w.doorbell.step(), layers=self.layers)
+            w.send_nowait(Publish(req_id, tuple(block_ids), step=w.doorbell.step(), layers=self.layers))
 
         self._start(req_id, req_id, True, declare)
         if req_id in self._failed_now:
@@ -137,7 +147,7 @@ class KVPushdHooks:
                 assert w.doorbell is not None
                 w.doorbell.seal()
         else:
-            self._start(req_id, req_id, True, lambda w: w.publish_nowait(req_id, block_ids))
+            self._start(req_id, req_id, True, lambda w: w.send_nowait(Publish(req_id, tuple(block_ids))))
         host, _, port = self.peer_address.rpartition(":")
         return {"transfer_id": req_id, "remote_engine_id": self.engine_id, "remote_host": host,
                 "remote_port": int(port), "tp_size": self.tp_size}
@@ -151,8 +161,8 @@ class KVPushdHooks:
         if mode not in ("push", "pull"):
             self._failed_now[req_id] = f"transfer_mode {mode!r}: 'push' or 'pull'"
             return
-        self._start(req_id, tid, False, lambda w: w.expect_nowait(tid, block_ids, address, producer, tp,
-                                                                  transfer_mode=mode))
+        self._start(req_id, tid, False, lambda w: w.send_nowait(Expect(tid, tuple(block_ids), address, producer, tp,
+                                                                  transfer_mode=TransferMode.parse(mode))))
 
     def poll(self) -> KVEvents:
         ev = KVEvents(set(), set(), self._failed_now)
@@ -169,7 +179,7 @@ class KVPushdHooks:
                     if not p.aborted:  # one rank failed: the others stop waiting now, not at a timeout
                         p.aborted = True
                         for r in p.waiting:
-                            self.workers[r].abort_nowait(c.transfer_id)
+                            self.workers[r].send_nowait(Abort(c.transfer_id))
             if not w.alive:  # session gone: the daemon released everything this rank held
                 for p in self._pending.values():
                     if rank in p.waiting:
@@ -209,7 +219,7 @@ class KVPushdHooks:
         if p.errors:
             for rank in sorted(p.waiting):  # undo: their completion (FAILED) still comes and is waited for
                 try:
-                    self.workers[rank].abort(tid)
+                    self.workers[rank].send(Abort(tid))
                 except KVPushError as e:
                     p.errors.append(f"rank {rank}: abort: {e}")
         if p.waiting:
@@ -225,7 +235,7 @@ class KVPushdHooks:
         for tid, p in self._pending.items():
             if p.req_id == req_id:
                 for rank in p.waiting:
-                    self.workers[rank].abort_nowait(tid)
+                    self.workers[rank].send_nowait(Abort(tid))
 
     def close(self) -> None:
         """Detach every rank's worker (the daemon fails whatever is still pending)."""
