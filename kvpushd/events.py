@@ -1,11 +1,10 @@
-"""The event hub: what happens in the daemon, for Watch streams and in-process listeners.
+"""The event hub: what happens in the daemon, for Watch streams.
 
 A transfer starts or ends (its event is read off the transfer's ledger, core/ledger.py), a worker
 attaches or detaches, a peer connects or is lost, the daemon drains. Every Watch subscriber has
 its own bounded queue; when a reader falls behind, its oldest events are dropped and counted, so a
-slow ``kvpushctl watch`` can never hold up the event loop. Listeners are called synchronously and
-must be cheap. The hub keeps no book of transfers: their ledgers are theirs. It runs on the event
-loop only, like the node.
+slow ``kvpushctl watch`` can never hold up the event loop. The hub keeps no book of transfers:
+their ledgers are theirs. It runs on the event loop only, like the node.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import asyncio
 import enum
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,11 +97,10 @@ class EventHub:
         self.emitted = 0
         self.dropped = 0
         self._subs: set[Subscription] = set()
-        self._listeners: list[Callable[[Event], None]] = []
         self._seq = itertools.count(1)
         self._closed = False
 
-    # -- subscribers and listeners --------------------------------------------------------------
+    # -- subscribers ----------------------------------------------------------------------------
 
     @property
     def subscribers(self) -> int:
@@ -120,9 +118,6 @@ class EventHub:
     def unsubscribe(self, sub: Subscription) -> None:
         self._subs.discard(sub)
 
-    def add_listener(self, fn: Callable[[Event], None]) -> None:
-        self._listeners.append(fn)
-
     def close(self) -> None:
         """End every Watch stream (the daemon is stopping)."""
         self._closed = True
@@ -135,7 +130,7 @@ class EventHub:
     def transfer(self, kind: EventKind, led: Ledger, code: FailureCode = FailureCode.UNSPECIFIED,
                  detail: str = "") -> None:
         """A transfer started, finished or failed: its event, read off its ledger."""
-        if not (self._subs or self._listeners):
+        if not self._subs:
             self.emitted += 1
             return
         self._publish(Event(next(self._seq), time.time(), kind, led.transfer_id, led.engine_id, led.worker_id, led.side,
@@ -160,12 +155,6 @@ class EventHub:
 
     def _publish(self, ev: Event) -> None:
         self.emitted += 1
-        for fn in self._listeners:
-            try:
-                fn(ev)
-            except Exception:  # a listener's bug must not break the transfer path
-                log.exception("event listener failed", event_kind=ev.kind.name, transfer_id=ev.transfer_id,
-                              engine_id=ev.engine_id)
         for sub in self._subs:
             if not sub.kinds or ev.kind in sub.kinds:
                 sub.put(ev)

@@ -48,7 +48,7 @@ class Metrics:
         self._server: WSGIServer | None = None
         r = self.registry = CollectorRegistry()
         Info("kvpushd", "kvpushd build and identity", registry=r).info(
-            {"version": view.version, "node_id": view.node_id, "instance_id": view.instance_id})
+            {"version": view.ident.version, "node_id": view.ident.node_id, "instance_id": view.ident.instance_id})
         r.register(_EventCollector(view.tally.series()))
         r.register(_StateCollector(view))
         # The usual process_* (CPU, memory, fds) and python_gc_* series of a Python exporter.

@@ -29,9 +29,9 @@ def node_status(v: View) -> status_pb2.NodeStatus:
     ev = v.events
     uptime = v.uptime_s
     st = status_pb2.NodeStatus(
-        node_id=v.node_id, version=v.version, instance_id=v.instance_id,
-        uptime_s=uptime, peer_address=v.peer_address, worker_socket=v.cfg.socket_path,
-        backends=list(v.cfg.transfer.backends), metrics_address=v.metrics_address,
+        node_id=v.ident.node_id, version=v.ident.version, instance_id=v.ident.instance_id,
+        uptime_s=uptime, peer_address=v.ident.peer_address, worker_socket=v.cfg.socket_path,
+        backends=list(v.cfg.transfer.backends), metrics_address=v.ident.metrics_address,
         config=config_summary(v.cfg), draining=v.draining, started_unix=wall - uptime,
         watchers=ev.subscribers,
         counters=status_pb2.Counters(

@@ -18,7 +18,7 @@ log = structlog.get_logger(__name__)
 
 
 def events_sink(obs: Observations, hub: EventHub) -> None:
-    """A transfer's end, for Watch streams and the hub's listeners (its start goes to the hub from the node)."""
+    """A transfer's end, for Watch streams (its start goes to the hub from the node)."""
     obs.on(Ended, hub.ended)
 
 

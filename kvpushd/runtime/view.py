@@ -61,42 +61,23 @@ class IdentityView:
 
 
 class View:
-    """Reads the rooms it is given; the configuration, identity and event hub are the workers' room's
-    (the same objects the node gave every room)."""
+    """Reads the rooms it is given; the configuration, identity (node id, instance id, version, addresses)
+    and event hub are the workers' room's (the same objects the node gave every room)."""
 
     def __init__(self, workers: Workers, rv: Rendezvous, peers: PeerCalls, tally: Tally, peerbook: PeerBook,
                  is_draining: Callable[[], bool]) -> None:
         self.cfg: Config = workers.cfg
         self.events: EventHub = workers.events
-        self._ident: Identity = workers.ident
+        self.ident: Identity = workers.ident
         self._workers, self._rv, self._peers = workers, rv, peers
-        self._tally, self._peerbook, self._is_draining = tally, peerbook, is_draining
+        self.tally = tally  # its Prometheus series (metrics.py)
+        self._peerbook, self._is_draining = peerbook, is_draining
 
     # -- identity and settings ------------------------------------------------------------------
 
     @property
-    def node_id(self) -> str:
-        return self._ident.node_id
-
-    @property
-    def instance_id(self) -> str:
-        return self._ident.instance_id
-
-    @property
-    def version(self) -> str:
-        return self._ident.version
-
-    @property
-    def peer_address(self) -> str:
-        return self._ident.peer_address
-
-    @property
-    def metrics_address(self) -> str:
-        return self._ident.metrics_address
-
-    @property
     def uptime_s(self) -> float:
-        return time.monotonic() - self._ident.started
+        return time.monotonic() - self.ident.started
 
     @property
     def draining(self) -> bool:
@@ -105,12 +86,8 @@ class View:
     # -- figures --------------------------------------------------------------------------------
 
     @property
-    def tally(self) -> Tally:
-        return self._tally
-
-    @property
     def counters(self) -> Counters:
-        return replace(self._tally.counters)
+        return replace(self.tally.counters)
 
     @property
     def stray_notifications(self) -> int:
@@ -132,7 +109,7 @@ class View:
         return fds.parked, fds.dropped
 
     def recent_failures(self) -> list[tuple[float, str, str]]:
-        return list(self._tally.recent_failures)
+        return list(self.tally.recent_failures)
 
     # -- workers and transfers ------------------------------------------------------------------
 

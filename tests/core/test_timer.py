@@ -15,10 +15,10 @@ import pytest
 
 from kvpushd import config
 from kvpushd.app import observe
-from kvpushd.core.types import FailureCode, Publish, WorkerRef
-from kvpushd.events import Event, EventKind
+from kvpushd.core.types import Completion, CompletionKind, FailureCode, Publish, WorkerRef
 from kvpushd.runtime import node as node_mod
 from kvpushd.runtime.node import Node
+from kvpushd.runtime.observe import Ended
 
 
 class FakeClock:
@@ -77,8 +77,8 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
     ex, rv = n, n.rv
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]  # what start() sets, without the NIXL thread
-    failures: list[Event] = []
-    n.events.add_listener(lambda ev: failures.append(ev) if ev.kind is EventKind.TRANSFER_FAILED else None)
+    failures: list[Completion] = []
+    n.obs.on(Ended, lambda r: failures.append(r.completion) if r.completion.kind is CompletionKind.FAILED else None)
 
     ex.run(rv.send.publish(clock.t, WorkerRef("w1", "prefill", 0, 1), Publish("req-1", [3, 4])))
     (delay, _, _), = loop.live()
