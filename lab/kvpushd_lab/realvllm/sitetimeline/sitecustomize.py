@@ -214,15 +214,15 @@ def _patch_staged(mod: Any) -> None:
     cls = mod.Stages
     post, settled = cls._post, cls.settled
 
-    def _post(s: Any, lo: int, hi: int, msg: bytes, track: Any) -> Any:
+    def _post(self: Any, s: Any, lo: int, hi: int, msg: bytes, track: Any) -> Any:
         _emit("daemon_group_post", s.key.transfer_id, lo=lo, hi=hi)
-        return post(s, lo, hi, msg, track)
+        return post(self, s, lo, hi, msg, track)
 
     def _settled(self: Any, f: Any) -> Any:
         _emit("daemon_group_settled", f.stage.key.transfer_id)
         return settled(self, f)
 
-    cls._post, cls.settled = staticmethod(_post), _settled
+    cls._post, cls.settled = _post, _settled
 
 
 def _patch_thread(mod: Any) -> None:
@@ -243,13 +243,13 @@ def _patch_stream(mod: Any) -> None:
     step, record = cls.step, cls._record
 
     def _step(self: Any) -> Any:
-        for q in self._batch:
-            _emit("client_step", str(q[1]), op=q[0])
+        for q in self._batch:  # command records (kvpushd_client.types)
+            _emit("client_step", q.transfer_id, op=type(q).__name__)
         return step(self)
 
     def _record(self: Any, first: int, batch: Any) -> Any:
         for q in batch:
-            _emit("client_sender", str(q[1]), op=q[0])
+            _emit("client_sender", q.transfer_id, op=type(q).__name__)
         return record(self, first, batch)
 
     cls.step, cls._record = _step, _record
