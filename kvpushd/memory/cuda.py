@@ -24,10 +24,6 @@ from ..core.errors import FailedPrecondition, InvalidArgument, NotFound
 MAX_SENTINEL = 64
 
 
-def normalize_uuid(uuid: str) -> str:
-    return uuid_hex(uuid)
-
-
 def gpu_ordinal(uuid: str) -> int:
     """The local CUDA ordinal of the GPU with this UUID."""
     try:
@@ -36,9 +32,9 @@ def gpu_ordinal(uuid: str) -> int:
         raise FailedPrecondition("CUDA IPC memory needs torch in the daemon") from None
     if not torch.cuda.is_available():
         raise FailedPrecondition("CUDA IPC memory handed to a daemon that sees no GPU")
-    want = normalize_uuid(uuid)
+    want = uuid_hex(uuid)
     for i in range(torch.cuda.device_count()):
-        if normalize_uuid(str(torch.cuda.get_device_properties(i).uuid)) == want:
+        if uuid_hex(str(torch.cuda.get_device_properties(i).uuid)) == want:
             return i
     raise NotFound(f"no GPU with UUID {uuid!r} is visible to the daemon")
 

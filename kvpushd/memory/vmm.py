@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvpushd_client.cuda import uuid_hex
+
 from ..core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
-CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 MAX_RESERVED = 1 << 46  # 64 TiB: more than any GPU's memory, so a bad size is refused before the driver
@@ -292,8 +293,6 @@ def cuda_device(gpu_uuid: str, lib: ctypes.CDLL | None = None) -> tuple[CudaDriv
     """libcuda with the primary context of the GPU named by UUID current on this thread, and its ordinal.
     FAILED_PRECONDITION, naming what is missing, where there is no driver or no device; NOT_FOUND where
     no visible GPU has that UUID."""
-    from kvpushd_client.cuda import uuid_hex
-
     if lib is None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
@@ -364,18 +363,6 @@ def check_regions_mapped(mapped: dict[int, list[Interval]], regions: Sequence[tu
             check_within_mapped(mapped[mi], f"region {i}'s blocks", off, span)
 
 
-def check_chunk_growth(spec: VmmSpec, m: VmmMapping, gpu_uuid: str) -> list[Interval]:
-    """A growth handle for a mapped range: the same GPU, reservation and granularity, new chunks only;
-    the intervals mapped once they are."""
-    from kvpushd_client.cuda import uuid_hex
-
-    if uuid_hex(spec.gpu_uuid) != uuid_hex(gpu_uuid) or spec.granularity != m.granularity or \
-            -(-spec.reserved // m.granularity) * m.granularity != m.reserved:
-        raise VmmImportError("a growth handle must name the GPU, reservation and granularity of the memory it "
-                             f"grows ({gpu_uuid}, {m.reserved} bytes, granules of {m.granularity})")
-    return check_chunks(spec.chunks, m.granularity, m.mapped, m.reserved)
-
-
 def check_described(memory: Sequence[object], regions: Sequence[tuple[int, int, int]]) -> None:
     """At Attach, before any fd is taken: each VmmSpec in ``memory`` (check_spec), and each region
     ``(memory index, offset, span)`` against the chunks its memory describes."""
@@ -391,8 +378,6 @@ def check_growth(worker_id: str, engine_id: str, named_engine: str, mappings: Se
     which may only grow, every block inside the grown mapping. Then refused, FAILED_PRECONDITION: mapping
     the chunks is written (VmmMapping.extend), registering memory for an agent the NIXL thread already
     holds (and telling peers the larger regions) is not; detach and attach with every chunk instead."""
-    from ..core.errors import FailedPrecondition
-
     if named_engine and named_engine != engine_id:
         raise VmmImportError(f"worker {worker_id} is engine {engine_id!r}'s, not {named_engine[:128]!r}")
     if not all(isinstance(m, VmmMapping) for m in mappings):
@@ -405,7 +390,11 @@ def check_growth(worker_id: str, engine_id: str, named_engine: str, mappings: Se
     for i, (spec, m) in enumerate(zip(memory, mappings, strict=True)):
         if not isinstance(spec, VmmSpec) or not isinstance(m, VmmMapping):
             raise VmmImportError(f"memory {i}: a growth names VMM handles only")
-        grown[i] = check_chunk_growth(spec, m, m.gpu_uuid)
+        if uuid_hex(spec.gpu_uuid) != uuid_hex(m.gpu_uuid) or spec.granularity != m.granularity or \
+                -(-spec.reserved // m.granularity) * m.granularity != m.reserved:
+            raise VmmImportError("a growth handle must name the GPU, reservation and granularity of the memory "
+                                 f"it grows ({m.gpu_uuid}, {m.reserved} bytes, granules of {m.granularity})")
+        grown[i] = check_chunks(spec.chunks, m.granularity, m.mapped, m.reserved)  # new chunks only
     for i, ((mi, off, block_len, stride, num_blocks, _span), was) in enumerate(zip(regions, old, strict=True)):
         same = 0 <= mi < len(mappings) and (mappings[mi].addr + off, block_len, stride) == (  # type: ignore[attr-defined]
             was.addr, was.block_len, was.block_stride)  # type: ignore[attr-defined]

@@ -176,18 +176,6 @@ class AgentBook:
         return plan
 
     @staticmethod
-    def unload(loc: Local, name: str, always: bool = False) -> None:
-        """Drop one remote agent's prepared lists, pair plans and metadata from one local agent (the
-        metadata ``always``: also after a load that failed half way, where ``loaded`` lacks it)."""
-        for key in [k for k in loc.remotes if k[0] == name]:
-            loc.remotes.pop(key)[0].release()
-        for pk in [k for k in loc.pairs if k[0] == name]:
-            del loc.pairs[pk]
-        if name in loc.loaded or always:
-            loc.loaded.discard(name)
-            loc.agent.remove_remote_agent(name)
-
-    @staticmethod
     def read_out_errors(loc: Local, budget_s: float = READ_OUT_S) -> tuple[int, dict[str, list[bytes]], bool]:
         """Read the completions in error out of a local agent's queues: -> (errors read, the notifications
         of the first clean poll, clean). NIXL 1.5.1's LIBFABRIC backend leaves every other cancelled
@@ -210,7 +198,13 @@ class AgentBook:
         """Drop a remote agent's prepared lists, pair plans and metadata from every local agent."""
         for loc in self.locals.values():
             try:
-                self.unload(loc, name)
+                for key in [k for k in loc.remotes if k[0] == name]:
+                    loc.remotes.pop(key)[0].release()
+                for pk in [k for k in loc.pairs if k[0] == name]:
+                    del loc.pairs[pk]
+                if name in loc.loaded:
+                    loc.loaded.discard(name)
+                    loc.agent.remove_remote_agent(name)
             except Exception:
                 log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
 

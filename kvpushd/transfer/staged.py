@@ -45,32 +45,22 @@ class Staged:
     plan: Units        # which indices each notification unit covers (ready blocks, layer groups)
     result: WriteResult  # the figures, reported once the leg settles
     t0: float
-    stall_s: float     # no new group within this long: the leg stops (the producer stalled)
     sent: int = 0      # units posted (the ready blocks, then layer groups)
     inflight: int = 0  # WRITEs of it in flight
     stop: str = ""     # why no more groups are posted
     failed: str = ""   # the first WRITE of it that failed, why
     t_first: float = 0.0
     t_last: float = 0.0  # the last group posted, or the last WRITE settled
-    writes: int = 0
     batch: int = 1     # layer groups gathered into one WRITE (the ready blocks and the last group excepted)
 
     @property
     def key(self) -> LegKey:
         return self.write.leg
 
-    @property
-    def step(self) -> int:
-        return self.write.step
-
-    @property
-    def layers(self) -> int:
-        return self.write.layers
-
     def ready(self) -> int:
         """Units that may be posted by now: the ready blocks at once, a layer group as the doorbell says."""
-        bell = self.loc.bell
-        return self.plan.ready(bell.ready(self.step, self.layers) if bell is not None else self.layers, self.layers)
+        bell, step, layers = self.loc.bell, self.write.step, self.write.layers
+        return self.plan.ready(bell.ready(step, layers) if bell is not None else layers, layers)
 
     def finished(self) -> bool:
         return (self.sent == self.plan.units or bool(self.stop)) and self.inflight == 0
@@ -94,7 +84,6 @@ class Stages:
         self.watched: list[tuple[Local, int]] = []  # (worker, step): report when that step is complete
         self._on_sealed = on_sealed
         self._on_error = on_error  # NIXL failed a post on this agent (the thread reads out its errors)
-        self.writes_posted = 0
 
     def __bool__(self) -> bool:
         return bool(self.legs or self.watched)
@@ -108,7 +97,7 @@ class Stages:
             prepped.ready_first(blocks, ready)
         per_group = result.nbytes // max(layers, 1)
         batch = -(-self.min_write_bytes // per_group) if per_group and self.min_write_bytes > 0 else 1
-        self.legs.append(Staged(write, loc, remote, make, plan, result, t0, self.stall_s,
+        self.legs.append(Staged(write, loc, remote, make, plan, result, t0,
                                 batch=max(1, min(batch, layers))))
 
     def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:
@@ -163,15 +152,13 @@ class Stages:
                     msg = notif_codec.encode(s.key.registration_id, s.key.producer_rank, first, count, s.plan.units)
                     if self._post(s, s.plan.end(first), s.plan.end(ready), msg, track):
                         s.sent = ready
-                        s.writes += 1
                         s.t_first = s.t_first or time.perf_counter()
                         s.t_last = time.perf_counter()
-                        self.writes_posted += 1
                     worked = True
-                elif now - max(s.t_last, s.t0) > s.stall_s:
+                elif now - max(s.t_last, s.t0) > self.stall_s:
                     group = max(ready - s.plan.lead, 0) + 1  # the first not complete (ready ones may be gathering)
-                    s.stop = (f"the producer's engine step {s.step} did not complete layer group {group} of "
-                              f"{s.layers} within transfer.write_timeout_s = {s.stall_s:g}s")
+                    s.stop = (f"the producer's engine step {s.write.step} did not complete layer group {group} of "
+                              f"{s.write.layers} within transfer.write_timeout_s = {self.stall_s:g}s")
             if s.finished():
                 done.append(s.outcome())
                 worked = True

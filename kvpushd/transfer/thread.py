@@ -55,12 +55,7 @@ class TransferThread:
         device of ``cfg.device_params``."""
         self._loop = loop
         self._book = AgentBook(cfg.backends, params_for, tuple(cfg.device_params), cfg.nixl_threads)
-        self._on_write_done = reports.write_done
-        self._on_notifications = reports.notifications
-        # Pull mode: READs this node posted (decode side), and READ notifications on our producer
-        # agents while offered legs wait for them (prefill side, set_pulling).
-        self._on_read_done = reports.read_done
-        self._on_read_notifications = reports.read_notifications
+        self._reports = reports
         self._poll_s = cfg.poll_interval_s
         self._write_timeout_s = cfg.write_timeout_s  # a WRITE or READ in flight longer than this is cancelled
         self._poll_max_s = max(cfg.poll_max_interval_s, cfg.poll_interval_s)
@@ -79,7 +74,6 @@ class TransferThread:
         self.expecting = 0  # number of receives waiting for notifications (set_expecting)
         self.pulling = 0  # offered legs waiting for a READ notification (set_pulling)
         self.stray_notifications = 0
-        self.errors_read_out = 0  # completions in error read out of the agents' queues (_recover)
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
 
@@ -87,10 +81,6 @@ class TransferThread:
     def agent_backends(self) -> dict[str, tuple[AgentBackend, ...]]:
         """Worker id -> the backends of its agent (status)."""
         return self._book.agent_backends
-
-    def init_params(self, backend: str, device: str) -> dict[str, str]:
-        """NIXL init parameters for one backend of an agent whose KV lives on ``device``."""
-        return self._book.init_params(backend, device)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -188,14 +178,8 @@ class TransferThread:
             for s in self._stages.legs:
                 if s.remote in names and not s.stop:
                     s.stop = why
-            gone = [f for f in self._inflight if f.remote in names]
-            if gone:
-                self._inflight = [f for f in self._inflight if f.remote not in names]
-                for f in gone:
-                    self._cancel(f, why)
-                self._report(gone)
-            else:
-                self._advance()
+            self._cancel_inflight(why, names)
+            self._advance()
         self._submit(run)
 
     def stop_write(self, leg: LegKey, why: str) -> None:
@@ -456,9 +440,11 @@ class TransferThread:
         f.result = dataclasses.replace(r, ok=False, reason=f"{f.what} cancelled: {why}", nbytes=0,
                                        xfer_s=time.perf_counter() - f.t_post)
 
-    def _cancel_inflight(self, why: str) -> None:
-        """Every transfer still in flight ends now, in failure (drain past its bound, stop)."""
-        cancelled, self._inflight = self._inflight, []
+    def _cancel_inflight(self, why: str, remotes: frozenset[str] | None = None) -> None:
+        """Every transfer still in flight (only those with the agents ``remotes``, given them) ends now,
+        in failure (drain past its bound, stop, a peer gone: cancel_to)."""
+        cancelled = [f for f in self._inflight if remotes is None or f.remote in remotes]
+        self._inflight = [f for f in self._inflight if remotes is not None and f.remote not in remotes]
         for f in cancelled:
             self._cancel(f, why)
         if cancelled:
@@ -480,9 +466,9 @@ class TransferThread:
         writes = [r for r in results if isinstance(r, WriteResult)]
         reads = [r for r in results if isinstance(r, ReadResult)]
         if writes:
-            self._loop.call_soon_threadsafe(self._on_write_done, writes)
-        if reads and self._on_read_done is not None:
-            self._loop.call_soon_threadsafe(self._on_read_done, reads)
+            self._loop.call_soon_threadsafe(self._reports.write_done, writes)
+        if reads and self._reports.read_done is not None:
+            self._loop.call_soon_threadsafe(self._reports.read_done, reads)
 
     def _poll_notifs(self, locs: Sequence[Local] | None = None) -> bool:
         """Hand new notifications to the loop (of every agent that may get some, or of ``locs``);
@@ -512,9 +498,9 @@ class TransferThread:
                     else:
                         self.stray_notifications += 1
         if got:
-            self._loop.call_soon_threadsafe(self._on_notifications, got)
-        if reads and self._on_read_notifications is not None:
-            self._loop.call_soon_threadsafe(self._on_read_notifications, reads)
+            self._loop.call_soon_threadsafe(self._reports.notifications, got)
+        if reads and self._reports.read_notifications is not None:
+            self._loop.call_soon_threadsafe(self._reports.read_notifications, reads)
         return bool(got or reads)
 
     def _sweep(self, locs: Sequence[Local]) -> None:
@@ -545,7 +531,6 @@ class TransferThread:
         restarted peer's new agent, do not fail on them; -> the notifications of its clean poll."""
         t0 = time.perf_counter()
         errors, notifs, clean = self._book.read_out_errors(loc)
-        self.errors_read_out += errors
         if errors:
             (log.warning if clean else log.error)(
                 "completions in error read out of the agent" if clean else

@@ -136,7 +136,7 @@ def test_probe_checks_each_device_hint() -> None:
     try:
         with pytest.raises(FailedPrecondition, match=r"transfer.device_params.gpu3"):
             t.start()
-        assert t.init_params("UCX", "host") == {}
+        assert t._book.init_params("UCX", "host") == {}
     finally:
         t.stop()
         loop.close()
