@@ -60,18 +60,12 @@ def default_advertise_host() -> str:
 # agent's NIXL metadata and regions and the batch's other (small) items. Anything bigger is junk; gRPC
 # buffers a whole message before it is parsed, so this bound is also what one call can make the daemon
 # hold (the default is 8 MiB: room for several of the largest requests in one batch).
-BLOCK_ID_MAX_BYTES = 5
-MESSAGE_HEADROOM_BYTES = 3 << 20
 # Block ids in one request: 256 Ki is 4 M tokens at vLLM's GPU block size of 16. Each id becomes a Python
 # int in the daemon's books: a request of 256 Ki ids costs ~25 ms of the event loop, one of 1 Mi ~100 ms.
 DEFAULT_MAX_BLOCKS_PER_REQUEST = 1 << 18
 
 
-def largest_legal_message(max_blocks_per_request: int) -> int:
-    return BLOCK_ID_MAX_BYTES * max_blocks_per_request + MESSAGE_HEADROOM_BYTES
-
-
-DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # at least largest_legal_message(DEFAULT_MAX_BLOCKS_PER_REQUEST), 4.25 MiB
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # at least 5 B x DEFAULT_MAX_BLOCKS_PER_REQUEST + 3 MiB = 4.25 MiB
 
 
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -175,16 +175,6 @@ class AllowList(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(guarded, handler.request_deserializer,
                                                        handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_s: Any = handler.unary_stream
-
-            async def guarded_s(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                await self._gate(method, context)
-                async for item in inner_s(request, context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(guarded_s, handler.request_deserializer,
-                                                        handler.response_serializer)
         if handler.stream_stream is not None:  # Channel: gated when it opens, before any item is read
             inner_b: Any = handler.stream_stream
 
@@ -195,7 +185,7 @@ class AllowList(grpc.aio.ServerInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(guarded_b, handler.request_deserializer,
                                                          handler.response_serializer)
-        # the peer API has no client-streaming methods: refused rather than served unguarded
+        # the peer API has no client- or server-streaming methods: refused rather than served unguarded
         raise RuntimeError(f"peer API method {method} of a kind the allowlist does not guard")
 
     async def _gate(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:

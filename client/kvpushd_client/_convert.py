@@ -13,15 +13,8 @@ from .types import (
     FailureCode,
     MemfdMemory,
     TransferFigures,
-    TransferMode,
 )
 from .vmm import VmmMemory
-
-
-def transfer_mode(mode: str) -> common_pb2.TransferMode.ValueType:
-    """"push" | "pull" (vLLM's kv_transfer_params["transfer_mode"]) -> the protobuf enum."""
-    return common_pb2.TransferMode.ValueType(TransferMode.parse(str(mode)))
-
 
 # A local daemon that restarts is back within a second: reconnect quickly instead of gRPC's
 # default exponential backoff (which reaches tens of seconds).

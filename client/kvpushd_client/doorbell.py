@@ -61,19 +61,23 @@ class Doorbell:
         """Begin the next engine step (before its forward); returns its sequence number."""
         self.seq += 1
         self.layers = 0
-        self._word.value = pack(self.seq, 0)
+        self._ring(pack(self.seq, 0))
         return self.seq
 
     def layer_done(self, n: int) -> None:
         """``n`` layers of the current step have their KV written (call after the writes)."""
         if n > self.layers:
             self.layers = min(n, MAX_LAYERS)
-            self._word.value = pack(self.seq, self.layers)
+            self._ring(pack(self.seq, self.layers))
 
     def seal(self) -> None:
         """The current step's forward is complete: every layer of it is written."""
         self.layers = SEALED
-        self._word.value = pack(self.seq, SEALED)
+        self._ring(pack(self.seq, SEALED))
+
+    def _ring(self, value: int) -> None:
+        """Store the word (the GPU doorbell queues it on the CUDA stream instead)."""
+        self._word.value = value
 
     @property
     def proc_path(self) -> str:

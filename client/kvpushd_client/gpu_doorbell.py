@@ -46,7 +46,7 @@ from collections.abc import Callable
 from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from typing import Any
 
-from .doorbell import MAX_LAYERS, SEALED, SIZE, Doorbell, pack
+from .doorbell import SIZE, Doorbell
 
 log = logging.getLogger("kvpushd_client")
 
@@ -223,24 +223,6 @@ class GpuDoorbell(Doorbell):
         self._check(self._memset(self._scratch, value & 0xFFFFFFFF, 1, s), "cuMemsetD32Async")
         self._check(self._memset(self._scratch + 4, value >> 32, 1, s), "cuMemsetD32Async")
         self._check(self._dtoh(self._host, self._scratch, 8, s), "cuMemcpyDtoHAsync")
-
-    def step(self) -> int:
-        """Begin the next engine step (queue it before its forward); returns its sequence number."""
-        self.seq += 1
-        self.layers = 0
-        self._ring(pack(self.seq, 0))
-        return self.seq
-
-    def layer_done(self, n: int) -> None:
-        """``n`` layers of the current step are written once the stream gets here (queue it after them)."""
-        if n > self.layers:
-            self.layers = min(n, MAX_LAYERS)
-            self._ring(pack(self.seq, self.layers))
-
-    def seal(self) -> None:
-        """The current step's forward is complete once the stream gets here."""
-        self.layers = SEALED
-        self._ring(pack(self.seq, SEALED))
 
     def close(self) -> None:
         """Wait for queued rings, unregister the page, free the scratch word, then unmap and remove it.

@@ -119,23 +119,6 @@ def hand_over_chunks(socket_path: str, memory: Sequence[Any], timeout_s: float =
     return out
 
 
-def export_segments(driver: Driver, base: int, reserved: int, segments: Sequence[tuple[int, int]],
-                    device: int) -> VmmMemory:
-    """The chunks mapped in each ``(offset, size)`` of the range at ``base`` (vLLM: one segment per
-    layer, a committed prefix of each), exported; offsets are in the range."""
-    chunks: list[VmmChunk] = []
-    granularity, uuid = driver.granularity(device), driver.device_uuid(device)
-    try:
-        for off, size in segments:
-            if size:
-                exp = export_range(driver, base + off, size, device)
-                chunks += [VmmChunk(off + c.offset, c.size, c.fd) for c in exp.chunks]
-    except BaseException:
-        VmmExport(0, 0, "", tuple(chunks)).close()
-        raise
-    return VmmMemory(uuid, reserved, granularity, tuple(chunks))
-
-
 class Driver(Protocol):
     """The libcuda calls the export needs (``CudaDriver``; tests pass a stand-in)."""
 
@@ -218,27 +201,3 @@ class CudaDriver:
         self._check("cuDeviceGetUuid", self.lib.cuDeviceGetUuid(raw, dev))
         h = bytes(raw).hex()
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-    def read(self, addr: int, n: int) -> bytes:
-        buf = ctypes.create_string_buffer(n)
-        self._check("cuMemcpyDtoH", self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(addr), ctypes.c_size_t(n)))
-        return buf.raw
-
-    def write(self, addr: int, data: bytes) -> None:
-        self._check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(ctypes.c_uint64(addr), data, ctypes.c_size_t(len(data))))
-
-
-def sentinel_arm(driver: CudaDriver, base: int, offset: int = 0, n: int = 16) -> Callable[[], tuple[bytes, int, bytes]]:
-    """``VmmMemory.arm_sentinel`` for the range at ``base``: writes ``n`` random bytes at ``offset`` (a mapped
-    byte) and returns them with the bytes that were there, which the daemon writes back after its check.
-    Synchronous copies: the bytes are on the GPU before the Attach leaves."""
-
-    def arm() -> tuple[bytes, int, bytes]:
-        old = driver.read(base + offset, n)
-        s = secrets.token_bytes(n)
-        while s == old:
-            s = secrets.token_bytes(n)
-        driver.write(base + offset, s)
-        return s, offset, old
-
-    return arm

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .layout import Shape
 
 __all__ = ["Completion", "CompletionKind", "Expect", "FailureCode", "Figures", "Publish", "RegionLayout", "Role",
-           "TransferMode", "WorkerInfo", "WorkerRef"]
+           "TransferMode", "WorkerInfo"]
 
 
 class WorkerInfo(Protocol):
@@ -32,18 +32,6 @@ class WorkerInfo(Protocol):
     def regions(self) -> tuple[Shape, ...]: ...  # its KV regions, if known (block sizes, layout, replication)
     @property
     def block_bytes(self) -> int: ...  # bytes of one block over all its regions (0: not known)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRef:
-    """A WorkerInfo of plain values (tests and tools feed the core with it)."""
-
-    worker_id: str
-    engine_id: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    regions: tuple[Shape, ...] = ()
-    block_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,11 @@ registration wins, as before."""
 from __future__ import annotations
 
 import pytest
+from support.core import WorkerRef
 
 from kvpushd.core.errors import InvalidArgument, PermissionDenied
 from kvpushd.core.rendezvous import Action, Deliver, Registration, SendFailNotice, SendSide, StartWrite
-from kvpushd.core.types import CompletionKind, FailureCode, Publish, WorkerRef
+from kvpushd.core.types import CompletionKind, FailureCode, Publish
 
 T0 = 1000.0
 ENGINE, TID = "prefill-engine", "req-1"

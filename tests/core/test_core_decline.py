@@ -4,11 +4,12 @@ never reached it). The publish fails at once; one that comes later fails at once
 from __future__ import annotations
 
 import pytest
+from support.core import WorkerRef
 
 from kvpushd.core import send
 from kvpushd.core.errors import PermissionDenied
 from kvpushd.core.rendezvous import Deliver, Registration, SendFailNotice, SendSide, StartWrite
-from kvpushd.core.types import CompletionKind, FailureCode, Publish, WorkerRef
+from kvpushd.core.types import CompletionKind, FailureCode, Publish
 
 T0 = 1000.0
 

@@ -4,8 +4,10 @@ waiting for other producer ranks) and expires after publish_timeout_s otherwise.
 
 from __future__ import annotations
 
+from support.core import WorkerRef
+
 from kvpushd.core.rendezvous import Deliver, Registration, SendFailNotice, SendSide, StartWrite
-from kvpushd.core.types import CompletionKind, FailureCode, Publish, WorkerRef
+from kvpushd.core.types import CompletionKind, FailureCode, Publish
 
 T0 = 1000.0
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from support.core import WorkerRef
 
 from kvpushd.core import notif
 from kvpushd.core.errors import InvalidArgument
 from kvpushd.core.rendezvous import RecvSide, Registration, SendSide
 from kvpushd.core.topology import block_parts, check_tp_pair, consumer_targets, producer_sources
-from kvpushd.core.types import Expect, Publish, WorkerRef
+from kvpushd.core.types import Expect, Publish
 
 # --------------------------------------------------------------------------------------------
 # topology

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from support.core import WorkerRef
 from test_core_rendezvous import (
     ENGINE,
     SRC,
@@ -20,7 +21,7 @@ from test_core_rendezvous import (
 )
 
 from kvpushd.core.rendezvous import Deliver, SendFailNotice, SendOffer, StartWrite, StopWrite
-from kvpushd.core.types import CompletionKind, FailureCode, Publish, TransferMode, WorkerRef
+from kvpushd.core.types import CompletionKind, FailureCode, Publish, TransferMode
 
 LAYERS = 4
 

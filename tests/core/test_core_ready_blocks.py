@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.core import WorkerRef
 from test_core_rendezvous import ENGINE, SRC, T0, TID, expect, new_recv, new_send, of, one, pw, reg
 
 from kvpushd.core import notif
 from kvpushd.core.errors import AlreadyExists, InvalidArgument
 from kvpushd.core.rendezvous import Deliver, LegKey, StartWrite
-from kvpushd.core.types import CompletionKind, Publish, WorkerRef
+from kvpushd.core.types import CompletionKind, Publish
 from kvpushd.transfer.agents import Prepped
 from kvpushd.transfer.descs import Units, ready_first, units
 from kvpushd.transfer.records import Inflight, Local, WriteResult

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import pytest
+from support.core import WorkerRef
 
 from kvpushd.core.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from kvpushd.core.rendezvous import (
@@ -27,7 +28,7 @@ from kvpushd.core.rendezvous import (
     StartWrite,
 )
 from kvpushd.core.topology import consumer_targets, producer_sources
-from kvpushd.core.types import Completion, CompletionKind, Expect, FailureCode, Publish, WorkerRef
+from kvpushd.core.types import Completion, CompletionKind, Expect, FailureCode, Publish
 
 T0 = 1000.0
 PUB_TO = 30.0
@@ -1266,8 +1267,10 @@ def test_a_register_delivered_again_after_its_registration_ended_starts_no_write
     """A duplicate Register that arrives after its WRITE failed (the registration voided, the decode
     worker told FAILED, the publish failed): the registration is not held anew, so a later publish of
     the same transfer writes nothing into blocks the decode worker may have given to another request."""
+    from support.core import WorkerRef
+
     from kvpushd.core.rendezvous import Deliver, Dropped, Registration, SendFailNotice, SendSide, StartWrite
-    from kvpushd.core.types import CompletionKind, Publish, TransferMode, WorkerRef
+    from kvpushd.core.types import CompletionKind, Publish, TransferMode
 
     send = SendSide(30.0, 30.0)
     w = WorkerRef("p0", "prefill", 0, 1)

@@ -43,6 +43,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support.core import WorkerRef
 
 from kvpushd.core.errors import AlreadyExists, IllegalTransition, InvalidArgument, KvpushdError, PermissionDenied
 from kvpushd.core.rendezvous import (
@@ -62,7 +63,7 @@ from kvpushd.core.rendezvous import (
     StartRead,
     StartWrite,
 )
-from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode, WorkerRef
+from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode
 
 PUB_TO = 30.0
 REG_TO = 25.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from support.core import WorkerRef
 
 import kvpushd.core.recv as recv_mod
 import kvpushd.core.send as send_mod
@@ -43,7 +44,7 @@ from kvpushd.core.rendezvous import (
     StartRead,
     StartWrite,
 )
-from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode, WorkerRef
+from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode
 
 T0 = 1000.0
 PUB_TO, REG_TO, EXP_TO = 30.0, 20.0, 40.0

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+from support.core import WorkerRef
+
 from kvpushd import config
 from kvpushd.app import observe
 from kvpushd.core.rendezvous import Deliver, Registration, StartWrite
-from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode, WorkerRef
+from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode
 from kvpushd.events import EventKind
 from kvpushd.runtime import observe as o
 from kvpushd.runtime.node import Node

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+from support.core import WorkerRef
+
 from kvpushd import config
 from kvpushd.app import observe
 from kvpushd.core.rendezvous import Registration
-from kvpushd.core.types import CompletionKind, Publish, TransferMode, WorkerRef
+from kvpushd.core.types import CompletionKind, Publish, TransferMode
 from kvpushd.runtime import observe as o
 from kvpushd.runtime.node import Node
 

@@ -12,10 +12,11 @@ import inspect
 from collections.abc import Callable
 
 import pytest
+from support.core import WorkerRef
 
 from kvpushd import config
 from kvpushd.app import observe
-from kvpushd.core.types import Completion, CompletionKind, FailureCode, Publish, WorkerRef
+from kvpushd.core.types import Completion, CompletionKind, FailureCode, Publish
 from kvpushd.runtime import node as node_mod
 from kvpushd.runtime.node import Node
 from kvpushd.runtime.observe import Ended

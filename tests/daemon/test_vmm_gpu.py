@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +54,7 @@ WORKER = r"""
 import ctypes, dataclasses, json, sys
 import numpy as np
 from kvpushd_client import Expect, KVPushClient, KVPushError, Publish, Region, Role
-from kvpushd_client.vmm import CudaDriver, export_segments, sentinel_arm
+from support.vmm import CudaDriver, export_segments, sentinel_arm
 
 a = json.loads(sys.argv[1])
 lib = ctypes.CDLL("libcuda.so.1")
@@ -211,7 +213,9 @@ def test_vmm_chunks_by_fd_push_growth_and_restore(daemon_pair) -> None:  # type:
     p, d = daemon_pair
     r = subprocess.run([sys.executable, "-c", WORKER, json.dumps({"p_sock": p.sock, "d_sock": d.sock,
                                                                  "peer": p.peer_address})],
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=240,  # tests/ on the path: support.vmm
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
+                           str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH"))))})
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     print(json.dumps(out))  # pytest.log keeps it (-rs); docs/gpu.md says what to expect

