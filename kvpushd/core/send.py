@@ -531,15 +531,16 @@ class SendSide:
         regs = t.registrations.values() if t is not None else ()
         return next((r.origin for r in regs if r.registration_id == leg.registration_id), "")
 
+    def _publish(self, engine_id: str, transfer_id: str, rank: int) -> Publish | None:
+        t = self._transfers.get((engine_id, transfer_id))
+        return t.publishes.get(rank) if t is not None else None
+
     def ledger_of(self, leg: LegKey) -> Ledger | None:
         """The books of the publish a leg belongs to (None once it ended)."""
-        t = self._transfers.get((leg.engine_id, leg.transfer_id))
-        pub = t.publishes.get(leg.producer_rank) if t is not None else None
-        return pub.ledger if pub is not None else None
+        return self.publish_ledger(leg.engine_id, leg.transfer_id, leg.producer_rank)
 
     def publish_ledger(self, engine_id: str, transfer_id: str, rank: int) -> Ledger | None:
-        t = self._transfers.get((engine_id, transfer_id))
-        pub = t.publishes.get(rank) if t is not None else None
+        pub = self._publish(engine_id, transfer_id, rank)
         return pub.ledger if pub is not None else None
 
     def ledgers_of(self, worker_id: str) -> list[Ledger]:
@@ -553,11 +554,10 @@ class SendSide:
         return sum(len(p.block_ids) for t in list(self._transfers.values()) for p in list(t.publishes.values()))
 
     def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
-        return self.publish_state(engine_id, transfer_id, rank) is not None
+        return self._publish(engine_id, transfer_id, rank) is not None
 
     def publish_state(self, engine_id: str, transfer_id: str, rank: int) -> PubState | None:
-        t = self._transfers.get((engine_id, transfer_id))
-        pub = t.publishes.get(rank) if t is not None else None
+        pub = self._publish(engine_id, transfer_id, rank)
         return pub.state if pub is not None else None
 
     def registration_state(self, origin: str, registration_id: int) -> RegState | None:
@@ -565,8 +565,7 @@ class SendSide:
         return RegState.HELD if key is not None else None
 
     def leg_state(self, leg: LegKey) -> LegState | None:
-        t = self._transfers.get((leg.engine_id, leg.transfer_id))
-        pub = t.publishes.get(leg.producer_rank) if t is not None else None
+        pub = self._publish(leg.engine_id, leg.transfer_id, leg.producer_rank)
         return pub.legs.get(leg.registration_id) if pub is not None else None
 
     def views(self, now: float) -> list[SendView]:
