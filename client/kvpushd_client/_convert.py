@@ -27,14 +27,15 @@ CHANNEL_OPTIONS = [
 
 def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None,
                    chunk_tokens: Mapping[int, Sequence[bytes]] | None = None) -> worker_pb2.AttachRequest:
-    """``tokens``: what each MemfdMemory's descriptor was sent under (shm.hand_over), by index;
-    ``chunk_tokens``: each VmmMemory's chunks' (vmm.hand_over_chunks)."""
+    """``tokens``: what each MemfdMemory's descriptor was sent under (handover.hand_over), by index;
+    ``chunk_tokens``: each VmmMemory's chunks' (handover.hand_over_chunks)."""
     mem = []
     for i, m in enumerate(a.memory):
         if isinstance(m, VmmMemory):
             got = (chunk_tokens or {}).get(i)
             if got is None or len(got) != len(m.chunks):
-                raise ValueError(f"memory {i} is VMM memory whose chunks were not handed over (vmm.hand_over_chunks)")
+                raise ValueError(f"memory {i} is VMM memory whose chunks were not handed over "
+                                 "(handover.hand_over_chunks)")
             sentinel, sentinel_offset, restore = m.arm_sentinel() if m.arm_sentinel is not None else (b"", 0, b"")
             mem.append(common_pb2.MemoryHandle(vmm=common_pb2.VmmHandle(
                 gpu_uuid=m.gpu_uuid, reserved=m.reserved, granularity=m.granularity,
@@ -43,7 +44,7 @@ def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None,
                 sentinel=sentinel, sentinel_offset=sentinel_offset, sentinel_restore=restore)))
         elif isinstance(m, MemfdMemory):
             if tokens is None or i not in tokens:
-                raise ValueError(f"memory {i} is a memfd that was not handed over (shm.hand_over)")
+                raise ValueError(f"memory {i} is a memfd that was not handed over (handover.hand_over)")
             mem.append(common_pb2.MemoryHandle(memfd=common_pb2.MemfdHandle(token=tokens[i], size=m.size)))
         elif isinstance(m, CudaMemory):
             sentinel, sentinel_offset, restore = (m.arm_sentinel() if m.arm_sentinel is not None

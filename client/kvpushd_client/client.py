@@ -24,11 +24,11 @@ from . import _convert, errors
 from .doorbell import SIZE as BELL_SIZE
 from .doorbell import Doorbell
 from .gpu_doorbell import make_doorbell
+from .handover import hand_over, hand_over_chunks
 from .proto.v1 import status_pb2, status_pb2_grpc, worker_pb2_grpc
-from .shm import hand_over
 from .stream import StreamWorker
 from .types import Attach, CudaMemory, DaemonUnavailable, MemfdMemory, Memory, Region, Role
-from .vmm import VmmMemory, hand_over_chunks
+from .vmm import VmmMemory
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ a new step with an old step's layer count. Readers treat a later ``seq`` as "the
 
 The record is a page of its own, a memfd named kvpushd-kv-bell-<pid>-<hex> (no file in /dev/shm:
 it goes with its last mapping), handed to the daemon by descriptor on the fd socket at each attach, as
-host KV is (kvpushd_client.shm.hand_over).
+host KV is (kvpushd_client.handover).
 
 With GPU KV the engine thread runs ahead of the GPU, so a store from it could claim layers not computed
 yet: there the word is written by the CUDA stream (kvpushd_client.gpu_doorbell.GpuDoorbell, same page,

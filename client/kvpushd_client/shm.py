@@ -1,5 +1,5 @@
 """Host KV memory the worker makes and hands to the daemon: a memfd sealed against shrinking
-(``SealedBuffer``), handed over by descriptor on the daemon's fd socket.
+(``SealedBuffer``), handed over by descriptor on the daemon's fd socket (handover.py).
 
 Nobody can truncate it, so no WRITE into or out of it can fault in the daemon, and it is freed with
 its last descriptor and mapping, however the worker dies. (A /dev/shm object, which any process that
@@ -9,18 +9,13 @@ may open it can truncate, the daemon refuses.)
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import mmap
 import os
 import secrets
-import socket
-from collections.abc import Sequence
 
-from .errors import DaemonUnavailable, InvalidArgument
-from .types import MemfdMemory, Memory
+from .types import MemfdMemory
 
-TOKEN_BYTES = 16
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -34,34 +29,6 @@ def sealed_memfd(name: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def hand_over(socket_path: str, memory: Sequence[Memory], timeout_s: float = 10.0) -> dict[int, bytes]:
-    """Send the descriptor of every MemfdMemory in ``memory`` to the daemon's fd socket (the worker
-    socket's path plus ".fd"), each under a fresh random token; returns the tokens by index, for
-    the Attach that follows (the daemon has the datagrams queued once this returns)."""
-    tokens: dict[int, bytes] = {}
-    targets = [(i, m) for i, m in enumerate(memory) if isinstance(m, MemfdMemory)]
-    if not targets:
-        return tokens
-    path = f"{socket_path}.fd"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(timeout_s)  # a daemon whose queue is full and stays full
-        for i, m in targets:
-            token = secrets.token_bytes(TOKEN_BYTES)
-            try:
-                if i == targets[0][0]:
-                    s.connect(path)
-                socket.send_fds(s, [token], [m.fd])
-            except OSError as e:
-                if e.errno == errno.EBADF:  # the caller's, not the daemon's: retrying cannot help
-                    raise InvalidArgument("INVALID_ARGUMENT", f"memory {i}: descriptor {m.fd} is not open "
-                                          "(its SealedBuffer or doorbell closed?)") from None
-                raise DaemonUnavailable(
-                    "UNAVAILABLE", f"cannot hand memory {i} to the daemon's fd socket {path}: {e.strerror or e}"
-                ) from None
-            tokens[i] = token
-    return tokens
 
 
 class SealedBuffer:

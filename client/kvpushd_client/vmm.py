@@ -6,8 +6,8 @@ its chunks with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, so each chunk can 
 chunks at the same offsets in one range of its own. This module finds the chunks behind a device range
 and exports them: ctypes on libcuda, no new dependency.
 
-The chunks' fds go to the daemon's fd socket (``hand_over_chunks``: one datagram per chunk, the tag
-byte ``V``, a 16-byte token, the fd) and the Attach names them in a ``VmmHandle`` (``VmmMemory``; an
+The chunks' fds go to the daemon's fd socket (``handover.hand_over_chunks``: one datagram per chunk,
+the tag byte ``V``, a 16-byte token, the fd) and the Attach names them in a ``VmmHandle`` (``VmmMemory``; an
 Attach with ``extends_worker_id`` adds chunks to a live worker: ``KVPushClient.extend``).
 
 Status (2026-12-05): written and tested on CPU against a stand-in driver (the chunk walk, the plan) and
@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import os
-import secrets
-import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
@@ -79,44 +76,6 @@ class VmmMemory:
 
     def close(self) -> None:
         VmmExport(0, 0, "", self.chunks).close()
-
-
-VMM_TAG = b"V"  # the fd socket's kind tag of a chunk (kvpushd/memory/fdpass.py)
-TOKEN_BYTES = 16
-
-
-def hand_over_chunks(socket_path: str, memory: Sequence[Any], timeout_s: float = 10.0) -> dict[int, list[bytes]]:
-    """Send every chunk fd of each VmmMemory in ``memory`` to the daemon's fd socket (the worker socket's
-    path plus ".fd"), tagged as a VMM chunk, each under a fresh token; returns the tokens by memory index,
-    in chunk order, for the Attach that follows."""
-    from .errors import DaemonUnavailable, InvalidArgument
-
-    out: dict[int, list[bytes]] = {}
-    targets = [(i, m) for i, m in enumerate(memory) if isinstance(m, VmmMemory)]
-    if not any(m.chunks for _i, m in targets):
-        return {i: [] for i, _m in targets}
-    path = f"{socket_path}.fd"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect(path)
-        except OSError as e:
-            raise DaemonUnavailable("UNAVAILABLE", f"cannot reach the daemon's fd socket {path}: "
-                                                   f"{e.strerror or e}") from None
-        for i, m in targets:
-            out[i] = []
-            for j, c in enumerate(m.chunks):
-                token = secrets.token_bytes(TOKEN_BYTES)
-                try:
-                    socket.send_fds(s, [VMM_TAG + token], [c.fd])
-                except OSError as e:
-                    if e.errno == errno.EBADF:
-                        raise InvalidArgument("INVALID_ARGUMENT", f"memory {i} chunk {j}: descriptor {c.fd} is not "
-                                              "open (its VmmMemory closed?)") from None
-                    raise DaemonUnavailable("UNAVAILABLE", f"cannot hand memory {i} chunk {j} to the daemon's fd "
-                                            f"socket {path}: {e.strerror or e}") from None
-                out[i].append(token)
-    return out
 
 
 class Driver(Protocol):

@@ -11,8 +11,8 @@ import uuid
 import grpc
 import pytest
 from kvpushd_client import Attach, Role, _convert
+from kvpushd_client.handover import hand_over
 from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc, worker_pb2
-from kvpushd_client.shm import hand_over
 from support import make_kv, rss
 from support.bystander import RSS_BOUND, StatusProbe, transfer
 

@@ -88,8 +88,8 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvpushd_client import Attach, Completion, CompletionKind, Expect, Publish, Role, _convert
+from kvpushd_client.handover import hand_over
 from kvpushd_client.proto.v1 import common_pb2, peer_pb2, status_pb2, worker_pb2, worker_pb2_grpc
-from kvpushd_client.shm import hand_over
 from support import KV, POISON, DaemonProc, attach_pair, make_kv, wait_for
 
 from kvpushd import PROTOCOL_VERSION

@@ -29,8 +29,9 @@ from kvpushd_client import (
     Role,
     _convert,
 )
+from kvpushd_client.handover import hand_over
 from kvpushd_client.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvpushd_client.shm import hand_over, sealed_memfd
+from kvpushd_client.shm import sealed_memfd
 from kvpushd_client.types import Expect, Publish
 from support import POISON, attach_pair, make_kv, scrape, value, wait_for
 

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 from kvpushd_client import Abort, Attach, CompletionKind, Expect, KVPushError, Publish, Role, _convert
-from kvpushd_client.shm import hand_over
+from kvpushd_client.handover import hand_over
 from support import POISON, attach_pair, both_backends, layered_kv, wait_for
 
 REGIONS, LAYERS, BLOCKS = 8, 4, 64

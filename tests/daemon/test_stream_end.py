@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 from kvpushd_client import Attach, Expect, KVPushClient, Publish, Role, _convert
+from kvpushd_client.handover import hand_over
 from kvpushd_client.proto.v1 import worker_pb2
-from kvpushd_client.shm import hand_over
 from support import make_kv, wait_for
 from support.bystander import Bystander
 

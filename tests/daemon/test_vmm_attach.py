@@ -17,9 +17,10 @@ import time
 import grpc
 import pytest
 from kvpushd_client import Attach, KVPushError, MemfdMemory, Region, Role, _convert
+from kvpushd_client.handover import hand_over, hand_over_chunks
 from kvpushd_client.proto.v1 import worker_pb2_grpc
-from kvpushd_client.shm import hand_over, sealed_memfd
-from kvpushd_client.vmm import VmmChunk, VmmMemory, hand_over_chunks
+from kvpushd_client.shm import sealed_memfd
+from kvpushd_client.vmm import VmmChunk, VmmMemory
 from support import scrape, value
 
 from kvpushd.memory import fdpass

@@ -35,7 +35,7 @@ sock, engine = sys.argv[1], sys.argv[2]
 num_blocks = 8
 buf = torch.zeros(2 * num_blocks * 4 * 16 * 32, dtype=torch.float32)  # private memory, like vLLM's CPU runner
 kv = {f"layers.{i}": buf.view(2, num_blocks, 4, 16, 32)[i] for i in range(2)}
-memory, regions = describe_kv_caches(kv, num_blocks, host_kv_to_shm=True)
+memory, regions, _ = describe_kv_caches(kv, num_blocks, host_kv_to_shm=True)
 link = kvpushd_client.ReconnectingStreamWorker(sock, {
     "engine_id": engine, "role": Role.PRODUCER, "tp_rank": 0, "tp_size": 1, "memory": memory, "regions": regions,
     "description": "shm test worker"}, reconnect_interval_s=0.2)

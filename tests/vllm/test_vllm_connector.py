@@ -236,7 +236,7 @@ def test_kv_layout_is_vllms_cpu_layout(engines: tuple[Engine, Engine]) -> None:
     names = list(pe.kv)
     t0 = pe.kv[names[0]]
     assert t0.shape == (48, 2, 32, 128)  # [blocks, kv heads, block size, K|V of head size 64]
-    memory, regions = describe_kv_caches(pe.kv, 48)
+    memory, regions, _ = describe_kv_caches(pe.kv, 48)
     page = 2 * 32 * 128 * 4
     assert len(memory) == 1 and owned_memfd_names(memory)[0].startswith("kvpushd-kv-")  # moved to a memfd
     assert [(r.num_blocks, r.block_len, r.block_stride) for r in regions] == [(48, page, page)] * len(names)
@@ -261,7 +261,7 @@ def test_other_kv_layouts(layout: str) -> None:
     else:  # [B, H, N, 2D] stored head-major over blocks: one region per head
         kv = {f"l.{i}": torch.zeros(h, nb, n, 2 * d).permute(1, 0, 2, 3).share_memory_() for i in range(2)}
         want = [(0, 2 * page // h, 2 * page // h), (nb * 2 * page // h, 2 * page // h, 2 * page // h)]
-    memory, regions = describe_kv_caches(kv, nb)
+    memory, regions, _ = describe_kv_caches(kv, nb)
     assert len(memory) == 2  # one shared-memory object per storage
     for mi in range(2):
         mine = [r for r in regions if r.memory_index == mi]
@@ -275,7 +275,7 @@ def test_private_host_kv_is_refused_unless_moved() -> None:
     with pytest.raises(RuntimeError, match="kvpushd_host_kv_to_shm"):
         describe_kv_caches(kv, 4)
     view = kv["l.0"][1:3]
-    memory, regions = describe_kv_caches(kv, 4, host_kv_to_shm=True)
+    memory, regions, _ = describe_kv_caches(kv, 4, host_kv_to_shm=True)
     assert isinstance(memory[0], MemfdMemory) and fcntl.fcntl(memory[0].fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
     assert owned_memfd_names(memory)[0].startswith("kvpushd-kv-")
     assert bool((view == 1).all()) and kv["l.0"].is_shared()  # moved in place: views still see the data

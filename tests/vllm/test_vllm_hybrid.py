@@ -283,7 +283,7 @@ def test_tokens_first_layout_across_tp_sizes(model_dir: Path, daemons: tuple[vs.
         from kvpushd_client.types import KVLayout
         from kvpushd_client.vllm.layout import describe_kv_caches, layer_specs
 
-        _, regions = describe_kv_caches(pe.ranks[0][1], 40, specs=layer_specs(pe.kv_cache_config))
+        _, regions, _ = describe_kv_caches(pe.ranks[0][1], 40, specs=layer_specs(pe.kv_cache_config))
         assert {(r.layout, r.num_heads, r.block_size_tokens) for r in regions} == {(KVLayout.NHD, 2, 32)}
         n = 100
         x = x_request_id()
@@ -343,12 +343,12 @@ def test_regions_say_their_layout(kind: str, want_layout: str, n_regions: int) -
     else:
         t = torch.zeros(nb, 2, n, h, d)
     t.share_memory_()
-    _, regions = describe_kv_caches({"l.0": t}, nb, specs={"l.0": _Spec(n, h)})
+    _, regions, _ = describe_kv_caches({"l.0": t}, nb, specs={"l.0": _Spec(n, h)})
     assert len(regions) == n_regions
     assert {(r.layout, r.num_heads, r.block_size_tokens) for r in regions} == {(KVLayout[want_layout], h, n)}
-    _, unsaid = describe_kv_caches({"l.0": t}, nb)  # no spec: nothing said (the daemon's old rule)
+    _, unsaid, _ = describe_kv_caches({"l.0": t}, nb)  # no spec: nothing said (the daemon's old rule)
     assert {(r.num_heads, r.block_size_tokens) for r in unsaid} == {(0, 0)}
-    _, wrong = describe_kv_caches({"l.0": t}, nb, specs={"l.0": _Spec(n * 2, h)})  # spec does not fit: unsaid
+    _, wrong, _ = describe_kv_caches({"l.0": t}, nb, specs={"l.0": _Spec(n * 2, h)})  # spec does not fit: unsaid
     assert {(r.num_heads, r.block_size_tokens) for r in wrong} == {(0, 0)}
 
 
@@ -357,7 +357,7 @@ def test_one_allocation_viewed_two_ways_is_refused() -> None:
 
     base = torch.zeros(10, 4, 16, 16).share_memory_()
     other = base.view(10, 16, 4, 16).permute(0, 2, 1, 3)  # same bytes, read tokens first
-    memory, regions = describe_kv_caches({"a": base, "b": base}, 10, specs={"a": _Spec(16, 4), "b": _Spec(16, 4)})
+    memory, regions, _ = describe_kv_caches({"a": base, "b": base}, 10, specs={"a": _Spec(16, 4), "b": _Spec(16, 4)})
     assert len(memory) == 1 and len(regions) == 1  # one allocation, one hand-over, one region
     with pytest.raises(NotImplementedError, match="different block layouts"):
         describe_kv_caches({"a": base, "b": other}, 10, specs={"a": _Spec(16, 4), "b": _Spec(16, 4)})

@@ -86,7 +86,7 @@ def _move_to_owned_memfd(storage: Any) -> int:
     """Move a host storage, in place, into a new memfd sealed against shrinking and growing.
 
     One copy; the storage swaps its data pointer, so every tensor and view of it stays valid. The
-    daemon gets the descriptor at every attach (kvpushd_client.shm.hand_over): no name to leave
+    daemon gets the descriptor at every attach (kvpushd_client.handover): no name to leave
     behind in /dev/shm, whoever dies first, and nobody can truncate the memory under a WRITE (a
     named object cut while the daemon copied into it killed the daemon with SIGBUS). The memory
     goes with the last descriptor and mapping: this worker's and, until it detaches us, the daemon's.
@@ -233,20 +233,14 @@ def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
 
 
 def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_shm: bool = False,
-                       specs: dict[str, Any] | None = None) -> tuple[list[Memory | VmmMemory], list[Region]]:
+                       specs: dict[str, Any] | None = None, exports_fd: bool = False,
+                       ) -> tuple[list[Memory | VmmMemory], list[Region], list[list[str]]]:
     """Memory handles (one per backing allocation) and regions (per layer, and once for layers that
-    view the same bytes alike) of a worker's KV cache. ``specs`` (layer name -> KV cache spec) let
-    the regions say their layout, heads and block size in tokens."""
-    memory, regions, _ = describe_kv_caches_owned(kv_caches, num_blocks, host_kv_to_shm, specs)
-    return memory, regions
-
-
-def describe_kv_caches_owned(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_shm: bool = False,
-                             specs: dict[str, Any] | None = None, exports_fd: bool = False,
-                             ) -> tuple[list[Memory | VmmMemory], list[Region], list[list[str]]]:
-    """``describe_kv_caches`` plus, per region, the layers whose KV it holds (several where layers view
-    one allocation alike): a region is complete in a step once all of them wrote it (progress.py).
-    ``exports_fd``: CUDA virtual memory goes by file descriptor (vLLM 0.34 under ``EXPORTS_FD``)."""
+    view the same bytes alike) of a worker's KV cache, and per region the layers whose KV it holds
+    (several where layers view one allocation alike): a region is complete in a step once all of them
+    wrote it (progress.py). ``specs`` (layer name -> KV cache spec) let the regions say their layout,
+    heads and block size in tokens. ``exports_fd``: CUDA virtual memory goes by file descriptor (vLLM
+    0.34 under ``EXPORTS_FD``)."""
     memory: list[Memory | VmmMemory] = []
     index: dict[Any, int] = {}
     regions: list[Region] = []

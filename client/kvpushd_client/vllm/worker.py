@@ -36,7 +36,7 @@ from ..types import (
 )
 from ..vmm import VmmMemory
 from . import compat
-from .layout import describe_kv_caches_owned, layer_specs, owned_memfd_names, release_owned_shm
+from .layout import describe_kv_caches, layer_specs, owned_memfd_names, release_owned_shm
 from .metadata import ExpectReq, KVPushdConnectorMetadata, PublishReq
 from .progress import Bell, LayerProgress, make_doorbell
 from .utils import Settings, logger
@@ -126,7 +126,7 @@ class KVPushdConnectorWorker:
         ``self._vmm`` (a restarted daemon gets them again) until the KV is released."""
         exports_fd = compat.HAS_KV_CACHE_ACCESS and not self.settings.legacy_ipc
         try:
-            memory, regions, owners = describe_kv_caches_owned(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
+            memory, regions, owners = describe_kv_caches(kv_caches, self.num_blocks, self.settings.host_kv_to_shm,
                                                                self._specs, exports_fd)
         except CudaMemoryError as e:
             if not compat.HAS_KV_CACHE_ACCESS:  # vLLM 0.33: its cumem allocator, named in the message

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 from kvpushd_client import _convert, errors
+from kvpushd_client.handover import hand_over
 from kvpushd_client.proto.v1 import status_pb2, status_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvpushd_client.shm import hand_over
 from kvpushd_client.stream import _GONE, _command
 from kvpushd_client.types import (
     Abort,
