@@ -14,13 +14,12 @@ import os
 import signal
 import stat
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvpushd_client.proto.v1 import peer_pb2, status_pb2, status_pb2_grpc, worker_pb2
+from kvpushd_client.proto.v1 import peer_pb2, status_pb2, worker_pb2
 
 from .config import Config, PeerApiConfig
 from .core.errors import FailedPrecondition
@@ -32,10 +31,9 @@ from .rpc.services import add_service
 from .rpc.status import StatusServicer
 from .rpc.worker import WorkerServicer
 from .runtime.node import Node
-from .runtime.sinks import events_sink, peerbook_sink, tracing_sink
+from .runtime.observe import Ended
 from .systemd import SdNotifier
 from .telemetry import make_tracing
-from .tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
@@ -50,16 +48,17 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def observe(node: Node, tracing: Tracing | None = None) -> None:
+def observe(node: Node) -> None:
     """The sinks of the node's observation stream, in the order each record reaches them: the
     tally (the status counters, the metrics' series, and through it each peer's transfers), the
-    event hub (Watch), the peer book (peers heard from, failed, lost), tracing (only when on)."""
-    obs = node.obs
+    event hub (Watch; a transfer's start goes to it from the node), the peer book (peers heard
+    from, failed, lost), tracing (only when on: spans made from the ledger when a transfer ends)."""
+    obs, t = node.obs, node.tracing
     node.tally.observe(obs)
-    events_sink(obs, node.events)
-    peerbook_sink(obs, node.peerbook)
-    if tracing is not None and tracing.enabled:
-        tracing_sink(obs, tracing)
+    obs.on(Ended, node.events.ended)
+    node.peerbook.observe(obs)
+    if t.enabled:
+        obs.on(Ended, lambda r: t.ended(r.completion, r.ledger))
 
 
 def peer_server_options(p: PeerApiConfig) -> list[tuple[str, int]]:
@@ -87,7 +86,7 @@ class Daemon:
         self.tracing = make_tracing(cfg.tracing, cfg.node_id)  # a no-op (and no import) unless configured
         self.node = Node(cfg, self.tracing)
         self.metrics = Metrics(self.node.view)
-        observe(self.node, self.tracing)
+        observe(self.node)
         self.notifier = SdNotifier.from_env()
         self.local_server: grpc.aio.Server | None = None
         self.peer_server: grpc.aio.Server | None = None
@@ -114,9 +113,8 @@ class Daemon:
             sock.unlink()  # a stale socket from a previous run
         self.local_server = grpc.aio.server(options=[*local_opts, ("grpc.max_metadata_size", 16 << 10),
                                                            ("grpc.http2.bdp_probe", 0)])
-        add_service(self.local_server, worker_pb2, "WorkerService", WorkerServicer(self.node))
-        status_pb2_grpc.add_StatusServiceServicer_to_server(StatusServicer(self.node.view), self.local_server)
-        local_services = [_service(worker_pb2, "WorkerService"), _service(status_pb2, "StatusService")]
+        local_services = [add_service(self.local_server, worker_pb2, "WorkerService", WorkerServicer(self.node)),
+                          add_service(self.local_server, status_pb2, "StatusService", StatusServicer(self.node.view))]
         await self._add_health(self.local_health, local_services, self.local_server)
         reflection.enable_server_reflection([*local_services, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.local_server)
@@ -129,8 +127,8 @@ class Daemon:
         interceptors = peer_interceptors(cfg.peer_api)  # protected mode: loopback only unless TLS/allow/insecure
         self.peer_server = grpc.aio.server(options=[*opts, *peer_server_options(cfg.peer_api)],
                                            interceptors=interceptors)
-        add_service(self.peer_server, peer_pb2, "PeerService", PeerServicer(self.node))
-        await self._add_health(self.peer_health, [_service(peer_pb2, "PeerService")], self.peer_server)
+        peer_service = add_service(self.peer_server, peer_pb2, "PeerService", PeerServicer(self.node))
+        await self._add_health(self.peer_health, [peer_service], self.peer_server)
         host, port = cfg.listen_host_port
         if tls_enabled(cfg.peer_api):
             bound = self.peer_server.add_secure_port(f"{host or '0.0.0.0'}:{port}",
@@ -220,8 +218,3 @@ class Daemon:
         self.node.workers.fds.close()
         self.notifier.close()
         log.info("kvpushd stopped")
-
-
-def _service(module: Any, name: str) -> str:
-    """Full name of a service in a generated module, e.g. "kvpushd.v1.WorkerService"."""
-    return str(module.DESCRIPTOR.services_by_name[name].full_name)

@@ -2,9 +2,9 @@
 
 What the daemon keeps anyway (notifications, pending transfers, held blocks) is read at scrape time
 through the runtime's read-only view; what needs labels (outcome and code, direction and peer) or
-timing (histograms) is recorded as it happens: this object reads the runtime's observation stream
-(``observe``: a transfer ended, with its ledger; a failed WRITE; an event dropped). The registry
-belongs to this object, not to the process, so several daemons in one process never collide.
+timing (histograms) is recorded as it happens by the tally (runtime/tally.py, a sink of the runtime's
+observation stream) and turned into metric families here at scrape time. The registry belongs to this
+object, not to the process, so several daemons in one process never collide.
 
 The HTTP endpoint runs in prometheus-client's own thread: everything it reads is a plain int or
 a prometheus-client metric (both safe to read from another thread). A metrics port that cannot be
@@ -14,7 +14,7 @@ bound is logged and left out; it does not stop the data path.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import structlog
@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 
 from .config import MetricsConfig, split_host_port
 from .memory import fdpass
-from .runtime.tally import Counts, Histograms
 from .runtime.view import View
 
 if TYPE_CHECKING:
@@ -34,22 +33,19 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 class Metrics:
-    """The daemon's Prometheus registry, a sink of the runtime's observation stream (runtime/observe.py).
+    """The daemon's Prometheus registry.
 
-    What happens per transfer is counted in plain Python numbers (``_Counts``, ``_Histograms``),
-    written by the event loop only (the runtime and the event hub call this object there; an
-    increment is not atomic across threads), and read by ``_EventCollector`` at scrape time, in
-    prometheus-client's HTTP thread: a scrape may see one transfer's figures half counted, never a
-    torn number."""
+    What happens per transfer is counted by the tally in plain Python numbers (``Counts``,
+    ``Histograms``), written by the event loop only (an increment is not atomic across threads), and
+    read by ``_StateCollector`` at scrape time, in prometheus-client's HTTP thread: a scrape may see one
+    transfer's figures half counted, never a torn number."""
 
     def __init__(self, view: View) -> None:
-        self.view = view
         self.address = ""  # host:port once serving
         self._server: WSGIServer | None = None
         r = self.registry = CollectorRegistry()
         Info("kvpushd", "kvpushd build and identity", registry=r).info(
             {"version": view.ident.version, "node_id": view.ident.node_id, "instance_id": view.ident.instance_id})
-        r.register(_EventCollector(view.tally.series()))
         r.register(_StateCollector(view))
         # The usual process_* (CPU, memory, fds) and python_gc_* series of a Python exporter.
         ProcessCollector(registry=r)
@@ -79,25 +75,17 @@ class Metrics:
             self._server = None
 
 
-class _EventCollector(Collector):
-    """The counters and histograms of what happened, as metric families (at scrape time)."""
-
-    def __init__(self, metrics: Sequence[Counts | Histograms]) -> None:
-        self.metrics = tuple(metrics)
-
-    def collect(self) -> Iterator[Metric]:
-        for m in self.metrics:
-            yield m.family()
-
-
 class _StateCollector(Collector):
-    """What the daemon knows at any moment, read at scrape time."""
+    """What happened (the tally's counters and histograms) and what the daemon knows at any moment,
+    read at scrape time."""
 
     def __init__(self, view: View) -> None:
         self.view = view
 
     def collect(self) -> Iterator[Metric]:
         v = self.view
+        for m in v.tally.series():
+            yield m.family()
         send, recv = v.pending()
         pending = GaugeMetricFamily("kvpushd_pending_transfers", "Transfers not yet completed: send (prefill "
                                     "rendezvous, WRITEs in flight) and recv (decode registrations)", labels=["side"])

@@ -90,9 +90,10 @@ def bounded(cls: type[Message]) -> Callable[[bytes], Message | Oversized]:
     return parse
 
 
-def add_service(server: Any, pb2: ModuleType, service: str, servicer: object) -> None:
+def add_service(server: Any, pb2: ModuleType, service: str, servicer: object) -> str:
     """Register ``servicer``'s methods of ``service`` (described in ``pb2``), as the generated
-    ``add_*Servicer_to_server`` does, with batch messages decoded by ``bounded``."""
+    ``add_*Servicer_to_server`` does, with batch messages decoded by ``bounded``; returns the
+    service's full name (e.g. "kvpushd.v1.WorkerService")."""
     desc = pb2.DESCRIPTOR.services_by_name[service]
     handlers = {}
     for m in desc.methods:
@@ -105,3 +106,4 @@ def add_service(server: Any, pb2: ModuleType, service: str, servicer: object) ->
                                 response_serializer=resp.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
+    return str(desc.full_name)

@@ -14,7 +14,7 @@ from kvpushd_client.proto.v1 import common_pb2, status_pb2, status_pb2_grpc
 from ..config import Config
 from ..core.errors import InvalidArgument
 from ..events import Event, EventKind
-from ..runtime.view import View
+from ..runtime.view import PeerView, View
 from ..transfer.descs import RegionSpec
 from .errors import stream, unary
 
@@ -112,16 +112,9 @@ def peer_status(v: View, wall: float) -> list[status_pb2.PeerStatus]:
     """Every other daemon we call (outbound) or that calls us (inbound), by its peer address."""
     out = []
     for pv in v.peers():
-        p = status_pb2.PeerStatus(
-            address=pv.address, direction=pv.direction, node_id=pv.node_id, instance_id=pv.instance_id,
-            state=pv.state, since_s=pv.since_s, channel_state=pv.channel_state, bytes_sent=pv.bytes_sent,
-            bytes_received=pv.bytes_received, transfers_finished=pv.transfers_finished,
-            transfers_failed=pv.transfers_failed, errors=pv.errors, last_error=pv.last_error,
-            streams_opened=pv.streams_opened, stream_batches_sent=pv.stream_batches_sent,
-            stream_items_pending=pv.stream_items_pending, inbound_streams=pv.inbound_streams,
-            stream_batches_received=pv.stream_batches_received, identity=pv.identity)
+        p = status_pb2.PeerStatus(**{f: getattr(pv, f) for f in PeerView.__slots__})  # its fields, by name
         if pv.last_contact_unix:
-            p.last_contact_unix, p.last_contact_age_s = pv.last_contact_unix, max(wall - pv.last_contact_unix, 0.0)
+            p.last_contact_age_s = max(wall - pv.last_contact_unix, 0.0)
         out.append(p)
     return out
 

@@ -177,8 +177,8 @@ class Node:
         self.rv.bounded()
         again = self.rv.recv.pending(w.worker_id, cmd.transfer_id)
         actions = self.rv.recv.expect(time.monotonic(), w, cmd)
-        if not again:
-            self._started(w, cmd.transfer_id, "recv")
+        if not again and (led := self.rv.recv.ledger(w.worker_id, cmd.transfer_id)) is not None:
+            self.events.transfer(EventKind.TRANSFER_STARTED, led)  # a new transfer (not a retry): for Watch
         self.run(actions)
 
     def publish(self, worker_id: str, cmd: Publish) -> None:
@@ -193,15 +193,9 @@ class Node:
         actions = self.rv.send.publish(time.monotonic(), w, cmd)
         if cmd.layers and self.xfer is not None:  # progressive push: the thread watches the worker's doorbell
             self.xfer.watch_step(w.worker_id, cmd.step)
-        if not again:
-            self._started(w, cmd.transfer_id, "send")
-        self.run(actions)
-
-    def _started(self, w: Worker, transfer_id: str, side: str) -> None:
-        """A new transfer was taken (not a retry): Watch hears of it from its ledger."""
-        led = self.rv.ledger(w.worker_id, w.engine_id, w.tp_rank, transfer_id, side)
-        if led is not None:
+        if not again and (led := self.rv.send.publish_ledger(w.engine_id, cmd.transfer_id, w.tp_rank)) is not None:
             self.events.transfer(EventKind.TRANSFER_STARTED, led)
+        self.run(actions)
 
     def abort(self, worker_id: str, cmd: Abort) -> bool:
         w = self.workers.get(worker_id)
@@ -275,7 +269,6 @@ class Node:
             actions = self.rv.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
             origin.refused += 1
-            self.obs.emit(o.Counted("peer_calls_refused"))
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
                         transfer_id=tid[:256], consumer_rank=item.consumer_rank, reason=str(e))
             raise
@@ -286,7 +279,6 @@ class Node:
         why = self.inbound.over_quota(origin, n_blocks, self.rv.send.held_by, self.cfg.peer_api)
         if why:
             origin.refused += 1
-            self.obs.emit(o.Counted("peer_calls_refused"))
             log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
             raise ResourceExhausted(f"decode daemon {origin.node_id[:64]}: {why}", peer=origin.address)
 
@@ -543,7 +535,7 @@ class Node:
             self.xfer.stop_write(a.leg, a.reason)
 
     def _dropped(self, a: Dropped) -> None:
-        self.obs.emit(o.Dropped(a.event, a.transfer_id, a.why))
+        self.obs.emit(a)  # the core's record, as it is (the tally counts it)
         log.debug("late event dropped", late_event=a.event, transfer_id=a.transfer_id, why=a.why)
 
     def _start_read(self, a: StartRead) -> None:

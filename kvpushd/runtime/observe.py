@@ -37,13 +37,6 @@ class Ended:  # a transfer's completion (with its figures) goes to its worker, o
 
 
 @dataclass(slots=True)
-class Dropped:  # the core dropped a late or repeated event on purpose
-    event: str
-    transfer_id: str
-    why: str
-
-
-@dataclass(slots=True)
 class Counted:  # ``n`` more of a status counter no other record tells (a field of runtime/tally.Counters)
     name: str
     n: int = 1

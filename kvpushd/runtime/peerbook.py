@@ -1,7 +1,7 @@
 """What the daemon knows about each other daemon, by peer address, whichever way the calls go.
 
 Kept for the status API (peers: contact, bytes, transfers, errors) and fed by the observation
-stream (runtime/sinks.py: a transfer's ledger when it ends, peers heard from or lost). Entries are
+stream (``observe``: a transfer's ledger when it ends, peers heard from or lost). Entries are
 pruned with their peer and the table is capped, so a flood of handshakes from made-up addresses
 cannot grow the status answer without bound.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..core.ledger import Ledger
 from ..events import EventHub, EventKind
+from .observe import Observations, PeerFailed, PeerHeard, PeerLost, WriteDone
 
 MAX_PEER_STATS = 1024  # entries kept; the ones with the oldest contact and no live peer go first
 PRUNE_TO = MAX_PEER_STATS * 3 // 4  # a full book drops to this at once (with 10,000 live peers, pruning one
@@ -40,6 +41,13 @@ class PeerBook:
         self.events = events
         self.peers: dict[str, PeerStats] = {}
         self._live = live  # addresses with a session or a channel: never pruned
+
+    def observe(self, obs: Observations) -> None:
+        obs.on(WriteDone, lambda r: self.failed(r.peer, f"WRITE for transfer {r.transfer_id!r} failed: "
+                                                          f"{r.result.reason}"))
+        obs.on(PeerHeard, lambda r: self.contact(r.address, node_id=r.node_id, inbound=r.inbound))
+        obs.on(PeerFailed, lambda r: self.failed(r.address, r.error, unreachable=r.unreachable))
+        obs.on(PeerLost, lambda r: self.lost(r.address, r.reason, inbound=r.inbound))
 
     def contact(self, address: str, *, node_id: str = "", inbound: bool = False) -> None:
         """A call to (or, ``inbound``, from) a peer went through."""

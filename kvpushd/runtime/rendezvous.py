@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from ..config import Config
 from ..core.errors import ResourceExhausted
-from ..core.ledger import Ledger
 from ..core.rendezvous import Action, RecvSide, SendSide
 
 
@@ -35,12 +34,6 @@ class Rendezvous:
         if s is None or r is None:
             return r if s is None else s
         return min(s, r)
-
-    def ledger(self, worker_id: str, engine_id: str, rank: int, transfer_id: str, side: str) -> Ledger | None:
-        """A pending transfer's books: a worker's Publish (``side`` "send") or Expect ("recv")."""
-        if side == "send":
-            return self.send.publish_ledger(engine_id, transfer_id, rank)
-        return self.recv.ledger(worker_id, transfer_id)
 
     def held_blocks(self) -> dict[str, int]:
         """Blocks of local workers that pending transfers cover, by side."""

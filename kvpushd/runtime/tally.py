@@ -17,8 +17,9 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from ..core.actions import DROPPED_EVENTS
+from ..core.rendezvous import Dropped
 from ..core.types import CompletionKind
-from .observe import Counted, Dropped, Ended, Observations, WriteDone
+from .observe import Counted, Ended, Observations, WriteDone
 from .peerbook import PeerBook
 
 # From tens of microseconds (posting a prepared WRITE) to the rendezvous timeouts (minutes).
@@ -58,10 +59,6 @@ class Buckets:
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.total = 0.0
 
-    def observe(self, v: float) -> None:
-        self.counts[bisect_left(self.bounds, v)] += 1  # le is inclusive: v == bound counts in that bucket
-        self.total += v
-
     def add_to(self, f: HistogramMetricFamily, labels: list[str]) -> None:
         counts, total = list(self.counts), self.total
         cumulative, buckets = 0, []
@@ -83,7 +80,7 @@ class Histograms:
         b = self.series.get(key)
         if b is None:
             b = self.series[key] = Buckets(self.bounds)
-        b.counts[bisect_left(b.bounds, v)] += 1  # Buckets.observe, inline: once per transfer and series
+        b.counts[bisect_left(b.bounds, v)] += 1  # le is inclusive: v == bound counts in that bucket
         b.total += v
 
     def family(self) -> HistogramMetricFamily:
@@ -104,8 +101,6 @@ class Counters:
     descriptors_posted: int = 0
     reads_posted: int = 0  # pull mode: READs this (decode) daemon posted that completed
     bytes_read: int = 0
-    late_events: int = 0   # events the core dropped on purpose (late or repeated)
-    peer_calls_refused: int = 0  # peer calls refused by a limit or a registration held by another daemon
     declines_sent: int = 0  # decode side: transfers declined to their prefill daemon (acknowledged)
     declines_received: int = 0  # prefill side: transfers a decode daemon declined
 
@@ -188,11 +183,9 @@ class Tally:
         self.bytes.inc(("sent", peer), led.nbytes)
 
     def _write_failed(self, rec: WriteDone) -> None:
-        if not rec.result.ok:
-            self.writes.inc(_ERROR)
+        self.writes.inc(_ERROR)
 
     def _dropped(self, rec: Dropped) -> None:
-        self.counters.late_events += 1
         self.late.inc((rec.event,))
 
     def _counted(self, rec: Counted) -> None:

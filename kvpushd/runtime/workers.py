@@ -125,9 +125,6 @@ class Workers:
         # one thread populates host KV (one core at most; attaches never wait behind it); none starts until used
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvpushd-populate")
 
-    def __len__(self) -> int:
-        return len(self.by_id)
-
     async def attach(self, a: Attach) -> Worker:
         """An Attach whose caller goes (its deadline passed, its call cancelled) runs to its end anyway,
         holding its claims: cut short, it left what a thread had mapped for it mapped for good, or
@@ -270,8 +267,8 @@ class Workers:
         loop.run_in_executor(self._populator, m.populate).add_done_callback(done)
 
     def get(self, worker_id: str) -> Worker:
-        w = self.by_id.get(worker_id)
-        if w is None or w.gone:
+        w = self.live(worker_id)
+        if w is None:
             raise NotFound(f"unknown worker {worker_id!r} (not attached, or its session ended)")
         return w
 
@@ -308,8 +305,8 @@ class Workers:
 
     def deliver(self, worker_id: str, c: Completion) -> None:
         """Queue a completion for the worker's session (dropped if the worker is gone)."""
-        w = self.by_id.get(worker_id)
-        if w is None or w.gone:
+        w = self.live(worker_id)
+        if w is None:
             return
         w.completions.append(c)
         w.wakeup.set()
@@ -338,8 +335,8 @@ class Workers:
 
     def mark_gone(self, worker_id: str) -> Worker | None:
         """First step of a detach: no completions are queued for it from now on."""
-        w = self.by_id.get(worker_id)
-        if w is None or w.gone:
+        w = self.live(worker_id)
+        if w is None:
             return None
         w.gone = True
         w.wakeup.set()

@@ -9,7 +9,7 @@ from support.core import WorkerRef
 
 from kvpushd import config
 from kvpushd.app import observe
-from kvpushd.core.rendezvous import Registration
+from kvpushd.core.rendezvous import Dropped, Registration
 from kvpushd.core.types import CompletionKind, Publish, TransferMode
 from kvpushd.runtime import observe as o
 from kvpushd.runtime.node import Node
@@ -41,7 +41,7 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     n = Node(config.from_dict({}))
     observe(n)
     records: list[object] = []
-    for kind in (o.WriteDone, o.Ended, o.Dropped):
+    for kind in (o.WriteDone, o.Ended, Dropped):
         n.obs.on(kind, records.append)
     n.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
     rv, ex = n.rv, n
