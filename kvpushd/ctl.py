@@ -73,10 +73,6 @@ def _age(s: float) -> str:
     return f"{s / 3600:.1f}h"
 
 
-def _when(t_unix: float) -> str:
-    return datetime.datetime.fromtimestamp(t_unix, datetime.UTC).isoformat(timespec="milliseconds")
-
-
 def _regions(rs: Sequence[status_pb2.RegionSummary]) -> str:
     return " + ".join(f"{r.count}x{r.num_blocks}x{_bytes(r.block_len)}" for r in rs)
 
@@ -156,7 +152,8 @@ def as_dict(msg: Message) -> dict[str, Any]:
 
 def render_event(ev: status_pb2.Event) -> str:
     kind = status_pb2.EventKind.Name(ev.kind).removeprefix("EVENT_").lower()
-    parts = [_when(ev.time_unix), f"{kind:<17}"]
+    parts = [datetime.datetime.fromtimestamp(ev.time_unix, datetime.UTC).isoformat(timespec="milliseconds"),
+             f"{kind:<17}"]
     for label, value in (("transfer", ev.transfer_id), ("engine", ev.engine_id), ("worker", ev.worker_id),
                          ("side", ev.side), ("peer", ev.peer)):
         if value:

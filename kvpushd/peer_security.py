@@ -148,9 +148,8 @@ class AllowList(grpc.aio.ServerInterceptor):
             addr = _address(peer)
             if addr is None:
                 return f"caller {peer} has no IP address; peer_api.allow = {list(self.allow)}"
-            ip = caller_ip(peer)
             if not any(addr in n for n in self.networks):
-                return f"caller {ip} is not in peer_api.allow = {list(self.allow)}"
+                return f"caller {caller_ip(peer)} is not in peer_api.allow = {list(self.allow)}"
         if self.names:
             names = cert_names(auth)
             if not self.names.intersection(names):

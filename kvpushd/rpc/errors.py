@@ -50,15 +50,13 @@ def refusal(exc: BaseException) -> tuple[str, str, str]:
     return "INTERNAL", type(exc).__name__, f"internal error: {type(exc).__name__}"
 
 
-def reason_metadata(exc: E.KvpushdError, code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
-    reason = {"kind": exc.kind, "code": code.name, "transfer_id": exc.transfer_id[:256], "peer": exc.peer[:256]}
-    return (("kvpushd-error", json.dumps(reason, separators=(",", ":"))),)
-
-
 async def _abort(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> NoReturn:
-    code = code_for(exc) if isinstance(exc, E.KvpushdError) else None
-    if isinstance(exc, E.KvpushdError) and code is not None:
-        await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc, code))
+    if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted the call itself
+        raise exc
+    if isinstance(exc, E.KvpushdError) and (code := code_for(exc)) is not None:
+        reason = {"kind": exc.kind, "code": code.name, "transfer_id": exc.transfer_id[:256], "peer": exc.peer[:256]}
+        md = (("kvpushd-error", json.dumps(reason, separators=(",", ":"))),)
+        await context.abort(code, str(exc), trailing_metadata=md)
     log.error("unexpected error in RPC", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
 
@@ -69,8 +67,6 @@ def unary(fn: Callable[[Any, Any, Any], Awaitable[R]]) -> Callable[[Any, Any, An
         try:
             return await fn(self, request, context)
         except Exception as e:  # mapped to a status
-            if isinstance(e, grpc.aio.AbortError):
-                raise
             await _abort(e, context, fn.__name__)
 
     return wrapper
@@ -82,9 +78,7 @@ def stream(fn: Callable[[Any, Any, Any], AsyncIterator[R]]) -> Callable[[Any, An
         try:
             async for item in fn(self, request, context):
                 yield item
-        except Exception as e:
-            if isinstance(e, grpc.aio.AbortError):
-                raise
+        except Exception as e:  # mapped to a status
             await _abort(e, context, fn.__name__)
 
     return wrapper

@@ -23,6 +23,7 @@ from ..runtime.workers import Worker
 PeerResult = peer_pb2.PeerResult
 PeerItem = peer_pb2.PeerItem
 Stub = peer_pb2_grpc.PeerServiceStub
+heartbeat = peer_pb2.HeartbeatRequest  # a Heartbeat item carries nothing
 
 
 def error_kind(e: grpc.aio.AioRpcError) -> str:
@@ -74,10 +75,6 @@ def offer(a: SendOffer, w: Worker, with_metadata: bool) -> peer_pb2.OfferRequest
 def read_failed(key: ReadKey, reason: str) -> peer_pb2.ReadFailedNotice:
     return peer_pb2.ReadFailedNotice(transfer_id=key.transfer_id, registration_id=key.registration_id,
                                      producer_rank=key.producer_rank, reason=reason[:2000])
-
-
-def heartbeat() -> peer_pb2.HeartbeatRequest:
-    return peer_pb2.HeartbeatRequest()
 
 
 def notice(transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> peer_pb2.FailNotice:

@@ -27,8 +27,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     @unary
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
         token = self.node.handshake(Hello(request.protocol_version, request.compat_hash, request.node_id,
-                                          request.peer_address, request.instance_id, session_of(context),
-                                          tls_names_of(context), host_of(context)))
+                                          request.peer_address, request.instance_id,
+                                          metadata_of(context, "kvpushd-session"), tls_names_of(context),
+                                          host_of(context)))
         return peer_pb2.HandshakeResponse(protocol_version=PROTOCOL_VERSION, compat_hash=notif.compat_hash(),
                                           node_id=self.node.ident.node_id, instance_id=self.node.ident.instance_id,
                                           session_token=token)
@@ -38,7 +39,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         """One caller's long-lived stream: its session is checked here, once, and again per batch
         (one that ended since, because the daemon forgot an idle peer or a restart replaced it,
         has its items answered SessionUnknown); then each item goes through the pump."""
-        instance, token = metadata_of(context, "kvpushd-instance"), session_of(context)
+        instance, token = metadata_of(context, "kvpushd-instance"), metadata_of(context, "kvpushd-session")
         if not self.node.inbound.session_ok(instance, token):
             raise SessionUnknown(f"unknown caller instance {instance[:256]!r} or session: handshake first")
 
@@ -72,10 +73,6 @@ def host_of(context: Ctx) -> str:
     if kind == "ipv6":
         return rest.rsplit(":", 1)[0].strip("[]")
     return rest.rsplit(":", 1)[0] if kind == "ipv4" else peer[:256]
-
-
-def session_of(context: Ctx) -> str:
-    return metadata_of(context, "kvpushd-session")
 
 
 def metadata_of(context: Ctx, name: str) -> str:

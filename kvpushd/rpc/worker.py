@@ -65,7 +65,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
         pump = Pump(self.node, WORKER, wid, lambda: workers.wake(wid), counted)
         async for results, completions in pump.serve(requests, workers.session_batches(wid, self.node.detach), first):
-            for batch in event_batches(results, completions):
+            # one tick's answers and completions as EventBatches of at most ANSWER_BYTES each
+            completed = [convert.completion(c) for c in completions]
+            for batch in packed(worker_pb2.EventBatch, [("results", results), ("completions", completed)]):
                 yield batch
 
 
@@ -74,9 +76,3 @@ def handed_tokens(request: worker_pb2.AttachRequest) -> list[bytes]:
     tokens = [m.memfd.token for m in request.memory if m.WhichOneof("kind") == "memfd"]
     tokens += [c.token for m in request.memory if m.WhichOneof("kind") == "vmm" for c in m.vmm.chunks]
     return [*tokens, request.doorbell_token] if request.doorbell_token else tokens
-
-
-def event_batches(results: list[Any], completions: list[Any]) -> list[worker_pb2.EventBatch]:
-    """One tick's answers and completions as EventBatches of at most ANSWER_BYTES each."""
-    return packed(worker_pb2.EventBatch, [("results", results),
-                                          ("completions", [convert.completion(c) for c in completions])])

@@ -351,11 +351,9 @@ class PeerClient:
         if resp.instance_id != self.remote_instance or not resp.knows_caller:
             await self._handshake(force=True)  # a restarted peer: fails what was pending with it
 
-    async def fail(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        await self._one("fail", pb.notice(transfer_id, registration_id, code, reason))
-
-    async def withdraw(self, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        await self._one("withdraw", pb.notice(transfer_id, registration_id, code, reason))
+    async def notice(self, kind: str, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
+        """A Fail or Withdraw (``kind``: "fail" or "withdraw") of one registration."""
+        await self._one(kind, pb.notice(transfer_id, registration_id, code, reason))
 
     async def decline(self, transfer_id: str, producer_engine_id: str, consumer_engine_id: str, reason: str) -> None:
         """Tell the prefill daemon a transfer will never be registered from here."""

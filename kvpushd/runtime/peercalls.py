@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Protocol
 
 import structlog
@@ -87,12 +87,16 @@ class PeerCalls:
         self.spawn(self._send_offer(a))
 
     def read_failed(self, a: SendReadFailed) -> None:
-        self.spawn(self._send_read_failed(a))
+        k = a.key
+        self.spawn(self._call(k.producer_address, lambda p: p.read_failed(k, a.reason),
+                              "could not report a failed READ", k.transfer_id))
 
     def decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
                 reason: str) -> None:
-        """Decode side: tell the prefill daemon at ``address`` this transfer will never be registered."""
-        self.spawn(self._send_decline(address, transfer_id, producer_engine_id, consumer_engine_id, reason))
+        """Decode side: tell the prefill daemon at ``address`` this transfer will never be registered
+        (on failure its publish ends at publish_timeout_s, as before)."""
+        self.spawn(self._call(address, lambda p: p.decline(transfer_id, producer_engine_id, consumer_engine_id, reason),
+                              "could not decline transfer", transfer_id, warn=True, counted="declines_sent"))
 
     # -- the calls --------------------------------------------------------------------------------
 
@@ -141,44 +145,39 @@ class PeerCalls:
             if led is not None and not led.registered:
                 led.registered, led.register_error = now, "" if err is None else str(err)
 
-    async def _call(self, address: str, call: Coroutine[None, None, None], what: str, transfer_id: str,
-                    warn: bool = False) -> bool:
-        """One notice to a peer; a failure is logged (``what``: what could not be done) and booked."""
+    async def _call(self, address: str, send: Callable[[PeerClient], Coroutine[None, None, None]], what: str,
+                    transfer_id: str, warn: bool = False, counted: str = "") -> None:
+        """One notice to a peer (``send``, to its client, taken when the call starts); a failure is
+        logged (``what``: what could not be done) and booked, a success counted as ``counted`` if set."""
         try:
-            await call
+            await send(self.outbound.peer(address))
         except KvpushdError as e:
             self._failed(address, e)
             (log.warning if warn else log.info)(what, transfer_id=transfer_id[:256], peer=address, error=str(e))
-            return False
+            return
         self._heard(address)
-        return True
+        if counted:
+            self.obs.emit(o.Counted(counted))
 
     async def _send_fail(self, a: SendFailNotice) -> None:
         origin = self.inbound.origins.get(a.origin)
         if origin is not None:
-            await self._call(origin.address, self.outbound.peer(origin.address).fail(
-                a.transfer_id, a.registration_id, a.code, a.reason), "could not send failure notice", a.transfer_id,
-                warn=True)
+            await self._call(origin.address, lambda p: p.notice("fail", a.transfer_id, a.registration_id, a.code,
+                                                                a.reason), "could not send failure notice",
+                             a.transfer_id, warn=True)
 
     async def _send_withdraw(self, a: SendWithdraw) -> None:
         # Until the prefill daemon answers, a WRITE into these blocks may still be landing, and over
         # shared memory or TCP it completes only while this side's agent makes progress: the NIXL
         # thread keeps polling while ``withdrawing``.
         try:
-            await self._call(a.producer_address, self.outbound.peer(a.producer_address).withdraw(
-                a.transfer_id, a.registration_id, a.code, a.reason), "could not withdraw registration", a.transfer_id)
+            await self._call(a.producer_address, lambda p: p.notice("withdraw", a.transfer_id, a.registration_id,
+                                                                    a.code, a.reason),
+                             "could not withdraw registration", a.transfer_id)
         finally:
             self.withdrawing -= 1
             # answered: no WRITE into these blocks is in flight any more (or the daemon is gone)
             self.answers.withdraw_answered(a.registration_id)
-
-    async def _send_decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
-                            reason: str) -> None:
-        # on failure its publish ends at publish_timeout_s, as before
-        if await self._call(address, self.outbound.peer(address).decline(
-                transfer_id, producer_engine_id, consumer_engine_id, reason), "could not decline transfer",
-                transfer_id, warn=True):
-            self.obs.emit(o.Counted("declines_sent"))
 
     async def _send_offer(self, a: SendOffer) -> None:
         reg = a.registration
@@ -202,11 +201,6 @@ class PeerCalls:
         else:
             if sent:
                 self._heard(origin.address)
-
-    async def _send_read_failed(self, a: SendReadFailed) -> None:
-        address = a.key.producer_address
-        await self._call(address, self.outbound.peer(address).read_failed(a.key, a.reason),
-                         "could not report a failed READ", a.key.transfer_id)
 
     # -- heartbeats, silence, idle peers ----------------------------------------------------------
 

@@ -165,9 +165,8 @@ class Workers:
 
     async def _attach(self, a: Attach, claims: set[tuple[object, ...]]) -> Worker:
         engine_id, role, tp_rank, tp_size, pp_rank = a.engine_id, a.role, a.tp_rank, a.tp_size, a.pp_rank
-        memory, regions = a.memory, a.regions
         loop = asyncio.get_running_loop()
-        mappings = await loop.run_in_executor(None, open_all, memory, take_fds(self.fds, memory))
+        mappings = await loop.run_in_executor(None, open_all, a.memory, take_fds(self.fds, a.memory))
         bell: Doorbell | None = None
         try:
             bell = self._open_bell(a.doorbell, a.doorbell_token)
@@ -178,7 +177,7 @@ class Workers:
                 raise InvalidArgument("a worker's memory must be all host (shm) or all GPU (CUDA IPC)")
             mem_type = kinds.pop()
             specs = []
-            for i, r in enumerate(regions):
+            for i, r in enumerate(a.regions):
                 m = mappings[r.memory_index]
                 if r.offset + r.layout.span() > m.size:
                     raise InvalidArgument(
@@ -194,7 +193,7 @@ class Workers:
             agent = f"{prefix}{engine_id}.tp{tp_rank}.pp{pp_rank}.{wid}"
             w = Worker(wid, engine_id, role, tp_rank, tp_size, pp_rank, agent, mem_type, mappings,
                        tuple(specs), a.description, time.monotonic(),
-                       min(r.layout.num_blocks for r in regions), bell=bell)
+                       min(r.layout.num_blocks for r in a.regions), bell=bell)
             assert self.xfer is not None
             w.metadata = await self.xfer.attach(wid, agent, mem_type,
                                                 [p for m in mappings for p in registrations(m)],
