@@ -236,31 +236,26 @@ class ReconnectingStreamWorker:
         self._events.append(LinkEvent("lost", self.epoch, reason=reason))
 
     # the engine thread ---------------------------------------------------------------------------
-    def _current(self, call: Call) -> StreamWorker | None:
-        """The attachment to append ``call`` to, its epoch recorded; None: not attached (an Expect or
-        Publish is then refused at once, an Abort dropped)."""
-        live = self._live
-        if live is None or not live[0].alive or live[1] <= self._lost_epoch:
-            if call.method != "Abort":
-                err = DaemonUnavailable("UNAVAILABLE", "not attached to the daemon")
-                done = Completion(CompletionKind.FAILED, call.transfer_id, _convert.REFUSED,
-                                  f"{call.method} not made: {err}", call.block_ids)
-                with self._lock:
-                    self._events.append(LinkEvent("refused", None, done, call, err))
-            return None
-        call.epoch = live[1]
-        return live[0]
-
     def send_nowait(self, cmd: Expect | Publish | Abort, tag: Any = None, only_epoch: int | None = None) -> Call:
         """Append the command record to the current attachment's step, as it is (a Publish with
         ``step``/``layers`` is declared before that step's forward).
         An Abort goes after every earlier command; with ``only_epoch``, only on that attachment (the
         one the transfer's Expect ran on), dropped otherwise, as when not attached."""
         call = Call(type(cmd).__name__, cmd.transfer_id, () if isinstance(cmd, Abort) else cmd.block_ids, tag=tag)
-        if only_epoch is not None and (live := self._live) is not None and live[1] != only_epoch:
+        live = self._live
+        if only_epoch is not None and live is not None and live[1] != only_epoch:
             return call
-        if (w := self._current(call)) is not None:
-            w.send_nowait(cmd)
+        if live is None or not live[0].alive or live[1] <= self._lost_epoch:
+            # not attached: an Expect or Publish is refused at once, an Abort dropped
+            if call.method != "Abort":
+                err = DaemonUnavailable("UNAVAILABLE", "not attached to the daemon")
+                done = Completion(CompletionKind.FAILED, call.transfer_id, _convert.REFUSED,
+                                  f"{call.method} not made: {err}", call.block_ids)
+                with self._lock:
+                    self._events.append(LinkEvent("refused", None, done, call, err))
+            return call
+        call.epoch = live[1]  # the attachment it goes out on
+        live[0].send_nowait(cmd)
         return call
 
     def step(self) -> int:

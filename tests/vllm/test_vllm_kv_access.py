@@ -171,9 +171,9 @@ def test_unregister_settles_a_pending_receive_first(engines: tuple[Engine, Engin
     de.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     w = de.conn.worker_side
-    assert any(not q.done for q in w._recv.values())
+    assert any(q.recv and not q.done for q in w._pending.values())
     de.conn.unregister_kv_caches()
-    assert not w._recv and _attached(d, D_ENGINE) == 0
+    assert not any(q.recv for q in w._pending.values()) and _attached(d, D_ENGINE) == 0
     de.conn.restore_kv_caches()
     assert _attached(d, D_ENGINE) == 1
     de.step()  # vLLM takes the failed receive: kv_load_failure_policy "fail" ends the request

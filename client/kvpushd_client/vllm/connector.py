@@ -37,7 +37,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..types import Role
 from . import compat
-from .access import SETTING_KEY, parse_setting
 from .groups import plan_groups
 from .layout import describe_kv_caches
 from .metadata import (
@@ -82,7 +81,9 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-mode P/D connector whose transfers the node's kvpushd daemon carries out.
 
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and every KV cache group's blocks move
-    (a sliding-window group's last window only; groups.py). docs/vllm.md has the whole contract.
+    (a sliding-window group's last window only; groups.py). ``requires_kv_delivery`` is vLLM's default, True
+    on a producer: a request preempted while its push is pending is recomputed, never finished with blocks
+    the preemption freed. docs/vllm.md has the whole contract.
     """
 
     _cache_hit_source = CacheHitSource.P2P  # vLLM's cache-hit metrics: tokens that came from another engine
@@ -99,8 +100,7 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         groups = plan_groups(kv_cache_config)  # refuses (naming the groups) state it cannot move
         assert kvt is not None and kvt.engine_id is not None
         self.engine_id = daemon_engine_id(kvt.engine_id)
-        self.settings = Settings.from_extra_config(dict(kvt.kv_connector_extra_config or {}))
-        parse_setting(dict(kvt.kv_connector_extra_config or {}).get(SETTING_KEY))  # refused here, named
+        self.settings = Settings.from_extra_config(dict(kvt.kv_connector_extra_config or {}))  # bad keys refused, named
         self._sched: KVPushdConnectorScheduler | None = None
         self._worker: KVPushdConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER and len(groups) > 1:
@@ -127,12 +127,6 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         ``kvpushd_kv_cache_access: "legacy_ipc"``, IN_PROCESS for host KV (access.py)."""
         return compat.kv_cache_access(kv_transfer_config)
 
-    @property
-    def requires_kv_delivery(self) -> bool:
-        """True on a producer: a request preempted while its push is pending is recomputed, never
-        finished with blocks the preemption freed (vLLM's default, stated)."""
-        return bool(self._kv_transfer_config.is_kv_producer)
-
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """With progressive push on (the default): ``save_kv_layer`` rings the doorbell per layer (the GPU
@@ -158,7 +152,7 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids)
+        return self.scheduler_side.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -223,13 +217,10 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         """Progressive push: ring the doorbell (a store; nothing when this step declared nothing)."""
         self.worker_side.layer_done(layer_name)
 
-    def finish_forward(self) -> None:
-        """vLLM 0.34 (and 0.33's GPU runner): the model no longer reads this step's KV. Progressive push
-        seals the doorbell's step in ``wait_for_save``, which follows; nothing here waits on the model's
-        reads, since a push only reads KV the forward has written."""
-        return
-
     def wait_for_save(self) -> None:
+        """Progressive push seals the doorbell's step here. (``finish_forward``, before it: vLLM's no-op
+        default; nothing waits on the model's reads of this step's KV, since a push only reads KV the
+        forward has written.)"""
         w = self.worker_side
         w.end_forward()
         w.process(self._connector_metadata)
@@ -239,9 +230,7 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         one failure report a model with several KV cache groups survives)."""
         w = self.worker_side
         w.process(self._connector_metadata)
-        sending, recving, failed = w.get_transfer_results(finished_req_ids)
-        return compat.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        return w.get_transfer_results(finished_req_ids)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -49,10 +49,6 @@ class GroupPlan:
         return range(min(skipped // self.block_size, end), end)
 
 
-def _spec_kinds(spec: Any) -> list[str]:
-    return [c.__name__ for c in type(spec).__mro__]
-
-
 def describe_groups(kv_cache_config: Any) -> str:
     """"group 0: FullAttentionSpec (2 layers: model.layers.0..., ...)", for messages."""
     parts = []
@@ -76,7 +72,7 @@ def plan_groups(kv_cache_config: Any) -> tuple[GroupPlan, ...]:
     bad: list[int] = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        kinds = _spec_kinds(spec)
+        kinds = [c.__name__ for c in type(spec).__mro__]
         name = type(spec).__name__
         if not getattr(g, "enable_kv_transfer", True):
             plans.append(GroupPlan(int(getattr(spec, "block_size", 1) or 1), moves=False))

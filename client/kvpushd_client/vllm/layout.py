@@ -91,8 +91,6 @@ def _move_to_owned_memfd(storage: Any) -> int:
     named object cut while the daemon copied into it killed the daemon with SIGBUS). The memory
     goes with the last descriptor and mapping: this worker's and, until it detaches us, the daemon's.
     """
-    import torch
-
     n = storage.nbytes()
     name = f"{OWNED_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
     fd = sealed_memfd(name, n)

@@ -120,9 +120,6 @@ class KVPushdConnectorScheduler:
         self._recving[request.request_id] = tid
 
     # both sides ----------------------------------------------------------------------------------
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished_all_groups(request, (block_ids,))
-
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

@@ -14,7 +14,6 @@ seals the step.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -79,13 +78,11 @@ class KVPushdConnectorWorker:
         self._specs = layer_specs(kv_cache_config)  # each layer's block size, heads: the regions' layout
         self.tp_rank, self.tp_size = _tp_rank_and_size(vllm_config)
         self._link: ReconnectingStreamWorker | None = None
-        self._recv: dict[str, _Pending] = {}          # req id -> pending receive
-        self._send: dict[str, _Pending] = {}          # req id -> pending send
-        self._recv_by_tid: dict[str, _Pending] = {}
-        self._send_by_tid: dict[str, _Pending] = {}
-        self._done_sending: set[str] = set()
-        self._done_recving: set[str] = set()
-        self._failed_recving: set[str] = set()  # this step's failed receives (vLLM's failed_recving)
+        # pending transfers by (receive?, req id) and by (receive?, transfer id): a kv_both worker has both
+        self._pending: dict[tuple[bool, str], _Pending] = {}
+        self._by_tid: dict[tuple[bool, str], _Pending] = {}
+        # this step's reports: finished sends, finished receives, failed receives (vLLM's failed_recving)
+        self._results = compat.KVConnectorTransferResults()
         self._meta_done: KVConnectorMetadata | None = None
         self._shm_names: list[str] = []  # host KV memory: removed at shutdown if this connector made it
         self._stats: Data = new_data()  # this interval's figures (vLLM takes them every step)
@@ -94,7 +91,7 @@ class KVPushdConnectorWorker:
         self._progress: LayerProgress | None = None
         self._ringing = False  # this step declared a publish: save_kv_layer rings
         self._step_rings = 0
-        self._after_forward: list[PublishReq] = []  # declared, but no doorbell here: published whole
+        self._after_forward: list[tuple[PublishReq, _Pending]] = []  # declared, but no doorbell here: published whole
         self.declared = 0  # publishes declared so far
         self.rings = 0     # doorbell rings from save_kv_layer so far
         self._first_step_logged = False
@@ -181,7 +178,7 @@ class KVPushdConnectorWorker:
         link = self._link
         if link is None:
             return
-        pending = [p for p in itertools.chain(self._recv.values(), self._send.values()) if not p.done]
+        pending = [p for p in self._pending.values() if not p.done]
         if pending:
             logger.warning("kvpushd: the KV is being released with %d transfer(s) pending; aborting them",
                            len(pending))
@@ -258,10 +255,9 @@ class KVPushdConnectorWorker:
                         self._bell.seq, self.declared, self._step_rings, self._progress.groups_done,
                         self._progress.layers, "" if self._step_rings else
                         " (save_kv_layer did not fire: each step's KV goes once the step is sealed)")
-        for p in self._after_forward:
-            pend = self._send.get(p.req_id)
-            if pend is not None and not pend.done:
-                self._publish(p, pend)
+        for req, pend in self._after_forward:
+            if not pend.done:
+                self._publish(req, pend)
         self._after_forward = []
 
     # metadata ------------------------------------------------------------------------------------
@@ -271,11 +267,11 @@ class KVPushdConnectorWorker:
             return
         self._meta_done = meta
         for e in meta.expects:
-            self._start(True, e, self._recv, self._recv_by_tid)
+            self._start(True, e)
         for p in meta.publishes:
-            self._start(False, p, self._send, self._send_by_tid)
+            self._start(False, p)
         for a in meta.aborts:
-            pend = (self._send if a.send else self._recv).get(a.req_id)
+            pend = self._pending.get((not a.send, a.req_id))
             if pend is None or pend.aborted:
                 continue  # already reported
             pend.aborted = True
@@ -285,8 +281,7 @@ class KVPushdConnectorWorker:
             elif pend.op.epoch is not None:
                 self._link_abort(pend, pend.op.epoch)
 
-    def _start(self, recv: bool, req: ExpectReq | PublishReq, by_req: dict[str, _Pending],
-               by_tid: dict[str, _Pending]) -> None:
+    def _start(self, recv: bool, req: ExpectReq | PublishReq) -> None:
         pend = _Pending(recv, req)
         if isinstance(req, ExpectReq) and req.failed:
             self._finish(pend, ok=False, why=req.failed, tracked=False)
@@ -294,15 +289,15 @@ class KVPushdConnectorWorker:
         if not req.block_ids:
             self._finish(pend, ok=True, tracked=False)  # nothing to move (vLLM allocated no new block)
             return
-        if req.req_id in by_req:
+        if (recv, req.req_id) in self._pending:
             logger.error("kvpushd: request %s was handed to this worker twice; ignoring the repeat", req.req_id)
             return
-        if req.transfer_id in by_tid:
+        if (recv, req.transfer_id) in self._by_tid:
             self._finish(pend, ok=False, why=f"transfer id {req.transfer_id!r} is already in use on this worker",
                          tracked=False)
             return
-        by_req[req.req_id] = pend
-        by_tid[req.transfer_id] = pend
+        self._pending[recv, req.req_id] = pend
+        self._by_tid[recv, req.transfer_id] = pend
         if isinstance(req, ExpectReq):
             pend.op = self.link.send_nowait(Expect(
                 req.transfer_id, req.block_ids, req.producer_address, req.producer_engine_id, req.producer_tp_size,
@@ -311,7 +306,7 @@ class KVPushdConnectorWorker:
             if not self._after_forward and not self.declared:
                 logger.warning("kvpushd: a publish was declared but this worker has no doorbell; publishing "
                                "declared requests whole after the forward")
-            self._after_forward.append(req)
+            self._after_forward.append((req, pend))
         else:
             self._publish(req, pend)
 
@@ -337,22 +332,22 @@ class KVPushdConnectorWorker:
             self.link.decline_nowait(Decline(req.transfer_id, req.producer_address, req.producer_engine_id,
                                              f"the decode worker's Expect did not reach its daemon: {why}"[:1000]))
         if tracked:
-            (self._recv if pend.recv else self._send).pop(req.req_id, None)
-            (self._recv_by_tid if pend.recv else self._send_by_tid).pop(req.transfer_id, None)
+            self._pending.pop((pend.recv, req.req_id), None)
+            self._by_tid.pop((pend.recv, req.transfer_id), None)
         if pend.recv:
-            self._done_recving.add(req.req_id)
+            self._results.finished_recving.add(req.req_id)
             if not ok and not pend.aborted:
-                self._failed_recving.add(req.req_id)
+                self._results.failed_recving.add(req.req_id)
                 logger.error("kvpushd: KV for request %s (transfer %s) did not arrive: %s; vLLM's "
                              "kv_load_failure_policy applies", req.req_id, req.transfer_id, why)
         elif not pend.silent:
-            self._done_sending.add(req.req_id)
+            self._results.finished_sending.add(req.req_id)
             if not ok:
                 logger.error("kvpushd: pushing the KV of request %s (transfer %s) failed: %s; its blocks "
                              "are freed and the decode side will not get them", req.req_id, req.transfer_id, why)
 
     def _on_completion(self, epoch: int, c: Completion) -> None:
-        r, s = self._recv_by_tid.get(c.transfer_id), self._send_by_tid.get(c.transfer_id)
+        r, s = self._by_tid.get((True, c.transfer_id)), self._by_tid.get((False, c.transfer_id))
         if c.kind is CompletionKind.FINISHED_RECEIVING:
             cands = [r]
         elif c.kind is CompletionKind.FINISHED_SENDING:
@@ -375,8 +370,8 @@ class KVPushdConnectorWorker:
                 return
 
     def _on_lost(self, epoch: int, reason: str) -> None:
-        victims = [p for p in itertools.chain(self._recv.values(), self._send.values())
-                   if p.op is not None and p.op.epoch is not None and p.op.epoch <= epoch]
+        victims = [p for p in self._pending.values() if p.op is not None and p.op.epoch is not None
+                   and p.op.epoch <= epoch]
         logger.error("kvpushd: lost the daemon at %s (%s); failing %d transfer(s) in flight and re-attaching",
                      self.settings.socket, reason, len(victims))
         record_lost(self._stats, sum(1 for p in victims if not p.aborted and not p.done))
@@ -409,16 +404,15 @@ class KVPushdConnectorWorker:
     def _link_abort(self, pend: _Pending, epoch: int) -> None:
         self.link.send_nowait(Abort(pend.req.transfer_id), pend, only_epoch=epoch)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call, for vLLM's
+    def get_transfer_results(self, finished_req_ids: set[str]) -> compat.KVConnectorTransferResults:
+        """Finished sending, finished receiving and failed receiving since the last call, for vLLM's
         ``get_transfer_results``: a failed receive is reported by request id (and is finished too)."""
         # Sends exist only for requests vLLM already finished (request_finished published them), so
         # every id reported here is one vLLM handed in finished_req_ids.
         if self._link is not None:
             self._link.step()  # this step's commands: one CommandBatch on the stream
         self._poll()
-        out = self._done_sending, self._done_recving, self._failed_recving
-        self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
+        out, self._results = self._results, compat.KVConnectorTransferResults()
         return out
 
     def take_stats(self) -> Data | None:

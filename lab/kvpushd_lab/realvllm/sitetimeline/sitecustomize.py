@@ -180,7 +180,7 @@ def _patch_worker(mod: Any) -> None:
     orig = cls._on_completion
 
     def _on_completion(self: Any, epoch: int, c: Any) -> Any:
-        pend = self._recv_by_tid.get(c.transfer_id) or self._send_by_tid.get(c.transfer_id)
+        pend = self._by_tid.get((True, c.transfer_id)) or self._by_tid.get((False, c.transfer_id))
         f = c.figures
         if pend is not None and f is not None:
             _emit("figures", pend.req.req_id, kind=c.kind.name, post_ms=1e3 * f.post_s,
