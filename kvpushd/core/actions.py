@@ -11,12 +11,9 @@ from typing import Literal, get_args
 
 import msgspec
 
-from .layout import Shape
+from .layout import Part, Shape  # Part: (slices per block, which slice): (1, 0) is the whole block
 from .ledger import Ledger
 from .types import Completion, FailureCode, TransferMode
-
-Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
-
 
 
 @dataclass(frozen=True, slots=True)

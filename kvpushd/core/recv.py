@@ -143,12 +143,9 @@ class RecvSide:
         self._ending_keys.discard((d.worker_id, d.completion.transfer_id))
         return [d]
 
-    def deferred(self) -> set[int]:
-        """Registrations whose FAILED waits for the answer to their withdrawal."""
-        return set(self._ending)
-
     def sent_to(self, registration_id: int) -> tuple[str, str] | None:
-        """(transfer id, producer address) of a pending registration, or None."""
+        """(transfer id, producer address) of a pending registration, or None (failure notices and
+        offers must come from that prefill daemon)."""
         r = self._by_reg.get(registration_id)
         return None if r is None else (r.transfer_id, r.producer_address)
 
@@ -160,10 +157,6 @@ class RecvSide:
     def producer_addresses(self) -> set[str]:
         """Prefill daemons that pending receives wait on (we send them heartbeats)."""
         return {r.producer_address for r in self._by_reg.values()}
-
-    def get(self, registration_id: int) -> tuple[str, str] | None:
-        r = self._by_reg.get(registration_id)
-        return (r.worker_id, r.transfer_id) if r else None
 
     def views(self, now: float) -> list[RecvView]:
         out = []
@@ -288,11 +281,6 @@ class RecvSide:
         return (sum(len(r.block_ids) for r in list(self._by_reg.values()))
                 + sum(len(d.completion.block_ids) for d in list(self._ending.values())))
 
-    def producer_address_of(self, registration_id: int) -> str | None:
-        """The prefill daemon a pending registration was sent to (offers must come from it)."""
-        r = self._by_reg.get(registration_id)
-        return None if r is None else r.producer_address
-
     def offer(self, registration_id: int, transfer_id: str, producer_rank: int,
               src_blocks: Iterable[int], producer_agent: str = "") -> list[Action]:
         """Pull mode: the prefill daemon offers a producer rank's source blocks; READ them.
@@ -348,8 +336,7 @@ class RecvSide:
         actions: list[Action] = [SendReadFailed(key, reason)]
         if mine is not None:
             mine.reading.discard(key.producer_rank)
-            self._remove(mine, "read_failed")
-            actions.append(self._fail(mine, FailureCode.TRANSFER_ERROR,
+            actions.append(self._fail(mine, "read_failed", FailureCode.TRANSFER_ERROR,
                                       f"READ from producer rank {key.producer_rank} failed: {reason}"))
         return actions
 
@@ -359,8 +346,7 @@ class RecvSide:
         if recv_step(*self._key(r), "failed", r.transfer_id if r else "") is Move.DROP:
             return [Dropped("failed", "", f"registration {registration_id} already ended")]
         assert r is not None
-        self._remove(r, "failed")
-        return [self._fail(r, code, reason)]
+        return [self._fail(r, "failed", code, reason)]
 
     def abort(self, worker_id: str, transfer_id: str) -> tuple[bool, list[Action]]:
         r = self._by_key.get((worker_id, transfer_id))
@@ -388,8 +374,7 @@ class RecvSide:
         actions: list[Action] = []
         for r in [r for r in self._by_reg.values() if r.producer_address == producer_address
                   and not (registered_only and r.state is RecvState.REGISTERING)]:
-            self._remove(r, "producer_lost")
-            actions.append(self._fail(r, code, reason))
+            actions.append(self._fail(r, "producer_lost", code, reason))
         return actions
 
     def tick(self, now: float) -> list[Action]:
@@ -417,11 +402,11 @@ class RecvSide:
         """End a receive and withdraw its registration. Its FAILED goes ``"now"``, or ``"deferred"``
         until the prefill daemon answers the withdrawal (no WRITE into the blocks is in flight any
         more; until then the (worker, transfer) may not be Expected again), or not at all (``""``)."""
-        self._remove(r, event)
-        out: list[Action] = [self._fail(r, code, reason)] if fail == "now" else []
+        d = self._fail(r, event, code, reason)
         if fail == "deferred":
-            self._ending[r.registration_id] = self._fail(r, code, reason)
+            self._ending[r.registration_id] = d
             self._ending_keys.add((r.worker_id, r.transfer_id))
+        out: list[Action] = [d] if fail == "now" else []
         return [*out, SendWithdraw(r.producer_address, r.transfer_id, r.registration_id, code, reason)]
 
     def _remove(self, r: _Recv, event: str) -> None:
@@ -430,8 +415,9 @@ class RecvSide:
         del self._by_key[(r.worker_id, r.transfer_id)]
         self._deadlines.disarm(ExpectLease(r.registration_id))
 
-    @staticmethod
-    def _fail(r: _Recv, code: FailureCode, reason: str) -> Deliver:
+    def _fail(self, r: _Recv, event: str, code: FailureCode, reason: str) -> Deliver:
+        """End a receive (``event``) in failure: its FAILED, for the caller to deliver or defer."""
+        self._remove(r, event)
         return Deliver(r.worker_id, Completion(CompletionKind.FAILED, r.transfer_id, code, reason, r.block_ids),
                        r.ledger)
 

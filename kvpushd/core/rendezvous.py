@@ -43,7 +43,6 @@ from .actions import (
     Deliver,
     Dropped,
     LegKey,
-    Part,
     ReadKey,
     Registration,
     SendFailNotice,
@@ -55,6 +54,7 @@ from .actions import (
     StartWrite,
     StopWrite,
 )
+from .layout import Part
 from .recv import RECV_TABLE, ExpectLease, RecvSide, RecvState, RecvView, recv_step
 from .send import SendSide
 from .sendstate import (

@@ -51,9 +51,8 @@ class SendSide:
         self._pulls: dict[PullLease, LegKey] = {}
         self._pull_of: dict[LegKey, PullLease] = {}
         self._now = 0.0  # the latest time an event brought (for legs started by a completion)
-        # per decode daemon: destination blocks and registrations it holds here (its quota)
-        self._held: dict[str, int] = {}
-        self._regs: dict[str, int] = {}
+        # per decode daemon: (registrations, destination blocks) it holds here (its quota)
+        self._held: dict[str, tuple[int, int]] = {}
         self._declined = Declined(MAX_DECLINED)
         # (origin, registration id) of registrations that ended here: a Register of one again (a
         # duplicate delivered late) is dropped, never held anew, so no WRITE goes into blocks whose
@@ -113,8 +112,8 @@ class SendSide:
         check_tp_pair(reg.producer_tp_size, reg.consumer_tp_size)
         if not reg.block_ids:
             raise InvalidArgument(f"transfer {reg.transfer_id!r}: block_ids must not be empty")
-        if step(REG_TABLE, self.registration_state(reg.origin, reg.registration_id), "register",
-                reg.transfer_id) is Move.STAY:
+        if step(REG_TABLE, RegState.HELD if (reg.origin, reg.registration_id) in self._by_reg else None,
+                "register", reg.transfer_id) is Move.STAY:
             return []  # a retried Register: idempotent
         if (reg.origin, reg.registration_id) in self._ended:
             return [Dropped("registered", reg.transfer_id, f"registration {reg.registration_id} already ended here: "
@@ -146,8 +145,8 @@ class SendSide:
             actions += self._drop_registration(t, old, "replaced",
                                                (FailureCode.SUPERSEDED, "replaced by a newer registration"))
         t.rank_origin[reg.consumer_rank] = reg.origin
-        self._held[reg.origin] = self._held.get(reg.origin, 0) + len(reg.block_ids)
-        self._regs[reg.origin] = self._regs.get(reg.origin, 0) + 1
+        n, blocks = self._held.get(reg.origin, (0, 0))
+        self._held[reg.origin] = (n + 1, blocks + len(reg.block_ids))
         t.consumer_tp = reg.consumer_tp_size
         t.mla = reg.mla
         t.registrations[reg.consumer_rank] = reg
@@ -468,12 +467,9 @@ class SendSide:
         held = t.registrations.get(reg.consumer_rank) is reg
         step(REG_TABLE, RegState.HELD if held else None, event, t.transfer_id)  # -> GONE
         del t.registrations[reg.consumer_rank]
-        for table, n in ((self._held, len(reg.block_ids)), (self._regs, 1)):
-            left = table.get(reg.origin, 0) - n
-            if left > 0:
-                table[reg.origin] = left
-            else:
-                table.pop(reg.origin, None)
+        n, blocks = self._held.pop(reg.origin, (0, 0))
+        if n > 1:
+            self._held[reg.origin] = (n - 1, blocks - len(reg.block_ids))
         self._deadlines.disarm(RegistrationLease(t.engine_id, t.transfer_id, reg.consumer_rank))
         self._by_reg.pop((reg.origin, reg.registration_id), None)
         self._ended[(reg.origin, reg.registration_id)] = None
@@ -491,17 +487,16 @@ class SendSide:
 
     def origins(self) -> set[str]:
         """Decode daemons that hold registrations here, or owe us a READ (they must keep sending heartbeats)."""
-        return {r.origin for t in self._transfers.values() for r in t.registrations.values()} | {
-            pk.origin for pk in self._pulls}
+        return set(self._held) | {pk.origin for pk in self._pulls}
 
     def holds(self, origin: str) -> bool:
         """Whether ``origin`` is one of ``origins()``, without going through every transfer (a handshake
         asks it: with 10,000 decode daemons registered, the whole set per handshake cost O(N) each)."""
-        return origin in self._regs or any(pk.origin == origin for pk in self._pulls)
+        return origin in self._held or any(pk.origin == origin for pk in self._pulls)
 
     def held_by(self, origin: str) -> tuple[int, int]:
         """(registrations, destination blocks) the decode daemon ``origin`` holds here."""
-        return self._regs.get(origin, 0), self._held.get(origin, 0)
+        return self._held.get(origin, (0, 0))
 
     def pull_pending(self, origin: str, registration_id: int, producer_rank: int) -> bool:
         """Whether that pull leg is still offered (not confirmed, failed or given up on)."""
@@ -555,18 +550,6 @@ class SendSide:
 
     def has_publish(self, engine_id: str, transfer_id: str, rank: int) -> bool:
         return self._publish(engine_id, transfer_id, rank) is not None
-
-    def publish_state(self, engine_id: str, transfer_id: str, rank: int) -> PubState | None:
-        pub = self._publish(engine_id, transfer_id, rank)
-        return pub.state if pub is not None else None
-
-    def registration_state(self, origin: str, registration_id: int) -> RegState | None:
-        key = self._by_reg.get((origin, registration_id))
-        return RegState.HELD if key is not None else None
-
-    def leg_state(self, leg: LegKey) -> LegState | None:
-        pub = self._publish(leg.engine_id, leg.transfer_id, leg.producer_rank)
-        return pub.legs.get(leg.registration_id) if pub is not None else None
 
     def views(self, now: float) -> list[SendView]:
         return [view_of(t, now) for t in self._transfers.values()]

@@ -245,9 +245,6 @@ class Declined:
         self._limit = limit
         self._by_key: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()  # key -> (until, why)
 
-    def __len__(self) -> int:
-        return len(self._by_key)
-
     def remember(self, key: tuple[str, str], until: float, why: str) -> None:
         self._by_key.pop(key, None)
         self._by_key[key] = (until, why)

@@ -35,12 +35,9 @@ def consumer_targets(producer_rank: int, producer_tp: int, consumer_tp: int) -> 
 
 
 def producer_sources(consumer_rank: int, producer_tp: int, consumer_tp: int) -> range:
-    """Producer ranks that write to consumer rank ``consumer_rank``: one notification each."""
-    if producer_tp >= consumer_tp:
-        k = producer_tp // consumer_tp
-        return range(consumer_rank * k, (consumer_rank + 1) * k)
-    k = consumer_tp // producer_tp
-    return range(consumer_rank // k, consumer_rank // k + 1)
+    """Producer ranks that write to consumer rank ``consumer_rank``: one notification each (the
+    rule of consumer_targets, with the sides' roles swapped)."""
+    return consumer_targets(consumer_rank, consumer_tp, producer_tp)
 
 
 def block_parts(producer_rank: int, producer_tp: int, consumer_rank: int,
@@ -74,7 +71,7 @@ def writer_targets(producer_rank: int, producer_tp: int, consumer_tp: int, mla: 
 
 def writer_sources(consumer_rank: int, producer_tp: int, consumer_tp: int, mla: bool) -> range:
     """Producer ranks that WRITE to consumer rank ``consumer_rank``: one notification each."""
-    sources = producer_sources(consumer_rank, producer_tp, consumer_tp)
+    sources = consumer_targets(consumer_rank, consumer_tp, producer_tp)  # producer_sources, one call less
     return range(sources.start, sources.start + 1) if mla else sources
 
 

@@ -328,9 +328,10 @@ class Node:
         need the producer agent's metadata.
         """
         transfer_id, registration_id, block_ids = item.transfer_id, item.registration_id, item.block_ids
-        address = self.rv.recv.producer_address_of(registration_id)
-        if address is None:
+        sent = self.rv.recv.sent_to(registration_id)
+        if sent is None:
             raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
+        address = sent[1]
         caller = caller_instance_id
         if caller not in self.inbound.origins or not self.outbound.is_instance(address, caller):
             raise PermissionDenied(f"offer for registration {registration_id} (transfer {transfer_id[:256]!r}) "

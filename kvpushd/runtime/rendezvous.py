@@ -30,10 +30,8 @@ class Rendezvous:
             raise ResourceExhausted(f"more than {self.max_pending} transfers pending")
 
     def next_deadline(self) -> float | None:
-        s, r = self.send.next_deadline(), self.recv.next_deadline()
-        if s is None or r is None:
-            return r if s is None else s
-        return min(s, r)
+        due = [d for d in (self.send.next_deadline(), self.recv.next_deadline()) if d is not None]
+        return min(due, default=None)
 
     def held_blocks(self) -> dict[str, int]:
         """Blocks of local workers that pending transfers cover, by side."""

@@ -5,7 +5,7 @@ registration wins, as before."""
 from __future__ import annotations
 
 import pytest
-from support.core import WorkerRef
+from support.core import WorkerRef, publish_state, registration_state
 
 from kvpushd.core.errors import InvalidArgument, PermissionDenied
 from kvpushd.core.rendezvous import Action, Deliver, Registration, SendFailNotice, SendSide, StartWrite
@@ -36,7 +36,7 @@ def test_after_the_publish_another_node_is_refused_and_the_named_one_written() -
     assert writes(publish(s)) == []
     with pytest.raises(PermissionDenied, match=r"bound to decode node 'decode-a'.*'decode-b'"):
         s.register(T0, reg(1, BAD))
-    assert s.registration_state("instance-decode-b", 1) is None  # the refusal left nothing behind
+    assert registration_state(s, "instance-decode-b", 1) is None  # the refusal left nothing behind
     (w,) = writes(s.register(T0, reg(2, GOOD)))
     assert w.leg.registration_id == 2
     done = s.write_done(w.leg, True)
@@ -51,7 +51,7 @@ def test_a_registration_held_before_the_publish_from_another_node_is_failed_back
     (notice,) = [a for a in out if isinstance(a, SendFailNotice)]
     assert notice.origin == "instance-decode-b" and notice.code is FailureCode.PEER_REJECTED
     assert "bound to decode node 'decode-a'" in notice.reason
-    assert s.publish_state(ENGINE, TID, 0) is not None  # the publish still waits for the right one
+    assert publish_state(s, ENGINE, TID, 0) is not None  # the publish still waits for the right one
     (w,) = writes(s.register(T0, reg(2, GOOD)))  # its consumer rank is free for the named node
     assert w.leg.registration_id == 2
 

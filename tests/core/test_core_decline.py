@@ -47,7 +47,7 @@ def test_decline_before_the_publish_and_the_cap() -> None:
     assert failed(s.publish(T0 + 1, WorkerRef("pw", "e", 0, 1), Publish("t", (5,))))
     for i in range(send.MAX_DECLINED + 10):  # bounded whatever a peer sends
         s.decline(T0 + 2, "decode", "e", f"x{i}", "why")
-    assert len(s._declined) == send.MAX_DECLINED
+    assert len(s._declined._by_key) == send.MAX_DECLINED
 
 
 def test_only_the_registering_daemon_may_decline_and_its_registration_is_dropped() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from support.core import WorkerRef
+from support.core import WorkerRef, receive_of
 
 from kvpushd.core import notif
 from kvpushd.core.errors import InvalidArgument
@@ -223,4 +223,4 @@ def test_recv_views_describe_what_is_missing() -> None:
     r.notified(sr.registration_id, 1)  # type: ignore[union-attr]
     (v,) = r.views(3.0)
     assert v.state == "registered" and "[0]" in v.waiting_for
-    assert r.get(sr.registration_id) == ("dw0", "a")  # type: ignore[union-attr]
+    assert receive_of(r, sr.registration_id) == ("dw0", "a")  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import pytest
-from support.core import WorkerRef
+from support.core import WorkerRef, receive_of
 
 from kvpushd.core.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from kvpushd.core.rendezvous import (
@@ -275,7 +275,7 @@ def test_recv_side_counts_one_notification_per_producer_rank() -> None:
     r = new_recv(first_id=50)
     sr = one(expect(r, T0, rank=0, tp=1, ptp=2), SendRegister)
     assert sr == SendRegister(ADDR, 50, dw(0), TID, ENGINE, 2, 0, 1, DST)
-    assert r.get(50) == (dw(0), TID)
+    assert receive_of(r, 50) == (dw(0), TID)
     assert r.registered(50) == []
     assert r.notified(50, 0) == []
     assert r.notified(50, 0) == []  # a duplicate notification counts once
@@ -284,7 +284,7 @@ def test_recv_side_counts_one_notification_per_producer_rank() -> None:
     assert r.notified(50, 1) == [Deliver(dw(0), finished_receiving())]
     assert ignored(r.notified(50, 1))
     assert r.stray_notifications == 2
-    assert r.get(50) is None
+    assert receive_of(r, 50) is None
     assert_empty(r)
 
 
@@ -591,7 +591,7 @@ def test_reexpect_supersedes_the_old_registration(change: str) -> None:
     assert isinstance(new, SendRegister)
     assert new.registration_id != old.registration_id
     assert len(r) == 1
-    assert r.get(old.registration_id) is None
+    assert receive_of(r, old.registration_id) is None
     assert ignored(r.notified(old.registration_id, 0))  # the old registration's WRITE: stray
     assert r.stray_notifications == 1
     assert ignored(r.failed(old.registration_id, FailureCode.TRANSFER_ERROR, "late"))
@@ -980,7 +980,7 @@ def test_rejected_reexpect_keeps_the_old_record() -> None:
     sr = one(expect(r, T0), SendRegister)
     with pytest.raises(InvalidArgument):
         expect(r, T0 + 1, blocks=())
-    assert r.get(sr.registration_id) == (dw(0), TID)
+    assert receive_of(r, sr.registration_id) == (dw(0), TID)
     r.abort(dw(0), TID)
     assert_empty(r)
 
@@ -1092,7 +1092,7 @@ def test_producer_lost_after_a_restart_spares_registrations_in_progress() -> Non
     d = one(actions, Deliver)
     assert d.completion.transfer_id == "a"
     failed(d, FailureCode.PEER_UNREACHABLE, DST)
-    assert r.get(pending.registration_id) == (dw(0), "b")
+    assert receive_of(r, pending.registration_id) == (dw(0), "b")
     assert r.notified(pending.registration_id, 0) == [Deliver(dw(0), finished_receiving("b"))]
     assert_empty(r)
 
@@ -1221,7 +1221,7 @@ def test_recv_pull_offer_is_checked_against_the_registration() -> None:
     assert a.dst_blocks == DST and a.src_blocks == SRC and a.worker_id == dw(0)  # always its own blocks
     assert (a.key.producer_address, a.key.registration_id, a.key.producer_rank) == (ADDR, rid, 0)
     assert ignored(r.offer(rid, TID, 0, SRC))  # a repeated offer starts no second READ
-    assert r.producer_address_of(rid) == ADDR
+    assert r.sent_to(rid) == (TID, ADDR)
     assert r.read_done(a.key, True) == [Deliver(dw(0), finished_receiving())]
     assert ignored(r.read_done(a.key, True))
     assert_empty(r)
@@ -1267,7 +1267,7 @@ def test_a_register_delivered_again_after_its_registration_ended_starts_no_write
     """A duplicate Register that arrives after its WRITE failed (the registration voided, the decode
     worker told FAILED, the publish failed): the registration is not held anew, so a later publish of
     the same transfer writes nothing into blocks the decode worker may have given to another request."""
-    from support.core import WorkerRef
+    from support.core import WorkerRef, registration_state
 
     from kvpushd.core.rendezvous import Deliver, Dropped, Registration, SendFailNotice, SendSide, StartWrite
     from kvpushd.core.types import CompletionKind, Publish, TransferMode
@@ -1284,4 +1284,4 @@ def test_a_register_delivered_again_after_its_registration_ended_starts_no_write
     (late,) = send.register(2.0, reg)  # the same Register, delivered again
     assert isinstance(late, Dropped) and late.event == "registered"
     assert send.publish(3.0, w, Publish("b", [1, 2])) == []  # waits for a registration of its own
-    assert send.registration_state("origin", 100) is None
+    assert registration_state(send, "origin", 100) is None

@@ -43,7 +43,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from support.core import WorkerRef
+from support.core import WorkerRef, deferred, receive_of
 
 from kvpushd.core.errors import AlreadyExists, IllegalTransition, InvalidArgument, KvpushdError, PermissionDenied
 from kvpushd.core.rendezvous import (
@@ -180,7 +180,7 @@ class PushPair(RuleBasedStateMachine):
 
     def riding(self) -> set[int]:
         """Registrations whose decode completion rides on a withdrawal not yet answered."""
-        return self.recv.deferred()
+        return deferred(self.recv)
 
     def release_held(self) -> None:
         for held in list(self.held):
@@ -486,7 +486,7 @@ class PushPair(RuleBasedStateMachine):
         """A peer offers blocks for a push registration: IllegalTransition, and nothing changes."""
         op = self.pick([op for op in self.ops if op.side == "recv" and op.status == "open"
                         and op.mode is TransferMode.PUSH], i)
-        if self.recv.get(op.registration_id) is None:
+        if receive_of(self.recv, op.registration_id) is None:
             return  # ended on the decode side already (its FAILED rides on a withdrawal)
         before = self.recv.views(self.now)
         with pytest.raises(IllegalTransition) as ei:
@@ -629,7 +629,7 @@ class PushPair(RuleBasedStateMachine):
                         and op.registration_id not in riding]
         assert len(self.recv) == len(open_expects)
         for op in open_expects:
-            assert self.recv.get(op.registration_id) == (op.worker, op.tid)
+            assert receive_of(self.recv, op.registration_id) == (op.worker, op.tid)
 
     @invariant()
     def prefill_side_holds_every_open_publish(self) -> None:

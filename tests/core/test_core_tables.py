@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from support.core import WorkerRef
+from support.core import WorkerRef, leg_state, publish_state, registration_state
 
 import kvpushd.core.recv as recv_mod
 import kvpushd.core.send as send_mod
@@ -99,7 +99,7 @@ class Send:
 
     @property
     def pub(self) -> PubState | None:
-        return self.s.publish_state(ENGINE, TID, 0)
+        return publish_state(self.s, ENGINE, TID, 0)
 
     def failed_with(self, code: FailureCode) -> bool:
         return any(isinstance(a, Deliver) and a.completion.kind is CompletionKind.FAILED
@@ -214,7 +214,7 @@ def reg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
     def new(seen: list[Any]) -> None:
         x = Send()
         x.register(reg())
-        assert ("reg", None, "register") in seen and x.s.registration_state(ORIGIN, 7) is RegState.HELD
+        assert ("reg", None, "register") in seen and registration_state(x.s, ORIGIN, 7) is RegState.HELD
 
     def retry(seen: list[Any]) -> None:
         x = Send()
@@ -231,7 +231,7 @@ def reg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
     def written(seen: list[Any]) -> None:
         x = waiting_with_a_leg(ctp=1)
         x.run(x.s.write_done(x.legs[0], True))
-        assert ("reg", RegState.HELD, "written") in seen and x.s.registration_state(ORIGIN, 7) is None
+        assert ("reg", RegState.HELD, "written") in seen and registration_state(x.s, ORIGIN, 7) is None
 
     fire: dict[str, Callable[[Send], None]] = {
         "withdraw": lambda x: x.run(x.s.withdraw(ORIGIN, TID, 7, FailureCode.ABORTED, "x")),
@@ -253,7 +253,7 @@ def reg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
             x.register(reg(7, ptp=2) if event == "mismatch" else reg())
             seen.clear()
             fire[event](x)
-            assert ("reg", RegState.HELD, event) in seen and x.s.registration_state(ORIGIN, 7) is None
+            assert ("reg", RegState.HELD, event) in seen and registration_state(x.s, ORIGIN, 7) is None
         return run
 
     yield (None, "register"), new
@@ -268,7 +268,7 @@ def reg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
 def leg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
     def start(seen: list[Any]) -> None:
         x = waiting_with_a_leg()
-        assert ("leg", None, "start") in seen and x.s.leg_state(x.legs[0]) is LegState.POSTED
+        assert ("leg", None, "start") in seen and leg_state(x.s, x.legs[0]) is LegState.POSTED
 
     def done(ok: bool, twice: bool) -> Callable[[list[Any]], None]:
         def run(seen: list[Any]) -> None:
@@ -281,9 +281,9 @@ def leg_rows() -> Iterator[tuple[Any, Callable[[list[Any]], None]]]:
             assert seen[0] == ("leg", before, "write_done" if ok else "write_failed")
             if twice:
                 assert acts and all(isinstance(a, Dropped) for a in acts)
-                assert x.s.leg_state(x.legs[0]) is LegState.DONE
+                assert leg_state(x.s, x.legs[0]) is LegState.DONE
             else:
-                assert x.s.leg_state(x.legs[0]) is (LegState.DONE if ok else None)
+                assert leg_state(x.s, x.legs[0]) is (LegState.DONE if ok else None)
         return run
 
     def gone(ok: bool) -> Callable[[list[Any]], None]:
