@@ -121,7 +121,7 @@ class View:
 
     def agent_backends(self, worker_id: str) -> tuple[AgentBackend, ...]:
         xfer = self._workers.xfer
-        return xfer.agent_backends.get(worker_id, ()) if xfer is not None else ()
+        return xfer.agent_backends(worker_id) if xfer is not None else ()
 
     def send_transfers(self) -> list[SendView]:
         return self._rv.send.views(time.monotonic())

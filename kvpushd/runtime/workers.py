@@ -208,7 +208,7 @@ class Workers:
         log.info("worker attached", worker_id=wid, engine_id=engine_id, role=role.name,
                  tp_rank=tp_rank, tp_size=tp_size, regions=len(specs), bytes=w.registered_bytes)
         if any(isinstance(m, VmmMapping) for m in mappings):  # which path GPU virtual memory takes
-            level, note = vmm_transport_note(wid, self.xfer.agent_backends.get(wid, ()))
+            level, note = vmm_transport_note(wid, self.xfer.agent_backends(wid))
             getattr(log, level)("transport for VMM memory", worker_id=wid, note=note)
         if self.cfg.worker_api.populate_host_kv:
             for m in mappings:

@@ -22,7 +22,6 @@ from ..core.rendezvous import StartRead, StartWrite
 from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, iface_not_running, memory_device
 from .descs import (
     WHOLE,
-    IntArray,
     PairPlan,
     Part,
     RegionSpec,
@@ -39,6 +38,7 @@ log = structlog.get_logger(__name__)
 # read_out_errors: at most this long on the NIXL thread (about 50 us and five NIXL log lines per error here),
 # so that an agent that stays broken costs each failing call a bounded stall
 READ_OUT_S = 0.1
+LOCAL = "NIXL_INIT_AGENT"  # how prep_xfer_dlist names the local agent (a list of its own memory)
 
 
 class AgentBook:
@@ -52,7 +52,6 @@ class AgentBook:
         self._param_devices = tuple(param_devices)
         self._nixl_threads = nixl_threads
         self.locals: dict[str, Local] = {}
-        self.agent_backends: dict[str, tuple[AgentBackend, ...]] = {}  # worker id -> its agent's backends
         self._nixl: Any = None
 
     def init_params(self, backend: str, device: str) -> dict[str, str]:
@@ -126,13 +125,12 @@ class AgentBook:
         except Exception as e:
             raise FailedPrecondition(f"NIXL could not register the worker's memory ({mem_type}): {e}") from None
         try:
-            dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(regions), mem_type)
+            dlist = agent.prep_xfer_dlist(LOCAL, block_descs(regions), mem_type)
         except Exception:
             agent.deregister_memory(reg_descs)
             raise
         self.locals[worker_id] = Local(worker_id, agent, mem_type, tuple(regions), reg_descs, dlist,
-                                       region_bases(regions), receives, bell=bell)
-        self.agent_backends[worker_id] = tuple(used)
+                                       region_bases(regions), receives, bell=bell, backends=tuple(used))
         return bytes(agent.get_agent_metadata())
 
     def load_remote(self, loc: Local, remote: RemoteAgent) -> None:
@@ -141,38 +139,29 @@ class AgentBook:
             loc.agent.add_remote_agent(remote.metadata)
             loc.loaded.add(remote.name)
 
-    def remote_view(self, loc: Local, remote: RemoteAgent, part: Part) -> tuple[Any, IntArray]:
-        """The remote agent's descriptor list in this local agent and its region bases, prepared once per slice."""
-        view = loc.remotes.get((remote.name, part))
-        if view is None:
-            self.load_remote(loc, remote)
-            dlist = loc.agent.prep_xfer_dlist(remote.name, block_descs(remote.regions, part), remote.mem_type)
-            view = loc.remotes[(remote.name, part)] = (dlist, region_bases(remote.regions))
-        return view
-
-    @staticmethod
-    def local_list(loc: Local, part: Part) -> Any:
-        """The local agent's descriptor list of one slice of each block (the whole block: prepared at attach)."""
-        if part == WHOLE:
+    def prepared(self, loc: Local, part: Part, remote: RemoteAgent | None = None) -> Any:
+        """A descriptor list of one slice of each block, prepared once per agent and slice: the remote
+        agent's in this local agent, or (no ``remote``) the local agent's own (the whole block: at attach)."""
+        if remote is None and part == WHOLE:
             return loc.dlist
-        dlist = loc.slices.get(part)
+        name = remote.name if remote is not None else LOCAL
+        dlist = loc.lists.get((name, part))
         if dlist is None:
-            dlist = loc.slices[part] = loc.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(loc.regions, part),
-                                                                 loc.mem_type)
+            if remote is not None:
+                self.load_remote(loc, remote)
+            regions, mem_type = (loc.regions, loc.mem_type) if remote is None else (remote.regions, remote.mem_type)
+            dlist = loc.lists[(name, part)] = loc.agent.prep_xfer_dlist(name, block_descs(regions, part), mem_type)
         return dlist
 
     @staticmethod
-    def pair(loc: Local, remote: RemoteAgent, src_part: Part, dst_part: Part, write: bool,
-             rbases: IntArray) -> PairPlan:
+    def pair(loc: Local, remote: RemoteAgent, src_part: Part, dst_part: Part, write: bool) -> PairPlan:
         """The checked plan of a local/remote pair and slices, made once (``write``: the local side is the source)."""
         key = (remote.name, src_part, dst_part, "w" if write else "r")
         plan = loc.pairs.get(key)
         if plan is None:
-            if write:
-                plan = pair_plan(loc.regions, remote.regions, src_part, dst_part, loc.bases, rbases)
-            else:
-                plan = pair_plan(remote.regions, loc.regions, src_part, dst_part, rbases, loc.bases)
-            loc.pairs[key] = plan
+            ours, theirs = (loc.regions, loc.bases), (remote.regions, region_bases(remote.regions))
+            (src, src_bases), (dst, dst_bases) = (ours, theirs) if write else (theirs, ours)
+            plan = loc.pairs[key] = pair_plan(src, dst, src_part, dst_part, src_bases, dst_bases)
         return plan
 
     @staticmethod
@@ -198,8 +187,8 @@ class AgentBook:
         """Drop a remote agent's prepared lists, pair plans and metadata from every local agent."""
         for loc in self.locals.values():
             try:
-                for key in [k for k in loc.remotes if k[0] == name]:
-                    loc.remotes.pop(key)[0].release()
+                for key in [k for k in loc.lists if k[0] == name]:
+                    loc.lists.pop(key).release()
                 for pk in [k for k in loc.pairs if k[0] == name]:
                     del loc.pairs[pk]
                 if name in loc.loaded:
@@ -210,15 +199,12 @@ class AgentBook:
 
     def pop(self, worker_id: str) -> Local | None:
         """Take a worker's agent out of the book (its release follows: ``release``)."""
-        self.agent_backends.pop(worker_id, None)
         return self.locals.pop(worker_id, None)
 
     @staticmethod
     def release(loc: Local) -> None:
         """Release everything prepared on a local agent and deregister its memory."""
-        for dlist, _ in loc.remotes.values():
-            dlist.release()
-        for dlist in loc.slices.values():
+        for dlist in loc.lists.values():
             dlist.release()
         loc.dlist.release()
         loc.agent.deregister_memory(loc.reg_descs)
@@ -247,9 +233,8 @@ class AgentBook:
             return Xfer(lambda n, lo=0, hi=0: loc.agent.initialize_xfer("WRITE", ldescs, rdescs, remote.name, n),
                         tp.nbytes, tp.requested, len(tp.src))
         local_part, remote_part = (src_part, dst_part) if write else (dst_part, src_part)
-        rdlist, rbases = self.remote_view(loc, remote, remote_part)
-        ldlist = self.local_list(loc, local_part)
-        p = plan_leg(self.pair(loc, remote, src_part, dst_part, write, rbases), src, dst)
+        rdlist, ldlist = self.prepared(loc, remote_part, remote), self.prepared(loc, local_part)
+        p = plan_leg(self.pair(loc, remote, src_part, dst_part, write), src, dst)
         lidx, ridx = (p.src_idx, p.dst_idx) if write else (p.dst_idx, p.src_idx)
         return Xfer(Prepped(loc.agent, "WRITE" if write else "READ", ldlist, lidx, rdlist, ridx), p.nbytes,
                     p.requested, p.merged)

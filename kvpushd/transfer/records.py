@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from ..core.notif import Notified
 from ..core.rendezvous import LegKey, ReadKey
+from .backends import AgentBackend
 from .descs import IntArray, PairPlan, Part, RegionSpec
 
 
@@ -93,14 +94,13 @@ class Local:
     dlist: Any
     bases: IntArray
     receives: bool
-    # (remote agent, slice) -> (prepared list, region bases)
-    remotes: dict[tuple[str, Part], tuple[Any, IntArray]] = field(default_factory=dict)
-    slices: dict[Part, Any] = field(default_factory=dict)  # local lists of block slices (hetero TP)
+    # (remote agent, or agents.LOCAL for the local agent's block slices (hetero TP), slice) -> prepared list
+    lists: dict[tuple[str, Part], Any] = field(default_factory=dict)
     loaded: set[str] = field(default_factory=set)  # remote agents whose metadata is loaded
     # (remote agent, source slice, destination slice, "w" or "r") -> the pair's checked plan
     pairs: dict[tuple[str, Part, Part, str], PairPlan] = field(default_factory=dict)
-    inflight: int = 0
     bell: Any = None  # memory.doorbell.Doorbell: progressive push (read on this thread only)
+    backends: tuple[AgentBackend, ...] = ()  # its agent's (status)
 
 
 @dataclass(slots=True)

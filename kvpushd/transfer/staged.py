@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,10 +100,11 @@ class Stages:
         self.legs.append(Staged(write, loc, remote, make, plan, result, t0,
                                 batch=max(1, min(batch, layers))))
 
-    def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None) -> None:
+    def stop(self, why: str, leg: LegKey | None = None, worker_id: str | None = None,
+             remotes: Collection[str] | None = None) -> None:
         for s in self.legs:
             if ((leg is None or s.key == leg) and (worker_id is None or s.loc.worker_id == worker_id)
-                    and not s.stop and s.sent < s.plan.units):
+                    and (remotes is None or s.remote in remotes) and not s.stop and s.sent < s.plan.units):
                 s.stop = why
         if worker_id is not None:
             self.watched = [(loc, st) for loc, st in self.watched if loc.worker_id != worker_id]
@@ -133,7 +134,6 @@ class Stages:
             handle.release()
             s.stop = "NIXL returned ERR when posting the WRITE"
             return False
-        s.loc.inflight += 1
         s.inflight += 1
         track(Inflight(handle, s.loc, s.result, time.perf_counter(), s.remote, stage=s))
         return True

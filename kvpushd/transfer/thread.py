@@ -31,7 +31,7 @@ from ..core.errors import InvalidArgument
 from ..core.notif import Notified
 from ..core.notif import decode as decode_notif
 from ..core.notif import decode_read as decode_read_notif
-from ..core.rendezvous import LegKey, StartRead, StartWrite
+from ..core.rendezvous import LegKey, ReadKey, StartRead, StartWrite
 from .agents import AgentBook
 from .backends import AgentBackend
 from .descs import RegionSpec, RemoteAgent
@@ -77,10 +77,10 @@ class TransferThread:
         self._thread = threading.Thread(target=self._run, name="kvpushd-nixl", daemon=True)
         self._stopping = False
 
-    @property
-    def agent_backends(self) -> dict[str, tuple[AgentBackend, ...]]:
-        """Worker id -> the backends of its agent (status)."""
-        return self._book.agent_backends
+    def agent_backends(self, worker_id: str) -> tuple[AgentBackend, ...]:
+        """The backends of the worker's agent (status); none while it is not attached."""
+        loc = self._book.locals.get(worker_id)
+        return loc.backends if loc is not None else ()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -175,9 +175,7 @@ class TransferThread:
             return
 
         def run() -> None:
-            for s in self._stages.legs:
-                if s.remote in names and not s.stop:
-                    s.stop = why
+            self._stages.stop(why, remotes=names)
             self._cancel_inflight(why, names)
             self._advance()
         self._submit(run)
@@ -339,7 +337,7 @@ class TransferThread:
         except Exception as e:
             if _nixl_error(e):
                 self._hand_over(self._recover(loc, f"preparing descriptors: {e}"))
-            return fail(self._descs_failed(plan, e))
+            return fail(self._descs_failed(plan, key, e))
         if isinstance(plan, StartWrite) and plan.layers:  # progressive push: layer groups go as they become ready
             r = result(True, "", x)  # the leg's figures, whatever WRITEs carry it
             assert isinstance(r, WriteResult)
@@ -357,17 +355,15 @@ class TransferThread:
         if state == "ERR":
             handle.release()
             return fail(f"NIXL returned ERR when posting the {what}")
-        loc.inflight += 1
         self._inflight.append(Inflight(handle, loc, result(True, "", x, t_post), t_post, remote.name))
         return bool(state == "DONE")
 
     @staticmethod
-    def _descs_failed(plan: StartWrite | StartRead, e: Exception) -> str:
+    def _descs_failed(plan: StartWrite | StartRead, key: LegKey | ReadKey, e: Exception) -> str:
         """Why the transfer's descriptors (agents.AgentBook.xfer_maker) could not be built."""
         if isinstance(e, InvalidArgument):
             planned = isinstance(plan, StartWrite) and plan.planned
             return f"layout mismatch: {e}" if planned and "mismatch" not in str(e) else str(e)
-        key = plan.leg if isinstance(plan, StartWrite) else plan.key
         log.warning("preparing descriptors failed", transfer_id=key.transfer_id, exc_info=e)
         return f"cannot prepare descriptors: {e}"
 
@@ -383,7 +379,7 @@ class TransferThread:
     def _poll_inflight(self) -> bool:
         """Check every WRITE and READ in flight; one past ``write_timeout_s`` is cancelled.
         True when any of them ended."""
-        self._sweep([f.local for f in self._inflight])
+        self._sweep({f.local.worker_id: f.local for f in self._inflight}.values())
         done: list[Inflight] = []
         keep: list[Inflight] = []
         now = time.perf_counter()
@@ -396,14 +392,13 @@ class TransferThread:
                 state, why = "ERR", f"{why}: {e}"
                 # LIBFABRIC: the rest of the dead peer's cancelled operations go now, not one per later call
                 self._hand_over(self._recover(f.local, f"checking a {f.what}: {e}"))
-            if state == "PROC" and now - f.t_post > self._write_timeout_s:
+            if state != "PROC":
+                self._finish(f, state == "DONE", why, now)
+            elif now - f.t_post > self._write_timeout_s:
                 self._cancel(f, f"not complete within transfer.write_timeout_s = {self._write_timeout_s:g}s")
-                done.append(f)
-                continue
-            if state == "PROC":
+            else:
                 keep.append(f)
                 continue
-            self._finish(f, state == "DONE", why, now)
             done.append(f)
         self._inflight = keep
         if done:
@@ -411,7 +406,6 @@ class TransferThread:
         return bool(done)
 
     def _finish(self, f: Inflight, ok: bool, reason: str, now: float) -> None:
-        f.local.inflight -= 1
         try:
             f.handle.release()
         except Exception:
@@ -425,7 +419,6 @@ class TransferThread:
         the stalled remote agent is disconnected (invalidated) first, so nothing more can land."""
         log.warning(f"cancelling a {f.what} in flight", transfer_id=transfer_id_of(f), remote_agent=f.remote[:128],
                     why=why)
-        f.local.inflight -= 1
         try:
             f.handle.release()
         except Exception:
@@ -470,17 +463,17 @@ class TransferThread:
         if reads and self._reports.read_done is not None:
             self._loop.call_soon_threadsafe(self._reports.read_done, reads)
 
-    def _poll_notifs(self, locs: Sequence[Local] | None = None) -> bool:
-        """Hand new notifications to the loop (of every agent that may get some, or of ``locs``);
-        True when there were any."""
+    def _poll_notifs(self, locs: Collection[Local] | None = None, doing: str = "") -> bool:
+        """Hand new notifications to the loop (of every agent that may get some, or of those of ``locs``;
+        ``doing``: why else ``locs`` are polled, every one of them); True when there were any."""
         polled: list[dict[str, list[bytes]]] = []
         for loc in self._book.locals.values() if locs is None else locs:
-            if not loc.receives and self.pulling <= 0:
+            if not (doing or loc.receives or self.pulling > 0):
                 continue
             try:
                 polled.append(loc.agent.get_new_notifs())
             except Exception as e:
-                polled.append(self._recover(loc, f"polling notifications: {e}"))
+                polled.append(self._recover(loc, f"{doing or 'polling notifications'}: {e}"))
         return self._hand_over(*polled)
 
     def _hand_over(self, *polled: dict[str, list[bytes]]) -> bool:
@@ -503,7 +496,7 @@ class TransferThread:
             self._loop.call_soon_threadsafe(self._reports.read_notifications, reads)
         return bool(got or reads)
 
-    def _sweep(self, locs: Sequence[Local]) -> None:
+    def _sweep(self, locs: Collection[Local]) -> None:
         """LIBFABRIC agents with transfers in flight are progressed by a notification poll before
         their transfers are checked. A completion in error is read by whichever call progresses the
         agent first, and a check that reads one fails its own transfer, whoever's the error was (NIXL
@@ -511,19 +504,9 @@ class TransferThread:
         peer's WRITE (and, its handle failed for good, a second check did not save it). Read by this
         poll, an error fails no transfer; the dead peer's ends when the daemon declares the peer lost
         (cancel_to: peer_timeout_s, or at once when it comes back restarted), else at write_timeout_s."""
-        seen: set[str] = set()
-        for loc in locs:
-            if loc.worker_id in seen or not self._sweeps(loc):
-                continue
-            seen.add(loc.worker_id)
-            try:
-                notifs = loc.agent.get_new_notifs()
-            except Exception as e:
-                notifs = self._recover(loc, f"progressing the agent: {e}")
-            self._hand_over(notifs)
-
-    def _sweeps(self, loc: Local) -> bool:
-        return any(b.name == "LIBFABRIC" for b in self._book.agent_backends.get(loc.worker_id, ()))
+        swept = [loc for loc in locs if any(b.name == "LIBFABRIC" for b in loc.backends)]
+        if swept:
+            self._poll_notifs(swept, "progressing the agent")
 
     def _recover(self, loc: Local, why: str) -> dict[str, list[bytes]]:
         """NIXL failed a call on ``loc``'s agent: read out the completions in error left behind
@@ -542,7 +525,7 @@ class TransferThread:
         still: list[tuple[str, Future[None]]] = []
         for wid, fut in self._drained:
             loc = self._book.locals.get(wid)
-            if loc is not None and loc.inflight > 0:
+            if loc is not None and any(f.local is loc for f in self._inflight):
                 still.append((wid, fut))
                 continue
             try:

@@ -229,8 +229,8 @@ def _patch_thread(mod: Any) -> None:
     cls = mod.TransferThread
     orig = cls._poll_notifs
 
-    def _poll_notifs(self: Any, locs: Any = None) -> Any:
-        got = orig(self, locs)
+    def _poll_notifs(self: Any, *args: Any) -> Any:
+        got = orig(self, *args)
         if got:
             _emit("daemon_notifs", "")
         return got
