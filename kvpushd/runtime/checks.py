@@ -28,18 +28,20 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, 
         raise InvalidArgument("block_ids must not be empty")
     if n > max_blocks:
         raise InvalidArgument(f"{n} block ids; at most {max_blocks}")
+    a: np.ndarray | None = None
     if n <= SMALL_BLOCK_LIST:  # plain Python: numpy's fixed cost (~30 us a list) is most of the check here
         lo, hi = min(block_ids), max(block_ids)
-        _check_range(lo, hi, num_blocks, whose)
-        if len(set(block_ids)) != n:
-            raise InvalidArgument("block_ids contain duplicates")
-        return
-    # numpy: a protobuf repeated field becomes an array in ~1 ms per million ids, where each pass of
-    # Python over it costs ~80 ms (a Register of 1 Mi ids held the loop 250 ms); 6x cheaper at 1,000 too
-    a = np.asarray(block_ids, dtype=np.int64)
-    lo, hi = int(a.min()), int(a.max())
-    _check_range(lo, hi, num_blocks, whose)
-    if hi - lo < 8 * n + 4096:  # a bitmap of the span (bounded by the list's own length)
+    else:
+        # numpy: a protobuf repeated field becomes an array in ~1 ms per million ids, where each pass of
+        # Python over it costs ~80 ms (a Register of 1 Mi ids held the loop 250 ms); 6x cheaper at 1,000 too
+        a = np.asarray(block_ids, dtype=np.int64)
+        lo, hi = int(a.min()), int(a.max())
+    if hi >= num_blocks or lo < 0:
+        raise InvalidArgument(f"block id {hi if hi >= num_blocks else lo} out of range: {whose} have "
+                              f"{num_blocks} blocks")
+    if a is None:
+        unique = len(set(block_ids))
+    elif hi - lo < 8 * n + 4096:  # a bitmap of the span (bounded by the list's own length)
         seen = np.zeros(hi - lo + 1, dtype=np.bool_)
         seen[a - lo] = True
         unique = int(np.count_nonzero(seen))
@@ -48,12 +50,6 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, max_blocks: int, 
         unique = n - int(np.count_nonzero(s[1:] == s[:-1]))
     if unique != n:
         raise InvalidArgument("block_ids contain duplicates")
-
-
-def _check_range(lo: int, hi: int, num_blocks: int, whose: str) -> None:
-    if hi >= num_blocks or lo < 0:
-        raise InvalidArgument(f"block id {hi if hi >= num_blocks else lo} out of range: {whose} have "
-                              f"{num_blocks} blocks")
 
 
 def check_geometry(layouts: Sequence[RegionLayout]) -> None:

@@ -280,10 +280,6 @@ class Inbound:
         log.info("peer handshake", peer_node=h.node_id, peer_address=peer_address, identity=h.identity[:128])
         return origin.token, replaced
 
-    def of_identity(self, origin: Origin) -> list[str]:
-        """Instance ids of the sessions that share ``origin``'s quotas (its own included)."""
-        return list(self.identities.get(origin.identity, ())) or [origin.instance_id]
-
     def session_ok(self, instance_id: str, token: str) -> bool:
         origin = self.origins.get(instance_id)
         return origin is not None and bool(token) and secrets.compare_digest(token, origin.token)
@@ -303,7 +299,8 @@ class Inbound:
         per second, registrations and blocks held (``held_by``: a session's, from the core) summed over
         every session of its identity; ``n_blocks`` None: a Decline, which holds nothing."""
         regs = blocks = 0
-        for instance in self.of_identity(origin):  # the caller's sessions share its quotas
+        # the caller's sessions share its quotas (its own session included)
+        for instance in self.identities.get(origin.identity, ()) or (origin.instance_id,):
             r, b = held_by(instance)
             regs, blocks = regs + r, blocks + b
         if not origin.take(pa.max_registers_per_s):

@@ -29,8 +29,7 @@ from google.protobuf.message import Message
 from ..config import PeerApiConfig
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable, SessionUnknown
 from ..core.peerlink import LinkState, PeerLink
-from ..core.rendezvous import ReadKey, SendOffer, SendRegister
-from ..core.types import FailureCode
+from ..core.rendezvous import SendOffer, SendRegister
 from ..peer_security import channel_credentials, channel_options, tls_enabled
 from ..rpc import outbound as pb
 from .channel import PeerChannel
@@ -335,10 +334,6 @@ class PeerClient:
             self.sent_agents.discard(w.agent_name)
         raise PeerRejected(f"decode daemon {self.address} keeps asking for agent metadata", peer=self.address)
 
-    async def read_failed(self, key: ReadKey, reason: str) -> None:
-        """Pull mode (we are the decode side): the READ of an accepted offer failed."""
-        await self._one("read_failed", pb.read_failed(key, reason))
-
     async def heartbeat(self, timeout_s: float) -> None:
         """One liveness probe on the stream. Raises PeerUnreachable; a restart is handled like in the
         handshake."""
@@ -351,13 +346,12 @@ class PeerClient:
         if resp.instance_id != self.remote_instance or not resp.knows_caller:
             await self._handshake(force=True)  # a restarted peer: fails what was pending with it
 
-    async def notice(self, kind: str, transfer_id: str, registration_id: int, code: FailureCode, reason: str) -> None:
-        """A Fail or Withdraw (``kind``: "fail" or "withdraw") of one registration."""
-        await self._one(kind, pb.notice(transfer_id, registration_id, code, reason))
+    async def send(self, kind: str, msg: Message) -> None:
+        """One item that is answered with nothing but OK (``kind``: a PeerItem field; ``msg`` built by
+        rpc/outbound.py): a Fail or Withdraw of one registration (pb.notice), a Decline of a transfer that
+        will never be registered from here (pb.decline), or, pull mode, a failed READ (pb.read_failed)."""
+        await self._one(kind, msg)
 
-    async def decline(self, transfer_id: str, producer_engine_id: str, consumer_engine_id: str, reason: str) -> None:
-        """Tell the prefill daemon a transfer will never be registered from here."""
-        await self._one("decline", pb.decline(transfer_id, producer_engine_id, consumer_engine_id, reason))
 
 class Outbound:
     """The daemons we call, by peer address."""

@@ -20,6 +20,7 @@ from ..config import Config
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
 from ..core.ledger import Ledger
 from ..core.rendezvous import SendFailNotice, SendOffer, SendReadFailed, SendRegister, SendWithdraw
+from ..rpc import outbound as pb
 from ..tracing import Tracing
 from . import observe as o
 from .identity import Identity
@@ -88,14 +89,15 @@ class PeerCalls:
 
     def read_failed(self, a: SendReadFailed) -> None:
         k = a.key
-        self.spawn(self._call(k.producer_address, lambda p: p.read_failed(k, a.reason),
+        self.spawn(self._call(k.producer_address, lambda p: p.send("read_failed", pb.read_failed(k, a.reason)),
                               "could not report a failed READ", k.transfer_id))
 
     def decline(self, address: str, transfer_id: str, producer_engine_id: str, consumer_engine_id: str,
                 reason: str) -> None:
         """Decode side: tell the prefill daemon at ``address`` this transfer will never be registered
         (on failure its publish ends at publish_timeout_s, as before)."""
-        self.spawn(self._call(address, lambda p: p.decline(transfer_id, producer_engine_id, consumer_engine_id, reason),
+        self.spawn(self._call(address, lambda p: p.send("decline", pb.decline(transfer_id, producer_engine_id,
+                                                                         consumer_engine_id, reason)),
                               "could not decline transfer", transfer_id, warn=True, counted="declines_sent"))
 
     # -- the calls --------------------------------------------------------------------------------
@@ -162,18 +164,17 @@ class PeerCalls:
     async def _send_fail(self, a: SendFailNotice) -> None:
         origin = self.inbound.origins.get(a.origin)
         if origin is not None:
-            await self._call(origin.address, lambda p: p.notice("fail", a.transfer_id, a.registration_id, a.code,
-                                                                a.reason), "could not send failure notice",
-                             a.transfer_id, warn=True)
+            await self._call(origin.address,
+                             lambda p: p.send("fail", pb.notice(a.transfer_id, a.registration_id, a.code, a.reason)),
+                             "could not send failure notice", a.transfer_id, warn=True)
 
     async def _send_withdraw(self, a: SendWithdraw) -> None:
         # Until the prefill daemon answers, a WRITE into these blocks may still be landing, and over
         # shared memory or TCP it completes only while this side's agent makes progress: the NIXL
         # thread keeps polling while ``withdrawing``.
         try:
-            await self._call(a.producer_address, lambda p: p.notice("withdraw", a.transfer_id, a.registration_id,
-                                                                    a.code, a.reason),
-                             "could not withdraw registration", a.transfer_id)
+            await self._call(a.producer_address, lambda p: p.send("withdraw", pb.notice(
+                a.transfer_id, a.registration_id, a.code, a.reason)), "could not withdraw registration", a.transfer_id)
         finally:
             self.withdrawing -= 1
             # answered: no WRITE into these blocks is in flight any more (or the daemon is gone)
