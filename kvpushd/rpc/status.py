@@ -14,6 +14,7 @@ from kvpushd_client.proto.v1 import common_pb2, status_pb2, status_pb2_grpc
 from ..config import Config
 from ..core.errors import InvalidArgument
 from ..events import Event, EventKind
+from ..runtime.tally import Counters
 from ..runtime.view import PeerView, View
 from ..transfer.descs import RegionSpec
 from .errors import stream, unary
@@ -21,6 +22,7 @@ from .errors import stream, unary
 Ctx = Any
 MAX_TRANSFERS = 1000  # entries of a GetStatus answer: it stays well below gRPC's default 4 MiB
 MAX_PEERS = 256
+_COUNTERS = [f for f in Counters.__slots__ if f in status_pb2.Counters.DESCRIPTOR.fields_by_name]
 
 
 def node_status(v: View) -> status_pb2.NodeStatus:
@@ -34,14 +36,9 @@ def node_status(v: View) -> status_pb2.NodeStatus:
         backends=list(v.cfg.transfer.backends), metrics_address=v.ident.metrics_address,
         config=config_summary(v.cfg), draining=v.draining, started_unix=wall - uptime,
         watchers=ev.subscribers,
-        counters=status_pb2.Counters(
-            transfers_finished=c.transfers_finished, transfers_failed=c.transfers_failed,
-            bytes_written=c.bytes_written, writes_posted=c.writes_posted,
-            notifications_received=c.notifications_received,
-            stray_notifications=v.stray_notifications,
-            descriptors_requested=c.descriptors_requested, descriptors_posted=c.descriptors_posted,
-            events_emitted=ev.emitted, events_dropped=ev.dropped,
-            reads_posted=c.reads_posted, bytes_read=c.bytes_read),
+        counters=status_pb2.Counters(  # the tally's counters, by name, and three kept elsewhere
+            **{f: getattr(c, f) for f in _COUNTERS}, stray_notifications=v.stray_notifications,
+            events_emitted=ev.emitted, events_dropped=ev.dropped),
     )
     now = time.monotonic()
     sends, recvs = v.send_transfers(), v.recv_transfers()

@@ -332,8 +332,7 @@ class Node:
         if sent is None:
             raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
         address = sent[1]
-        caller = caller_instance_id
-        if caller not in self.inbound.origins or not self.outbound.is_instance(address, caller):
+        if caller_instance_id not in self.inbound.origins or not self.outbound.is_instance(address, caller_instance_id):
             raise PermissionDenied(f"offer for registration {registration_id} (transfer {transfer_id[:256]!r}) "
                                    "from a daemon it was not sent to")
         origin = self.inbound.caller(caller_instance_id)
