@@ -31,7 +31,6 @@ class Registration:
     block_ids: tuple[int, ...]
     mode: TransferMode = TransferMode.PUSH  # PULL: offer the source blocks instead of writing
     skip_tokens: int = 0    # the consumer holds the prompt's first tokens: block_ids start there
-    by_tokens: bool = False  # blocks do not map one to one (block sizes differ, or skip_tokens): send all
     mla: bool = False       # every consumer region is replicated: one producer rank per consumer writes
     layouts: tuple[Shape, ...] = ()  # the consumer's regions (block size, layout, replication), if known
     node_id: str = ""       # the registering decode daemon's node id (checked against a publish's binding)

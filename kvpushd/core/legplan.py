@@ -17,7 +17,7 @@ from .types import TransferMode
 
 def by_tokens(pub: Publish, reg: Registration) -> bool:
     """Blocks do not map one to one (block sizes differ, or a prefix is skipped): map by tokens."""
-    return reg.by_tokens or reg.skip_tokens > 0 or sizes_differ(pub.layouts, reg.layouts)
+    return reg.skip_tokens > 0 or sizes_differ(pub.layouts, reg.layouts)
 
 
 def mismatch(pub: Publish, reg: Registration, tokens: bool) -> str:

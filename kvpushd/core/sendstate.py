@@ -272,7 +272,6 @@ class SendView:
     published_ranks: tuple[int, ...]
     registered_ranks: tuple[int, ...]
     legs_posted: int
-    legs_done: int
     waiting_for: str
     workers: tuple[str, ...]
     num_blocks: int
@@ -291,7 +290,7 @@ def view_of(t: SendTransfer, now: float) -> SendView:
     else:
         waiting = "matching ranks"
     return SendView(t.engine_id, t.transfer_id, now - t.created, tuple(sorted(t.publishes)),
-                    tuple(sorted(t.registrations)), posted, sum(s is LegState.DONE for s in legs), waiting,
+                    tuple(sorted(t.registrations)), posted, waiting,
                     tuple(p.worker_id for p in t.publishes.values()),
                     max((len(p.block_ids) for p in t.publishes.values()), default=0),
                     next((p.ledger.peer for p in t.publishes.values() if p.ledger and p.ledger.peer), ""))

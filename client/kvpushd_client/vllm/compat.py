@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults  # noqa: F401
 
-from .access import AccessFacts, Choice, decide_access
+from .access import AccessFacts, decide_access
 
 try:  # vLLM 0.34 on
     from vllm.config.kv_transfer import KVCacheAccess
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 HAS_KV_CACHE_ACCESS = KVCacheAccess is not None
-
-_FLAGS = {Choice.IN_PROCESS: "IN_PROCESS", Choice.EXPORTS_FD: "EXPORTS_FD", Choice.LEGACY_IPC: "LEGACY_IPC"}
 
 
 def _config_being_resolved() -> VllmConfig | None:
@@ -89,4 +87,4 @@ def access_facts(kv_transfer_config: Any) -> AccessFacts:
 def kv_cache_access(kv_transfer_config: Any) -> Any:
     """``KVConnectorBase_V1.kv_cache_access`` for vLLM 0.34 on (a ``KVCacheAccess``)."""
     assert KVCacheAccess is not None, "kv_cache_access is a vLLM 0.34 hook"
-    return KVCacheAccess[_FLAGS[decide_access(access_facts(kv_transfer_config))]]
+    return KVCacheAccess[decide_access(access_facts(kv_transfer_config)).name]  # the same names
