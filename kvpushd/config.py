@@ -347,7 +347,9 @@ def backend_init_params(t: TransferConfig, backend: str, device: str = "") -> di
 
 def validate(cfg: Config) -> None:
     """The rules the schema's types and bounds cannot say: addresses, and keys that relate to each other."""
-    for where, addr in (("peer_api.listen", cfg.peer_api.listen), ("metrics.listen", cfg.metrics.listen)):
+    p = cfg.peer_api
+    for where, addr in (("peer_api.listen", p.listen), ("metrics.listen", cfg.metrics.listen),
+                        *(("peer_api.preconnect", a) for a in p.preconnect)):
         try:
             split_host_port(addr)
         except InvalidArgument as e:
@@ -357,16 +359,10 @@ def validate(cfg: Config) -> None:
         if isinstance(v, dict) and k not in t.backends:
             raise InvalidArgument(f"config: [transfer.backend_params.{k}] names no configured backend "
                                   f"(transfer.backends: {list(t.backends)})")
-    validate_peer_security(cfg.peer_api)
-    p = cfg.peer_api
+    validate_peer_security(p)
     if p.handshake_retry_max_s < p.handshake_retry_s:
         raise InvalidArgument(f"config: peer_api.handshake_retry_max_s ({p.handshake_retry_max_s:g}) is below "
                               f"peer_api.handshake_retry_s ({p.handshake_retry_s:g})")
-    for addr in p.preconnect:
-        try:
-            split_host_port(addr)
-        except InvalidArgument as e:
-            raise InvalidArgument(f"config: peer_api.preconnect: {e}") from None
 
 
 def validate_peer_security(p: PeerApiConfig) -> None:

@@ -82,9 +82,8 @@ class SdNotifier:
 
     def ready(self, status: str | None = None) -> bool:
         """Start-up finished; ``status`` is the line ``systemctl status`` shows (newlines become spaces)."""
-        if status is None:
-            return self._send("READY=1")
-        return self._send("READY=1\nSTATUS=" + status.replace("\n", " ").replace("\r", " "))
+        line = "" if status is None else "\nSTATUS=" + status.replace("\n", " ").replace("\r", " ")
+        return self._send("READY=1" + line)
 
     def stopping(self) -> bool:
         return self._send("STOPPING=1")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvpushd_client.types import CudaMemory  # what the wire's handle says: one definition
 
 from ..core.errors import InvalidArgument
-from .vmm import VmmSpec
+from .vmm import VmmSpec, close_fds, open_vmm
 
 if TYPE_CHECKING:
     from .fdpass import FdInbox
@@ -50,8 +50,6 @@ def open_all(memory: Sequence[MemorySpec], fds: dict[bytes, int] | None = None) 
             if isinstance(spec, MemfdSpec):
                 out.append(ShmMapping(fds.pop(spec.token), spec.size, f"memfd of memory {i}"))
             elif isinstance(spec, VmmSpec):  # CUDA virtual memory by its chunks' descriptors (memory/vmm.py)
-                from .vmm import close_fds, open_vmm
-
                 chunk_fds = [fds.pop(t) for t in spec.tokens]
                 try:
                     out.append(open_vmm(spec, chunk_fds))
@@ -76,10 +74,10 @@ def take_fds(inbox: FdInbox, memory: Sequence[MemorySpec]) -> dict[bytes, int]:
     socket as the kind it was sent as (all or none: what was taken is closed when one is missing)."""
     from .fdpass import MEMFD, VMM
 
-    kinds = {m.token: MEMFD for m in memory if isinstance(m, MemfdSpec)}
-    chunks = [t for m in memory if isinstance(m, VmmSpec) for t in m.tokens]
-    kinds.update((t, VMM) for t in chunks)
-    if len(kinds) != len(chunks) + sum(isinstance(m, MemfdSpec) for m in memory):
+    named = [(m.token, MEMFD) for m in memory if isinstance(m, MemfdSpec)]
+    named += [(t, VMM) for m in memory if isinstance(m, VmmSpec) for t in m.tokens]
+    kinds = dict(named)
+    if len(kinds) != len(named):
         raise InvalidArgument("two memfd handles or VMM chunks name the same token")
     fds: dict[bytes, int] = {}
     try:

@@ -39,6 +39,13 @@ def gpu_ordinal(uuid: str) -> int:
     raise NotFound(f"no GPU with UUID {uuid!r} is visible to the daemon")
 
 
+def check_sentinel(what: str, sentinel: bytes, restore: bytes) -> None:
+    """A handle's sentinel (CUDA IPC or VMM): at most ``MAX_SENTINEL`` bytes, its restore bytes none or as many."""
+    if len(sentinel) > MAX_SENTINEL or len(restore) not in (0, len(sentinel)):
+        raise InvalidArgument(f"{what}: sentinel of {len(sentinel)} bytes (at most {MAX_SENTINEL}) and restore "
+                              f"bytes of {len(restore)} (none or as many)")
+
+
 def check_handle(ipc_handle: bytes, sentinel: bytes, sentinel_offset: int, sentinel_restore: bytes,
                  size: int) -> None:
     """What can be refused before anything is mapped."""
@@ -51,9 +58,7 @@ def check_handle(ipc_handle: bytes, sentinel: bytes, sentinel_offset: int, senti
         raise FailedPrecondition("kvpushd cannot register this GPU KV: " + EXPANDABLE_MESSAGE)
     if kind == "unknown":
         raise InvalidArgument(f"CUDA IPC handle of {len(ipc_handle)} bytes in no format kvpushd knows")
-    if len(sentinel) > MAX_SENTINEL or len(sentinel_restore) not in (0, len(sentinel)):
-        raise InvalidArgument(f"CUDA IPC handle: sentinel of {len(sentinel)} bytes (at most {MAX_SENTINEL}) "
-                              f"and restore bytes of {len(sentinel_restore)} (none or as many)")
+    check_sentinel("CUDA IPC handle", sentinel, sentinel_restore)
     if sentinel and sentinel_offset + len(sentinel) > size:
         raise InvalidArgument(f"CUDA IPC handle: sentinel at {sentinel_offset} + {len(sentinel)} bytes lies "
                               f"outside the {size} bytes handed over")

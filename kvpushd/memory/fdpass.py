@@ -320,10 +320,8 @@ class FdInbox:
             why, full = refused
             if full:
                 raise ResourceExhausted(f"the descriptor sent under this memfd token was refused on arrival: {why}")
-            if kind == VMM:
-                raise PermissionDenied(f"the descriptor sent under this VMM chunk token was refused on arrival: {why}")
-            raise PermissionDenied(f"the descriptor sent under this memfd token was refused on arrival: {why}; "
-                                   "host KV and doorbell pages go as memfds (kvpushd_client.SealedBuffer)")
+            hint = "" if kind == VMM else "; host KV and doorbell pages go as memfds (kvpushd_client.SealedBuffer)"
+            raise PermissionDenied(f"the descriptor sent under this {kind} token was refused on arrival: {why}{hint}")
         if got is None:
             raise NotFound(f"no descriptor arrived on {self.path} under this {kind} token (sent to another "
                            f"daemon's socket, waited over {TTL_S:.0f} s for its Attach, or pushed out by "

@@ -29,13 +29,13 @@ from typing import Protocol
 from kvpushd_client.cuda import uuid_hex
 
 from ..core.errors import FailedPrecondition, InvalidArgument, NotFound
+from .cuda import check_sentinel
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 MAX_RESERVED = 1 << 46  # 64 TiB: more than any GPU's memory, so a bad size is refused before the driver
 MAX_CHUNKS = 1024  # of one Attach: what the fd socket parks for one sender (fdpass.MAX_PER_SENDER)
-MAX_SENTINEL = 64
 
 Interval = tuple[int, int]  # (offset, end) in the range
 
@@ -126,12 +126,9 @@ def check_spec(spec: VmmSpec) -> list[Interval]:
     if not spec.chunks:
         raise VmmImportError("VMM handle: no chunks")
     mapped = check_chunks(spec.chunks, spec.granularity, [], spec.reserved)
-    s, r = spec.sentinel, spec.sentinel_restore
-    if len(s) > MAX_SENTINEL or len(r) not in (0, len(s)):
-        raise VmmImportError(f"VMM handle: sentinel of {len(s)} bytes (at most {MAX_SENTINEL}) and restore bytes of "
-                             f"{len(r)} (none or as many)")
-    if s:
-        check_within_mapped(mapped, "the sentinel", spec.sentinel_offset, len(s))
+    check_sentinel("VMM handle", spec.sentinel, spec.sentinel_restore)
+    if spec.sentinel:
+        check_within_mapped(mapped, "the sentinel", spec.sentinel_offset, len(spec.sentinel))
     return mapped
 
 
