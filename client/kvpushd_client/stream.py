@@ -24,7 +24,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -164,7 +164,7 @@ class StreamWorker:
                 self._out.put((base + 1 + i, batch[i:i + MAX_BATCH]))
             if self.session_error is not None:  # the stream is gone: nobody will send it
                 with self._cond:
-                    self._drain_locked(self.session_error)
+                    self._drain_locked()
         return n
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -190,7 +190,7 @@ class StreamWorker:
         self._out.put((seq, [q]))
         with self._cond:
             if self.session_error is not None:  # nobody will send it
-                self._drain_locked(self.session_error)
+                self._drain_locked()
             self._cond.wait_for(lambda: seq in self._answers or seq in self._refusals
                                 or self.session_error is not None, timeout)
             self._waited.discard(seq)
@@ -240,28 +240,28 @@ class StreamWorker:
         """What a step sends, in ``_sent`` until answered; None when the stream is already gone (then
         refused at once)."""
         with self._cond:
+            if first < _CALLS:
+                self._recorded = first + len(batch) - 1
             if self.session_error is not None:
-                self._refuse_locked(first, batch, self.session_error)
+                self._refuse_locked(enumerate(batch, first),
+                                    f"{self.session_error.code}: stream ended before the command was sent")
                 return None
             for i, q in enumerate(batch, first):
                 self._sent[i] = q
-            if first < _CALLS:
-                self._recorded = first + len(batch) - 1
             self._cond.notify_all()
         return worker_pb2.CommandBatch(commands=[_command(i, q) for i, q in enumerate(batch, first)])
 
-    def _refuse_locked(self, first: int, batch: list[Command], err: KVPushError) -> None:
-        for i, q in enumerate(batch, first):
+    def _refuse_locked(self, commands: Iterable[tuple[int, Command]], reason: str) -> None:
+        """Fail each (seq, command) unanswered with code REFUSED: the engine frees its blocks."""
+        for i, q in commands:
             # an Abort or Decline fails no request (nothing to free); a blocking form raises the stream's error
             if isinstance(q, (Expect, Publish)) and i not in self._waited:
-                self._queue.append(Completion(CompletionKind.FAILED, q.transfer_id, _convert.REFUSED,
-                                              f"{err.code}: stream ended before the command was sent", q.block_ids,
-                                              unanswered=True))
-        if first < _CALLS:
-            self._recorded = first + len(batch) - 1
+                self._queue.append(Completion(CompletionKind.FAILED, q.transfer_id, _convert.REFUSED, reason,
+                                              q.block_ids, unanswered=True))
 
-    def _drain_locked(self, err: KVPushError) -> None:
-        """Refuse the steps still queued for a sender that will send nothing more."""
+    def _drain_locked(self) -> None:
+        """Refuse the steps still queued for a sender that will send nothing more (``_record`` does, the
+        stream being gone)."""
         while True:
             try:
                 item = self._out.get_nowait()
@@ -271,7 +271,7 @@ class StreamWorker:
                 self._out.put(_END)
                 return
             if not isinstance(item, worker_pb2.CommandBatch):
-                self._refuse_locked(*item, err)
+                self._record(*item)
 
     def _read(self) -> None:
         t = time.thread_time_ns()
@@ -303,12 +303,7 @@ class StreamWorker:
             if not self._closed:
                 self.session_error = err
                 # commands that got no answer end as refused: the engine frees their blocks
-                for seq in sorted(self._sent):
-                    q = self._sent[seq]
-                    if isinstance(q, (Expect, Publish)) and seq not in self._waited:  # ``call`` raises the error
-                        self._queue.append(Completion(CompletionKind.FAILED, q.transfer_id, _convert.REFUSED,
-                                                      f"{err.code}: stream ended before an answer", q.block_ids,
-                                                      unanswered=True))
+                self._refuse_locked(sorted(self._sent.items()), f"{err.code}: stream ended before an answer")
                 self._sent.clear()
-                self._drain_locked(err)  # and so do those not sent yet
+                self._drain_locked()  # and so do those not sent yet
             self._cond.notify_all()
