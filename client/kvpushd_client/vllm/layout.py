@@ -56,7 +56,8 @@ def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[MemfdMemor
     one (``_move_to_owned_memfd``); private memory only when the operator asked for it.
     """
     loc = _shm_location(storage.data_ptr())
-    if loc is None or _owned_memfd(loc[0]) is None:
+    fd = _owned_memfd(loc[0]) if loc is not None else None
+    if fd is None:
         if not (storage.is_shared() or move_to_shm):
             raise RuntimeError(
                 f"kvpushd: {what} is in private host memory; the daemon can only reach host KV in shared "
@@ -66,13 +67,13 @@ def _host_memory(storage: Any, what: str, move_to_shm: bool) -> tuple[MemfdMemor
             logger.warning("kvpushd: moving %s (%d bytes) into shared memory", what, storage.nbytes())
         _move_to_owned_memfd(storage)
         loc = _shm_location(storage.data_ptr())
-        if loc is None or _owned_memfd(loc[0]) is None:
+        fd = _owned_memfd(loc[0]) if loc is not None else None
+        if fd is None:
             raise RuntimeError(f"kvpushd: {what} is not in the connector's memfd even after moving it")
+    assert loc is not None
     path, offset, mapped = loc
     if mapped < storage.nbytes():
         raise RuntimeError(f"kvpushd: {what} spans more than one mapping of {path}")
-    fd = _owned_memfd(path)
-    assert fd is not None
     return MemfdMemory(fd, os.fstat(fd).st_size), offset
 
 
@@ -183,7 +184,7 @@ def _block_regions(t: torch.Tensor, num_blocks: int, what: str, spec: Any = None
             break
         dense *= shape[d]
         n_dense += 1
-    outer = inner[n_dense:]
+    outer = sorted(inner[n_dense:])
     block_len, block_stride = dense * es, strides[bd] * es
     if block_stride < block_len:
         raise RuntimeError(f"kvpushd: {what}: blocks overlap (stride {block_stride} < length {block_len} bytes)")
@@ -194,8 +195,8 @@ def _block_regions(t: torch.Tensor, num_blocks: int, what: str, spec: Any = None
         raise RuntimeError(f"kvpushd: {what} would need {n_outer} regions per layer (layout too fragmented)")
     geo = _geometry(shape, strides, set(inner[:n_dense]), dims)
     out = []
-    for idx in itertools.product(*(range(shape[d]) for d in sorted(outer))):
-        off = sum(i * strides[d] * es for i, d in zip(idx, sorted(outer), strict=True))
+    for idx in itertools.product(*(range(shape[d]) for d in outer)):
+        off = sum(i * strides[d] * es for i, d in zip(idx, outer, strict=True))
         out.append((off, shape[bd], block_len, block_stride, geo))
     return out
 
@@ -251,20 +252,18 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, host_kv_to_sh
             raise NotImplementedError(f"kvpushd: {what} is a {type(t).__name__}, not one tensor "
                                       "(state-space / hybrid caches are not supported)")
         storage = t.untyped_storage()
+        mem: MemfdMemory | None = None
         if t.is_cuda:
             key: Any = ("cuda", t.device.index, storage.data_ptr())
-            if key not in index:
-                index[key] = len(memory)
-                memory.append(gpu_memory(t, exports_fd))
             base = 0  # the daemon opens the storage itself: offsets count from its first byte
         elif t.device.type == "cpu":
             mem, base = _host_memory(storage, what, host_kv_to_shm)
             key = ("memfd", mem.fd)
-            if key not in index:
-                index[key] = len(memory)
-                memory.append(mem)
         else:
             raise NotImplementedError(f"kvpushd: {what} is on {t.device}; only CUDA and host KV are supported")
+        if key not in index:  # CUDA: one handle per allocation, made once
+            index[key] = len(memory)
+            memory.append(gpu_memory(t, exports_fd) if mem is None else mem)
         mi = index[key]
         first = base + int(t.storage_offset()) * t.element_size()
         for off, nb, blen, bstride, geo in _block_regions(t, num_blocks, what, (specs or {}).get(name)):

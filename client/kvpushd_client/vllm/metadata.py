@@ -56,14 +56,10 @@ PREFILL_PARAMS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "
 _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
 
-def compute_compat_hash() -> str:
-    """What two connectors must agree on to work as prefill and decode (see the version history)."""
-    factors = {"kvpushd_connector_version": KVPUSHD_CONNECTOR_VERSION, "prefill_params": sorted(PREFILL_PARAMS),
-               "transfer_id_rule": _RANDOM_SUFFIX_RE.pattern, "group_rule": "concat-groups/window-positions"}
-    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
-
-
-COMPAT_HASH = compute_compat_hash()
+# What two connectors must agree on to work as prefill and decode (see the version history).
+_COMPAT_FACTORS = {"kvpushd_connector_version": KVPUSHD_CONNECTOR_VERSION, "prefill_params": sorted(PREFILL_PARAMS),
+                   "transfer_id_rule": _RANDOM_SUFFIX_RE.pattern, "group_rule": "concat-groups/window-positions"}
+COMPAT_HASH = hashlib.sha256(json.dumps(_COMPAT_FACTORS, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def base_request_id(request_id: str) -> str:
@@ -168,5 +164,3 @@ class KVPushdConnectorMetadata(KVConnectorMetadata):
     expects: list[ExpectReq] = field(default_factory=list)
     publishes: list[PublishReq] = field(default_factory=list)
     aborts: list[AbortReq] = field(default_factory=list)
-
-

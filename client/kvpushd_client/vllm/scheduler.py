@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-
 class KVPushdConnectorScheduler:
     """The scheduler-side half of KVPushdConnector (one per engine)."""
 
@@ -152,10 +151,10 @@ class KVPushdConnectorScheduler:
         else:
             blocks = tuple(block_ids[0]) if block_ids else ()
             remote_ids = list(blocks)
+        tid = transfer_id_for(rid, params)
         if declared is not None:
             pass  # declared in the step that computed it (no second publish); held until the push is done
         elif blocks:
-            tid = transfer_id_for(rid, params)
             self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request),
                                               str(params.get("kvpushd_consumer_node") or ""),
                                               str(params.get("kvpushd_consumer_tls_name") or "")))
@@ -174,7 +173,7 @@ class KVPushdConnectorScheduler:
             "pp_size": self.pp_size,
             "remote_num_tokens": request.num_computed_tokens if blocks else 0,
             "transfer_mode": transfer_mode_of(params),
-            "transfer_id": transfer_id_for(rid, params),
+            "transfer_id": tid,
             COMPAT_HASH_KEY: COMPAT_HASH,
         }
 
