@@ -32,7 +32,18 @@ Part = tuple[int, int]  # (slices of the heads, which slice): (1, 0) is all head
 WHOLE: Part = (1, 0)
 
 
-class Geometry(Protocol):
+class Shape(Protocol):
+    """What deciding between a prepared and a planned WRITE needs of one region (Geometry has it)."""
+
+    @property
+    def block_tokens(self) -> int: ...   # 0: unknown ("same as the peer")
+    @property
+    def layout(self) -> int: ...         # HND (or 0) or NHD
+    @property
+    def replicated(self) -> bool: ...    # MLA: one latent per token, the same on every rank
+
+
+class Geometry(Shape, Protocol):
     """What the mapping needs to know of one region on one side (RegionSpec has these fields)."""
 
     @property
@@ -44,24 +55,7 @@ class Geometry(Protocol):
     @property
     def device_id(self) -> int: ...
     @property
-    def block_tokens(self) -> int: ...   # 0: unknown ("same as the peer")
-    @property
     def num_heads(self) -> int: ...      # KV heads in one block of this rank; 0: unknown
-    @property
-    def layout(self) -> int: ...         # HND (or 0) or NHD
-    @property
-    def replicated(self) -> bool: ...    # MLA: one latent per token, the same on every rank
-
-
-class Shape(Protocol):
-    """What deciding between a prepared and a planned WRITE needs of one region (Geometry has it)."""
-
-    @property
-    def block_tokens(self) -> int: ...
-    @property
-    def layout(self) -> int: ...
-    @property
-    def replicated(self) -> bool: ...
 
 
 def sizes_differ(local: Sequence[Shape], remote: Sequence[Shape]) -> bool:

@@ -49,12 +49,10 @@ def block_parts(producer_rank: int, producer_tp: int, consumer_rank: int,
     (dst_parts, dst_index)): the WRITE moves slice src_index of src_parts from each source block
     into slice dst_index of dst_parts of the matching destination block.
     """
-    if producer_tp == consumer_tp:
-        return (1, 0), (1, 0)
     if producer_tp > consumer_tp:  # decode gathers k producer ranks' heads into one block
         k = producer_tp // consumer_tp
         return (1, 0), (k, producer_rank % k)
-    k = consumer_tp // producer_tp  # decode ranks each take 1/k of the producer's heads
+    k = consumer_tp // producer_tp  # decode ranks each take 1/k of the producer's heads (k = 1: the whole block)
     return (k, consumer_rank % k), (1, 0)
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.errors import InvalidArgument
+from ..core.layout import WHOLE as WHOLE  # re-exported: the transfer room's callers take them from here
+from ..core.layout import Part as Part  # (slices per block, which slice): (1, 0) is the whole block
 
 IntArray = npt.NDArray[np.int64]
 
@@ -41,11 +43,6 @@ class RemoteAgent:
     metadata: bytes
     mem_type: str
     regions: tuple[RegionSpec, ...]
-
-
-
-Part = tuple[int, int]  # (slices per block, which slice): (1, 0) is the whole block
-WHOLE: Part = (1, 0)
 
 
 def block_descs(regions: Sequence[RegionSpec], part: Part = WHOLE) -> npt.NDArray[np.uint64]:
