@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import ctypes
 import secrets
 from collections.abc import Callable, Sequence
 
 from kvpushd_client.vmm import CudaDriver as _CudaDriver
 from kvpushd_client.vmm import Driver, VmmChunk, VmmExport, VmmMemory, export_range
 
+from kvpushd.memory.vmm import CudaDriver as _DaemonDriver
+
 
 class CudaDriver(_CudaDriver):
-    def read(self, addr: int, n: int) -> bytes:
-        buf = ctypes.create_string_buffer(n)
-        self._check("cuMemcpyDtoH", self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(addr), ctypes.c_size_t(n)))
-        return buf.raw
+    """The worker's driver with the daemon's synchronous copies (both wrap ``lib`` and ``_check`` alike)."""
 
-    def write(self, addr: int, data: bytes) -> None:
-        self._check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(ctypes.c_uint64(addr), data, ctypes.c_size_t(len(data))))
+    read = _DaemonDriver.read
+    write = _DaemonDriver.write
 
 
 def export_segments(driver: Driver, base: int, reserved: int, segments: Sequence[tuple[int, int]],
