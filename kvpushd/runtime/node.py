@@ -40,11 +40,13 @@ from ..core.rendezvous import (
     Action,
     Deliver,
     Dropped,
+    RecvSide,
     Registration,
     SendFailNotice,
     SendOffer,
     SendReadFailed,
     SendRegister,
+    SendSide,
     SendWithdraw,
     StartRead,
     StartWrite,
@@ -62,7 +64,6 @@ from .inbound import Hello, Origin
 from .peerbook import PeerBook
 from .peercalls import PeerCalls
 from .peerops import Declined, Notice, Offer, ReadFailed, Register
-from .rendezvous import Rendezvous
 from .tally import Tally
 from .view import View
 from .workers import Attach, Worker, Workers, check_command
@@ -83,14 +84,19 @@ class Node:
         self.obs = o.Observations()
         self.events = EventHub()
         self.draining = False
-        self.rv = Rendezvous(cfg)
+        t = cfg.transfer
+        self.send = SendSide(t.publish_timeout_s, t.expect_timeout_s)
+        # Registration ids are random (63 bits): they do not collide with stale notifications addressed
+        # to a previous instance, and only the prefill daemon a registration went to knows its id.
+        self.recv = RecvSide(t.expect_timeout_s, random_ids=True)
         self.workers = Workers(cfg, self.ident, self.events)
         self.tracing = tracing or Tracing()
-        self.peers = PeerCalls(cfg, self.ident, self.rv, self.workers, self.obs, self.tracing, self)
+        self.peers = PeerCalls(cfg, self.ident, self.send, self.recv, self.workers, self.obs, self.tracing, self)
         self.inbound, self.outbound = self.peers.inbound, self.peers.outbound
         self.peerbook = PeerBook(self.events, self.peers.live_addresses)
         self.tally = Tally(self.peerbook)
-        self.view = View(self.workers, self.rv, self.peers, self.tally, self.peerbook, lambda: self.draining)
+        self.view = View(self.workers, self.send, self.recv, self.peers, self.tally, self.peerbook,
+                         lambda: self.draining)
         self.xfer: TransferThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._housekeeping: asyncio.Task[None] | None = None
@@ -138,9 +144,9 @@ class Node:
         """Stop taking new transfers; wait for what is in flight, bounded by ``timeout_s`` whatever
         the peers do; every Publish and Expect still gets its one completion; release all memory."""
         self.draining = True
-        send, tasks = self.rv.send, self.peers.tasks
+        send, tasks = self.send, self.peers.tasks
         why = f"daemon {self.ident.node_id} is shutting down"
-        self.run(self.rv.shutdown(why))
+        self.run(send.shutdown(why) + self.recv.shutdown(why))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         grace = min(1.0, timeout_s / 4)  # kept for cancelling what is still in flight at the end
@@ -174,10 +180,10 @@ class Node:
         self._not_draining()
         w = self.workers.get(worker_id)
         check_command(w, cmd, self.cfg)
-        self.rv.bounded()
-        again = self.rv.recv.pending(w.worker_id, cmd.transfer_id)
-        actions = self.rv.recv.expect(time.monotonic(), w, cmd)
-        if not again and (led := self.rv.recv.ledger(w.worker_id, cmd.transfer_id)) is not None:
+        self._bounded()
+        again = self.recv.pending(w.worker_id, cmd.transfer_id)
+        actions = self.recv.expect(time.monotonic(), w, cmd)
+        if not again and (led := self.recv.ledger(w.worker_id, cmd.transfer_id)) is not None:
             self.events.transfer(EventKind.TRANSFER_STARTED, led)  # a new transfer (not a retry): for Watch
         self.run(actions)
 
@@ -188,20 +194,21 @@ class Node:
         self._not_draining()
         w = self.workers.get(worker_id)
         check_command(w, cmd, self.cfg)
-        self.rv.bounded()
-        again = self.rv.send.has_publish(w.engine_id, cmd.transfer_id, w.tp_rank)
-        actions = self.rv.send.publish(time.monotonic(), w, cmd)
+        self._bounded()
+        again = self.send.has_publish(w.engine_id, cmd.transfer_id, w.tp_rank)
+        actions = self.send.publish(time.monotonic(), w, cmd)
         if cmd.layers and self.xfer is not None:  # progressive push: the thread watches the worker's doorbell
             self.xfer.watch_step(w.worker_id, cmd.step)
-        if not again and (led := self.rv.send.publish_ledger(w.engine_id, cmd.transfer_id, w.tp_rank)) is not None:
+        if not again and (led := self.send.publish_ledger(w.engine_id, cmd.transfer_id, w.tp_rank)) is not None:
             self.events.transfer(EventKind.TRANSFER_STARTED, led)
         self.run(actions)
 
     def abort(self, worker_id: str, cmd: Abort) -> bool:
         w = self.workers.get(worker_id)
-        found, actions = self.rv.abort(w.worker_id, w.engine_id, cmd.transfer_id)
-        self.run(actions)
-        return found
+        found_r, acts_r = self.recv.abort(w.worker_id, cmd.transfer_id)
+        found_s, acts_s = self.send.abort(w.worker_id, w.engine_id, cmd.transfer_id)
+        self.run(acts_r + acts_s)
+        return found_r or found_s
 
     def decline(self, worker_id: str, cmd: Decline) -> None:
         """Decode side: the worker will never Expect this transfer (its Expect failed before it got
@@ -209,7 +216,7 @@ class Node:
         w = self.workers.get(worker_id)
         check_command(w, cmd, self.cfg)
         tid, address, engine = cmd.transfer_id, cmd.producer_address, cmd.producer_engine_id
-        if self.rv.recv.pending(w.worker_id, tid):
+        if self.recv.pending(w.worker_id, tid):
             raise FailedPrecondition(f"transfer {tid[:256]!r} is pending on this worker: abort it instead")
         log.info("transfer declined", transfer_id=tid[:256], worker_id=w.worker_id, peer=address)
         self.peers.decline(address[:256], tid, engine[:256], w.engine_id, cmd.reason[:2000])
@@ -226,17 +233,17 @@ class Node:
         """A worker detached: each of its transfers still pending ends now for the books (its own
         completion, if one follows when its WRITEs in flight settle, goes nowhere)."""
         now = time.monotonic()
-        for led in [*self.rv.send.ledgers_of(worker_id), *self.rv.recv.ledgers_of(worker_id)]:
+        for led in [*self.send.ledgers_of(worker_id), *self.recv.ledgers_of(worker_id)]:
             led.done = now
             self.obs.emit(o.Ended(Completion(CompletionKind.FAILED, led.transfer_id, FailureCode.WORKER_GONE,
                                              f"worker detached: {why}", (), Figures()), led))
-        self.run(self.rv.worker_gone(worker_id))
+        self.run(self.send.worker_gone(worker_id) + self.recv.worker_gone(worker_id))
 
     # -- peer API (we are the prefill side) -----------------------------------------------------
 
     def handshake(self, hello: Hello) -> str:
         """A peer daemon introduces itself; returns the secret token of its session."""
-        token, replaced = self.inbound.handshake(hello, self.rv.send.holds)
+        token, replaced = self.inbound.handshake(hello, self.send.holds)
         for old in replaced:
             self.origin_lost(old, f"peer {old.node_id} at {old.address} restarted")
         self.obs.emit(o.PeerHeard(hello.peer_address, hello.node_id, inbound=True))
@@ -253,20 +260,20 @@ class Node:
             self.obs.emit(o.PeerHeard(origin.address, inbound=True))
         if self.workers.producer(engine) is None:
             raise NotFound(f"no prefill engine {engine!r} is attached to node {self.ident.node_id}")
-        known = self.inbound.consumers.admit(origin, item.agent, lambda: self.rv.send.agents_in_use(origin_id))
+        known = self.inbound.consumers.admit(origin, item.agent, lambda: self.send.agents_in_use(origin_id))
         if known is None:
             return False
         check_block_ids(item.block_ids, min(r.num_blocks for r in known.regions),
                         self.cfg.worker_api.max_blocks_per_request, f"transfer {tid[:256]!r}: consumer regions")
         if not 0 <= item.skip_tokens < 1 << 31:
             raise InvalidArgument(f"transfer {tid!r}: skip_tokens {item.skip_tokens} out of range")
-        self.rv.bounded()
+        self._bounded()
         reg = Registration(item.registration_id, origin_id, tid, engine, item.producer_tp_size, item.agent.name,
                            item.consumer_rank, item.consumer_tp_size, item.block_ids,
                            TransferMode.parse(item.mode), skip_tokens=item.skip_tokens, layouts=known.regions,
                            node_id=origin.node_id, tls_names=origin.tls_names, traceparent=item.traceparent[:128])
         try:
-            actions = self.rv.send.register(time.monotonic(), reg)
+            actions = self.send.register(time.monotonic(), reg)
         except PermissionDenied as e:  # another daemon's registration: not replaceable by this one
             origin.refused += 1
             log.warning("registration refused", peer_node=origin.node_id, peer_address=origin.address,
@@ -276,7 +283,7 @@ class Node:
         return True
 
     def _peer_limits(self, origin: Origin, n_blocks: int | None) -> None:
-        why = self.inbound.over_quota(origin, n_blocks, self.rv.send.held_by, self.cfg.peer_api)
+        why = self.inbound.over_quota(origin, n_blocks, self.send.held_by, self.cfg.peer_api)
         if why:
             origin.refused += 1
             log.warning("peer limit reached", peer_node=origin.node_id, peer_address=origin.address, reason=why)
@@ -285,8 +292,8 @@ class Node:
     async def withdraw(self, origin_id: str, n: Notice) -> None:
         """A decode daemon withdraws a registration; returns once no WRITE into it is in flight
         (bounded), so the decode side may then let its engine free the blocks."""
-        key = self.rv.send.transfer_of(origin_id, n.registration_id)
-        self.run(self.rv.send.withdraw(origin_id, n.transfer_id, n.registration_id, n.code, n.reason))
+        key = self.send.transfer_of(origin_id, n.registration_id)
+        self.run(self.send.withdraw(origin_id, n.transfer_id, n.registration_id, n.code, n.reason))
         if key is not None:
             await self._wait_unwritten(key, n.registration_id, max(0.5, self.cfg.peer_api.rpc_timeout_s - 1.0))
 
@@ -299,7 +306,7 @@ class Node:
         if self.workers.producer(engine) is None:
             raise NotFound(f"no prefill engine {engine[:256]!r} is attached to node {self.ident.node_id}")
         why = f"decode engine {item.consumer_engine_id[:256]!r} on {origin.node_id[:64]}: {item.reason[:1000]}"
-        actions = self.rv.send.decline(time.monotonic(), origin_id, engine, tid, why)
+        actions = self.send.decline(time.monotonic(), origin_id, engine, tid, why)
         self.obs.emit(o.Counted("declines_received"))
         log.info("transfer declined by the decode side", transfer_id=tid[:256], peer_node=origin.node_id,
                  reason=item.reason[:200])
@@ -309,14 +316,14 @@ class Node:
         """The prefill daemon says a registration of ours will not be written.
 
         Only the daemon the registration was sent to may fail it, and only under its transfer id."""
-        sent = self.rv.recv.sent_to(n.registration_id)
+        sent = self.recv.sent_to(n.registration_id)
         if sent is None:
             return  # already ended (finished, failed or withdrawn): nothing to do
         tid, address = sent
         if tid != n.transfer_id or not self.outbound.is_instance(address, caller_instance_id):
             raise PermissionDenied(f"failure notice for registration {n.registration_id} (transfer "
                                    f"{n.transfer_id[:256]!r}) from a daemon it was not sent to")
-        self.run(self.rv.recv.failed(n.registration_id, n.code, n.reason))
+        self.run(self.recv.failed(n.registration_id, n.code, n.reason))
 
     # -- pull mode ------------------------------------------------------------------------------
 
@@ -328,7 +335,7 @@ class Node:
         need the producer agent's metadata.
         """
         transfer_id, registration_id, block_ids = item.transfer_id, item.registration_id, item.block_ids
-        sent = self.rv.recv.sent_to(registration_id)
+        sent = self.recv.sent_to(registration_id)
         if sent is None:
             raise NotFound(f"registration {registration_id} is not pending on node {self.ident.node_id}")
         address = sent[1]
@@ -345,14 +352,14 @@ class Node:
         if block_ids and max(block_ids) >= min(r.num_blocks for r in known.regions):
             raise InvalidArgument(f"transfer {transfer_id[:256]!r}: source block id {max(block_ids)} out of range "
                                   f"(producer regions have {min(r.num_blocks for r in known.regions)} blocks)")
-        self.run(self.rv.recv.offer(registration_id, transfer_id, item.producer_rank, block_ids,
+        self.run(self.recv.offer(registration_id, transfer_id, item.producer_rank, block_ids,
                                     producer_agent=known.name))
         return True
 
     def read_failed(self, caller_instance_id: str, item: ReadFailed) -> None:
         """Pull mode, prefill side: the decode daemon says the READ of our offer failed."""
         origin = self.inbound.caller(caller_instance_id)
-        self.run(self.rv.send.read_done(caller_instance_id, item.registration_id, item.producer_rank, False,
+        self.run(self.send.read_done(caller_instance_id, item.registration_id, item.producer_rank, False,
                                         f"decode daemon {origin.node_id}: {item.reason[:2000]}"))
 
     # -- NIXL callbacks (on the loop): core event, then emit -------------------------------------
@@ -362,10 +369,10 @@ class Node:
         now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
         for r in results:
             if not r.ok:  # the ledger has the rest (the completion's figures, Watch, the metrics, the spans)
-                led, origin = self.rv.send.ledger_of(r.leg), self.inbound.origins.get(self.rv.send.origin_of(r.leg))
+                led, origin = self.send.ledger_of(r.leg), self.inbound.origins.get(self.send.origin_of(r.leg))
                 self.obs.emit(o.WriteDone(r, r.leg.transfer_id, led.worker_id if led else "",
                                           origin.address if origin else ""))
-            actions += self.rv.send.write_done(r.leg, r.ok, r.reason, r, now)
+            actions += self.send.write_done(r.leg, r.ok, r.reason, r, now)
             if debug:  # its arguments are built only then (bench critical-path reads these lines)
                 log.debug("write done", transfer_id=r.leg.transfer_id, engine_id=r.leg.engine_id, ok=r.ok,
                           post_us=round(r.post_s * 1e6), queue_us=round(r.queue_s * 1e6),
@@ -375,14 +382,14 @@ class Node:
     def _on_sealed(self, steps: list[tuple[str, int]]) -> None:
         actions: list[Action] = []
         for worker_id, step in steps:
-            actions += self.rv.send.sealed(worker_id, step)
+            actions += self.send.sealed(worker_id, step)
         self.run(actions)
 
     def _on_notifs(self, notifs: list[Notified]) -> None:
         actions: list[Action] = []
         now = time.monotonic()
         for n in notifs:
-            actions += self.rv.recv.notified(*n, now=now)
+            actions += self.recv.notified(*n, now=now)
         self.obs.emit(o.Counted("notifications_received", len(notifs)))
         self.run(actions)
 
@@ -394,7 +401,7 @@ class Node:
             if origin is None:
                 log.info("READ notification from an unknown agent", remote_agent=agent_name[:128])
                 continue
-            actions += self.rv.send.read_done(origin.instance_id, rid, rank, True)
+            actions += self.send.read_done(origin.instance_id, rid, rank, True)
         self.run(actions)
 
     def _on_reads(self, results: list[ReadResult]) -> None:
@@ -402,7 +409,7 @@ class Node:
         actions: list[Action] = []
         now, debug = time.monotonic(), log.is_enabled_for(logging.DEBUG)
         for r in results:
-            actions += self.rv.recv.read_done(r.key, r.ok, r.reason, r, now)
+            actions += self.recv.read_done(r.key, r.ok, r.reason, r, now)
             if debug:
                 log.debug("read done", transfer_id=r.key.transfer_id, ok=r.ok, reason=r.reason,
                           post_us=round(r.post_s * 1e6), xfer_us=round(r.xfer_s * 1e6), bytes=r.nbytes)
@@ -415,29 +422,29 @@ class Node:
         actions: list[Action] = []
         for a, err in zip(batch, results, strict=True):
             if err is None:
-                actions += self.rv.recv.registered(a.registration_id)
+                actions += self.recv.registered(a.registration_id)
             else:
                 code = FailureCode.PEER_UNREACHABLE if isinstance(err, PeerUnreachable) else FailureCode.PEER_REJECTED
-                actions += self.rv.recv.failed(a.registration_id, code, str(err))
+                actions += self.recv.failed(a.registration_id, code, str(err))
         self.run(actions)
 
     def withdraw_answered(self, registration_id: int) -> None:
         """The prefill daemon answered a withdrawal (or is gone): no WRITE into its blocks is in flight."""
-        self.run(self.rv.recv.withdraw_answered(registration_id))
+        self.run(self.recv.withdraw_answered(registration_id))
 
     def offer_failed(self, a: SendOffer, why: str) -> None:
         """Pull mode, prefill side: the decode daemon did not start the READ of an offer (or is gone)."""
         reg = a.registration
-        self.run(self.rv.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
+        self.run(self.send.read_done(reg.origin, reg.registration_id, a.producer_rank, False, why))
 
     def producer_lost(self, address: str, reason: str, restarted: bool = False) -> None:
         """A prefill daemon is unreachable (or restarted): its pending receives fail now."""
         self.obs.emit(o.PeerLost(address, reason))
-        self.run(self.rv.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
+        self.run(self.recv.producer_lost(address, FailureCode.PEER_UNREACHABLE, reason, registered_only=restarted))
 
     def origin_lost(self, origin: Origin, reason: str) -> None:
         """A daemon that called us is gone (silent, or restarted): what it had pending here fails."""
-        regs, _ = self.rv.send.held_by(origin.instance_id)
+        regs, _ = self.send.held_by(origin.instance_id)
         log.warning("decode daemon lost", peer_node=origin.node_id, peer_address=origin.address, reason=reason,
                     registrations=regs)
         self.obs.emit(o.PeerLost(origin.address, reason, inbound=True))
@@ -445,7 +452,7 @@ class Node:
             self.xfer.cancel_to([*self.inbound.consumers.names_of(origin.instance_id),
                                  *self.inbound.producers.names_of(origin.instance_id)], f"peer lost: {reason}")
         self.inbound.drop(origin)
-        self.run(self.rv.send.origin_lost(origin.instance_id, reason))
+        self.run(self.send.origin_lost(origin.instance_id, reason))
 
     def forget_remote(self, name: str) -> None:
         if self.xfer is not None:
@@ -476,16 +483,16 @@ class Node:
     def _tell_thread(self) -> None:
         """The NIXL thread polls while READs are offered or receives wait: it hears of a changed count only."""
         if (x := self.xfer) is not None:
-            if (n := self.rv.send.pulling()) != x.pulling:
+            if (n := self.send.pulling()) != x.pulling:
                 x.set_pulling(n)
-            if (n := len(self.rv.recv) + self.peers.withdrawing) != x.expecting:
+            if (n := len(self.recv) + self.peers.withdrawing) != x.expecting:
                 x.set_expecting(n)
 
     def _arm(self) -> None:
         """One timer at the core's next deadline; re-armed at the end of every loop turn that ran the core."""
         if self._loop is None:
             return
-        nxt = self.rv.next_deadline()
+        nxt = min((d for d in (self.send.next_deadline(), self.recv.next_deadline()) if d is not None), default=None)
         if nxt is None:
             self.stop_timer()
             return
@@ -499,7 +506,8 @@ class Node:
     def _on_timer(self) -> None:
         self._timer = None
         try:
-            self.run(self.rv.tick(time.monotonic()))
+            now = time.monotonic()
+            self.run(self.send.tick(now) + self.recv.tick(now))
         except Exception:  # a bug here must not stop deadlines for good
             log.exception("deadline handling failed")
             self._arm()
@@ -522,7 +530,7 @@ class Node:
         reg = a.registration
         origin = self.inbound.origins.get(reg.origin)
         peer = origin.address if origin is not None else ""
-        if (led := self.rv.send.ledger_of(a.leg)) is not None:
+        if (led := self.send.ledger_of(a.leg)) is not None:
             led.peer = peer
         agent = self.inbound.consumers.get(reg.consumer_agent)
         if agent is None:  # evicted meanwhile (cannot happen while registered): fail loudly rather than hang
@@ -555,13 +563,18 @@ class Node:
         """Return once no WRITE into that registration is in flight (bounded by ``timeout_s``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.rv.send.writing_into(key, registration_id) and loop.time() < deadline:
+        while self.send.writing_into(key, registration_id) and loop.time() < deadline:
             settled: asyncio.Future[None] = loop.create_future()  # woken by run after any core change
             self._settle_waiters.append(settled)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(settled, deadline - loop.time())
 
     # -- checks ---------------------------------------------------------------------------------
+
+    def _bounded(self) -> None:
+        """Refuse a new transfer past ``transfer.max_pending``."""
+        if len(self.send) + len(self.recv) >= (n := self.cfg.transfer.max_pending):
+            raise ResourceExhausted(f"more than {n} transfers pending")
 
     def _not_draining(self) -> None:
         if self.draining:

@@ -19,14 +19,13 @@ import structlog
 from ..config import Config
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
 from ..core.ledger import Ledger
-from ..core.rendezvous import SendFailNotice, SendOffer, SendReadFailed, SendRegister, SendWithdraw
+from ..core.rendezvous import RecvSide, SendFailNotice, SendOffer, SendReadFailed, SendRegister, SendSide, SendWithdraw
 from ..rpc import outbound as pb
 from ..tracing import Tracing
 from . import observe as o
 from .identity import Identity
 from .inbound import Inbound, Origin
 from .outbound import Outbound, PeerClient
-from .rendezvous import Rendezvous
 from .workers import Workers
 
 log = structlog.get_logger(__name__)
@@ -51,10 +50,10 @@ class Answers(Protocol):
 class PeerCalls:
     """The peer calls the core asked for, the tasks that make them, heartbeats and idle peers."""
 
-    def __init__(self, cfg: Config, ident: Identity, rv: Rendezvous, workers: Workers, obs: o.Observations,
-                 tracing: Tracing, answers: Answers) -> None:
+    def __init__(self, cfg: Config, ident: Identity, send: SendSide, recv: RecvSide, workers: Workers,
+                 obs: o.Observations, tracing: Tracing, answers: Answers) -> None:
         self.cfg = cfg
-        self.rv = rv  # read only
+        self.send, self.recv = send, recv  # read only
         self.workers = workers
         self.obs = obs
         self.tracing = tracing
@@ -119,7 +118,7 @@ class PeerCalls:
             return
         peer = self.outbound.peer(address)
         # tracing: the Registers' ledgers stamp the call, and each carries its transfer's span context
-        leds = [self.rv.recv.ledger(a.worker_id, a.transfer_id) for a, _ in items] if self.tracing.enabled else []
+        leds = [self.recv.ledger(a.worker_id, a.transfer_id) for a, _ in items] if self.tracing.enabled else []
         contexts = [self._register_sent(led) for led in leds] if leds else None
         results: Sequence[KvpushdError | None]
         try:
@@ -189,7 +188,7 @@ class PeerCalls:
             return
         try:
             sent = await self.outbound.peer(origin.address).offer(
-                a, w, lambda: self.rv.send.pull_pending(reg.origin, reg.registration_id, a.producer_rank))
+                a, w, lambda: self.send.pull_pending(reg.origin, reg.registration_id, a.producer_rank))
         except PeerRejected as e:  # the decode daemon answered: it did not start a READ
             self._failed(origin.address, e)
             self.answers.offer_failed(a, f"offer refused: {e}")
@@ -210,7 +209,7 @@ class PeerCalls:
         (which fails what is pending); idle peers are forgotten. Called every heartbeat interval."""
         t = self.cfg.transfer
         loop_now = asyncio.get_running_loop().time()
-        waited_on = self.rv.recv.producer_addresses()
+        waited_on = self.recv.producer_addresses()
         for address in waited_on:
             peer = self.outbound.peer(address)
             if peer.link.silent(loop_now, t.peer_timeout_s):
@@ -219,7 +218,7 @@ class PeerCalls:
             elif peer.link.beat_due(loop_now, t.heartbeat_interval_s):
                 peer.link.beat(loop_now)
                 self.spawn(self._beat(peer))
-        busy = self.rv.send.origins()
+        busy = self.send.origins()
         grace = min(t.peer_timeout_s, max(3 * t.heartbeat_interval_s, 1.0))
         for origin, why in self.inbound.silent(now, busy, t.peer_timeout_s, grace):
             self.answers.origin_lost(origin, f"decode daemon {origin.node_id} at {origin.address}: {why}")

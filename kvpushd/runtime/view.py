@@ -12,13 +12,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ..config import Config
-from ..core.rendezvous import RecvView, SendView
+from ..core.rendezvous import RecvSide, RecvView, SendSide, SendView
 from ..events import EventHub
 from ..transfer.backends import AgentBackend
 from .identity import Identity
 from .peerbook import PeerBook
 from .peercalls import PeerCalls
-from .rendezvous import Rendezvous
 from .tally import Counters, Tally
 from .workers import Worker, Workers
 
@@ -64,12 +63,12 @@ class View:
     """Reads the rooms it is given; the configuration, identity (node id, instance id, version, addresses)
     and event hub are the workers' room's (the same objects the node gave every room)."""
 
-    def __init__(self, workers: Workers, rv: Rendezvous, peers: PeerCalls, tally: Tally, peerbook: PeerBook,
-                 is_draining: Callable[[], bool]) -> None:
+    def __init__(self, workers: Workers, send: SendSide, recv: RecvSide, peers: PeerCalls, tally: Tally,
+                 peerbook: PeerBook, is_draining: Callable[[], bool]) -> None:
         self.cfg: Config = workers.cfg
         self.events: EventHub = workers.events
         self.ident: Identity = workers.ident
-        self._workers, self._rv, self._peers = workers, rv, peers
+        self._workers, self._send, self._recv, self._peers = workers, send, recv, peers
         self.tally = tally  # its Prometheus series (metrics.py)
         self._peerbook, self._is_draining = peerbook, is_draining
 
@@ -92,16 +91,15 @@ class View:
     @property
     def stray_notifications(self) -> int:
         xfer = self._workers.xfer
-        return self._rv.recv.stray_notifications + (xfer.stray_notifications if xfer else 0)
+        return self._recv.stray_notifications + (xfer.stray_notifications if xfer else 0)
 
     def held_blocks(self) -> dict[str, int]:
         """Blocks of local workers that pending transfers cover, by side ("send", "recv")."""
-        return self._rv.held_blocks()
+        return {"send": self._send.held_blocks(), "recv": self._recv.held_blocks()}
 
     def pending(self) -> tuple[int, int]:
         """Transfers pending: (send side, recv side)."""
-        rv = self._rv
-        return len(rv.send), len(rv.recv)
+        return len(self._send), len(self._recv)
 
     def fd_socket(self) -> tuple[int, int]:
         """The fd socket: descriptors waiting for their Attach, and those dropped (malformed, evicted, expired)."""
@@ -124,10 +122,10 @@ class View:
         return xfer.agent_backends(worker_id) if xfer is not None else ()
 
     def send_transfers(self) -> list[SendView]:
-        return self._rv.send.views(time.monotonic())
+        return self._send.views(time.monotonic())
 
     def recv_transfers(self) -> list[RecvView]:
-        return self._rv.recv.views(time.monotonic())
+        return self._recv.views(time.monotonic())
 
     # -- peers ----------------------------------------------------------------------------------
 
@@ -179,7 +177,7 @@ class View:
 
     def peer_identities(self) -> list[IdentityView]:
         """Each identity with a session here and what its sessions hold, summed as the quotas sum them."""
-        inbound, send = self._peers.inbound, self._rv.send
+        inbound, send = self._peers.inbound, self._send
         out = []
         for identity, instances in list(inbound.identities.items()):
             regs = blocks = refused = 0

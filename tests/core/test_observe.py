@@ -44,7 +44,7 @@ def test_a_rendezvous_whose_write_fails_is_told_once_to_every_book() -> None:
     for kind in (o.WriteDone, o.Ended, Dropped):
         n.obs.on(kind, records.append)
     n.xfer = _NoThread()  # type: ignore[assignment]  # posts nothing: the consumer agent is unknown
-    rv, ex = n.rv, n
+    rv = ex = n
 
     async def rendezvous() -> None:  # the failure notice to the (unknown) decode daemon is a task
         ex.run(rv.send.publish(100.0, WorkerRef("w1", "prefill", 0, 1), Publish("tid", [1, 2])))
@@ -86,7 +86,7 @@ def test_a_failed_write_is_booked_against_the_decode_daemon_it_was_for() -> None
     n.inbound.origins["origin"] = Origin("origin", "dnode", "10.0.0.9:50061")
     failed: list[o.WriteDone] = []
     n.obs.on(o.WriteDone, failed.append)
-    rv, ex = n.rv, n
+    rv = ex = n
 
     async def rendezvous() -> None:
         ex.run(rv.send.publish(100.0, WorkerRef("w1", "prefill", 0, 1), Publish("tid", [1, 2])))

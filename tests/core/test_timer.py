@@ -75,7 +75,7 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
     cfg = config.from_dict({"transfer": {"publish_timeout_s": 30.0}})
     n = Node(cfg)
     observe(n)
-    ex, rv = n, n.rv
+    ex = rv = n
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]  # what start() sets, without the NIXL thread
     failures: list[Completion] = []
@@ -104,7 +104,7 @@ def test_a_lease_expires_at_its_deadline_from_one_timer(clock: FakeClock) -> Non
 def test_early_fire_only_rearms(clock: FakeClock) -> None:
     """A timer that fires before the deadline (a coarse loop clock) changes nothing but re-arms."""
     n = Node(config.from_dict({"transfer": {"expect_timeout_s": 10.0}}))
-    ex, rv = n, n.rv
+    ex = rv = n
     loop = FakeLoop()
     ex._loop = loop  # type: ignore[assignment]
     ex.run(rv.send.publish(clock.t, WorkerRef("w1", "prefill", 0, 1), Publish("req-1", [1])))
