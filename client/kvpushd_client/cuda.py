@@ -19,12 +19,13 @@ without a GPU. The driver is asked through ctypes (libcuda), nothing to install.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import functools
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 # CUpointer_attribute (cuda.h)
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
@@ -33,6 +34,7 @@ CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES = 14
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
 
 # torch's shareable handle (c10/cuda/CUDACachingAllocator.cpp): a version byte, then the kind
 TORCH_HANDLE_CUDA_MALLOC = ord("c")
@@ -109,23 +111,48 @@ class PointerInfo:
     range_size: int                 # 0: the driver did not say
 
 
-class Driver:
+def load_libcuda(error: type[Exception] = OSError, who: str = "kvpushd", then: str = "") -> ctypes.CDLL:
+    """libcuda.so.1, or ``error`` saying that ``who`` needs it, why it did not load, and ``then`` (what to do)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise error(f"{who} needs the CUDA driver (libcuda.so.1), which cannot be loaded here ({e}){then}") from None
+
+
+class CudaCalls:
+    """What the ctypes wrappers of libcuda (``lib``) share: ``_check`` raises the wrapper's own ``error``
+    for a CUresult other than CUDA_SUCCESS, named as the driver names it."""
+
+    error: type[Exception] = OSError
+    lib: Any
+
+    def _check(self, what: str, rc: int) -> None:
+        if rc:
+            name = ctypes.c_char_p()
+            with contextlib.suppress(Exception):  # a stand-in lib may not have it: the number still says
+                self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise self.error(f"{what} failed: {(name.value or b'?').decode(errors='replace')} ({rc})")
+
+    def device_uuid(self, ordinal: int) -> str:
+        """The UUID of the GPU with this ordinal, spelled as nvidia-smi and torch spell it."""
+        dev, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+        self._check("cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(dev), ordinal))
+        self._check("cuDeviceGetUuid", self.lib.cuDeviceGetUuid(raw, dev))
+        h = bytes(raw).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class Driver(CudaCalls):
     """The few CUDA driver calls kvpushd needs, through ctypes."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
-        self._check(lib.cuInit(0), "cuInit")
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc:
-            s = ctypes.c_char_p()
-            self._lib.cuGetErrorString(rc, ctypes.byref(s))
-            raise OSError(f"{what}: CUDA error {rc} ({(s.value or b'?').decode()})")
+        self.lib = lib
+        self._check("cuInit", lib.cuInit(0))
 
     def attribute(self, ptr: int, attr: int, ctype: type[ctypes._SimpleCData] = ctypes.c_uint64) -> int:  # type: ignore[type-arg]
         v = ctype(0)
-        self._check(self._lib.cuPointerGetAttribute(ctypes.byref(v), attr, ctypes.c_uint64(ptr)),
-                    f"cuPointerGetAttribute({attr})")
+        self._check(f"cuPointerGetAttribute({attr})",
+                    self.lib.cuPointerGetAttribute(ctypes.byref(v), attr, ctypes.c_uint64(ptr)))
         return int(v.value)
 
     def _maybe(self, ptr: int, attr: int, ctype: type[ctypes._SimpleCData], default: int) -> int:  # type: ignore[type-arg]
@@ -147,18 +174,10 @@ class Driver:
 @functools.cache
 def driver() -> Driver | None:
     """libcuda through ctypes, or None where there is none (no GPU driver on this machine)."""
-    for name in ("libcuda.so.1", ctypes.util.find_library("cuda") or ""):
-        if not name:
-            continue
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        try:
-            return Driver(lib)
-        except OSError:
-            return None
-    return None
+    try:
+        return Driver(load_libcuda())
+    except OSError:
+        return None
 
 
 def uuid_hex(uuid: str) -> str:

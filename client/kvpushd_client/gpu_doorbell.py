@@ -43,9 +43,10 @@ import ctypes
 import logging
 import sys
 from collections.abc import Callable
-from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
+from ctypes import POINTER, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from typing import Any
 
+from .cuda import CudaCalls, load_libcuda
 from .doorbell import SIZE, Doorbell
 
 log = logging.getLogger("kvpushd_client")
@@ -66,7 +67,6 @@ STREAM_COPY = "stream_copy"
 # are the versioned ones cuda.h maps its plain names to.
 SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "cuInit": (c_int, (c_uint,)),
-    "cuGetErrorString": (c_int, (c_int, POINTER(c_char_p))),
     "cuCtxGetCurrent": (c_int, (POINTER(c_void_p),)),
     "cuCtxGetDevice": (c_int, (POINTER(c_int),)),
     "cuCtxPushCurrent_v2": (c_int, (c_void_p,)),
@@ -106,14 +106,6 @@ def bind(lib: Any) -> dict[str, Any]:
     return fns
 
 
-def load_libcuda() -> ctypes.CDLL:
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise GpuDoorbellError(f"the GPU doorbell needs the CUDA driver (libcuda.so.1), not found here ({e}); "
-                               "with host KV use the host doorbell (make_doorbell(kv_on_cuda=False))") from None
-
-
 def torch_stream() -> Callable[[], int]:
     """The current torch CUDA stream, asked at each ring (the stream vLLM's forward runs on)."""
     try:
@@ -130,7 +122,7 @@ def torch_stream() -> Callable[[], int]:
     return stream
 
 
-class GpuDoorbell(Doorbell):
+class GpuDoorbell(Doorbell, CudaCalls):
     """The writer's side for GPU KV: each ring is queued on the CUDA stream (see the module's text).
 
     Create it on the engine thread once CUDA is in use there (in a vLLM worker: once the KV caches are
@@ -138,24 +130,28 @@ class GpuDoorbell(Doorbell):
     the device has it, else the copy; ``STREAM_COPY`` forces the copy (tests). ``lib`` and ``stream``
     replace libcuda and torch's current stream (tests without a GPU)."""
 
+    error = GpuDoorbellError
+
     def __init__(self, *, path: str | None = None, lib: Any = None, stream: Callable[[], int] | None = None) -> None:
         if sys.byteorder != "little":
             raise GpuDoorbellError("the GPU doorbell's copy path assumes a little-endian host")
         if path not in (None, STREAM_WRITE, STREAM_COPY):
             raise ValueError(f"path must be None, {STREAM_WRITE!r} or {STREAM_COPY!r}, not {path!r}")
-        fns = bind(load_libcuda() if lib is None else lib)
-        self._fns = fns
+        if lib is None:
+            lib = load_libcuda(GpuDoorbellError, "the GPU doorbell",
+                               "; with host KV use the host doorbell (make_doorbell(kv_on_cuda=False))")
+        self.lib = lib
+        self._fns = fns = bind(lib)
         self._stream = stream if stream is not None else torch_stream()
-        self._check(fns["cuInit"](0), "cuInit")
+        self._check("cuInit", fns["cuInit"](0))
         ctx = self._context(torch_sync=stream is None)
         dev = c_int(-1)
-        self._check(fns["cuCtxGetDevice"](ctypes.byref(dev)), "cuCtxGetDevice")
+        self._check("cuCtxGetDevice", fns["cuCtxGetDevice"](ctypes.byref(dev)))
         self.device = dev.value
         memops = c_int(0)
         if fns["cuStreamWriteValue64_v2"] is not None:
-            self._check(fns["cuDeviceGetAttribute"](ctypes.byref(memops),
-                                                    CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev),
-                        "cuDeviceGetAttribute(CAN_USE_64_BIT_STREAM_MEM_OPS)")
+            self._check("cuDeviceGetAttribute(CAN_USE_64_BIT_STREAM_MEM_OPS)", fns["cuDeviceGetAttribute"](
+                ctypes.byref(memops), CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev))
         if path == STREAM_WRITE and not memops.value:
             raise GpuDoorbellError(f"CUDA device {dev.value} has no 64-bit stream memory operations")
         self.path = STREAM_WRITE if memops.value and path != STREAM_COPY else STREAM_COPY
@@ -175,21 +171,15 @@ class GpuDoorbell(Doorbell):
                  "a stream-ordered copy (cuMemsetD32Async + cuMemcpyDtoHAsync; this device or driver has no "
                  "64-bit stream memory operations)")
 
-    def _check(self, rc: int, what: str) -> None:
-        if rc:
-            s = c_char_p()
-            self._fns["cuGetErrorString"](rc, ctypes.byref(s))
-            raise GpuDoorbellError(f"{what}: CUDA error {rc} ({(s.value or b'?').decode(errors='replace')})")
-
     def _context(self, torch_sync: bool) -> int:
         """The context current on this thread (torch's primary context once torch used CUDA here)."""
         ctx = c_void_p()
-        self._check(self._fns["cuCtxGetCurrent"](ctypes.byref(ctx)), "cuCtxGetCurrent")
+        self._check("cuCtxGetCurrent", self._fns["cuCtxGetCurrent"](ctypes.byref(ctx)))
         if not ctx.value and torch_sync:
             import torch
 
             torch.cuda.synchronize()  # a runtime call: binds the device's primary context to this thread
-            self._check(self._fns["cuCtxGetCurrent"](ctypes.byref(ctx)), "cuCtxGetCurrent")
+            self._check("cuCtxGetCurrent", self._fns["cuCtxGetCurrent"](ctypes.byref(ctx)))
         if not ctx.value:
             raise GpuDoorbellError("no CUDA context is current on this thread: create the GPU doorbell on the "
                                    "engine thread once it uses CUDA (after the KV caches are allocated)")
@@ -198,15 +188,15 @@ class GpuDoorbell(Doorbell):
     def _map(self) -> None:
         fns = self._fns
         host = ctypes.addressof(self._word)  # the page's first byte (mmap: page-aligned)
-        self._check(fns["cuMemHostRegister_v2"](host, SIZE, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE),
-                    "cuMemHostRegister(doorbell page)")
+        self._check("cuMemHostRegister(doorbell page)",
+                    fns["cuMemHostRegister_v2"](host, SIZE, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE))
         self._host = host
         dptr = c_uint64(0)
-        self._check(fns["cuMemHostGetDevicePointer_v2"](ctypes.byref(dptr), host, 0), "cuMemHostGetDevicePointer")
+        self._check("cuMemHostGetDevicePointer", fns["cuMemHostGetDevicePointer_v2"](ctypes.byref(dptr), host, 0))
         self._dptr = dptr.value
         if self.path == STREAM_COPY:
             scratch = c_uint64(0)
-            self._check(fns["cuMemAlloc_v2"](ctypes.byref(scratch), 8), "cuMemAlloc(8)")
+            self._check("cuMemAlloc(8)", fns["cuMemAlloc_v2"](ctypes.byref(scratch), 8))
             self._scratch = scratch.value
         self._write = fns["cuStreamWriteValue64_v2"]
         self._memset = fns["cuMemsetD32Async"]
@@ -218,11 +208,11 @@ class GpuDoorbell(Doorbell):
             raise GpuDoorbellError(f"doorbell {self.name} is closed")
         s = self._stream()
         if self.path == STREAM_WRITE:
-            self._check(self._write(s, self._dptr, value, CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64")
+            self._check("cuStreamWriteValue64", self._write(s, self._dptr, value, CU_STREAM_WRITE_VALUE_DEFAULT))
             return
-        self._check(self._memset(self._scratch, value & 0xFFFFFFFF, 1, s), "cuMemsetD32Async")
-        self._check(self._memset(self._scratch + 4, value >> 32, 1, s), "cuMemsetD32Async")
-        self._check(self._dtoh(self._host, self._scratch, 8, s), "cuMemcpyDtoHAsync")
+        self._check("cuMemsetD32Async", self._memset(self._scratch, value & 0xFFFFFFFF, 1, s))
+        self._check("cuMemsetD32Async", self._memset(self._scratch + 4, value >> 32, 1, s))
+        self._check("cuMemcpyDtoHAsync", self._dtoh(self._host, self._scratch, 8, s))
 
     def close(self) -> None:
         """Wait for queued rings, unregister the page, free the scratch word, then unmap and remove it.

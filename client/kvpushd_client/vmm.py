@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+from .cuda import CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE, CudaCalls, load_libcuda
+
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
-CU_MEM_LOCATION_TYPE_DEVICE = 1
 
 
 class VmmError(RuntimeError):
@@ -108,17 +108,13 @@ def export_range(driver: Driver, base: int, size: int, device: int) -> VmmExport
         raise
 
 
-class CudaDriver:
+class CudaDriver(CudaCalls):
     """``Driver`` on libcuda.so.1 (ctypes). Each call checks its CUresult."""
 
-    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
-        self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+    error = VmmError
 
-    def _check(self, what: str, rc: int) -> None:
-        if rc != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(rc, ctypes.byref(name))
-            raise VmmError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        self.lib = lib if lib is not None else load_libcuda(who="exporting CUDA virtual memory")
 
     def mapping_at(self, addr: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -153,10 +149,3 @@ class CudaDriver:
         self._check("cuMemGetAllocationGranularity", self.lib.cuMemGetAllocationGranularity(
             ctypes.byref(g), ctypes.byref(prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM))
         return g.value
-
-    def device_uuid(self, device: int) -> str:
-        dev, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
-        self._check("cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(dev), device))
-        self._check("cuDeviceGetUuid", self.lib.cuDeviceGetUuid(raw, dev))
-        h = bytes(raw).hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvpushd_client.cuda import uuid_hex
+from kvpushd_client.cuda import CudaCalls, load_libcuda, uuid_hex
 
 from ..core.errors import FailedPrecondition, InvalidArgument, NotFound
 from .cuda import check_sentinel
@@ -218,23 +218,18 @@ class VmmMapping:
         self.mapped = []
 
 
-class CudaDriver:
+class CudaDriver(CudaCalls):
     """``Driver`` on libcuda.so.1 (ctypes); the caller has made a context current on the device."""
 
-    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
-        self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+    error = VmmImportError
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         self.ctx = 0  # made current again before the calls of a close, which may run on another thread
 
     def _current(self) -> None:
         if self.ctx:
             self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(ctypes.c_void_p(self.ctx)))
-
-    def _check(self, what: str, rc: int) -> None:
-        if rc != 0:
-            name = ctypes.c_char_p()
-            with contextlib.suppress(Exception):
-                self.lib.cuGetErrorName(rc, ctypes.byref(name))
-            raise VmmImportError(f"{what} failed: {(name.value or b'CUresult').decode()} ({rc})")
 
     def import_fd(self, fd: int) -> int:
         h = ctypes.c_uint64()
@@ -291,12 +286,8 @@ def cuda_device(gpu_uuid: str, lib: ctypes.CDLL | None = None) -> tuple[CudaDriv
     FAILED_PRECONDITION, naming what is missing, where there is no driver or no device; NOT_FOUND where
     no visible GPU has that UUID."""
     if lib is None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise FailedPrecondition(f"VMM memory (vLLM 0.34's extensible KV cache) needs the NVIDIA driver in the "
-                                     f"daemon, and libcuda.so.1 cannot be loaded here ({e}); the chunks' "
-                                     "descriptors were closed") from None
+        lib = load_libcuda(FailedPrecondition, "VMM memory (vLLM 0.34's extensible KV cache) in the daemon",
+                           "; the chunks' descriptors were closed")
     if (rc := lib.cuInit(0)) != 0:
         raise FailedPrecondition(f"VMM memory handed to a daemon where cuInit fails (CUresult {rc}: no usable "
                                  "CUDA device or driver); the chunks' descriptors were closed")
@@ -305,15 +296,13 @@ def cuda_device(gpu_uuid: str, lib: ctypes.CDLL | None = None) -> tuple[CudaDriv
     drv._check("cuDeviceGetCount", lib.cuDeviceGetCount(ctypes.byref(n)))
     want = uuid_hex(gpu_uuid)
     for i in range(n.value):
-        dev, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
-        drv._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), i))
-        drv._check("cuDeviceGetUuid", lib.cuDeviceGetUuid(raw, dev))
-        if bytes(raw).hex() != want:
+        if uuid_hex(drv.device_uuid(i)) != want:
             continue
         with _ctx_lock:
             ctx = _contexts.get(i)
             if ctx is None:
-                c = ctypes.c_void_p()
+                dev, c = ctypes.c_int(), ctypes.c_void_p()
+                drv._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), i))
                 drv._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
                 ctx = _contexts[i] = c.value or 0
         drv.ctx = ctx

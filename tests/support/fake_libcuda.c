@@ -69,7 +69,7 @@ int fake_run(void) { /* the stream gets there: carry out what was queued, in ord
 }
 
 CUresult cuInit(unsigned int flags) { return flags ? BAD : 0; }
-CUresult cuGetErrorString(CUresult rc, const char **s) { (void)rc; *s = "fake error"; return 0; }
+CUresult cuGetErrorName(CUresult rc, const char **s) { (void)rc; *s = "CUDA_ERROR_FAKE"; return 0; }
 CUresult cuCtxGetCurrent(CUcontext *c) { *c = fake_has_ctx ? CTX : NULL; return 0; }
 CUresult cuCtxGetDevice(CUdevice *d) { if (!fake_has_ctx) return BAD; *d = 3; return 0; }
 CUresult cuCtxPushCurrent_v2(CUcontext c) { if (c != CTX) { fake_errors++; return BAD; } fake_pushed++; return 0; }
