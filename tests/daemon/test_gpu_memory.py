@@ -7,14 +7,19 @@ refused before anything is mapped (no GPU needed), and the daemon goes on.
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import pytest
 from kvpushd_client import Attach, CudaMemory, KVPushError, Region, Role, _convert
 from kvpushd_client.cuda import (
     CUDA_IPC_HANDLE_SIZE,
     CudaMemoryError,
+    Driver,
     alloc_conf_expandable,
     check_shareable,
     handle_kind,
+    load_libcuda,
     uuid_hex,
 )
 
@@ -74,6 +79,53 @@ def test_unknown_handle_format_refused() -> None:
 
 def test_uuid_spellings() -> None:
     assert uuid_hex("GPU-8A3C0D12-aaaa-bbbb-cccc-0123456789ab") == uuid_hex("8a3c0d12aaaabbbbcccc0123456789ab")
+
+
+class _Lib:
+    """A stand-in libcuda for the checks every ctypes wrapper shares (kvpushd_client.cuda.CudaCalls)."""
+
+    def cuGetErrorName(self, rc: int, ref: Any) -> int:
+        ref._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+        return 0
+
+    def cuDeviceGet(self, ref: Any, ordinal: int) -> int:
+        ref._obj.value = ordinal
+        return 0
+
+    def cuDeviceGetUuid(self, raw: Any, dev: Any) -> int:
+        ctypes.memmove(raw, bytes(range(16)), 16)
+        return 0
+
+
+def test_each_libcuda_wrapper_raises_its_own_error_naming_the_call_and_result() -> None:
+    from kvpushd_client.gpu_doorbell import GpuDoorbell, GpuDoorbellError
+    from kvpushd_client.vmm import CudaDriver, VmmError
+
+    from kvpushd.memory.vmm import CudaDriver as DaemonDriver
+    from kvpushd.memory.vmm import VmmImportError
+
+    assert (Driver.error, GpuDoorbell.error) == (OSError, GpuDoorbellError)
+    for drv, error in ((CudaDriver(_Lib()), VmmError), (DaemonDriver(_Lib()), VmmImportError)):  # type: ignore[arg-type]
+        drv._check("cuMemMap", 0)
+        with pytest.raises(error, match=r"^cuMemMap failed: CUDA_ERROR_INVALID_VALUE \(1\)$"):
+            drv._check("cuMemMap", 1)
+        assert drv.device_uuid(0) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+        assert uuid_hex(drv.device_uuid(0)) == bytes(range(16)).hex()
+    with pytest.raises(VmmError, match=r"^cuMemMap failed: \? \(2\)$"):  # a driver that cannot name it
+        CudaDriver(object())._check("cuMemMap", 2)  # type: ignore[arg-type]
+
+
+def test_load_libcuda_raises_the_callers_error() -> None:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has a CUDA driver")
+    except OSError:
+        pass
+    with pytest.raises(FailedPrecondition, match=r"^the test needs the CUDA driver \(libcuda.so.1\), which cannot be "
+                                                 r"loaded here \(.*\); do this$"):
+        load_libcuda(FailedPrecondition, "the test", "; do this")
+    with pytest.raises(OSError, match="kvpushd needs the CUDA driver"):
+        load_libcuda()
 
 
 def test_daemon_refuses_before_mapping() -> None:
