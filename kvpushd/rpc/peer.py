@@ -11,7 +11,7 @@ from kvpushd_client.proto.v1 import peer_pb2, peer_pb2_grpc
 from .. import PROTOCOL_VERSION
 from ..core import notif
 from ..core.errors import SessionUnknown
-from ..peer_security import cert_names
+from ..peer_security import caller_ip, cert_names
 from ..runtime.inbound import Hello
 from ..runtime.node import Node
 from .errors import stream, unary
@@ -69,10 +69,7 @@ def tls_names_of(context: Ctx) -> tuple[str, ...]:
 def host_of(context: Ctx) -> str:
     """The caller's source address without its port ("ipv4:10.0.0.5:41234" -> "10.0.0.5")."""
     peer = str(context.peer() or "")
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return rest.rsplit(":", 1)[0] if kind == "ipv4" else peer[:256]
+    return caller_ip(peer) or peer[:256]
 
 
 def metadata_of(context: Ctx, name: str) -> str:
