@@ -41,20 +41,17 @@ def tls_enabled(p: PeerApiConfig) -> bool:
     return bool(p.tls_cert and p.tls_key and p.tls_ca)
 
 
-def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
-
-
 def server_credentials(p: PeerApiConfig) -> grpc.ServerCredentials:
     """Our certificate; client certificates signed by the CA are required."""
-    return grpc.ssl_server_credentials([(_read(p.tls_key), _read(p.tls_cert))],
-                                       root_certificates=_read(p.tls_ca), require_client_auth=True)
+    return grpc.ssl_server_credentials([(Path(p.tls_key).read_bytes(), Path(p.tls_cert).read_bytes())],
+                                       root_certificates=Path(p.tls_ca).read_bytes(), require_client_auth=True)
 
 
 def channel_credentials(p: PeerApiConfig) -> grpc.ChannelCredentials:
     """The CA to check the remote daemon with, and our certificate to present to it."""
-    return grpc.ssl_channel_credentials(root_certificates=_read(p.tls_ca), private_key=_read(p.tls_key),
-                                        certificate_chain=_read(p.tls_cert))
+    return grpc.ssl_channel_credentials(root_certificates=Path(p.tls_ca).read_bytes(),
+                                        private_key=Path(p.tls_key).read_bytes(),
+                                        certificate_chain=Path(p.tls_cert).read_bytes())
 
 
 def channel_options(p: PeerApiConfig) -> list[tuple[str, Any]]:
