@@ -92,8 +92,7 @@ class Subscription:
 
 
 class EventHub:
-    def __init__(self, queue_size: int = DEFAULT_QUEUE) -> None:
-        self.queue_size = queue_size
+    def __init__(self) -> None:
         self.emitted = 0
         self.dropped = 0
         self._subs: set[Subscription] = set()
@@ -107,7 +106,7 @@ class EventHub:
         return len(self._subs)
 
     def subscribe(self, kinds: Iterable[EventKind] = (), queue_size: int = 0) -> Subscription:
-        size = min(max(queue_size or self.queue_size, 1), MAX_QUEUE)
+        size = min(max(queue_size or DEFAULT_QUEUE, 1), MAX_QUEUE)
         sub = Subscription(self, frozenset(kinds), size)
         if self._closed:
             sub.put(None)
