@@ -197,10 +197,6 @@ class AgentBook:
             except Exception:
                 log.warning("releasing remote agent failed", remote_agent=name, exc_info=True)
 
-    def pop(self, worker_id: str) -> Local | None:
-        """Take a worker's agent out of the book (its release follows: ``release``)."""
-        return self.locals.pop(worker_id, None)
-
     @staticmethod
     def release(loc: Local) -> None:
         """Release everything prepared on a local agent and deregister its memory."""

@@ -537,7 +537,7 @@ class TransferThread:
         self._drained = still
 
     def _release(self, worker_id: str) -> None:
-        loc = self._book.pop(worker_id)
+        loc = self._book.locals.pop(worker_id, None)
         if loc is None:
             return
         self._poll_notifs([loc])  # hand over notifications that raced the detach
