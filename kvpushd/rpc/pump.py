@@ -235,22 +235,21 @@ async def woken(event: asyncio.Event) -> AsyncIterator[list[Any]]:
         yield []
 
 
-def packed(make: Callable[[], M], fields: Sequence[tuple[str, Sequence[Message]]],
-           limit: int = ANSWER_BYTES) -> list[M]:
+def packed(make: Callable[[], M], fields: Sequence[tuple[str, Sequence[Message]]]) -> list[M]:
     """Messages made by ``make`` holding every item of ``fields`` (field name, items), in order, each of
-    at most ``limit`` encoded bytes (one item larger than that goes alone). The usual tick fits one
+    at most ``ANSWER_BYTES`` encoded bytes (one item larger than that goes alone). The usual tick fits one
     message: sized once."""
     one = make()
     for name, items in fields:
         getattr(one, name).extend(items)
-    if one.ByteSize() <= limit:
+    if one.ByteSize() <= ANSWER_BYTES:
         return [one]
     out = [make()]
     size = 0
     for name, items in fields:
         for item in items:
             n = item.ByteSize() + 8  # the field's tag and length
-            if size + n > limit and size:
+            if size + n > ANSWER_BYTES and size:
                 out.append(make())
                 size = 0
             getattr(out[-1], name).append(item)
