@@ -64,15 +64,17 @@ def observe(node: Node) -> None:
 def peer_server_options(p: PeerApiConfig) -> list[tuple[str, int]]:
     """gRPC options of the peer server, its bounds on what callers can make it hold.
 
-    Streams per connection and metadata are capped; BDP probing is off, so a sender cannot grow the
-    flow-control window and push tens of MiB per stream before an oversized message is refused (measured:
-    +341 MiB RSS with it on under 8 parallel 60-128 MiB calls, +2 MiB off; docs/results.md). Calls the
-    event loop has not taken up yet queue in gRPC per method up to ``max_pending_calls`` (gRPC's own
-    default drops them CANCELLED from 1,000 on, at random, and from 3,000 on always: a fleet of a few
-    thousand decode daemons handshaking at once lost half its handshakes that way; docs/results.md), for
-    at most ``max_pending_s``: a queue longer than the callers wait would have the loop answer only calls
-    their callers gave up on (10,000 decode daemons retrying 5 s Handshakes: 413k attempts, 4,667 served)."""
-    return [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    A message over ``max_message_bytes`` is refused; streams per connection and metadata are capped; BDP probing is
+    off, so a sender cannot grow the flow-control window and push tens of MiB per stream before an oversized message
+    is refused (measured: +341 MiB RSS with it on under 8 parallel 60-128 MiB calls, +2 MiB off; docs/results.md).
+    Calls the event loop has not taken up yet queue in gRPC per method up to ``max_pending_calls`` (gRPC's own
+    default drops them CANCELLED from 1,000 on, at random, and from 3,000 on always: a fleet of a few thousand
+    decode daemons handshaking at once lost half its handshakes that way; docs/results.md), for at most
+    ``max_pending_s``: a queue longer than the callers wait would have the loop answer only calls their callers gave
+    up on (10,000 decode daemons retrying 5 s Handshakes: 413k attempts, 4,667 served)."""
+    return [("grpc.max_receive_message_length", p.max_message_bytes),
+            ("grpc.max_send_message_length", p.max_message_bytes),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.max_concurrent_streams", p.max_streams_per_connection),
             ("grpc.max_metadata_size", 16 << 10), ("grpc.http2.bdp_probe", 0),
             ("grpc.server.max_pending_requests", p.max_pending_calls),
@@ -100,9 +102,8 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.node.start(asyncio.get_running_loop())
-        opts = [("grpc.max_receive_message_length", cfg.peer_api.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.peer_api.max_message_bytes)]
+        loop = asyncio.get_running_loop()
+        self.node.start(loop)
         local_opts = [("grpc.max_receive_message_length", cfg.worker_api.max_message_bytes),
                       ("grpc.max_send_message_length", cfg.worker_api.max_message_bytes)]
         sock = Path(cfg.socket_path)
@@ -123,31 +124,29 @@ class Daemon:
             self.local_server.add_insecure_port(f"unix:{sock}")
         finally:
             os.umask(old)
-        # memory bounds: a message over max_message_bytes is refused; the rest in peer_server_options
+        # memory bounds (messages, streams, calls queued): peer_server_options
         interceptors = peer_interceptors(cfg.peer_api)  # protected mode: loopback only unless TLS/allow/insecure
-        self.peer_server = grpc.aio.server(options=[*opts, *peer_server_options(cfg.peer_api)],
-                                           interceptors=interceptors)
+        self.peer_server = grpc.aio.server(options=peer_server_options(cfg.peer_api), interceptors=interceptors)
         peer_service = add_service(self.peer_server, peer_pb2, "PeerService", PeerServicer(self.node))
         await self._add_health(self.peer_health, [peer_service], self.peer_server)
         host, port = cfg.listen_host_port
+        listen = f"{host or '0.0.0.0'}:{port}"
         if tls_enabled(cfg.peer_api):
-            bound = self.peer_server.add_secure_port(f"{host or '0.0.0.0'}:{port}",
-                                                     server_credentials(cfg.peer_api))
+            bound = self.peer_server.add_secure_port(listen, server_credentials(cfg.peer_api))
         else:
-            bound = self.peer_server.add_insecure_port(f"{host or '0.0.0.0'}:{port}")
+            bound = self.peer_server.add_insecure_port(listen)
         if bound == 0:
             raise FailedPrecondition(f"cannot listen on {cfg.peer_api.listen}")
         if port == 0:  # an ephemeral port (tests): advertise the one we got
             self.node.ident.peer_address = f"{cfg.advertise_host}:{bound}"
         # the fd socket (sealed memfds of host KV), before any worker can attach
-        self.node.workers.fds.start(asyncio.get_running_loop())
+        self.node.workers.fds.start(loop)
         await self.local_server.start()
         await self.peer_server.start()
         self.node.outbound.preconnect(cfg.peer_api.preconnect)  # peer_api.preconnect: handshakes start now
         os.chmod(sock, cfg.worker_api.socket_mode)
         self.metrics.serve(cfg.metrics)
         self.node.ident.metrics_address = self.metrics.address
-        loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.notifier.run_watchdog()))
         freeze_startup_objects()
         log.info("kvpushd ready", node_id=self.node.ident.node_id, socket=str(sock),
