@@ -14,7 +14,7 @@ bound is logged and left out; it does not stop the data path.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import structlog
@@ -86,17 +86,11 @@ class _StateCollector(Collector):
         v = self.view
         for m in v.tally.series():
             yield m.family()
-        send, recv = v.pending()
-        pending = GaugeMetricFamily("kvpushd_pending_transfers", "Transfers not yet completed: send (prefill "
-                                    "rendezvous, WRITEs in flight) and recv (decode registrations)", labels=["side"])
-        pending.add_metric(["send"], send)
-        pending.add_metric(["recv"], recv)
-        yield pending
-        held = GaugeMetricFamily("kvpushd_held_blocks", "Blocks of local workers covered by their pending "
-                                 "Publishes (send) and Expects (recv)", labels=["side"])
-        for side, n in v.held_blocks().items():
-            held.add_metric([side], n)
-        yield held
+        yield _by(GaugeMetricFamily("kvpushd_pending_transfers", "Transfers not yet completed: send (prefill "
+                                    "rendezvous, WRITEs in flight) and recv (decode registrations)", labels=["side"]),
+                  zip(("send", "recv"), v.pending(), strict=True))
+        yield _by(GaugeMetricFamily("kvpushd_held_blocks", "Blocks of local workers covered by their pending "
+                                    "Publishes (send) and Expects (recv)", labels=["side"]), v.held_blocks().items())
         yield GaugeMetricFamily("kvpushd_workers", "Workers attached", value=sum(1 for _ in v.workers()))
         yield from _peer_gauges(v)
         yield GaugeMetricFamily("kvpushd_uptime_seconds", "Seconds since the daemon started", value=v.uptime_s)
@@ -104,12 +98,10 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvpushd_watchers", "Watch streams open", value=v.events.subscribers)
         yield CounterMetricFamily("kvpushd_notifications", "WRITE notifications received",
                                   value=v.counters.notifications_received)
-        declines = CounterMetricFamily("kvpushd_declines", "Transfers declined (a decode worker's Expect never "
-                                       "reached its daemon): sent to prefill daemons, received from decode "
-                                       "daemons", labels=["direction"])
-        declines.add_metric(["sent"], v.counters.declines_sent)
-        declines.add_metric(["received"], v.counters.declines_received)
-        yield declines
+        yield _by(CounterMetricFamily("kvpushd_declines", "Transfers declined (a decode worker's Expect never "
+                                      "reached its daemon): sent to prefill daemons, received from decode "
+                                      "daemons", labels=["direction"]),
+                  (("sent", v.counters.declines_sent), ("received", v.counters.declines_received)))
         yield GaugeMetricFamily("kvpushd_gc_frozen_objects", "Objects start-up made, kept out of garbage "
                                 "collections (app.freeze_startup_objects; 0: not frozen, every full "
                                 "collection walks them with the event loop stopped)", value=gc.get_freeze_count())
@@ -131,16 +123,12 @@ def _peer_gauges(v: View) -> Iterator[Metric]:
     """Connection discipline: handshakes under way (bounded by peer_api.max_concurrent_handshakes) and
     waiting their turn, and peers connected each way."""
     in_flight, waiting, outbound, inbound = v.peer_links()
-    hs = GaugeMetricFamily("kvpushd_peer_handshakes", "Handshakes this daemon makes to other daemons: in flight "
-                           "(at most peer_api.max_concurrent_handshakes) and waiting their turn", labels=["state"])
-    hs.add_metric(["in_flight"], in_flight)
-    hs.add_metric(["waiting"], waiting)
-    yield hs
-    peers = GaugeMetricFamily("kvpushd_peers_connected", "Other daemons connected: outbound (our handshake "
-                              "answered) and inbound (sessions of daemons that call us)", labels=["direction"])
-    peers.add_metric(["outbound"], outbound)
-    peers.add_metric(["inbound"], inbound)
-    yield peers
+    yield _by(GaugeMetricFamily("kvpushd_peer_handshakes", "Handshakes this daemon makes to other daemons: in "
+                                "flight (at most peer_api.max_concurrent_handshakes) and waiting their turn",
+                                labels=["state"]), (("in_flight", in_flight), ("waiting", waiting)))
+    yield _by(GaugeMetricFamily("kvpushd_peers_connected", "Other daemons connected: outbound (our handshake "
+                                "answered) and inbound (sessions of daemons that call us)", labels=["direction"]),
+              (("outbound", outbound), ("inbound", inbound)))
     pa, idents = v.cfg.peer_api, v.peer_identities()
     yield GaugeMetricFamily("kvpushd_peer_identities", "Caller identities of the peer API with a session here (TLS "
                             "certificate name, else host): the per-peer quotas count each", value=len(idents))
@@ -151,3 +139,10 @@ def _peer_gauges(v: View) -> Iterator[Metric]:
                          ("blocks", pa.max_blocks_per_peer)):
         use.add_metric([quota], max((int(getattr(i, quota)) for i in idents), default=0) / bound)
     yield use
+
+
+def _by(family: GaugeMetricFamily | CounterMetricFamily, samples: Iterable[tuple[str, float]]) -> Metric:
+    """``family`` (of one label) with a sample per (label value, value)."""
+    for label, value in samples:
+        family.add_metric([label], value)
+    return family
