@@ -181,8 +181,8 @@ def plan_leg(plan: PairPlan, src: Sequence[int], dst: Sequence[int]) -> Leg:
     return Leg(si, di, plan.block_bytes * n, n * plan.regions, plan.dense * runs + (plan.regions - plan.dense) * n)
 
 
-def check_regions(src_regions: Sequence[RegionSpec], dst_regions: Sequence[RegionSpec], src_part: Part = WHOLE,
-                  dst_part: Part = WHOLE) -> None:
+def check_regions(src_regions: Sequence[RegionSpec], dst_regions: Sequence[RegionSpec], src_part: Part,
+                  dst_part: Part) -> None:
     """Layouts must match region for region (slice for slice across TP sizes)."""
     if len(src_regions) != len(dst_regions):
         raise InvalidArgument(
