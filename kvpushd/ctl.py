@@ -56,11 +56,11 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
 
 def _bytes(n: int) -> str:
     x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024:
             return f"{x:.0f}{unit}" if unit == "B" else f"{x:.1f}{unit}"
         x /= 1024
-    raise AssertionError("unreachable")
+    return f"{x:.1f}TiB"
 
 
 def _age(s: float) -> str:
