@@ -112,9 +112,7 @@ class OtelTracing(Tracing):
             answered = ns(led.registered) if led.registered else end if finished else 0
             if led.register_sent and answered:
                 self._child(span, "kvpushd.register", ns(led.register_sent), answered, tid, led.register_error)
-            if led.nixl_transfers or led.failed_writes:
-                self._nixl(span, "kvpushd.nixl_read", led, ns, end)
-            elif finished and answered:  # push: the WRITEs were the prefill daemon's
+            if finished and answered and not (led.nixl_transfers or led.failed_writes):  # push: prefill WRITEs
                 self._child(span, "kvpushd.wait_notifications", answered, end, tid)
         else:
             first = led.met - led.waited_s if led.met else led.taken
@@ -125,8 +123,8 @@ class OtelTracing(Tracing):
                                            links=links, start_time=ns(min(led.taken, first)), attributes=attrs)
             if led.met:
                 self._child(span, "kvpushd.rendezvous_wait", ns(first), ns(led.met), {**tid, "kvpushd.peer": led.peer})
-            if led.nixl_transfers or led.failed_writes:
-                self._nixl(span, "kvpushd.nixl_write", led, ns, end)
+        if led.nixl_transfers or led.failed_writes:  # the READs (pull) or WRITEs this daemon posted
+            self._nixl(span, "kvpushd.nixl_read" if led.side == "recv" else "kvpushd.nixl_write", led, ns, end)
         f = c.figures
         if f is not None:
             span.set_attributes({"kvpushd.bytes": f.nbytes, "kvpushd.nixl_transfers": f.nixl_transfers,
