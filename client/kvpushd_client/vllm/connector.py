@@ -95,7 +95,7 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size > 1:
             raise NotImplementedError("KVPushdConnector supports pipeline_parallel_size=1 only")
-        if getattr(pc, "decode_context_parallel_size", 1) > 1:
+        if pc.decode_context_parallel_size > 1:
             raise NotImplementedError("KVPushdConnector does not support decode context parallelism")
         groups = plan_groups(kv_cache_config)  # refuses (naming the groups) state it cannot move
         assert kvt is not None and kvt.engine_id is not None
@@ -103,12 +103,12 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = Settings.from_extra_config(dict(kvt.kv_connector_extra_config or {}))  # bad keys refused, named
         self._sched: KVPushdConnectorScheduler | None = None
         self._worker: KVPushdConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER and len(groups) > 1:
-            logger.info("kvpushd: hybrid KV cache manager on, %d KV cache groups move: %s", len(groups),
-                        "; ".join(f"group {i}: " + (f"sliding window {g.sliding_window} tokens" if g.sliding_window
-                                                   else "full attention") + f", {g.block_size}-token blocks"
-                                  for i, g in enumerate(groups)))
         if role == KVConnectorRole.SCHEDULER:
+            if len(groups) > 1:
+                logger.info("kvpushd: hybrid KV cache manager on, %d KV cache groups move: %s", len(groups),
+                            "; ".join(f"group {i}: " + (f"sliding window {g.sliding_window} tokens"
+                                                       if g.sliding_window else "full attention")
+                                      + f", {g.block_size}-token blocks" for i, g in enumerate(groups)))
             self._sched = KVPushdConnectorScheduler(vllm_config, self.engine_id, self.settings, groups)
         else:
             self._worker = KVPushdConnectorWorker(vllm_config, kv_cache_config, self.engine_id, _ROLES[kvt.kv_role],
@@ -160,8 +160,7 @@ class KVPushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """Every transfer group: a transfer fills the request's own blocks of each (not a prefix store)."""
-        ids = getattr(self._kv_cache_config, "transfer_group_ids", None)
-        return tuple(ids) if ids is not None else tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+        return self._kv_cache_config.transfer_group_ids
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()

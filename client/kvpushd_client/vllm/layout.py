@@ -106,9 +106,9 @@ def _move_to_owned_memfd(storage: Any) -> int:
     return fd
 
 
-def release_owned_shm(names: Iterable[str] | None = None) -> None:
-    """Close the memfds this process made (these names; None: all of them). Mappings stay valid."""
-    for name in list(_owned) if names is None else [n for n in names if n in _owned]:
+def release_owned_shm(names: Iterable[str]) -> None:
+    """Close the memfds this process made of these names. Mappings stay valid."""
+    for name in [n for n in names if n in _owned]:
         os.close(_owned.pop(name))
 
 
@@ -224,7 +224,7 @@ def _geometry(shape: list[int], strides: list[int], dense: set[int],
 def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
     """Layer name -> its KV cache spec (each group's, or the per-layer one of a uniform-type group)."""
     out: dict[str, Any] = {}
-    for g in getattr(kv_cache_config, "kv_cache_groups", ()):
+    for g in kv_cache_config.kv_cache_groups:
         per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)
         for name in g.layer_names:
             out[name] = per_layer[name] if isinstance(per_layer, dict) and name in per_layer else g.kv_cache_spec

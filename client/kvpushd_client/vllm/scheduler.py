@@ -48,14 +48,14 @@ class KVPushdConnectorScheduler:
     """The scheduler-side half of KVPushdConnector (one per engine)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings,
-                 groups: tuple[GroupPlan, ...] = ()) -> None:
+                 groups: tuple[GroupPlan, ...]) -> None:
         pc = vllm_config.parallel_config
         self.groups = groups  # more than one: the hybrid KV cache manager is on (groups.py)
         self.engine_id = engine_id
         self.settings = settings
         self.tp_size = pc.tensor_parallel_size
         self.pp_size = pc.pipeline_parallel_size
-        self.dcp_size = getattr(pc, "decode_context_parallel_size", 1)
+        self.dcp_size = pc.decode_context_parallel_size
         self._expects: list[ExpectReq] = []
         self._publishes: list[PublishReq] = []
         self._aborts: list[AbortReq] = []
@@ -65,14 +65,13 @@ class KVPushdConnectorScheduler:
             else None
         self._peer_next_try = 0.0
         # progressive push: prefill requests not declared yet, and those declared but not finished
-        self.progressive = settings.progressive
         self._prefills: dict[str, Request] = {}
         self._declared: dict[str, str] = {}  # req id -> transfer id
         self.kv_cache_manager: KVCacheManager | None = None  # the scheduler's (bind_kv_cache_manager)
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if self.progressive and params and params.get("do_remote_decode"):
+        if self.settings.progressive and params and params.get("do_remote_decode"):
             self._prefills[request.request_id] = request
 
     # decode side ---------------------------------------------------------------------------------
@@ -152,9 +151,7 @@ class KVPushdConnectorScheduler:
             blocks = tuple(block_ids[0]) if block_ids else ()
             remote_ids = list(blocks)
         tid = transfer_id_for(rid, params)
-        if declared is not None:
-            pass  # declared in the step that computed it (no second publish); held until the push is done
-        elif blocks:
+        if declared is None and blocks:  # a declared one was published in the step that computed it
             self._publishes.append(PublishReq(rid, tid, blocks, traceparent_of(request),
                                               str(params.get("kvpushd_consumer_node") or ""),
                                               str(params.get("kvpushd_consumer_tls_name") or "")))
@@ -265,6 +262,6 @@ class KVPushdConnectorScheduler:
 def traceparent_of(request: Request) -> str:
     """The W3C trace context vLLM took from the request's headers (``--otlp-traces-endpoint`` on;
     vLLM's own ``llm_request`` span is its child): the daemons' spans for the transfer join that trace."""
-    headers = getattr(request, "trace_headers", None) or {}
+    headers = request.trace_headers or {}
     tp = headers.get("traceparent", "")
     return tp if isinstance(tp, str) and len(tp) <= 128 else ""
