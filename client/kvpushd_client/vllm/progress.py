@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..doorbell import Doorbell
+from ..gpu_doorbell import GpuDoorbellError
+from ..gpu_doorbell import make_doorbell as doorbell_for
 from .utils import logger
 
 
@@ -42,16 +43,10 @@ class Bell(Protocol):
 
 
 def make_doorbell(kv_caches: dict[str, Any]) -> Bell | None:
-    """The doorbell this worker rings, or None (progressive push not possible here: why is logged)."""
-    first = next(iter(kv_caches.values()), None)
-    if first is None:
-        return None
-    if not getattr(first, "is_cuda", False):
-        return Doorbell()
-    from ..gpu_doorbell import GpuDoorbell, GpuDoorbellError
-
+    """The doorbell this worker rings (a GPU one rings on torch's current stream: the one the forward
+    writes the KV on), or None (progressive push not possible here: why is logged)."""
     try:
-        return GpuDoorbell()  # rings on torch's current stream: the one the forward writes the KV on
+        return doorbell_for(kv_on_cuda=next(iter(kv_caches.values())).is_cuda)
     except GpuDoorbellError as e:
         logger.warning("kvpushd: no GPU doorbell for this CUDA KV (%s)", e)
         return None

@@ -60,8 +60,6 @@ class _Pending:
     silent: bool = False  # a send vLLM no longer holds blocks for (preempted): reported to nobody
 
 
-
-
 # ------------------------------------------------------------------------------------------------
 # Worker side: request bookkeeping
 
@@ -105,7 +103,7 @@ class KVPushdConnectorWorker:
         self._shm_names = owned_memfd_names(memory)
         logger.info("kvpushd: registering %d KV region(s) in %d memory object(s), %d blocks, block_len %s",
                     len(regions), len(memory), self.num_blocks, sorted({r.block_len for r in regions}))
-        if self.settings.progressive and self.role in (Role.PRODUCER, Role.BOTH):
+        if self.settings.progressive and self.role.can_send:
             self._bell = make_doorbell(kv_caches)
             if self._bell is None:
                 logger.info("kvpushd: no doorbell for this KV (CUDA KV needs a GPU doorbell); requests are "
@@ -218,9 +216,8 @@ class KVPushdConnectorWorker:
         decode worker's Expects go out then too: the registration does not wait for decode's forward."""
         if not self.settings.progressive or self._link is None:
             return
-        bell = self._bell
-        if bell is not None:
-            bell.step()
+        if self._bell is not None:
+            self._bell.step()
         declared = self.declared
         self.process(meta)
         self._ringing = self.declared > declared
@@ -432,14 +429,13 @@ class KVPushdConnectorWorker:
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
-    pc = vllm_config.parallel_config
     try:
         from vllm.distributed.parallel_state import get_tp_group
 
         g = get_tp_group()
         return int(g.rank_in_group), int(g.world_size)
     except (AssertionError, ImportError, AttributeError):
-        if pc.tensor_parallel_size != 1:
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise RuntimeError("kvpushd: the tensor-parallel group is not initialised in this worker") from None
         return 0, 1
 
