@@ -199,12 +199,7 @@ class ReconnectingStreamWorker:
     def poll(self) -> list[LinkEvent]:
         """Completions and link events since the last poll, in order (no RPC)."""
         with self._lock:
-            w = self.worker
-            if w is not None and self.epoch > self._lost_epoch and not w.alive:
-                self._mark_lost_locked(w, str(w.session_error or "session ended"))
-            elif w is not None and self.epoch > self._lost_epoch:
-                for c in w.completions():
-                    self._events.append(LinkEvent("completion", self.epoch, c))
+            self._take_locked(completions=True)
             out = list(self._events)
             self._events.clear()
         return out
@@ -227,13 +222,19 @@ class ReconnectingStreamWorker:
         if not self.running:  # else the thread closes them as it ends
             self._release()
 
-    def _mark_lost_locked(self, w: StreamWorker, reason: str) -> None:
-        if self.epoch <= self._lost_epoch or w is not self.worker:
+    def _take_locked(self, completions: bool) -> None:
+        """The current attachment's news as events: once its stream ended, what it delivered before (still
+        true) and then its loss, once; while it lives, with ``completions``, what it delivered so far."""
+        w = self.worker
+        if w is None or self.epoch <= self._lost_epoch:
             return
-        self._lost_epoch = self.epoch
-        for c in w.completions():  # delivered before the loss: still true
-            self._events.append(LinkEvent("completion", self.epoch, c))
-        self._events.append(LinkEvent("lost", self.epoch, reason=reason))
+        lost = not w.alive
+        if lost or completions:
+            for c in w.completions():
+                self._events.append(LinkEvent("completion", self.epoch, c))
+        if lost:
+            self._lost_epoch = self.epoch
+            self._events.append(LinkEvent("lost", self.epoch, reason=str(w.session_error or "session ended")))
 
     # the engine thread ---------------------------------------------------------------------------
     def send_nowait(self, cmd: Expect | Publish | Abort, tag: Any = None, only_epoch: int | None = None) -> Call:
@@ -298,9 +299,7 @@ class ReconnectingStreamWorker:
         with self._lock:
             if self._stopped:
                 return
-            w = self.worker
-            if w is not None and self.epoch > self._lost_epoch and not w.alive:
-                self._mark_lost_locked(w, str(w.session_error or "session ended"))
+            self._take_locked(completions=False)
         if not self.connected and time.monotonic() >= self._next_attempt:
             self._reconnect()
         if self._declines and self.connected:
