@@ -69,17 +69,6 @@ def attach_request(a: Attach, tokens: Mapping[int, bytes] | None = None,
                                     extends_worker_token=a.extends_worker_token)
 
 
-def failure_code_name(v: int) -> str:
-    """FailureCode value -> the name completions carry ("TIMEOUT", "REFUSED"; "" for unspecified; a
-    code this client does not know, from a newer daemon, is "UNKNOWN_<value>": its reason says more)."""
-    if not v:
-        return ""
-    try:
-        return FailureCode(v).name
-    except ValueError:
-        return f"UNKNOWN_{int(v)}"
-
-
 # A queued command the daemon refused (client side only, see StreamWorker.send_nowait).
 REFUSED = FailureCode.REFUSED.name
 
@@ -96,9 +85,15 @@ _new = object.__new__
 
 
 def _code_name(v: int) -> str:
+    """A non-zero FailureCode value -> the name completions carry ("TIMEOUT", "REFUSED"; a code this client
+    does not know, from a newer daemon, is "UNKNOWN_<value>": its reason says more)."""
     name = _CODES.get(v)
     if name is None:
-        name = _CODES[v] = failure_code_name(v)
+        try:
+            name = FailureCode(v).name
+        except ValueError:
+            name = f"UNKNOWN_{int(v)}"
+        _CODES[v] = name
         if len(_CODES) > 256:  # a daemon sending ever new values cannot grow it without bound
             _CODES.clear()
     return name

@@ -75,11 +75,8 @@ class KVPushClient:
         bell = make_doorbell(kv_on_cuda=gpu and role.can_send) if doorbell is True else doorbell or None
         try:
             # the page goes by descriptor, after the memory: the last token is its
-            pages: list[MemfdMemory] = []
-            bell_fd = -1
-            if bell is not None:
-                bell_fd = bell.fd if doorbell_fd is None else doorbell_fd
-                pages.append(MemfdMemory(bell_fd, BELL_SIZE))
+            pages = ([MemfdMemory(bell.fd if doorbell_fd is None else doorbell_fd, BELL_SIZE)]
+                     if bell is not None else [])
             tokens = hand_over(self.socket_path, [*memory, *pages], self.timeout_s)  # type: ignore[list-item]
             chunk_tokens = hand_over_chunks(self.socket_path, memory, self.timeout_s)
             req = _convert.attach_request(a, tokens, chunk_tokens)
