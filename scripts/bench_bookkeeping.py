@@ -21,7 +21,7 @@ import structlog
 
 sys.path.insert(0, os.getcwd())
 from kvpushd import config
-from kvpushd.core.rendezvous import Deliver
+from kvpushd.core.actions import Deliver
 from kvpushd.core.types import Completion, CompletionKind
 from kvpushd.metrics import Metrics
 from kvpushd.runtime.node import Node

@@ -1,4 +1,4 @@
-"""The decode side of the rendezvous: one record per Expect, counting producer ranks (see rendezvous.py)."""
+"""The decode side of the rendezvous: one record per Expect, counting producer ranks (see core/__init__.py)."""
 
 from __future__ import annotations
 

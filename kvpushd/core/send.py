@@ -1,4 +1,4 @@
-"""The prefill side of the rendezvous: publishes x registrations -> legs (see rendezvous.py).
+"""The prefill side of the rendezvous: publishes x registrations -> legs (see core/__init__.py).
 
 Its records, their tables and deadline keys are in sendstate.py; what a leg carries, legplan.py.
 """

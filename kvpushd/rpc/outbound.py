@@ -15,7 +15,7 @@ from kvpushd_client.proto.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from .. import PROTOCOL_VERSION
 from ..core import notif
-from ..core.rendezvous import ReadKey, SendOffer, SendRegister
+from ..core.actions import ReadKey, SendOffer, SendRegister
 from ..core.types import FailureCode
 from ..runtime.identity import Identity
 from ..runtime.workers import Worker

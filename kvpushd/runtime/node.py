@@ -24,6 +24,20 @@ import structlog
 from kvpushd_client.types import Abort, Decline, Expect, Publish
 
 from ..config import Config, backend_init_params
+from ..core.actions import (
+    Action,
+    Deliver,
+    Dropped,
+    Registration,
+    SendFailNotice,
+    SendOffer,
+    SendReadFailed,
+    SendRegister,
+    SendWithdraw,
+    StartRead,
+    StartWrite,
+    StopWrite,
+)
 from ..core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -36,22 +50,8 @@ from ..core.errors import (
 )
 from ..core.ledger import Ledger
 from ..core.notif import Notified
-from ..core.rendezvous import (
-    Action,
-    Deliver,
-    Dropped,
-    RecvSide,
-    Registration,
-    SendFailNotice,
-    SendOffer,
-    SendReadFailed,
-    SendRegister,
-    SendSide,
-    SendWithdraw,
-    StartRead,
-    StartWrite,
-    StopWrite,
-)
+from ..core.recv import RecvSide
+from ..core.send import SendSide
 from ..core.types import Completion, CompletionKind, FailureCode, Figures, TransferMode
 from ..events import EventHub, EventKind
 from ..tracing import Tracing

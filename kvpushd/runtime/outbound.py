@@ -27,9 +27,9 @@ import structlog
 from google.protobuf.message import Message
 
 from ..config import PeerApiConfig
+from ..core.actions import SendOffer, SendRegister
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable, SessionUnknown
 from ..core.peerlink import LinkState, PeerLink
-from ..core.rendezvous import SendOffer, SendRegister
 from ..peer_security import channel_credentials, channel_options, tls_enabled
 from ..rpc import outbound as pb
 from .channel import PeerChannel

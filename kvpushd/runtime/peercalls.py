@@ -17,9 +17,11 @@ from typing import Protocol
 import structlog
 
 from ..config import Config
+from ..core.actions import SendFailNotice, SendOffer, SendReadFailed, SendRegister, SendWithdraw
 from ..core.errors import KvpushdError, PeerRejected, PeerUnreachable
 from ..core.ledger import Ledger
-from ..core.rendezvous import RecvSide, SendFailNotice, SendOffer, SendReadFailed, SendRegister, SendSide, SendWithdraw
+from ..core.recv import RecvSide
+from ..core.send import SendSide
 from ..rpc import outbound as pb
 from ..tracing import Tracing
 from . import observe as o

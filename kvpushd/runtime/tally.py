@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from ..core.actions import DROPPED_EVENTS
-from ..core.rendezvous import Dropped
+from ..core.actions import DROPPED_EVENTS, Dropped
 from ..core.types import CompletionKind
 from .observe import Counted, Ended, Observations, WriteDone
 from .peerbook import PeerBook

@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ..config import Config
-from ..core.rendezvous import RecvSide, RecvView, SendSide, SendView
+from ..core.recv import RecvSide, RecvView
+from ..core.send import SendSide
+from ..core.sendstate import SendView
 from ..events import EventHub
 from ..transfer.backends import AgentBackend
 from .identity import Identity

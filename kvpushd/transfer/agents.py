@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import structlog
 
+from ..core.actions import StartRead, StartWrite
 from ..core.errors import FailedPrecondition, InvalidArgument
 from ..core.layout import check_block_ids, plan_write
-from ..core.rendezvous import StartRead, StartWrite
 from .backends import THREADS_KEY, UNADVERTISED, AgentBackend, agent_devices, iface_not_running, memory_device
 from .descs import (
     WHOLE,

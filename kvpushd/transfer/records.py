@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..core.actions import LegKey, ReadKey
 from ..core.notif import Notified
-from ..core.rendezvous import LegKey, ReadKey
 from .backends import AgentBackend
 from .descs import IntArray, PairPlan, Part, RegionSpec
 

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from ..core import notif as notif_codec
-from ..core.rendezvous import LegKey, StartWrite
+from ..core.actions import LegKey, StartWrite
 from .agents import Prepped
 from .descs import Units, units
 from .records import Inflight, Local, WriteResult

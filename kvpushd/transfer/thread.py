@@ -27,11 +27,11 @@ from typing import Any, TypeVar
 
 import structlog
 
+from ..core.actions import LegKey, ReadKey, StartRead, StartWrite
 from ..core.errors import InvalidArgument
 from ..core.notif import Notified
 from ..core.notif import decode as decode_notif
 from ..core.notif import decode_read as decode_read_notif
-from ..core.rendezvous import LegKey, ReadKey, StartRead, StartWrite
 from .agents import AgentBook
 from .backends import AgentBackend
 from .descs import RegionSpec, RemoteAgent

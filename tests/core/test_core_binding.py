@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from support.core import WorkerRef, publish_state, registration_state
 
+from kvpushd.core.actions import Action, Deliver, Registration, SendFailNotice, StartWrite
 from kvpushd.core.errors import InvalidArgument, PermissionDenied
-from kvpushd.core.rendezvous import Action, Deliver, Registration, SendFailNotice, SendSide, StartWrite
+from kvpushd.core.send import SendSide
 from kvpushd.core.types import CompletionKind, FailureCode, Publish
 
 T0 = 1000.0

@@ -7,8 +7,9 @@ import pytest
 from support.core import WorkerRef
 
 from kvpushd.core import send
+from kvpushd.core.actions import Deliver, Registration, SendFailNotice, StartWrite
 from kvpushd.core.errors import PermissionDenied
-from kvpushd.core.rendezvous import Deliver, Registration, SendFailNotice, SendSide, StartWrite
+from kvpushd.core.send import SendSide
 from kvpushd.core.types import CompletionKind, FailureCode, Publish
 
 T0 = 1000.0

@@ -1,4 +1,4 @@
-"""The prefill-side publish lease (kvpushd/core/rendezvous.py SendSide.tick): a publish is held
+"""The prefill-side publish lease (kvpushd/core/send.py SendSide.tick): a publish is held
 while the decode side holds it (a WRITE from it in flight, or a registration it wrote into still
 waiting for other producer ranks) and expires after publish_timeout_s otherwise."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from support.core import WorkerRef
 
-from kvpushd.core.rendezvous import Deliver, Registration, SendFailNotice, SendSide, StartWrite
+from kvpushd.core.actions import Deliver, Registration, SendFailNotice, StartWrite
+from kvpushd.core.send import SendSide
 from kvpushd.core.types import CompletionKind, FailureCode, Publish
 
 T0 = 1000.0

@@ -8,8 +8,10 @@ import pytest
 from support.core import WorkerRef, receive_of
 
 from kvpushd.core import notif
+from kvpushd.core.actions import Registration
 from kvpushd.core.errors import InvalidArgument
-from kvpushd.core.rendezvous import RecvSide, Registration, SendSide
+from kvpushd.core.recv import RecvSide
+from kvpushd.core.send import SendSide
 from kvpushd.core.topology import block_parts, check_tp_pair, consumer_targets, producer_sources
 from kvpushd.core.types import Expect, Publish
 

@@ -20,7 +20,7 @@ from test_core_rendezvous import (
     reg,
 )
 
-from kvpushd.core.rendezvous import Deliver, SendFailNotice, SendOffer, StartWrite, StopWrite
+from kvpushd.core.actions import Deliver, SendFailNotice, SendOffer, StartWrite, StopWrite
 from kvpushd.core.types import CompletionKind, FailureCode, Publish, TransferMode
 
 LAYERS = 4

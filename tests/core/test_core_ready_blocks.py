@@ -20,8 +20,8 @@ from support.core import WorkerRef
 from test_core_rendezvous import ENGINE, SRC, T0, TID, expect, new_recv, new_send, of, one, pw, reg
 
 from kvpushd.core import notif
+from kvpushd.core.actions import Deliver, LegKey, StartWrite
 from kvpushd.core.errors import AlreadyExists, InvalidArgument
-from kvpushd.core.rendezvous import Deliver, LegKey, StartWrite
 from kvpushd.core.types import CompletionKind, Publish
 from kvpushd.transfer.agents import Prepped
 from kvpushd.transfer.descs import Units, ready_first, units

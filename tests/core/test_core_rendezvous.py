@@ -1,4 +1,4 @@
-"""Table-driven tests of the pure rendezvous state machines (kvpushd/core/rendezvous.py).
+"""Table-driven tests of the pure rendezvous state machines (kvpushd/core/send.py, recv.py).
 
 SendSide (prefill node) and RecvSide (decode node) are driven directly; time is an argument, so
 every deadline is exact. Each scenario ends by checking that neither side holds state any more.
@@ -13,20 +13,20 @@ from typing import TypeVar
 import pytest
 from support.core import WorkerRef, receive_of
 
-from kvpushd.core.errors import AlreadyExists, InvalidArgument, PermissionDenied
-from kvpushd.core.rendezvous import (
+from kvpushd.core.actions import (
     Action,
     Deliver,
     Dropped,
     LegKey,
-    RecvSide,
     Registration,
     SendFailNotice,
     SendRegister,
-    SendSide,
     SendWithdraw,
     StartWrite,
 )
+from kvpushd.core.errors import AlreadyExists, InvalidArgument, PermissionDenied
+from kvpushd.core.recv import RecvSide
+from kvpushd.core.send import SendSide
 from kvpushd.core.topology import consumer_targets, producer_sources
 from kvpushd.core.types import Completion, CompletionKind, Expect, FailureCode, Publish
 
@@ -1111,7 +1111,7 @@ def _pull_reg(rid: int, **kw: object) -> Registration:
 
 @pytest.mark.parametrize("order", ["publish_first", "register_first"])
 def test_pull_offers_instead_of_writing_and_finishes_on_the_read_notification(order: str) -> None:
-    from kvpushd.core.rendezvous import SendOffer
+    from kvpushd.core.actions import SendOffer
 
     s = new_send()
     if order == "publish_first":
@@ -1178,7 +1178,7 @@ def test_pull_lost_decode_daemon_settles_its_offered_legs() -> None:
 
 
 def test_pull_hetero_tp_offers_one_leg_per_producer_rank() -> None:
-    from kvpushd.core.rendezvous import SendOffer
+    from kvpushd.core.actions import SendOffer
 
     s = new_send()
     s.register(T0, _pull_reg(7, ptp=2))
@@ -1201,8 +1201,8 @@ def _pull_recv(ptp: int = 1) -> tuple[RecvSide, int]:
 
 
 def test_recv_pull_offer_is_checked_against_the_registration() -> None:
+    from kvpushd.core.actions import StartRead
     from kvpushd.core.errors import FailedPrecondition, NotFound, PermissionDenied
-    from kvpushd.core.rendezvous import StartRead
 
     r, rid = _pull_recv()
     with pytest.raises(NotFound):
@@ -1228,7 +1228,7 @@ def test_recv_pull_offer_is_checked_against_the_registration() -> None:
 
 
 def test_recv_pull_failed_read_fails_the_receive_and_tells_the_prefill_side() -> None:
-    from kvpushd.core.rendezvous import SendReadFailed, StartRead
+    from kvpushd.core.actions import SendReadFailed, StartRead
 
     r, rid = _pull_recv()
     a = one(r.offer(rid, TID, 0, SRC), StartRead)
@@ -1239,7 +1239,7 @@ def test_recv_pull_failed_read_fails_the_receive_and_tells_the_prefill_side() ->
 
 
 def test_recv_pull_failed_read_after_abort_is_still_reported() -> None:
-    from kvpushd.core.rendezvous import SendReadFailed, StartRead
+    from kvpushd.core.actions import SendReadFailed, StartRead
 
     r, rid = _pull_recv()
     a = one(r.offer(rid, TID, 0, SRC), StartRead)
@@ -1251,7 +1251,7 @@ def test_recv_pull_failed_read_after_abort_is_still_reported() -> None:
 
 
 def test_recv_pull_hetero_tp_waits_for_every_producer_rank() -> None:
-    from kvpushd.core.rendezvous import StartRead
+    from kvpushd.core.actions import StartRead
 
     r, rid = _pull_recv(ptp=2)
     a0 = one(r.offer(rid, TID, 0, SRC), StartRead)
@@ -1269,7 +1269,8 @@ def test_a_register_delivered_again_after_its_registration_ended_starts_no_write
     the same transfer writes nothing into blocks the decode worker may have given to another request."""
     from support.core import WorkerRef, registration_state
 
-    from kvpushd.core.rendezvous import Deliver, Dropped, Registration, SendFailNotice, SendSide, StartWrite
+    from kvpushd.core.actions import Deliver, Dropped, Registration, SendFailNotice, StartWrite
+    from kvpushd.core.send import SendSide
     from kvpushd.core.types import CompletionKind, Publish, TransferMode
 
     send = SendSide(30.0, 30.0)

@@ -45,24 +45,24 @@ from hypothesis.stateful import (
 )
 from support.core import WorkerRef, deferred, receive_of
 
-from kvpushd.core.errors import AlreadyExists, IllegalTransition, InvalidArgument, KvpushdError, PermissionDenied
-from kvpushd.core.rendezvous import (
+from kvpushd.core.actions import (
     Action,
     Deliver,
     Dropped,
     LegKey,
     ReadKey,
-    RecvSide,
     Registration,
     SendFailNotice,
     SendOffer,
     SendReadFailed,
     SendRegister,
-    SendSide,
     SendWithdraw,
     StartRead,
     StartWrite,
 )
+from kvpushd.core.errors import AlreadyExists, IllegalTransition, InvalidArgument, KvpushdError, PermissionDenied
+from kvpushd.core.recv import RecvSide
+from kvpushd.core.send import SendSide
 from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode
 
 PUB_TO = 30.0

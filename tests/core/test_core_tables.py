@@ -20,30 +20,23 @@ from support.core import WorkerRef, leg_state, publish_state, registration_state
 import kvpushd.core.recv as recv_mod
 import kvpushd.core.send as send_mod
 from kvpushd.core import table as table_mod
-from kvpushd.core.errors import FailedPrecondition, IllegalTransition
-from kvpushd.core.rendezvous import (
-    LEG_TABLE,
-    PUB_TABLE,
-    RECV_TABLE,
-    REG_TABLE,
+from kvpushd.core.actions import (
     Action,
     Deliver,
     Dropped,
     LegKey,
-    LegState,
-    Move,
-    PubState,
     ReadKey,
-    RecvSide,
-    RecvState,
     Registration,
-    RegState,
     SendReadFailed,
     SendRegister,
-    SendSide,
     StartRead,
     StartWrite,
 )
+from kvpushd.core.errors import FailedPrecondition, IllegalTransition
+from kvpushd.core.recv import RECV_TABLE, RecvSide, RecvState
+from kvpushd.core.send import SendSide
+from kvpushd.core.sendstate import LEG_TABLE, PUB_TABLE, REG_TABLE, LegState, PubState, RegState
+from kvpushd.core.table import Move
 from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode
 
 T0 = 1000.0

@@ -10,7 +10,7 @@ from support.core import WorkerRef
 
 from kvpushd import config
 from kvpushd.app import observe
-from kvpushd.core.rendezvous import Deliver, Registration, StartWrite
+from kvpushd.core.actions import Deliver, Registration, StartWrite
 from kvpushd.core.types import CompletionKind, Expect, FailureCode, Publish, TransferMode
 from kvpushd.events import EventKind
 from kvpushd.runtime import observe as o

@@ -9,7 +9,7 @@ from support.core import WorkerRef
 
 from kvpushd import config
 from kvpushd.app import observe
-from kvpushd.core.rendezvous import Dropped, Registration
+from kvpushd.core.actions import Dropped, Registration
 from kvpushd.core.types import CompletionKind, Publish, TransferMode
 from kvpushd.runtime import observe as o
 from kvpushd.runtime.node import Node
@@ -69,7 +69,7 @@ def test_every_kind_of_core_action_has_its_handler() -> None:
     handler would fail at its first use, on the transfer path."""
     import typing
 
-    from kvpushd.core.rendezvous import Action
+    from kvpushd.core.actions import Action
 
     n = Node(config.from_dict({}))
     assert set(typing.get_args(Action)) == set(n._do)

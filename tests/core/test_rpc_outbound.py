@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpushd.core.rendezvous import SendRegister
+from kvpushd.core.actions import SendRegister
 from kvpushd.core.types import FailureCode, Role, TransferMode
 from kvpushd.rpc import outbound as pb
 from kvpushd.runtime.workers import Worker

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpushd.core.actions import LegKey
 from kvpushd.core.layout import Shape
-from kvpushd.core.rendezvous import LegKey, LegState, PubState, RecvSide, RegState, SendSide
+from kvpushd.core.recv import RecvSide
+from kvpushd.core.send import SendSide
+from kvpushd.core.sendstate import LegState, PubState, RegState
 
 
 @dataclass(frozen=True, slots=True)
