@@ -69,7 +69,7 @@ def writer_targets(producer_rank: int, producer_tp: int, consumer_tp: int, mla: 
 
 def writer_sources(consumer_rank: int, producer_tp: int, consumer_tp: int, mla: bool) -> range:
     """Producer ranks that WRITE to consumer rank ``consumer_rank``: one notification each."""
-    sources = consumer_targets(consumer_rank, consumer_tp, producer_tp)  # producer_sources, one call less
+    sources = producer_sources(consumer_rank, producer_tp, consumer_tp)
     return range(sources.start, sources.start + 1) if mla else sources
 
 
